@@ -1,0 +1,1 @@
+"""Collectors, the time-series store, states informer, QoS manager and reporters."""

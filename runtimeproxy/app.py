@@ -1,0 +1,208 @@
+"""The process: wire the parts, start them in order, reload, stop gracefully.
+
+Start order: hook chain (config errors stop us before we listen), socket, metrics
+endpoint, then wait for containerd to answer Version, rebuild the store and only
+then tell systemd READY=1. Stop order (SIGTERM): refuse new calls and drain the
+in-flight ones within ``shutdown_grace``, stop background tasks, close channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import prometheus_client
+import structlog
+
+from criapi import cri_v1_pb2 as cri
+from runtimeproxy import logsetup, plugins, sdnotify
+from runtimeproxy.backend import CallError
+from runtimeproxy.chain import HookChain
+from runtimeproxy.config import ConfigError, Settings, load
+from runtimeproxy.grpcbackend import GrpcBackend
+from runtimeproxy.grpcserver import ProxyHandler, ProxyServer
+from runtimeproxy.lifecycle import Lifecycle, SkipLabel
+from runtimeproxy.promstats import HttpEndpoint, ProxyMetrics
+from runtimeproxy.remote import registration_fingerprint
+from runtimeproxy.store import Store, rebuild
+from runtimeproxy.supervisor import Supervisor
+
+log = structlog.get_logger("runtimeproxy.app")
+
+VERSION_METHOD = "/runtime.v1.RuntimeService/Version"
+_RESTART_ONLY = ("listen", "socket_mode", "backend", "metrics_listen", "max_message_bytes")
+
+
+class App:
+    def __init__(self, settings: Settings, *, config_path: Path | None, overrides: dict[str, Any]) -> None:
+        self.settings = settings
+        self._config_path = config_path
+        self._overrides = overrides
+        self.registry = prometheus_client.CollectorRegistry()
+        self.metrics = ProxyMetrics(self.registry)
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hooks")
+        # Built here so a bad plugin or stage fails start-up, before the socket exists.
+        self.chain: HookChain = plugins.build_chain(settings, executor=self._executor, observer=self.metrics)
+        self.store = Store()
+        self.backend = GrpcBackend(settings.backend, max_message_bytes=settings.max_message_bytes)
+        self.lifecycle = Lifecycle(
+            store=self.store, backend=self.backend, chain=lambda: self.chain,
+            skip_label=lambda: SkipLabel(self.settings.skip_label_key, self.settings.skip_label_value),
+        )
+        handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics)
+        self.server = ProxyServer(
+            listen=Path(settings.listen), socket_mode=settings.socket_mode,
+            max_message_bytes=settings.max_message_bytes, handler=handler,
+        )
+        self.supervisor = Supervisor()
+        self.http: HttpEndpoint | None = None
+        self._stop = asyncio.Event()
+        self._ready = False
+
+    # --- start / stop ------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        loop.add_signal_handler(signal.SIGINT, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload("SIGHUP")))
+        await self.server.start()
+        await self._start_http()
+        self.supervisor.add("config-watch", self._watch_config)
+        interval = sdnotify.watchdog_interval()
+        if interval:
+            self.supervisor.add("watchdog", lambda: sdnotify.watchdog_loop(interval, lambda: self._ready))
+        await self.supervisor.start()
+        await self._wait_backend()
+        if not self._stop.is_set():
+            await self._rebuild_store()
+            self._ready = True
+            sdnotify.notify("READY=1")
+            log.info("ready", hooks=[h.name for h in self.chain.hooks])
+        await self._stop.wait()
+        return await self.shutdown()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def shutdown(self) -> int:
+        sdnotify.notify("STOPPING=1")
+        log.info("stopping", grace_seconds=self.settings.shutdown_grace)
+        await self.server.stop(self.settings.shutdown_grace)
+        await self.supervisor.stop(timeout=5.0)
+        if self.http is not None:
+            await self.http.stop()
+        await plugins.close_hooks(self.chain.hooks)
+        await self.backend.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        log.info("stopped")
+        return 0
+
+    async def _start_http(self) -> None:
+        if not self.settings.metrics_listen:
+            return
+        host, _, port = self.settings.metrics_listen.rpartition(":")
+        self.http = HttpEndpoint(
+            host.strip("[]"), int(port), self.registry, healthy=lambda: self._ready,
+            routes={"/debug/explain": self._explain_route},
+        )
+        await self.http.start()
+
+    async def _wait_backend(self) -> None:
+        """Poll Version until containerd answers; calls meanwhile fail UNAVAILABLE."""
+        delay, logged = 0.1, False
+        payload = cri.VersionRequest(version="v1").SerializeToString()
+        while not self._stop.is_set():
+            try:
+                reply = await self.backend.unary(VERSION_METHOD, payload, timeout=2.0)
+            except CallError as exc:
+                if not logged:
+                    log.warning("backend_unavailable", endpoint=self.settings.backend.runtime_endpoint, error=str(exc))
+                    logged = True
+                await asyncio.wait([asyncio.ensure_future(self._stop.wait())], timeout=delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            version = cri.VersionResponse.FromString(reply.payload)
+            log.info("backend_ready", runtime=version.runtime_name, version=version.runtime_version,
+                     api=version.runtime_api_version)
+            return
+
+    async def _rebuild_store(self) -> None:
+        try:
+            pods, containers = await rebuild(self.store, self.backend)
+        except CallError as exc:
+            # Lazy per-object loading still covers what the rebuild missed.
+            log.error("store_rebuild_failed", error=str(exc))
+            return
+        log.info("store_rebuilt", pods=pods, containers=containers)
+
+    # --- reload ------------------------------------------------------------------
+
+    async def reload(self, trigger: str) -> bool:
+        """Validate, build, swap; on any error keep the running config."""
+        try:
+            settings = load(self._config_path, self._overrides)
+            chain = plugins.build_chain(settings, executor=self._executor, observer=self.metrics)
+        except ConfigError as exc:
+            self.metrics.config_reloaded(False)
+            log.error("config_reload_rejected", trigger=trigger, error=str(exc), kept="previous config")
+            return False
+        stale = [k for k in _RESTART_ONLY if getattr(settings, k) != getattr(self.settings, k)]
+        if stale:
+            log.warning("config_needs_restart", keys=stale)
+        old, self.chain, self.settings = self.chain, chain, settings
+        logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
+        self.metrics.config_reloaded(True)
+        log.info("config_reloaded", trigger=trigger, hooks=[h.name for h in chain.hooks])
+        await plugins.close_hooks(old.hooks)
+        return True
+
+    def _fingerprint(self) -> tuple[object, ...]:
+        path = self._config_path
+        stat: tuple[int, int] | None = None
+        if path is not None and path.exists():
+            st = path.stat()
+            stat = (st.st_mtime_ns, st.st_size)
+        hookdir = self.settings.hookserver_dir
+        return stat, registration_fingerprint(Path(hookdir)) if hookdir else ()
+
+    async def _watch_config(self) -> None:
+        """Poll, because inotify on a file that editors replace is unreliable."""
+        last = self._fingerprint()
+        while True:
+            await asyncio.sleep(self.settings.reload_poll_interval)
+            current = self._fingerprint()
+            if current != last:
+                last = current
+                await self.reload("file-change")
+
+    # --- debug -------------------------------------------------------------------
+
+    async def _explain_route(self, query: dict[str, str]) -> tuple[int, str, bytes]:
+        namespace, _, name = query.get("pod", "").partition("/")
+        pod = self.store.find_pod(namespace, name) if name else None
+        if pod is None:
+            return 404, "application/json", json.dumps({"error": f"pod {query.get('pod', '')!r} not known"}).encode()
+        body = {
+            "pod": f"{namespace}/{name}",
+            "uid": pod.meta.uid,
+            "sandbox_id": pod.id,
+            "cgroup_parent": pod.cgroup_parent,
+            "changes": [asdict(c) for c in self.store.changes(pod.meta.uid)],
+        }
+        return 200, "application/json", json.dumps(body, indent=2).encode()
+
+
+def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, Any]) -> int:
+    logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
+
+    async def main() -> int:
+        app = App(settings, config_path=config_path, overrides=overrides)
+        return await app.run()
+
+    return asyncio.run(main())

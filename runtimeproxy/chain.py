@@ -1,0 +1,248 @@
+"""The hook chain: run the configured hooks of one stage, in YAML order.
+
+Order is data (the config list), never names or registration order. Each hook
+sees the context as the earlier hooks left it, has its own deadline and failure
+policy, and the whole chain stays inside the caller's deadline. The outcome
+records every field a hook changed (hook, target, old -> new, reason) so
+``explain`` and the log can say why a pod got what it got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
+from typing import Any, Protocol
+
+import structlog
+
+from runtimeproxy.config import FailurePolicy
+from runtimeproxy.hookapi import (
+    ContainerContext,
+    ContainerPatch,
+    Context,
+    Patch,
+    PodContext,
+    PodPatch,
+    Resources,
+    ResourcesPatch,
+    Stage,
+    frozen_map,
+)
+
+log = structlog.get_logger("runtimeproxy.chain")
+
+
+class HookFailed(Exception):
+    """A Fail-policy hook failed: the CRI call must not be forwarded."""
+
+    def __init__(self, hook: str, stage: Stage, reason: str, *, deadline: bool = False) -> None:
+        super().__init__(f"hook {hook!r} failed at {stage.value}: {reason}")
+        self.hook = hook
+        self.stage = stage
+        self.reason = reason
+        self.deadline = deadline
+
+
+@dataclass(frozen=True, slots=True)
+class BoundHook:
+    """A hook instance with the settings it runs under."""
+
+    name: str
+    impl: object
+    stages: frozenset[Stage]
+    policy: FailurePolicy
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One field a hook changed: what ``explain`` shows."""
+
+    hook: str
+    stage: str
+    target: str
+    old: str
+    new: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The final context, the patches in order and what they changed."""
+
+    context: Context
+    patches: tuple[tuple[str, Patch], ...]
+    changes: tuple[Change, ...]
+
+
+class HookObserver(Protocol):
+    def hook_observed(self, hook: str, stage: str, result: str, seconds: float) -> None: ...
+    def hook_failed(self, hook: str, stage: str, policy: str) -> None: ...
+
+
+def implemented_stages(impl: object) -> frozenset[Stage]:
+    """The stages whose method the hook object has."""
+    return frozenset(s for s in Stage if callable(getattr(impl, s.method_name, None)))
+
+
+class HookChain:
+    """Immutable: a config reload builds a new chain and swaps it in whole."""
+
+    def __init__(
+        self,
+        hooks: Sequence[BoundHook],
+        *,
+        executor: ThreadPoolExecutor,
+        observer: HookObserver | None = None,
+    ) -> None:
+        self.hooks = tuple(hooks)
+        self._executor = executor
+        self._observer = observer
+        self._by_stage: Mapping[Stage, tuple[BoundHook, ...]] = {
+            stage: tuple(h for h in self.hooks if stage in h.stages) for stage in Stage
+        }
+
+    def for_stage(self, stage: Stage) -> tuple[BoundHook, ...]:
+        return self._by_stage[stage]
+
+    async def run(self, ctx: Context, *, deadline: float | None) -> Outcome:
+        """Run ``ctx.stage``'s hooks. ``deadline`` is a ``time.monotonic()`` value."""
+        patches: list[tuple[str, Patch]] = []
+        changes: list[Change] = []
+        for hook in self._by_stage[ctx.stage]:
+            patch = await self._run_one(hook, ctx, deadline)
+            if patch is None:
+                continue
+            new_ctx, new_changes = apply_patch(ctx, patch, hook.name)
+            if new_changes:
+                patches.append((hook.name, patch))
+                changes.extend(new_changes)
+            ctx = new_ctx
+        return Outcome(context=ctx, patches=tuple(patches), changes=tuple(changes))
+
+    async def _run_one(self, hook: BoundHook, ctx: Context, deadline: float | None) -> Patch | None:
+        budget = hook.timeout
+        if deadline is not None:
+            budget = min(budget, deadline - time.monotonic())
+        start = time.perf_counter()
+        stage = ctx.stage.value
+        try:
+            if budget <= 0:
+                raise TimeoutError
+            result = await asyncio.wait_for(self._invoke(hook, ctx), timeout=budget)
+            patch = _check_result(hook, ctx, result)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            return self._failed(hook, ctx, f"timed out after {budget:.3f}s", "timeout", start, deadline=True)
+        except Exception as exc:  # noqa: BLE001 - a plugin may raise anything; its policy decides
+            return self._failed(hook, ctx, f"{type(exc).__name__}: {exc}", "error", start)
+        self._observe(hook.name, stage, "ok", start)
+        return patch
+
+    async def _invoke(self, hook: BoundHook, ctx: Context) -> object:
+        method: Callable[[Context], Any] = getattr(hook.impl, ctx.stage.method_name)
+        if inspect.iscoroutinefunction(method):
+            return await method(ctx)
+        # Sync hooks usually write cgroupfs: keep that off the loop, with our contextvars.
+        call = functools.partial(contextvars.copy_context().run, method, ctx)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+    def _failed(
+        self, hook: BoundHook, ctx: Context, reason: str, result: str, start: float, *, deadline: bool = False
+    ) -> None:
+        self._observe(hook.name, ctx.stage.value, result, start)
+        if self._observer is not None:
+            self._observer.hook_failed(hook.name, ctx.stage.value, hook.policy.value)
+        if hook.policy is FailurePolicy.FAIL:
+            raise HookFailed(hook.name, ctx.stage, reason, deadline=deadline)
+        log.warning("hook_failed", hook=hook.name, stage=ctx.stage.value, policy="Ignore", reason=reason)
+        return None
+
+    def _observe(self, hook: str, stage: str, result: str, start: float) -> None:
+        if self._observer is not None:
+            self._observer.hook_observed(hook, stage, result, time.perf_counter() - start)
+
+
+def _check_result(hook: BoundHook, ctx: Context, result: object) -> Patch | None:
+    if result is None:
+        return None
+    expected: type = PodPatch if isinstance(ctx, PodContext) else ContainerPatch
+    if not isinstance(result, expected):
+        raise TypeError(f"returned {type(result).__name__}, expected {expected.__name__} or None")
+    if not ctx.stage.patchable:
+        # Post and id-only stages cannot change the request; a patch there is a plugin bug.
+        raise TypeError(f"returned a patch at {ctx.stage.value}, which cannot be patched")
+    return result
+
+
+def apply_patch(ctx: Context, patch: Patch, hook: str) -> tuple[Context, list[Change]]:
+    """The context as the next hook should see it, and the recorded changes."""
+    rec = _Recorder(hook, ctx.stage.value, patch.reason)
+    if isinstance(ctx, PodContext) and isinstance(patch, PodPatch):
+        pod = ctx.pod
+        pod = replace(
+            pod,
+            labels=rec.merge("pod.labels", pod.labels, patch.labels),
+            annotations=rec.merge("pod.annotations", pod.annotations, patch.annotations),
+            cgroup_parent=rec.value("pod.cgroup_parent", pod.cgroup_parent, patch.cgroup_parent),
+            resources=rec.resources("pod.resources", pod.resources, patch.resources),
+            overhead=rec.resources("pod.overhead", pod.overhead, patch.overhead),
+        )
+        return replace(ctx, pod=pod), rec.changes
+    if isinstance(ctx, ContainerContext) and isinstance(patch, ContainerPatch):
+        c = ctx.container
+        c = replace(
+            c,
+            annotations=rec.merge("container.annotations", c.annotations, patch.annotations),
+            envs=rec.merge("container.envs", c.envs, patch.envs),
+            resources=rec.resources("container.resources", c.resources, patch.resources),
+        )
+        pod = replace(
+            ctx.pod, cgroup_parent=rec.value("pod.cgroup_parent", ctx.pod.cgroup_parent, patch.pod_cgroup_parent)
+        )
+        return replace(ctx, container=c, pod=pod), rec.changes
+    raise TypeError(f"{type(patch).__name__} does not apply to {type(ctx).__name__}")
+
+
+class _Recorder:
+    def __init__(self, hook: str, stage: str, reason: str) -> None:
+        self.hook, self.stage, self.reason = hook, stage, reason
+        self.changes: list[Change] = []
+
+    def _note(self, target: str, old: object, new: object) -> None:
+        self.changes.append(Change(self.hook, self.stage, target, str(old), str(new), self.reason))
+
+    def value(self, target: str, old: Any, new: Any) -> Any:
+        if new is None or new == old:
+            return old
+        self._note(target, old, new)
+        return new
+
+    def merge(self, target: str, old: Mapping[str, str], new: Mapping[str, str] | None) -> Mapping[str, str]:
+        if not new:
+            return old
+        merged = dict(old)
+        for key, value in new.items():
+            if merged.get(key) != value:
+                self._note(f"{target}[{key}]", merged.get(key, ""), value)
+                merged[key] = value
+        return frozen_map(merged) if merged != dict(old) else old
+
+    def resources(self, target: str, old: Resources, patch: ResourcesPatch | None) -> Resources:
+        if patch is None:
+            return old
+        updates: dict[str, Any] = {}
+        for f in fields(ResourcesPatch):
+            new = getattr(patch, f.name)
+            if f.name == "unified":
+                updates["unified"] = self.merge(f"{target}.unified", old.unified, new)
+            else:
+                updates[f.name] = self.value(f"{target}.{f.name}", getattr(old, f.name), new)
+        return replace(old, **updates)

@@ -1,0 +1,149 @@
+"""``koord-runtime-proxy``: the command line.
+
+Koordinator's flag names are accepted as aliases so an existing unit file or
+DaemonSet can switch binaries without edits. Flags override the config file.
+Exit status: 0 clean stop, 1 runtime failure, 2 bad configuration or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from runtimeproxy import config
+
+EXIT_CONFIG = 2
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, default=None,
+                   help=f"YAML config (default {config.DEFAULT_CONFIG_PATH}; built-in defaults if absent)")
+    p.add_argument("--listen", "--koord-runtimeproxy-endpoint", dest="listen",
+                   help="unix socket for kubelet")
+    p.add_argument("--backend", "--remote-runtime-service-endpoint", dest="backend",
+                   help="containerd CRI socket")
+    p.add_argument("--image-backend", "--remote-image-service-endpoint", dest="image_backend",
+                   help="separate ImageService socket")
+    p.add_argument("--metrics-listen", dest="metrics_listen", help="host:port for /metrics ('' disables)")
+    p.add_argument("--hookserver-dir", dest="hookserver_dir", help="Koordinator hook-server registrations")
+    p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"])
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
+    mapping = {
+        "listen": "listen", "backend": "backend.runtime_endpoint", "image_backend": "backend.image_endpoint",
+        "metrics_listen": "metrics.listen", "hookserver_dir": "hookserver_dir",
+        "log_level": "log.level", "log_format": "log.format",
+    }
+    return {key: getattr(args, attr) for attr, key in mapping.items() if getattr(args, attr, None) is not None}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="koord-runtime-proxy", description="CRI proxy with QoS hooks for co-location")
+    sub = p.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="serve kubelet (the default command)")
+    _add_config_flags(run)
+    check = sub.add_parser("check-config", help="validate the config and the hooks it names, then exit")
+    _add_config_flags(check)
+    explain = sub.add_parser("explain", help="what the hooks changed for a pod, and why")
+    explain.add_argument("pod", help="namespace/name")
+    explain.add_argument("--endpoint", default="127.0.0.1:9316", help="the proxy's metrics host:port")
+    demo = sub.add_parser("demo", help="private containerd + proxy + demo pods; Ctrl-C cleans up")
+    demo.add_argument("--workdir", type=Path, default=Path("/var/tmp/koord-runtime-proxy-demo"))
+    demo.add_argument("--config", type=Path, default=None, help="proxy config (default: systemd/config.yaml)")
+    return p
+
+
+def _settings(args: argparse.Namespace) -> config.Settings | None:
+    try:
+        return config.load(args.config, overrides_from(args))
+    except config.ConfigError as exc:
+        print(f"koord-runtime-proxy: invalid configuration: {exc}", file=sys.stderr)
+        return None
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from runtimeproxy import app, grpcserver
+
+    settings = _settings(args)
+    if settings is None:
+        return EXIT_CONFIG
+    try:
+        return app.run(settings, config_path=args.config or _default_path(), overrides=overrides_from(args))
+    except config.ConfigError as exc:
+        print(f"koord-runtime-proxy: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except grpcserver.SocketInUse as exc:
+        print(f"koord-runtime-proxy: {exc}", file=sys.stderr)
+        return 1
+
+
+def _default_path() -> Path | None:
+    return config.DEFAULT_CONFIG_PATH if config.DEFAULT_CONFIG_PATH.exists() else None
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from runtimeproxy import plugins
+
+    settings = _settings(args)
+    if settings is None:
+        return EXIT_CONFIG
+    try:
+        hooks = plugins.build_hooks(settings)
+    except config.ConfigError as exc:
+        print(f"koord-runtime-proxy: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    with ThreadPoolExecutor(max_workers=1):
+        for hook in hooks:
+            stages = ",".join(sorted(s.value for s in hook.stages))
+            print(f"{hook.name}\t{hook.policy.value}\t{hook.timeout}s\t{stages}")
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    query = urllib.parse.urlencode({"pod": args.pod})
+    url = f"http://{args.endpoint}/debug/explain?{query}"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - loopback URL built from our flag
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        print(f"koord-runtime-proxy: {json.loads(exc.read()).get('error', exc)}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"koord-runtime-proxy: cannot reach {url}: {exc}", file=sys.stderr)
+        return 1
+    print(f"pod {body['pod']} uid={body['uid']} sandbox={body['sandbox_id'][:13]} cgroup_parent={body['cgroup_parent']}")
+    for c in body["changes"]:
+        print(f"  [{c['stage']}] {c['hook']}: {c['target']}: {c['old'] or '-'} -> {c['new']}  ({c['reason']})")
+    if not body["changes"]:
+        print("  no changes recorded")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from runtimeproxy import demo
+
+    return demo.main(workdir=args.workdir, config_path=args.config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        argv.insert(0, "run")
+    args = parser().parse_args(argv)
+    commands = {"run": _cmd_run, "check-config": _cmd_check, "explain": _cmd_explain, "demo": _cmd_demo}
+    return commands[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

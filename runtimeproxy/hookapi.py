@@ -1,0 +1,243 @@
+"""The hook API: what a hook plugin sees and what it may give back.
+
+Hooks never touch protobuf messages. They get a frozen, typed context and return a
+typed patch; only the core (``runtimeproxy.patching``) turns patches into CRI
+messages. This keeps hooks independent of the CRI version and of the transport,
+and lets the chain show later hooks exactly what earlier hooks changed.
+
+A hook is any object that has one method per lifecycle stage it implements, named
+after the stage (``pre_create_container``, ``post_start_container``, ...). Each
+method takes the stage's context and returns the stage's patch type or ``None``.
+Methods may be plain functions (run in a worker thread, since they usually touch
+cgroupfs) or coroutines (awaited on the loop). See ``hooks/example.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+EMPTY: Final[Mapping[str, str]] = types.MappingProxyType({})
+
+
+def frozen_map(values: Mapping[str, str] | None) -> Mapping[str, str]:
+    """Return a read-only copy, so a context handed to a hook cannot be mutated."""
+    if not values:
+        return EMPTY
+    return types.MappingProxyType(dict(values))
+
+
+class Stage(enum.Enum):
+    """Lifecycle stages, named as Koordinator names them (so configs and
+    hookserver.d registrations use the same words)."""
+
+    PRE_RUN_POD_SANDBOX = "PreRunPodSandbox"
+    POST_RUN_POD_SANDBOX = "PostRunPodSandbox"
+    PRE_STOP_POD_SANDBOX = "PreStopPodSandbox"
+    POST_STOP_POD_SANDBOX = "PostStopPodSandbox"
+    PRE_REMOVE_POD_SANDBOX = "PreRemovePodSandbox"
+    POST_REMOVE_POD_SANDBOX = "PostRemovePodSandbox"
+    PRE_CREATE_CONTAINER = "PreCreateContainer"
+    POST_CREATE_CONTAINER = "PostCreateContainer"
+    PRE_START_CONTAINER = "PreStartContainer"
+    POST_START_CONTAINER = "PostStartContainer"
+    PRE_UPDATE_CONTAINER_RESOURCES = "PreUpdateContainerResources"
+    POST_UPDATE_CONTAINER_RESOURCES = "PostUpdateContainerResources"
+    PRE_STOP_CONTAINER = "PreStopContainer"
+    POST_STOP_CONTAINER = "PostStopContainer"
+    PRE_REMOVE_CONTAINER = "PreRemoveContainer"
+    POST_REMOVE_CONTAINER = "PostRemoveContainer"
+
+    @property
+    def method_name(self) -> str:
+        """The hook method implementing this stage: ``PreCreateContainer`` → ``pre_create_container``."""
+        out = []
+        for ch in self.value:
+            if ch.isupper() and out:
+                out.append("_")
+            out.append(ch.lower())
+        return "".join(out)
+
+    @property
+    def is_pre(self) -> bool:
+        return self.value.startswith("Pre")
+
+    @property
+    def is_pod(self) -> bool:
+        return self.value.endswith("PodSandbox")
+
+    @property
+    def patchable(self) -> bool:
+        """Only stages whose CRI request carries a config can be patched; the
+        others (stop/remove/start take an id) can observe or veto, not change."""
+        return self in _PATCHABLE
+
+
+_PATCHABLE: Final = frozenset(
+    {Stage.PRE_RUN_POD_SANDBOX, Stage.PRE_CREATE_CONTAINER, Stage.PRE_UPDATE_CONTAINER_RESOURCES}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Resources:
+    """Linux resources as CRI carries them (0 / "" mean "not set", as in CRI)."""
+
+    cpu_period: int = 0
+    cpu_quota: int = 0
+    cpu_shares: int = 0
+    memory_limit_in_bytes: int = 0
+    oom_score_adj: int = 0
+    cpuset_cpus: str = ""
+    cpuset_mems: str = ""
+    memory_swap_limit_in_bytes: int = 0
+    unified: Mapping[str, str] = field(default_factory=lambda: EMPTY)
+
+
+@dataclass(frozen=True, slots=True)
+class ResourcesPatch:
+    """What a hook wants changed; ``None`` leaves a field alone. ``unified`` keys are merged."""
+
+    cpu_period: int | None = None
+    cpu_quota: int | None = None
+    cpu_shares: int | None = None
+    memory_limit_in_bytes: int | None = None
+    oom_score_adj: int | None = None
+    cpuset_cpus: str | None = None
+    cpuset_mems: str | None = None
+    memory_swap_limit_in_bytes: int | None = None
+    unified: Mapping[str, str] | None = None
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, name) is None for name in self.__slots__)
+
+
+@dataclass(frozen=True, slots=True)
+class PodMeta:
+    name: str
+    namespace: str
+    uid: str
+    attempt: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PodInfo:
+    """A pod sandbox as the proxy knows it. ``id`` is empty before RunPodSandbox returns."""
+
+    meta: PodMeta
+    id: str = ""
+    labels: Mapping[str, str] = field(default_factory=lambda: EMPTY)
+    annotations: Mapping[str, str] = field(default_factory=lambda: EMPTY)
+    runtime_handler: str = ""
+    cgroup_parent: str = ""
+    resources: Resources = Resources()
+    overhead: Resources = Resources()
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerMeta:
+    name: str
+    attempt: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerInfo:
+    """A container as the proxy knows it. ``id`` is empty before CreateContainer returns."""
+
+    meta: ContainerMeta
+    id: str = ""
+    labels: Mapping[str, str] = field(default_factory=lambda: EMPTY)
+    annotations: Mapping[str, str] = field(default_factory=lambda: EMPTY)
+    resources: Resources = Resources()
+    envs: Mapping[str, str] = field(default_factory=lambda: EMPTY)
+    image: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    """How the backend call ended, for Post stages (``code`` is a gRPC status name)."""
+
+    ok: bool
+    code: str = "OK"
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PodContext:
+    stage: Stage
+    pod: PodInfo
+    result: CallResult | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerContext:
+    stage: Stage
+    pod: PodInfo
+    container: ContainerInfo
+    result: CallResult | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PodPatch:
+    """Changes to a RunPodSandbox request. Maps are merged key by key."""
+
+    labels: Mapping[str, str] | None = None
+    annotations: Mapping[str, str] | None = None
+    cgroup_parent: str | None = None
+    resources: ResourcesPatch | None = None
+    overhead: ResourcesPatch | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerPatch:
+    """Changes to a CreateContainer / UpdateContainerResources request."""
+
+    annotations: Mapping[str, str] | None = None
+    envs: Mapping[str, str] | None = None
+    resources: ResourcesPatch | None = None
+    pod_cgroup_parent: str | None = None
+    reason: str = ""
+
+
+Context = PodContext | ContainerContext
+Patch = PodPatch | ContainerPatch
+
+
+@dataclass(frozen=True, slots=True)
+class HostRoots:
+    """Host directories, injected so hooks and collectors can run against fixture trees."""
+
+    cgroup: Path = Path("/sys/fs/cgroup")
+    proc: Path = Path("/proc")
+    sys: Path = Path("/sys")
+    resctrl: Path = Path("/sys/fs/resctrl")
+
+
+@dataclass(frozen=True, slots=True)
+class HookInit:
+    """What a hook factory is given. ``args`` is the hook's own YAML mapping; the
+    hook validates it and raises ``HookConfigError`` naming ``key_path``."""
+
+    name: str
+    args: Mapping[str, Any]
+    key_path: str
+    host: HostRoots = HostRoots()
+    rules: Mapping[str, Any] = field(default_factory=dict)
+
+
+class HookError(Exception):
+    """A hook could not do its job (bad annotation, write refused...). The hook's
+    failure policy decides whether the CRI call fails."""
+
+
+class HookConfigError(Exception):
+    """A hook's ``args`` are invalid. ``key_path`` names where, ``value`` what."""
+
+    def __init__(self, key_path: str, value: object, message: str) -> None:
+        super().__init__(f"{key_path}: {message} (got {value!r})")
+        self.key_path = key_path
+        self.value = value

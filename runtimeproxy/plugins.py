@@ -1,0 +1,133 @@
+"""Turning ``hooks:`` entries and hookserver.d registrations into a HookChain.
+
+The core never names a concrete hook: plugins are found by entry point (group
+``koord_runtime_proxy.hooks``, declared in setup.cfg) or by an explicit
+``module:attr``. Every problem is a ConfigError naming the YAML key path, found
+once at load time rather than at the first pod.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Final
+
+import structlog
+
+from runtimeproxy.chain import BoundHook, HookChain, HookObserver, implemented_stages
+from runtimeproxy.config import ConfigError, FailurePolicy, HookSettings, Settings
+from runtimeproxy.hookapi import HookConfigError, HookInit, Stage
+from runtimeproxy.remote import REMOTE_STAGES, Registration, RemoteHook, load_registrations
+
+log = structlog.get_logger("runtimeproxy.plugins")
+
+HOOK_GROUP: Final = "koord_runtime_proxy.hooks"
+REGISTRATION_TIMEOUT: Final = 1.0
+
+HookFactory = Callable[[HookInit], object]
+
+
+def available_plugins() -> list[str]:
+    return sorted(ep.name for ep in importlib.metadata.entry_points(group=HOOK_GROUP))
+
+
+def resolve_factory(spec: str, key_path: str) -> HookFactory:
+    """``module:attr`` or an entry-point name -> the factory callable."""
+    try:
+        if ":" in spec:
+            module_name, _, attr = spec.partition(":")
+            target: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                target = getattr(target, part)
+        else:
+            found = importlib.metadata.entry_points(group=HOOK_GROUP).select(name=spec)
+            if not found:
+                raise ConfigError(key_path, spec, f"unknown hook plugin; installed: {available_plugins()}")
+            target = next(iter(found)).load()
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(key_path, spec, f"cannot load plugin: {exc}") from exc
+    if not callable(target):
+        raise ConfigError(key_path, spec, "plugin is not callable")
+    factory: HookFactory = target
+    return factory
+
+
+def _check_methods(impl: object, stages: frozenset[Stage], key_path: str) -> None:
+    for stage in stages:
+        method = getattr(impl, stage.method_name)
+        try:
+            inspect.signature(method).bind(object())
+        except TypeError as exc:
+            raise ConfigError(key_path, stage.value, f"{stage.method_name} must take one context argument") from exc
+
+
+def _local_hook(hook: HookSettings, settings: Settings) -> BoundHook:
+    factory = resolve_factory(hook.plugin, f"{hook.key_path}.plugin")
+    init = HookInit(name=hook.name, args=hook.args, key_path=f"{hook.key_path}.args",
+                    host=settings.host, rules=settings.rules)
+    try:
+        impl = factory(init)
+    except HookConfigError as exc:
+        raise ConfigError(exc.key_path, exc.value, str(exc).split(": ", 1)[-1]) from exc
+    implemented = implemented_stages(impl)
+    if not implemented:
+        raise ConfigError(f"{hook.key_path}.plugin", hook.plugin, "the hook implements no stage")
+    stages = hook.stages if hook.stages is not None else implemented
+    for stage in sorted(stages - implemented, key=lambda s: s.value):
+        raise ConfigError(f"{hook.key_path}.stages", stage.value,
+                          f"hook {hook.name!r} does not implement it; it implements {sorted(s.value for s in implemented)}")
+    _check_methods(impl, stages, f"{hook.key_path}.stages")
+    return BoundHook(hook.name, impl, stages, hook.failure_policy, hook.timeout)
+
+
+def _remote_hook(hook: HookSettings) -> BoundHook:
+    stages = hook.stages if hook.stages is not None else REMOTE_STAGES
+    unsupported = stages - REMOTE_STAGES
+    if unsupported:
+        bad = sorted(s.value for s in unsupported)
+        raise ConfigError(f"{hook.key_path}.stages", bad, "not in RuntimeHookService v1alpha1")
+    impl = RemoteHook(name=hook.name, endpoint=hook.remote, stages=stages)
+    return BoundHook(hook.name, impl, stages, hook.failure_policy, hook.timeout)
+
+
+def _registered_hook(reg: Registration) -> BoundHook:
+    impl = RemoteHook(name=f"hookserver.d/{reg.name}", endpoint=reg.endpoint, stages=reg.stages)
+    return BoundHook(f"hookserver.d/{reg.name}", impl, reg.stages, FailurePolicy(reg.failure_policy),
+                     REGISTRATION_TIMEOUT)
+
+
+def build_hooks(settings: Settings) -> list[BoundHook]:
+    """YAML hooks in list order, then hookserver.d registrations in file-name order
+    (Koordinator calls only the first registration that matches; we call all)."""
+    hooks = [_remote_hook(h) if h.remote else _local_hook(h, settings) for h in settings.hooks]
+    if settings.hookserver_dir:
+        registrations, errors = load_registrations(Path(settings.hookserver_dir))
+        for error in errors:
+            # Registration files belong to other agents: a bad one is reported, not fatal.
+            log.error("hookserver_registration_invalid", error=error)
+        hooks.extend(_registered_hook(r) for r in registrations)
+    return hooks
+
+
+def build_chain(
+    settings: Settings, *, executor: ThreadPoolExecutor, observer: HookObserver | None = None
+) -> HookChain:
+    return HookChain(build_hooks(settings), executor=executor, observer=observer)
+
+
+async def close_hooks(hooks: Sequence[BoundHook]) -> None:
+    """Let hooks release channels/files when a chain is replaced or at exit."""
+    for hook in hooks:
+        close = getattr(hook.impl, "close", None)
+        if close is None:
+            continue
+        try:
+            result = close()
+            if inspect.isawaitable(result):
+                await result
+        except Exception as exc:  # noqa: BLE001 - closing must not stop the others
+            log.warning("hook_close_failed", hook=hook.name, error=str(exc))
