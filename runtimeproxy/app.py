@@ -63,14 +63,16 @@ class App:
         self.http: HttpEndpoint | None = None
         self._stop = asyncio.Event()
         self._ready = False
+        self._oneshots: set[asyncio.Task[bool]] = set()
 
     # --- start / stop ------------------------------------------------------------
 
-    async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
-        loop.add_signal_handler(signal.SIGINT, self._stop.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload("SIGHUP")))
+    async def run(self, *, install_signals: bool = True) -> int:
+        if install_signals:
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+            loop.add_signal_handler(signal.SIGINT, self._stop.set)
+            loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
         await self.server.start()
         await self._start_http()
         self.supervisor.add("config-watch", self._watch_config)
@@ -89,6 +91,16 @@ class App:
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def _reload_soon(self) -> None:
+        # Signal handlers cannot await; keep a reference so the task is owned until done.
+        task = asyncio.get_running_loop().create_task(self.reload("SIGHUP"), name="reload:SIGHUP")
+        self._oneshots.add(task)
+        task.add_done_callback(self._oneshots.discard)
 
     async def shutdown(self) -> int:
         sdnotify.notify("STOPPING=1")

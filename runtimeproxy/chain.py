@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import structlog
 
@@ -36,6 +36,8 @@ from runtimeproxy.hookapi import (
 )
 
 log = structlog.get_logger("runtimeproxy.chain")
+
+HookResult = Literal["ok", "error", "timeout"]
 
 
 class HookFailed(Exception):
@@ -82,7 +84,7 @@ class Outcome:
 
 
 class HookObserver(Protocol):
-    def hook_observed(self, hook: str, stage: str, result: str, seconds: float) -> None: ...
+    def hook_observed(self, hook: str, stage: str, result: HookResult, seconds: float) -> None: ...
     def hook_failed(self, hook: str, stage: str, policy: str) -> None: ...
 
 
@@ -140,9 +142,11 @@ class HookChain:
         except asyncio.CancelledError:
             raise
         except TimeoutError:
-            return self._failed(hook, ctx, f"timed out after {budget:.3f}s", "timeout", start, deadline=True)
+            self._failed(hook, ctx, f"timed out after {budget:.3f}s", "timeout", start, deadline=True)
+            return None
         except Exception as exc:  # noqa: BLE001 - a plugin may raise anything; its policy decides
-            return self._failed(hook, ctx, f"{type(exc).__name__}: {exc}", "error", start)
+            self._failed(hook, ctx, f"{type(exc).__name__}: {exc}", "error", start)
+            return None
         self._observe(hook.name, stage, "ok", start)
         return patch
 
@@ -155,7 +159,7 @@ class HookChain:
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
     def _failed(
-        self, hook: BoundHook, ctx: Context, reason: str, result: str, start: float, *, deadline: bool = False
+        self, hook: BoundHook, ctx: Context, reason: str, result: HookResult, start: float, *, deadline: bool = False
     ) -> None:
         self._observe(hook.name, ctx.stage.value, result, start)
         if self._observer is not None:
@@ -163,9 +167,8 @@ class HookChain:
         if hook.policy is FailurePolicy.FAIL:
             raise HookFailed(hook.name, ctx.stage, reason, deadline=deadline)
         log.warning("hook_failed", hook=hook.name, stage=ctx.stage.value, policy="Ignore", reason=reason)
-        return None
 
-    def _observe(self, hook: str, stage: str, result: str, start: float) -> None:
+    def _observe(self, hook: str, stage: str, result: HookResult, start: float) -> None:
         if self._observer is not None:
             self._observer.hook_observed(hook, stage, result, time.perf_counter() - start)
 
@@ -179,7 +182,7 @@ def _check_result(hook: BoundHook, ctx: Context, result: object) -> Patch | None
     if not ctx.stage.patchable:
         # Post and id-only stages cannot change the request; a patch there is a plugin bug.
         raise TypeError(f"returned a patch at {ctx.stage.value}, which cannot be patched")
-    return result
+    return cast(Patch, result)
 
 
 def apply_patch(ctx: Context, patch: Patch, hook: str) -> tuple[Context, list[Change]]:

@@ -58,7 +58,8 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--endpoint", default="127.0.0.1:9316", help="the proxy's metrics host:port")
     demo = sub.add_parser("demo", help="private containerd + proxy + demo pods; Ctrl-C cleans up")
     demo.add_argument("--workdir", type=Path, default=Path("/var/tmp/koord-runtime-proxy-demo"))
-    demo.add_argument("--config", type=Path, default=None, help="proxy config (default: systemd/config.yaml)")
+    demo.add_argument("--config", type=Path, default=None, help="proxy config (default: a demo config)")
+    demo.add_argument("--once", action="store_true", help="clean up right after printing, no Ctrl-C wait")
     return p
 
 
@@ -114,7 +115,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     query = urllib.parse.urlencode({"pod": args.pod})
     url = f"http://{args.endpoint}/debug/explain?{query}"
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - loopback URL built from our flag
+        with urllib.request.urlopen(url, timeout=5) as resp:
             body = json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         print(f"koord-runtime-proxy: {json.loads(exc.read()).get('error', exc)}", file=sys.stderr)
@@ -122,7 +123,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"koord-runtime-proxy: cannot reach {url}: {exc}", file=sys.stderr)
         return 1
-    print(f"pod {body['pod']} uid={body['uid']} sandbox={body['sandbox_id'][:13]} cgroup_parent={body['cgroup_parent']}")
+    print(f"pod {body['pod']} uid={body['uid']} sandbox={body['sandbox_id'][:13]}")
+    print(f"  cgroup_parent={body['cgroup_parent']}")
     for c in body["changes"]:
         print(f"  [{c['stage']}] {c['hook']}: {c['target']}: {c['old'] or '-'} -> {c['new']}  ({c['reason']})")
     if not body["changes"]:
@@ -133,7 +135,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from runtimeproxy import demo
 
-    return demo.main(workdir=args.workdir, config_path=args.config)
+    code: int = demo.main(workdir=args.workdir, config_path=args.config, once=args.once)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

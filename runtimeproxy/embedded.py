@@ -485,7 +485,7 @@ disabled_plugins = [
         self.config_path.write_text(self.render_config())
         self._write_cni_config()
         self.socket.unlink(missing_ok=True)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "ab")
         env = dict(os.environ, PATH=os.environ.get("PATH", "") + ":" + _DEFAULT_PATH)
         # own session: a ^C in the terminal must not kill containerd before
         # stop() had the chance to tear pods down through CRI.

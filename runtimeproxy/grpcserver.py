@@ -79,7 +79,7 @@ async def _relay_metadata(context: grpc.aio.ServicerContext[Any, Any], reply: Re
         context.set_trailing_metadata(reply.trailing_metadata)
 
 
-class ProxyHandler(grpc.GenericRpcHandler):
+class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships no types
     """Builds and caches one handler per method path."""
 
     def __init__(self, *, backend: GrpcBackend, lifecycle: Lifecycle, metrics: ProxyMetrics) -> None:
@@ -91,7 +91,7 @@ class ProxyHandler(grpc.GenericRpcHandler):
         self._cache: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any]:
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        method: str = handler_call_details.method
         handler = self._cache.get(method)
         if handler is None:
             handler = self._build(method)
@@ -154,7 +154,8 @@ class ProxyHandler(grpc.GenericRpcHandler):
             requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
         ) -> AsyncIterator[bytes]:
             stats.calls.inc()
-            call = multi(requests, timeout=context.time_remaining(), metadata=forwardable(context.invocation_metadata()))
+            metadata = forwardable(context.invocation_metadata())
+            call = multi(requests, timeout=context.time_remaining(), metadata=metadata)
             async for message in _relay(call, context, stats.error):
                 yield message
 
@@ -174,7 +175,7 @@ class ProxyHandler(grpc.GenericRpcHandler):
                 stats.error(err.code.name)
                 stats.duration.observe(time.perf_counter() - start)
                 await _abort(context, err)
-            except Exception as exc:  # noqa: BLE001 - a bug must not kill kubelet's call silently
+            except Exception as exc:
                 log.exception("intercept_internal_error", method=method)
                 stats.error("INTERNAL")
                 await _abort(context, CallError(Code.INTERNAL, f"koord-runtime-proxy: {type(exc).__name__}: {exc}"))

@@ -55,7 +55,7 @@ class Stage(enum.Enum):
     @property
     def method_name(self) -> str:
         """The hook method implementing this stage: ``PreCreateContainer`` → ``pre_create_container``."""
-        out = []
+        out: list[str] = []
         for ch in self.value:
             if ch.isupper() and out:
                 out.append("_")

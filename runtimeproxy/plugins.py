@@ -77,9 +77,11 @@ def _local_hook(hook: HookSettings, settings: Settings) -> BoundHook:
     if not implemented:
         raise ConfigError(f"{hook.key_path}.plugin", hook.plugin, "the hook implements no stage")
     stages = hook.stages if hook.stages is not None else implemented
-    for stage in sorted(stages - implemented, key=lambda s: s.value):
-        raise ConfigError(f"{hook.key_path}.stages", stage.value,
-                          f"hook {hook.name!r} does not implement it; it implements {sorted(s.value for s in implemented)}")
+    missing = sorted(s.value for s in stages - implemented)
+    if missing:
+        have = sorted(s.value for s in implemented)
+        message = f"hook {hook.name!r} does not implement it; it has {have}"
+        raise ConfigError(f"{hook.key_path}.stages", missing[0], message)
     _check_methods(impl, stages, f"{hook.key_path}.stages")
     return BoundHook(hook.name, impl, stages, hook.failure_policy, hook.timeout)
 

@@ -174,13 +174,17 @@ class Supervisor:
             if not done:
                 self._log.error("task_abandoned", task=entry.name, timeout=timeout)
 
+    def _stop_requested(self) -> bool:
+        # A method, not the attribute, because stop() flips it while _guard awaits.
+        return self._stopping
+
     async def _guard(self, entry: _Entry) -> None:
         loop = asyncio.get_running_loop()
         while not self._stopping:
             started = loop.time()
             error = await self._run_once(entry)
             # A job that swallowed our cancel and finished later must not restart.
-            if self._stopping:
+            if self._stop_requested():
                 return
             delay = entry.backoff.delay_after(loop.time() - started)
             self._report(entry, error, delay)

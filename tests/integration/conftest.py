@@ -7,20 +7,35 @@ a unique top-level cgroup parent that is removed at session end.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+import yaml
 
+from criapi import cri_v1_pb2
+from runtimeproxy.devpods import QoSClass, container_config, kube_cgroup_parent, sandbox_config
 from runtimeproxy.embedded import (
     BUSYBOX_IMAGE,
     EmbeddedContainerd,
     build_busybox_image,
     build_pause_image,
     remove_cgroup_tree,
+    runtime_stub,
     unique_test_parent,
     unix_channel,
 )
@@ -103,3 +118,356 @@ def cri_channel_factory() -> Iterator[Callable[[Path | str], grpc.Channel]]:
     yield factory
     for channel in channels:
         channel.close()
+
+
+# --------------------------------------------------------------------------
+# The real proxy as a subprocess, and kubelet-like pods
+# --------------------------------------------------------------------------
+
+PROXY_READY_TIMEOUT = 30.0
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    """GET on the proxy's metrics endpoint; (0, b"") when nothing answers."""
+    url = f"http://127.0.0.1:{port}{path}"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # loopback only
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read()
+    except OSError:
+        return 0, b""
+
+
+def proxy_config_doc(
+    *, listen: Path, backend: Path | str, metrics_port: int, hooks: Sequence[Mapping[str, Any]] = (),
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The YAML document a test proxy runs with (JSON logs, no hookserver.d)."""
+    doc: dict[str, Any] = {
+        "listen": str(listen),
+        "backend": {"runtime_endpoint": str(backend)},
+        "metrics": {"listen": f"127.0.0.1:{metrics_port}"},
+        "hookserver_dir": "",
+        "log": {"level": "info", "format": "json"},
+        "hooks": [dict(h) for h in hooks],
+    }
+    doc.update(extra or {})
+    return doc
+
+
+class ProxyProcess:
+    """One ``koord-runtime-proxy run`` subprocess, its files and its channels."""
+
+    def __init__(
+        self, *, workdir: Path, socket_path: Path, metrics_port: int, config_path: Path,
+        env: Mapping[str, str],
+    ) -> None:
+        self.workdir = workdir
+        self.socket = socket_path
+        self.metrics_port = metrics_port
+        self.config_path = config_path
+        self.log_path = workdir / "proxy.log"
+        self.exit_code: int | None = None
+        self._channels: list[grpc.Channel] = []
+        self._log_file = open(self.log_path, "wb")  # closed in wait_exit()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(config_path)],
+            stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=workdir, env=dict(env),
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.metrics_port}"
+
+    # -- logs --------------------------------------------------------------
+
+    def log(self) -> str:
+        """Everything the proxy wrote to stdout/stderr so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def events(self, event: str | None = None, **match: Any) -> list[dict[str, Any]]:
+        """Parsed JSON log lines, optionally filtered by event name and field values."""
+        out = []
+        for line in self.log().splitlines():
+            if not line.startswith("{"):
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if event is not None and rec.get("event") != event:
+                continue
+            if all(rec.get(k) == v for k, v in match.items()):
+                out.append(rec)
+        return out
+
+    def wait_event(self, event: str, timeout: float = 10.0, *, count: int = 1, **match: Any) -> dict[str, Any]:
+        """Wait until the log has ``count`` matching events; return the last one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.events(event, **match)
+            if len(found) >= count:
+                return found[count - 1]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {event!r} {match} in the proxy log after {timeout}s:\n{self.log()}")
+            time.sleep(0.05)
+
+    # -- health ------------------------------------------------------------
+
+    def healthz(self) -> int:
+        return http_get(self.metrics_port, "/healthz")[0]
+
+    def wait_healthy(self, timeout: float = PROXY_READY_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while self.healthz() != 200:
+            if not self.running:
+                raise AssertionError(f"proxy exited ({self.proc.returncode}) before ready:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"proxy not healthy after {timeout}s:\n{self.log()}")
+            time.sleep(0.05)
+
+    # -- gRPC --------------------------------------------------------------
+
+    def channel(self) -> grpc.Channel:
+        """A new channel to the proxy socket, closed when the proxy is stopped."""
+        channel = unix_channel(self.socket)
+        self._channels.append(channel)
+        return channel
+
+    def runtime(self) -> Any:
+        return runtime_stub(self.channel())
+
+    # -- config / signals / exit --------------------------------------------
+
+    def write_config(self, doc: Mapping[str, Any]) -> None:
+        """Replace the config file atomically (as editors and config managers do)."""
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(dict(doc), sort_keys=False))
+        os.replace(tmp, self.config_path)
+
+    def config(self) -> dict[str, Any]:
+        data: dict[str, Any] = yaml.safe_load(self.config_path.read_text())
+        return data
+
+    def send(self, sig: int) -> None:
+        """Signal this proxy, by pid, only while it is still our running child."""
+        if self.running:
+            os.kill(self.pid, sig)
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"proxy {self.pid} did not exit within {timeout}s:\n{self.log()}") from None
+        self.exit_code = code
+        self._close()
+        return code
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM by pid and wait; returns the exit status."""
+        self.send(signal.SIGTERM)
+        return self.wait_exit(timeout)
+
+    def _close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        self._channels.clear()
+        if not self._log_file.closed:
+            self._log_file.close()
+
+
+class ProxyLauncher:
+    """Starts proxies against the fixture containerd and stops whatever is left."""
+
+    def __init__(self, backend: Path) -> None:
+        self.backend = backend
+        self.started: list[ProxyProcess] = []
+        self._dirs: list[Path] = []
+
+    def mkdtemp(self) -> Path:
+        """A short private dir in /tmp (unix socket paths must stay under 108 bytes)."""
+        path = Path(tempfile.mkdtemp(dir="/tmp", prefix="krp-"))
+        self._dirs.append(path)
+        return path
+
+    def start(
+        self,
+        hooks: Sequence[Mapping[str, Any]] = (),
+        *,
+        socket_path: Path | None = None,
+        backend: Path | str | None = None,
+        extra: Mapping[str, Any] | None = None,
+        pythonpath: Sequence[Path] = (),
+        wait_ready: bool = True,
+    ) -> ProxyProcess:
+        workdir = self.mkdtemp()
+        listen = socket_path or workdir / "proxy.sock"
+        port = free_port()
+        config_path = workdir / "config.yaml"
+        doc = proxy_config_doc(listen=listen, backend=backend or self.backend, metrics_port=port,
+                               hooks=hooks, extra=extra)
+        config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), env.get("PYTHONPATH", "")]).rstrip(":")
+        proxy = ProxyProcess(workdir=workdir, socket_path=listen, metrics_port=port, config_path=config_path,
+                             env=env)
+        self.started.append(proxy)
+        if wait_ready:
+            proxy.wait_healthy()
+        return proxy
+
+    def cleanup(self) -> list[str]:
+        """Stop running proxies (SIGTERM by pid); return complaints about unclean exits."""
+        problems = []
+        for proxy in self.started:
+            if proxy.exit_code is None:
+                code = proxy.terminate()
+                if code != 0:
+                    problems.append(f"proxy {proxy.pid} exited {code}:\n{proxy.log()[-4000:]}")
+        for path in self._dirs:
+            shutil.rmtree(path, ignore_errors=True)
+        return problems
+
+
+@pytest.fixture
+def proxy_factory(containerd: EmbeddedContainerd) -> Iterator[ProxyLauncher]:
+    """Start extra proxies inside one test; all are SIGTERMed (exit 0 expected) after it."""
+    launcher = ProxyLauncher(containerd.socket)
+    yield launcher
+    problems = launcher.cleanup()
+    assert not problems, "\n".join(problems)
+
+
+@pytest.fixture(scope="module")
+def proxy_config() -> dict[str, Any]:
+    """Per-module proxy settings (``hooks`` plus any top-level keys); override in a test module."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def proxy(containerd: EmbeddedContainerd, proxy_config: dict[str, Any]) -> Iterator[ProxyProcess]:
+    """The real proxy (``python -m runtimeproxy.cli run``) in front of the fixture containerd.
+
+    Ready means /healthz answers 200: containerd answered Version and the store was
+    rebuilt. Teardown sends SIGTERM by pid and requires exit status 0.
+    """
+    launcher = ProxyLauncher(containerd.socket)
+    extra = {k: v for k, v in proxy_config.items() if k != "hooks"}
+    try:
+        yield launcher.start(proxy_config.get("hooks", ()), extra=extra)
+    finally:
+        problems = launcher.cleanup()
+    assert not problems, "\n".join(problems)
+
+
+class PodKit:
+    """Kubelet-shaped pods under the test cgroup prefix, removed after the test.
+
+    Pods and containers may be created through any stub (proxy or direct); cleanup
+    always goes straight to containerd so it works even when the proxy is gone.
+    """
+
+    def __init__(self, direct: Any, prefix: str, log_root: Path, busybox: str) -> None:
+        self.direct = direct
+        self.prefix = prefix
+        self.log_root = log_root
+        self.busybox = busybox
+        self._sandboxes: list[str] = []
+        self._containers: list[str] = []
+
+    def sandbox(
+        self, name: str, *, qos: QoSClass = "burstable", namespace: str = "krp-test", uid: str | None = None,
+        labels: Mapping[str, str] | None = None, annotations: Mapping[str, str] | None = None,
+    ) -> cri_v1_pb2.PodSandboxConfig:
+        uid = uid or str(uuid.uuid4())
+        return sandbox_config(
+            name=name, namespace=namespace, uid=uid, cgroup_parent=kube_cgroup_parent(self.prefix, qos, uid),
+            log_dir=str(self.log_root / uid), labels=labels, annotations=annotations,
+        )
+
+    def container(
+        self, name: str = "app", *, command: Sequence[str] = ("sleep", "3600"),
+        resources: cri_v1_pb2.LinuxContainerResources | None = None, envs: Mapping[str, str] | None = None,
+        annotations: Mapping[str, str] | None = None,
+    ) -> cri_v1_pb2.ContainerConfig:
+        return container_config(name=name, image=self.busybox, command=list(command), resources=resources,
+                                envs=envs, annotations=annotations)
+
+    def run(self, rt: Any, pod: cri_v1_pb2.PodSandboxConfig) -> str:
+        sid: str = rt.RunPodSandbox(cri_v1_pb2.RunPodSandboxRequest(config=pod), timeout=60).pod_sandbox_id
+        self._sandboxes.append(sid)
+        return sid
+
+    def create(self, rt: Any, sid: str, pod: cri_v1_pb2.PodSandboxConfig, cfg: cri_v1_pb2.ContainerConfig) -> str:
+        req = cri_v1_pb2.CreateContainerRequest(pod_sandbox_id=sid, config=cfg, sandbox_config=pod)
+        cid: str = rt.CreateContainer(req, timeout=60).container_id
+        self._containers.append(cid)
+        return cid
+
+    def start(self, rt: Any, cid: str) -> None:
+        rt.StartContainer(cri_v1_pb2.StartContainerRequest(container_id=cid), timeout=60)
+
+    def cgroup_value(self, pod: cri_v1_pb2.PodSandboxConfig, cid: str, controller: str, name: str) -> str:
+        rel = pod.linux.cgroup_parent.lstrip("/")
+        return (CGROUP_ROOT / controller / rel / cid / name).read_text().strip()
+
+    def cpu_shares(self, pod: cri_v1_pb2.PodSandboxConfig, cid: str) -> int:
+        return int(self.cgroup_value(pod, cid, "cpu", "cpu.shares"))
+
+    def cleanup(self) -> None:
+        for cid in reversed(self._containers):
+            _quietly(lambda c=cid: self.direct.StopContainer(
+                cri_v1_pb2.StopContainerRequest(container_id=c, timeout=0), timeout=30))
+            _quietly(lambda c=cid: self.direct.RemoveContainer(
+                cri_v1_pb2.RemoveContainerRequest(container_id=c), timeout=30))
+        for sid in reversed(self._sandboxes):
+            _quietly(lambda s=sid: self.direct.StopPodSandbox(
+                cri_v1_pb2.StopPodSandboxRequest(pod_sandbox_id=s), timeout=60))
+            _quietly(lambda s=sid: self.direct.RemovePodSandbox(
+                cri_v1_pb2.RemovePodSandboxRequest(pod_sandbox_id=s), timeout=60))
+        shutil.rmtree(self.log_root, ignore_errors=True)
+
+
+def _quietly(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except grpc.RpcError:
+        pass
+
+
+@pytest.fixture
+def direct_runtime(
+    containerd: EmbeddedContainerd, cri_channel_factory: Callable[[Path | str], grpc.Channel]
+) -> Any:
+    """RuntimeService stub straight to the fixture containerd (no proxy)."""
+    return runtime_stub(cri_channel_factory(containerd.socket))
+
+
+@pytest.fixture
+def pods(direct_runtime: Any, cgroup_prefix: str, busybox_image: str) -> Iterator[PodKit]:
+    """Pod/container builders; everything created is stopped and removed afterwards."""
+    kit = PodKit(direct_runtime, cgroup_prefix, Path(tempfile.mkdtemp(dir="/tmp", prefix="krp-logs-")),
+                 busybox_image)
+    yield kit
+    kit.cleanup()

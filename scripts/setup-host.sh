@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Prepare a Debian 12 host (as root): system packages, kernel headers for bcc,
+# and the project venv in .venv. Idempotent; safe to run before every command.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PKGS=(containerd runc busybox-static containernetworking-plugins python3-venv python3-bpfcc linux-headers-amd64)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup-host: installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# bcc compiles against /lib/modules/$(uname -r)/{build,source}. Kernels without
+# their own headers get Debian's generic ones; eBPF programs use only tracepoint
+# args and helpers, so a header version mismatch is harmless.
+mods="/lib/modules/$(uname -r)"
+if [[ ! -e "$mods/build" ]]; then
+  hdr=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -1 || true)
+  common=$(ls -d /usr/src/linux-headers-*-common 2>/dev/null | sort -V | tail -1 || true)
+  if [[ -n "$hdr" && -n "$common" ]]; then
+    mkdir -p "$mods"
+    ln -sfn "$hdr" "$mods/build"
+    ln -sfn "$common" "$mods/source"
+  fi
+fi
+
+# Debian's python (where python3-bpfcc lives), with system site packages for bcc.
+if [[ ! -x .venv/bin/python ]]; then
+  /usr/bin/python3 -m venv --system-site-packages .venv
+fi
+stamp=.venv/.krp-installed
+if [[ ! -f $stamp || requirements-dev.txt -nt $stamp || setup.cfg -nt $stamp ]]; then
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  .venv/bin/python -m pip install -q -r requirements-dev.txt
+  .venv/bin/python -m pip install -q --no-deps -e .
+  touch "$stamp"
+fi
