@@ -35,7 +35,7 @@ from runtimeproxy.supervisor import Supervisor
 log = structlog.get_logger("runtimeproxy.app")
 
 VERSION_METHOD = "/runtime.v1.RuntimeService/Version"
-_RESTART_ONLY = ("listen", "socket_mode", "backend", "metrics_listen", "max_message_bytes")
+_RESTART_ONLY = ("listen", "socket_mode", "backend", "metrics_listen", "max_message_bytes", "tasks")
 
 
 class App:
@@ -60,6 +60,8 @@ class App:
             max_message_bytes=settings.max_message_bytes, handler=handler,
         )
         self.supervisor = Supervisor()
+        for name, task in plugins.build_tasks(settings, self.store.snapshot):
+            self.supervisor.add(f"task:{name}", task)
         self.http: HttpEndpoint | None = None
         self._stop = asyncio.Event()
         self._ready = False

@@ -165,7 +165,7 @@ def _socket_mode(value: object) -> int:
 
 def _host_port(value: object, key_path: str) -> str:
     text = _string(value, key_path)
-    if text and not re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", text):
+    if text and (not re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", text) or int(text.rpartition(":")[2]) > 65535):
         raise ConfigError(key_path, value, "must be host:port, or empty to disable")
     return text
 
@@ -185,7 +185,7 @@ def _stages(value: object, key_path: str) -> frozenset[Stage] | None:
     known = {stage.value: stage for stage in Stage}
     out = set()
     for i, item in enumerate(value):
-        if item not in known:
+        if not isinstance(item, str) or item not in known:
             raise ConfigError(f"{key_path}[{i}]", item, f"unknown stage; expected one of {sorted(known)}")
         out.add(known[item])
     return frozenset(out)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -225,6 +225,25 @@ class HookInit:
     name: str
     args: Mapping[str, Any]
     key_path: str
+    host: HostRoots = HostRoots()
+    rules: Mapping[str, Any] = field(default_factory=dict)
+
+
+PodSnapshot = Callable[[], tuple[Mapping[str, PodInfo], Mapping[str, tuple[str, ContainerInfo]]]]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskInit:
+    """What a background-task factory (entry-point group ``koord_runtime_proxy.tasks``)
+    is given: its ``tasks.<name>`` mapping, the host roots, the rules, and a read-only
+    snapshot of the proxy's pods (sandbox id -> pod) and containers (id -> (sandbox id,
+    container)). The factory returns a zero-argument coroutine function that the
+    supervisor runs (and restarts with back-off if it raises)."""
+
+    name: str
+    args: Mapping[str, Any]
+    key_path: str
+    snapshot: PodSnapshot
     host: HostRoots = HostRoots()
     rules: Mapping[str, Any] = field(default_factory=dict)
 

@@ -105,10 +105,12 @@ class Lifecycle:
         assert isinstance(outcome.context, PodContext)
         pod = outcome.context.pod
 
-        async def after(reply: Reply) -> None:
+        async def after(reply: Reply) -> Context:
             sandbox_id = cri.RunPodSandboxResponse.FromString(reply.payload).pod_sandbox_id
-            self._store.put_pod(replace(pod, id=sandbox_id))
+            created = replace(pod, id=sandbox_id)
+            self._store.put_pod(created)
             self._store.record_changes(pod.meta.uid, outcome.changes)
+            return PodContext(Stage.POST_RUN_POD_SANDBOX, created)  # Post hooks learn the new id
 
         post = PodContext(Stage.POST_RUN_POD_SANDBOX, pod)
         return await self._forward("RunPodSandbox", payload, call, deadline, post, after, outcome)
@@ -171,11 +173,13 @@ class Lifecycle:
         final = outcome.context
         post_ctx = ContainerContext(Stage.POST_CREATE_CONTAINER, final.pod, final.container)
 
-        async def after(reply: Reply) -> None:
+        async def after(reply: Reply) -> Context:
             cid = cri.CreateContainerResponse.FromString(reply.payload).container_id
             logsetup.bind_container(name=container.meta.name, id=cid)
-            self._store.put_container(req.pod_sandbox_id, replace(final.container, id=cid))
+            created = replace(final.container, id=cid)
+            self._store.put_container(req.pod_sandbox_id, created)
             self._store.record_changes(pod.meta.uid, outcome.changes)
+            return ContainerContext(Stage.POST_CREATE_CONTAINER, final.pod, created)  # Post hooks learn the new id
 
         return await self._forward("CreateContainer", payload, call, deadline, post_ctx, after, outcome)
 
@@ -280,7 +284,7 @@ class Lifecycle:
         call: CallInfo,
         deadline: float | None,
         post: Context,
-        after: Callable[[Reply], Awaitable[None]],
+        after: Callable[[Reply], Awaitable[Context | None]],
         outcome: Outcome,
     ) -> Reply:
         start = time.perf_counter()
@@ -291,8 +295,8 @@ class Lifecycle:
             await self._post(replace(post, result=CallResult(False, exc.code.name, exc.details)), deadline)
             log.info("cri_call", result=exc.code.name, error=exc.details, changes=len(outcome.changes))
             raise
-        await after(reply)
-        await self._post(replace(post, result=CallResult(True)), deadline)
+        updated = await after(reply)
+        await self._post(replace(post if updated is None else updated, result=CallResult(True)), deadline)
         log.info(
             "cri_call",
             result="OK",

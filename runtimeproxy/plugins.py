@@ -11,31 +11,32 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import structlog
 
 from runtimeproxy.chain import BoundHook, HookChain, HookObserver, implemented_stages
 from runtimeproxy.config import ConfigError, FailurePolicy, HookSettings, Settings
-from runtimeproxy.hookapi import HookConfigError, HookInit, Stage
+from runtimeproxy.hookapi import HookConfigError, HookInit, PodSnapshot, Stage, TaskInit
 from runtimeproxy.remote import REMOTE_STAGES, Registration, RemoteHook, load_registrations
 
 log = structlog.get_logger("runtimeproxy.plugins")
 
 HOOK_GROUP: Final = "koord_runtime_proxy.hooks"
+TASK_GROUP: Final = "koord_runtime_proxy.tasks"
 REGISTRATION_TIMEOUT: Final = 1.0
 
-HookFactory = Callable[[HookInit], object]
+HookFactory = Callable[..., object]  # takes HookInit (hooks) or TaskInit (tasks)
 
 
-def available_plugins() -> list[str]:
-    return sorted(ep.name for ep in importlib.metadata.entry_points(group=HOOK_GROUP))
+def available_plugins(group: str = HOOK_GROUP) -> list[str]:
+    return sorted(ep.name for ep in importlib.metadata.entry_points(group=group))
 
 
-def resolve_factory(spec: str, key_path: str) -> HookFactory:
+def resolve_factory(spec: str, key_path: str, group: str = HOOK_GROUP) -> HookFactory:
     """``module:attr`` or an entry-point name -> the factory callable."""
     try:
         if ":" in spec:
@@ -44,9 +45,9 @@ def resolve_factory(spec: str, key_path: str) -> HookFactory:
             for part in attr.split("."):
                 target = getattr(target, part)
         else:
-            found = importlib.metadata.entry_points(group=HOOK_GROUP).select(name=spec)
+            found = importlib.metadata.entry_points(group=group).select(name=spec)
             if not found:
-                raise ConfigError(key_path, spec, f"unknown hook plugin; installed: {available_plugins()}")
+                raise ConfigError(key_path, spec, f"unknown plugin; installed: {available_plugins(group)}")
             target = next(iter(found)).load()
     except (ImportError, AttributeError) as exc:
         raise ConfigError(key_path, spec, f"cannot load plugin: {exc}") from exc
@@ -133,3 +134,34 @@ async def close_hooks(hooks: Sequence[BoundHook]) -> None:
                 await result
         except Exception as exc:  # noqa: BLE001 - closing must not stop the others
             log.warning("hook_close_failed", hook=hook.name, error=str(exc))
+
+
+TaskFactory = Callable[[], Awaitable[None]]
+
+
+def build_tasks(settings: Settings, snapshot: PodSnapshot) -> list[tuple[str, TaskFactory]]:
+    """Background tasks named under ``tasks:`` (``{name: {enabled: bool, ...args}}``),
+    found by entry point; the supervisor runs them. Built at start so a bad name
+    or bad args exit 2 like any other config error."""
+    out: list[tuple[str, TaskFactory]] = []
+    for name, raw in settings.tasks.items():
+        key_path = f"tasks.{name}"
+        if raw is not None and not isinstance(raw, Mapping):
+            raise ConfigError(key_path, raw, "must be a mapping of the task's settings")
+        args = dict(raw or {})
+        enabled = args.pop("enabled", True)
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"{key_path}.enabled", enabled, "must be true or false")
+        if not enabled:
+            continue
+        factory = resolve_factory(name, key_path, TASK_GROUP)
+        init = TaskInit(name=name, args=args, key_path=key_path, snapshot=snapshot,
+                        host=settings.host, rules=settings.rules)
+        try:
+            task = factory(init)
+        except HookConfigError as exc:
+            raise ConfigError(exc.key_path, exc.value, str(exc).split(": ", 1)[-1]) from exc
+        if not callable(task):
+            raise ConfigError(key_path, name, "task factory must return a coroutine function")
+        out.append((name, cast(TaskFactory, task)))
+    return out

@@ -70,8 +70,9 @@ class Store:
     def remove_container(self, container_id: str) -> ContainerRecord | None:
         return self._containers.pop(container_id, None)
 
-    def snapshot(self) -> tuple[dict[str, PodInfo], dict[str, ContainerRecord]]:
-        return dict(self._pods), dict(self._containers)
+    def snapshot(self) -> tuple[dict[str, PodInfo], dict[str, tuple[str, ContainerInfo]]]:
+        """Copies, safe to hand to other threads (collectors, reconcilers)."""
+        return dict(self._pods), {cid: (rec.pod_id, rec.info) for cid, rec in self._containers.items()}
 
     def record_changes(self, pod_uid: str, changes: tuple[Change, ...]) -> None:
         if changes:
@@ -170,7 +171,16 @@ async def load_container(backend: Backend, container_id: str, *, timeout: float 
         return None
     info = _verbose_info(resp.info)
     cfg = cri.ContainerConfig()
-    _pb_from_json(info.get("config"), cfg)
+    raw = info.get("config")
+    envs = raw.get("envs") if isinstance(raw, dict) else None
+    if isinstance(raw, dict) and isinstance(envs, list):
+        # containerd writes KeyValue.value as a plain JSON string, but our proto field is
+        # bytes, which json_format would base64-decode (failing and dropping the rest).
+        raw = {k: v for k, v in raw.items() if k != "envs"}
+    _pb_from_json(raw, cfg)
+    for kv in envs if isinstance(envs, list) else ():
+        if isinstance(kv, dict):
+            cfg.envs.add(key=str(kv.get("key", "")), value=str(kv.get("value", "")).encode())
     status = resp.status
     cfg.metadata.CopyFrom(status.metadata)
     cfg.labels.clear()

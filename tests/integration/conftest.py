@@ -306,7 +306,7 @@ class ProxyLauncher:
 
     def mkdtemp(self) -> Path:
         """A short private dir in /tmp (unix socket paths must stay under 108 bytes)."""
-        path = Path(tempfile.mkdtemp(dir="/tmp", prefix="krp-"))
+        path = Path(tempfile.mkdtemp(dir="/tmp", prefix="krpt-"))
         self._dirs.append(path)
         return path
 
@@ -464,10 +464,24 @@ def direct_runtime(
     return runtime_stub(cri_channel_factory(containerd.socket))
 
 
-@pytest.fixture
-def pods(direct_runtime: Any, cgroup_prefix: str, busybox_image: str) -> Iterator[PodKit]:
-    """Pod/container builders; everything created is stopped and removed afterwards."""
-    kit = PodKit(direct_runtime, cgroup_prefix, Path(tempfile.mkdtemp(dir="/tmp", prefix="krp-logs-")),
+def _pod_kit(containerd: EmbeddedContainerd, cgroup_prefix: str, busybox_image: str) -> Iterator[PodKit]:
+    channel = unix_channel(containerd.socket)
+    kit = PodKit(runtime_stub(channel), cgroup_prefix, Path(tempfile.mkdtemp(dir="/tmp", prefix="krpt-logs-")),
                  busybox_image)
-    yield kit
-    kit.cleanup()
+    try:
+        yield kit
+    finally:
+        kit.cleanup()
+        channel.close()
+
+
+@pytest.fixture
+def pods(containerd: EmbeddedContainerd, cgroup_prefix: str, busybox_image: str) -> Iterator[PodKit]:
+    """Pod/container builders; everything created is stopped and removed after the test."""
+    yield from _pod_kit(containerd, cgroup_prefix, busybox_image)
+
+
+@pytest.fixture(scope="module")
+def module_pods(containerd: EmbeddedContainerd, cgroup_prefix: str, busybox_image: str) -> Iterator[PodKit]:
+    """Like ``pods``, for objects shared by the tests of one module."""
+    yield from _pod_kit(containerd, cgroup_prefix, busybox_image)

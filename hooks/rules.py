@@ -1,0 +1,269 @@
+"""The ``rules:`` section: Koordinator's NodeSLO strategies, as frozen dataclasses.
+
+Operators already know NodeSLO, so the YAML uses NodeSLO's own camelCase spec
+keys (``rules: {resourceQOSStrategy: {beClass: {cpuQOS: {groupIdentity: -1}}}}``)
+and a partial spec is merged over Koordinator's defaults (reference §3), exactly
+as koordlet merges a NodeSLO over its defaults. Every key is checked: an unknown
+key or a bad value is a ``HookConfigError`` naming ``rules.<path>`` and the
+value, so a typo fails at load time instead of silently doing nothing.
+
+``Rules.for_class`` applies Koordinator's "disabled class behaves like the None
+class" rule (``mergeNoneResourceQOSIfDisabled``) so hooks never re-implement it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+from hooks.qos import QoSClass
+from runtimeproxy.hookapi import HookConfigError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class CPUQOS:
+    enable: bool = False
+    group_identity: int = 0
+    sched_idle: int = 0
+    core_expeller: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ResctrlQOS:
+    enable: bool = False
+    cat_range_start_percent: int = 0
+    cat_range_end_percent: int = 100
+    mba_percent: int = 100
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryQOS:
+    enable: bool = False
+    min_limit_percent: int = 0
+    low_limit_percent: int = 0
+    throttling_percent: int = 0
+    wmark_ratio: int = 0
+    wmark_scale_permill: int = 50
+    wmark_min_adj: int = 0
+    priority_enable: int = 0
+    priority: int = 0
+    oom_kill_group: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ClassQOS:
+    cpu_qos: CPUQOS = CPUQOS()
+    resctrl_qos: ResctrlQOS = ResctrlQOS()
+    memory_qos: MemoryQOS = MemoryQOS()
+
+
+NONE_CLASS: Final = ClassQOS()  # Koordinator's "None" (disabled) config
+
+
+def _class(group_identity: int, expeller: bool, cat_end: int, wmark_min_adj: int) -> ClassQOS:
+    return ClassQOS(
+        cpu_qos=CPUQOS(group_identity=group_identity, core_expeller=expeller),
+        resctrl_qos=ResctrlQOS(cat_range_end_percent=cat_end),
+        memory_qos=MemoryQOS(wmark_ratio=95, wmark_scale_permill=20, wmark_min_adj=wmark_min_adj),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceQOSStrategy:
+    lsr_class: ClassQOS = _class(2, True, 100, -25)
+    ls_class: ClassQOS = _class(2, True, 100, -25)
+    be_class: ClassQOS = _class(-1, False, 30, 50)
+    system_class: ClassQOS = NONE_CLASS
+    cgroup_root: ClassQOS = NONE_CLASS
+
+
+@dataclass(frozen=True, slots=True)
+class Policies:
+    cpu_policy: str = "groupIdentity"
+    net_qos_policy: str = "tc"
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceThresholdStrategy:
+    """``resourceUsedThresholdWithBE`` (the fields the hooks use)."""
+
+    enable: bool = False
+    cpu_suppress_threshold_percent: int = 65
+    cpu_suppress_policy: str = "cpuset"
+    memory_evict_threshold_percent: int = 70
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    resource_qos_strategy: ResourceQOSStrategy = field(default_factory=ResourceQOSStrategy)
+    policies: Policies = Policies()
+    resource_used_threshold_with_be: ResourceThresholdStrategy = ResourceThresholdStrategy()
+
+    def for_class(self, qos: QoSClass) -> ClassQOS:
+        """The effective config of a class: LSE uses LSR's; a sub-config whose
+        ``enable`` is false is replaced by the None config, as koordlet does."""
+        strategy = self.resource_qos_strategy
+        chosen = {
+            QoSClass.LSE: strategy.lsr_class,
+            QoSClass.LSR: strategy.lsr_class,
+            QoSClass.LS: strategy.ls_class,
+            QoSClass.BE: strategy.be_class,
+            QoSClass.SYSTEM: strategy.system_class,
+        }.get(qos, NONE_CLASS)
+        return ClassQOS(
+            cpu_qos=chosen.cpu_qos if chosen.cpu_qos.enable else NONE_CLASS.cpu_qos,
+            resctrl_qos=chosen.resctrl_qos if chosen.resctrl_qos.enable else NONE_CLASS.resctrl_qos,
+            memory_qos=chosen.memory_qos if chosen.memory_qos.enable else NONE_CLASS.memory_qos,
+        )
+
+
+# --- parsing -----------------------------------------------------------------
+
+Parser = Callable[[object, str, Any], Any]  # (raw value, rules.<path>, current default) -> new value
+
+
+def _bool(raw: object, path: str, _current: Any) -> bool:
+    if not isinstance(raw, bool):
+        raise HookConfigError(path, raw, "expected true or false")
+    return raw
+
+
+def _int(low: int, high: int) -> Parser:
+    def parse(raw: object, path: str, _current: Any) -> int:
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise HookConfigError(path, raw, f"expected an integer in [{low}, {high}]")
+        if not low <= raw <= high:
+            raise HookConfigError(path, raw, f"must be in [{low}, {high}]")
+        return raw
+
+    return parse
+
+
+def _choice(*allowed: str) -> Parser:
+    def parse(raw: object, path: str, _current: Any) -> str:
+        if raw not in allowed:
+            raise HookConfigError(path, raw, f"must be one of {', '.join(allowed)}")
+        assert isinstance(raw, str)
+        return raw
+
+    return parse
+
+
+def _section(cls: type[T], spec: Mapping[str, tuple[str, Parser]]) -> Parser:
+    """A parser for a mapping whose camelCase keys map to dataclass fields; the
+    result is ``current`` with the given fields replaced (merge over defaults)."""
+
+    def parse(raw: object, path: str, current: Any) -> T:
+        if raw is None:
+            return current  # type: ignore[no-any-return]
+        if not isinstance(raw, Mapping):
+            raise HookConfigError(path, raw, "expected a mapping")
+        changes: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key not in spec:
+                raise HookConfigError(f"{path}.{key}", value, f"unknown key (known: {', '.join(spec)})")
+            attr, parser = spec[key]
+            changes[attr] = parser(value, f"{path}.{key}", getattr(current, attr))
+        return dataclasses.replace(current, **changes)  # type: ignore[no-any-return]
+
+    return parse
+
+
+_PCT: Final = _int(0, 100)
+_CPU_QOS: Final = _section(
+    CPUQOS,
+    {
+        "enable": ("enable", _bool),
+        "groupIdentity": ("group_identity", _int(-1, 2)),
+        "schedIdle": ("sched_idle", _int(0, 1)),
+        "coreExpeller": ("core_expeller", _bool),
+    },
+)
+_RESCTRL_QOS: Final = _section(
+    ResctrlQOS,
+    {
+        "enable": ("enable", _bool),
+        "catRangeStartPercent": ("cat_range_start_percent", _PCT),
+        "catRangeEndPercent": ("cat_range_end_percent", _PCT),
+        "mbaPercent": ("mba_percent", _int(1, 100)),
+    },
+)
+_MEMORY_QOS: Final = _section(
+    MemoryQOS,
+    {
+        "enable": ("enable", _bool),
+        "minLimitPercent": ("min_limit_percent", _PCT),
+        "lowLimitPercent": ("low_limit_percent", _PCT),
+        "throttlingPercent": ("throttling_percent", _PCT),
+        "wmarkRatio": ("wmark_ratio", _PCT),
+        "wmarkScalePermill": ("wmark_scale_permill", _int(1, 1000)),
+        "wmarkMinAdj": ("wmark_min_adj", _int(-25, 50)),
+        "priorityEnable": ("priority_enable", _int(0, 1)),
+        "priority": ("priority", _int(0, 12)),
+        "oomKillGroup": ("oom_kill_group", _int(0, 1)),
+    },
+)
+_CLASS: Final = _section(
+    ClassQOS,
+    {
+        "cpuQOS": ("cpu_qos", _CPU_QOS),
+        "resctrlQOS": ("resctrl_qos", _RESCTRL_QOS),
+        "memoryQOS": ("memory_qos", _MEMORY_QOS),
+    },
+)
+_STRATEGY: Final = _section(
+    ResourceQOSStrategy,
+    {
+        "lsrClass": ("lsr_class", _CLASS),
+        "lsClass": ("ls_class", _CLASS),
+        "beClass": ("be_class", _CLASS),
+        "systemClass": ("system_class", _CLASS),
+        "cgroupRoot": ("cgroup_root", _CLASS),
+    },
+)
+_POLICIES: Final = _section(
+    Policies,
+    {
+        "cpuPolicy": ("cpu_policy", _choice("groupIdentity", "coreSched")),
+        "netQOSPolicy": ("net_qos_policy", _choice("tc", "terway-qos")),
+    },
+)
+_THRESHOLD: Final = _section(
+    ResourceThresholdStrategy,
+    {
+        "enable": ("enable", _bool),
+        "cpuSuppressThresholdPercent": ("cpu_suppress_threshold_percent", _PCT),
+        "cpuSuppressPolicy": ("cpu_suppress_policy", _choice("cpuset", "cfsQuota")),
+        "memoryEvictThresholdPercent": ("memory_evict_threshold_percent", _PCT),
+    },
+)
+_RULES: Final = _section(
+    Rules,
+    {
+        "resourceQOSStrategy": ("resource_qos_strategy", _STRATEGY),
+        "policies": ("policies", _POLICIES),
+        "resourceUsedThresholdWithBE": ("resource_used_threshold_with_be", _THRESHOLD),
+    },
+)
+
+
+def _check_cat_ranges(rules: Rules, path: str) -> None:
+    strategy = rules.resource_qos_strategy
+    for key, attr in (("lsrClass", "lsr_class"), ("lsClass", "ls_class"), ("beClass", "be_class"),
+                      ("systemClass", "system_class"), ("cgroupRoot", "cgroup_root")):
+        resctrl: ResctrlQOS = getattr(strategy, attr).resctrl_qos
+        if resctrl.cat_range_start_percent >= resctrl.cat_range_end_percent:
+            where = f"{path}.resourceQOSStrategy.{key}.resctrlQOS"
+            value = (resctrl.cat_range_start_percent, resctrl.cat_range_end_percent)
+            raise HookConfigError(where, value, "catRangeStartPercent must be below catRangeEndPercent")
+
+
+def parse_rules(raw: Mapping[str, Any] | None, path: str = "rules", base: Rules | None = None) -> Rules:
+    """Merge a (partial) NodeSLO-style mapping over ``base`` (Koordinator's defaults)."""
+    rules: Rules = _RULES(raw, path, base if base is not None else Rules())
+    _check_cat_ranges(rules, path)
+    return rules

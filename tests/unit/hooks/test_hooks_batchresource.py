@@ -1,0 +1,294 @@
+"""BatchResource on fixture cgroup v1 and v2 trees: pod cgroup writes, CRI
+patches, and bad input (annotations, cgroup parents) failing without writes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hooks.annotations import BATCH_CPU, BATCH_MEMORY, EXTENDED_RESOURCE_SPEC
+from hooks.batchresource import BatchResource, milli_cpu_to_quota, milli_cpu_to_shares
+from hooks.cgroups import CgroupGoneError
+from runtimeproxy.hookapi import (
+    ContainerContext,
+    ContainerInfo,
+    ContainerMeta,
+    HookConfigError,
+    HookError,
+    HookInit,
+    HostRoots,
+    PodContext,
+    PodInfo,
+    PodMeta,
+    ResourcesPatch,
+    Stage,
+    frozen_map,
+)
+
+UID = "6c8e5d2a-1b3f-4e7a-9c0d-112233445566"
+PARENT = f"/kubepods/besteffort/pod{UID}"
+SYSTEMD_PARENT = f"kubepods-besteffort-pod{UID.replace('-', '_')}.slice"
+SYSTEMD_DIR = f"kubepods.slice/kubepods-besteffort.slice/{SYSTEMD_PARENT}"
+GI = 2**30
+SPEC = {
+    "containers": {
+        "main": {
+            "requests": {BATCH_CPU: 1000, BATCH_MEMORY: "1Gi"},
+            "limits": {BATCH_CPU: "2000", BATCH_MEMORY: "1Gi"},
+        },
+        "side": {"requests": {BATCH_CPU: "500"}, "limits": {BATCH_CPU: 500, BATCH_MEMORY: "512Mi"}},
+    }
+}
+V1 = {"cpu": {"cpu.shares": "2", "cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000"},
+      "memory": {"memory.limit_in_bytes": "9223372036854771712"}}
+V2 = {"cpu.weight": "1", "cpu.max": "max 100000", "memory.max": "max"}
+
+
+def _under(root: Path, *parts: str) -> Path:
+    path = root.joinpath(*(p.lstrip("/") for p in parts))  # never let an absolute part leave the fixture
+    assert path.is_relative_to(root), path
+    return path
+
+
+def v1_tree(root: Path, pod_dir: str) -> None:
+    for controller, files in V1.items():
+        _under(root, controller, pod_dir).mkdir(parents=True)
+        for name, value in files.items():
+            _under(root, controller, pod_dir, name).write_text(value + "\n")
+    (root / "unified").mkdir()
+
+
+def v2_tree(root: Path, pod_dir: str) -> None:
+    _under(root, pod_dir).mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    for name, value in V2.items():
+        _under(root, pod_dir, name).write_text(value + "\n")
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def make_hook(tmp_path: Path, args: dict[str, Any] | None = None, rules: dict[str, Any] | None = None) -> BatchResource:
+    host = HostRoots(cgroup=tmp_path / "cgroup", proc=tmp_path / "proc", sys=tmp_path / "sys",
+                     resctrl=tmp_path / "resctrl")
+    return BatchResource(HookInit("batch", args or {}, "hooks[0].args", host, rules or {}))
+
+
+def pod(spec: object = SPEC, labels: dict[str, str] | None = None, parent: str = PARENT) -> PodInfo:
+    annotations = {} if spec is None else {EXTENDED_RESOURCE_SPEC: spec if isinstance(spec, str) else json.dumps(spec)}
+    return PodInfo(
+        PodMeta("job", "batch", UID),
+        labels=frozen_map({"koordinator.sh/qosClass": "BE"} if labels is None else labels),
+        annotations=frozen_map(annotations),
+        cgroup_parent=parent,
+    )
+
+
+def pod_ctx(info: PodInfo) -> PodContext:
+    return PodContext(Stage.PRE_RUN_POD_SANDBOX, info)
+
+
+def ctr_ctx(info: PodInfo, name: str, stage: Stage = Stage.PRE_CREATE_CONTAINER) -> ContainerContext:
+    return ContainerContext(stage, info, ContainerInfo(ContainerMeta(name)))
+
+
+def test_formulas() -> None:
+    assert milli_cpu_to_shares(1000) == 1024
+    assert milli_cpu_to_shares(0) == 2 and milli_cpu_to_shares(1) == 2
+    assert milli_cpu_to_shares(10**9) == 262144
+    assert milli_cpu_to_quota(2500) == 250000
+    assert milli_cpu_to_quota(5) == 1000
+    assert milli_cpu_to_quota(None) == -1 and milli_cpu_to_quota(0) == -1
+
+
+def test_pod_cgroup_v1(tmp_path: Path) -> None:
+    v1_tree(tmp_path / "cgroup", PARENT)
+    hook = make_hook(tmp_path)
+    patch = hook.pre_run_pod_sandbox(pod_ctx(pod()))
+    assert patch is not None
+    assert patch.resources == ResourcesPatch(cpu_shares=1536, cpu_quota=250000, memory_limit_in_bytes=GI + GI // 2)
+    cg = tmp_path / "cgroup"
+    assert (cg / "cpu" / PARENT.lstrip("/") / "cpu.shares").read_text() == "1536"
+    assert (cg / "cpu" / PARENT.lstrip("/") / "cpu.cfs_quota_us").read_text() == "250000"
+    assert (cg / "memory" / PARENT.lstrip("/") / "memory.limit_in_bytes").read_text() == str(GI + GI // 2)
+    assert [w.changed for w in hook.last_writes] == [True, True, True]
+    assert "wrote cpu.shares 2 -> 1536, cpu.cfs_quota_us -1 -> 250000" in patch.reason
+    again = hook.pre_run_pod_sandbox(pod_ctx(pod()))  # idempotent
+    assert again is not None and again.resources == patch.resources and "already set" in again.reason
+    assert [w.changed for w in hook.last_writes] == [False, False, False]
+
+
+def test_pod_cgroup_v2(tmp_path: Path) -> None:
+    v2_tree(tmp_path / "cgroup", PARENT)
+    hook = make_hook(tmp_path)
+    assert hook.pre_run_pod_sandbox(pod_ctx(pod())) is not None
+    d = tmp_path / "cgroup" / PARENT.lstrip("/")
+    assert (d / "cpu.weight").read_text() == "59"  # 1 + (1536-2)*9999 // 262142
+    assert (d / "cpu.max").read_text() == "250000 100000"
+    assert (d / "memory.max").read_text() == str(GI + GI // 2)
+
+
+def test_pod_cgroup_v2_systemd(tmp_path: Path) -> None:
+    v2_tree(tmp_path / "cgroup", SYSTEMD_DIR)
+    hook = make_hook(tmp_path, {"cgroup_driver": "systemd", "cgroup_version": 2})
+    hook.pre_run_pod_sandbox(pod_ctx(pod(parent=SYSTEMD_PARENT)))
+    assert (tmp_path / "cgroup" / SYSTEMD_DIR / "cpu.max").read_text() == "250000 100000"
+
+
+def test_missing_limits_mean_unlimited(tmp_path: Path) -> None:
+    v2_tree(tmp_path / "cgroup", PARENT)
+    spec = {"containers": {"main": {"requests": {BATCH_CPU: 1000}, "limits": {BATCH_CPU: 1000}},
+                           "side": {"requests": {BATCH_CPU: 1000}}}}
+    patch = make_hook(tmp_path).pre_run_pod_sandbox(pod_ctx(pod(spec)))
+    assert patch is not None and patch.resources == ResourcesPatch(cpu_shares=2048, cpu_quota=-1)
+    d = tmp_path / "cgroup" / PARENT.lstrip("/")
+    assert (d / "cpu.max").read_text() == "max 100000\n"  # unchanged: not rewritten
+    assert (d / "memory.max").read_text() == "max\n"
+
+
+def test_cfs_quota_suppress_policy_unsets_quota(tmp_path: Path) -> None:
+    v1_tree(tmp_path / "cgroup", PARENT)
+    rules = {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"}}
+    hook = make_hook(tmp_path, rules=rules)
+    patch = hook.pre_run_pod_sandbox(pod_ctx(pod()))
+    assert patch is not None and patch.resources is not None and patch.resources.cpu_quota == -1
+    c = hook.pre_create_container(ctr_ctx(pod(), "main"))
+    assert c is not None and c.resources is not None and c.resources.cpu_quota == -1
+
+
+@pytest.mark.parametrize("stage", [Stage.PRE_CREATE_CONTAINER, Stage.PRE_UPDATE_CONTAINER_RESOURCES])
+def test_container_patches(tmp_path: Path, stage: Stage) -> None:
+    v1_tree(tmp_path / "cgroup", PARENT)
+    hook = make_hook(tmp_path)
+    call = hook.pre_create_container if stage is Stage.PRE_CREATE_CONTAINER else hook.pre_update_container_resources
+    main = call(ctr_ctx(pod(), "main", stage))
+    assert main is not None
+    assert main.resources == ResourcesPatch(cpu_shares=1024, cpu_quota=200000, memory_limit_in_bytes=GI)
+    side = call(ctr_ctx(pod(), "side", stage))
+    assert side is not None and side.resources == ResourcesPatch(cpu_shares=512, cpu_quota=50000,
+                                                                  memory_limit_in_bytes=512 * 2**20)
+    assert call(ctr_ctx(pod(), "other", stage)) is None
+    assert snapshot(tmp_path / "cgroup")[f"cpu{PARENT}/cpu.shares"] == "2\n"  # containers: CRI only
+
+
+def test_container_without_limits(tmp_path: Path) -> None:
+    v1_tree(tmp_path / "cgroup", PARENT)
+    spec = {"containers": {"main": {"requests": {BATCH_CPU: 250}}}}
+    patch = make_hook(tmp_path).pre_create_container(ctr_ctx(pod(spec), "main"))
+    assert patch is not None and patch.resources == ResourcesPatch(cpu_shares=256, cpu_quota=-1)
+
+
+@pytest.mark.parametrize(
+    "info",
+    [
+        pod(labels={"koordinator.sh/qosClass": "LS"}),
+        pod(labels={}, parent="/kubepods/burstable/pod1"),
+        pod(spec=None),
+        pod(spec={"containers": {"main": {"requests": {"cpu": "1"}}}}),
+        pod(spec={"containers": {}}),
+    ],
+    ids=["LS-label", "burstable", "no-annotation", "no-batch-resources", "no-containers"],
+)
+def test_not_for_this_hook(tmp_path: Path, info: PodInfo) -> None:
+    v1_tree(tmp_path / "cgroup", PARENT)
+    before = snapshot(tmp_path)
+    hook = make_hook(tmp_path)
+    assert hook.pre_run_pod_sandbox(pod_ctx(info)) is None
+    assert hook.pre_create_container(ctr_ctx(info, "main")) is None
+    assert snapshot(tmp_path) == before
+
+
+def test_besteffort_without_label_is_be(tmp_path: Path) -> None:
+    v1_tree(tmp_path / "cgroup", PARENT)
+    assert make_hook(tmp_path).pre_run_pod_sandbox(pod_ctx(pod(labels={}))) is not None
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        ("{not json", "invalid JSON"),
+        (json.dumps({"containers": {"main": {"limits": {BATCH_CPU: -1000}}}}), "negative"),
+        (json.dumps({"containers": {"main": {"limits": {BATCH_MEMORY: [1]}}}}), "got list"),
+        (json.dumps({"containers": "main"}), "expected an object"),
+    ],
+)
+@pytest.mark.parametrize("tree", [v1_tree, v2_tree])
+def test_bad_annotation_writes_nothing(
+    tmp_path: Path, raw: str, fragment: str, tree: Callable[[Path, str], None]
+) -> None:
+    tree(tmp_path / "cgroup", PARENT)
+    before = snapshot(tmp_path)
+    hook = make_hook(tmp_path)
+    for call in (lambda: hook.pre_run_pod_sandbox(pod_ctx(pod(raw))),
+                 lambda: hook.pre_create_container(ctr_ctx(pod(raw), "main"))):
+        with pytest.raises(HookError, match=fragment) as info:
+            call()
+        message = str(info.value)
+        assert "pod batch/job" in message and EXTENDED_RESOURCE_SPEC in message and repr(raw) in message
+    assert snapshot(tmp_path) == before
+
+
+def test_bad_qos_label(tmp_path: Path) -> None:
+    v1_tree(tmp_path / "cgroup", PARENT)
+    with pytest.raises(HookError, match=r"label koordinator\.sh/qosClass='Batch'"):
+        make_hook(tmp_path).pre_run_pod_sandbox(pod_ctx(pod(labels={"koordinator.sh/qosClass": "Batch"})))
+
+
+@pytest.mark.parametrize("tree", [v1_tree, v2_tree])
+def test_dotdot_parent_refused(tmp_path: Path, tree: Callable[[Path, str], None]) -> None:
+    tree(tmp_path / "cgroup", PARENT)
+    before = snapshot(tmp_path)
+    bad = "/kubepods/besteffort/../../../../outside"
+    with pytest.raises(HookError, match=r"pod batch/job: cgroup_parent '/kubepods/besteffort/\.\./") as info:
+        make_hook(tmp_path).pre_run_pod_sandbox(pod_ctx(pod(parent=bad)))
+    assert "'..'" in str(info.value)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("tree", [v1_tree, v2_tree])
+def test_symlink_escape_refused(tmp_path: Path, tree: Callable[[Path, str], None]) -> None:
+    tree(tmp_path / "cgroup", PARENT)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for name in ("cpu.weight", "cpu.shares", "cpu.max", "cpu.cfs_quota_us"):
+        (outside / name).write_text("1\n")
+    link_base = tmp_path / "cgroup" / ("cpu" if tree is v1_tree else "") / "kubepods"
+    (link_base / "evil").symlink_to(outside)
+    before = snapshot(tmp_path)
+    with pytest.raises(HookError, match=r"cgroup_parent '/kubepods/evil'.*outside the root"):
+        make_hook(tmp_path).pre_run_pod_sandbox(pod_ctx(pod(parent="/kubepods/evil")))
+    assert snapshot(tmp_path) == before
+
+
+def test_pod_cgroup_gone(tmp_path: Path) -> None:
+    v2_tree(tmp_path / "cgroup", PARENT)
+    with pytest.raises(CgroupGoneError, match="does not exist"):
+        make_hook(tmp_path).pre_run_pod_sandbox(pod_ctx(pod(parent="/kubepods/besteffort/podgone")))
+
+
+@pytest.mark.parametrize(
+    ("args", "rules", "key_path", "value"),
+    [
+        ({"cgroup_drivr": "systemd"}, {}, "hooks[0].args.cgroup_drivr", "systemd"),
+        ({"cgroup_driver": "upstart"}, {}, "hooks[0].args.cgroup_driver", "upstart"),
+        ({"cgroup_version": 3}, {}, "hooks[0].args.cgroup_version", 3),
+        ({}, {"policies": {"cpuPolicy": "x"}}, "rules.policies.cpuPolicy", "x"),
+    ],
+)
+def test_config_errors(
+    tmp_path: Path, args: dict[str, Any], rules: dict[str, Any], key_path: str, value: object
+) -> None:
+    v1_tree(tmp_path / "cgroup", PARENT)
+    with pytest.raises(HookConfigError) as info:
+        make_hook(tmp_path, args, rules)
+    assert info.value.key_path == key_path and info.value.value == value
+
+
+def test_missing_cgroup_root_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(HookConfigError, match="no cgroup hierarchy"):
+        make_hook(tmp_path)

@@ -1,0 +1,127 @@
+"""NodeSLO-style rules: Koordinator defaults, partial merge, strict errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from hooks.qos import QoSClass
+from hooks.rules import CPUQOS, NONE_CLASS, Rules, parse_rules
+from runtimeproxy.hookapi import HookConfigError
+
+
+def test_defaults_match_koordinator() -> None:
+    rules = parse_rules({})
+    strategy = rules.resource_qos_strategy
+    assert strategy.lsr_class.cpu_qos.group_identity == 2
+    assert strategy.ls_class.cpu_qos.group_identity == 2
+    assert strategy.be_class.cpu_qos.group_identity == -1
+    assert strategy.system_class.cpu_qos.group_identity == 0
+    assert strategy.lsr_class.cpu_qos.core_expeller and not strategy.be_class.cpu_qos.core_expeller
+    be_resctrl = strategy.be_class.resctrl_qos
+    assert (be_resctrl.cat_range_start_percent, be_resctrl.cat_range_end_percent) == (0, 30)
+    assert strategy.ls_class.resctrl_qos.cat_range_end_percent == 100
+    assert all(c.resctrl_qos.mba_percent == 100 for c in (strategy.lsr_class, strategy.ls_class, strategy.be_class))
+    assert strategy.be_class.memory_qos.wmark_min_adj == 50
+    assert strategy.ls_class.memory_qos.wmark_min_adj == -25
+    assert strategy.ls_class.memory_qos.wmark_ratio == 95
+    assert strategy.system_class.memory_qos.wmark_scale_permill == 50
+    assert not any(
+        c.cpu_qos.enable or c.resctrl_qos.enable or c.memory_qos.enable
+        for c in (strategy.lsr_class, strategy.ls_class, strategy.be_class, strategy.system_class)
+    )
+    assert rules.policies.cpu_policy == "groupIdentity" and rules.policies.net_qos_policy == "tc"
+    threshold = rules.resource_used_threshold_with_be
+    assert (threshold.enable, threshold.cpu_suppress_threshold_percent, threshold.cpu_suppress_policy) == (
+        False,
+        65,
+        "cpuset",
+    )
+    assert parse_rules(None) == Rules()
+
+
+def test_partial_spec_merges_over_defaults_from_yaml() -> None:
+    text = """
+    resourceQOSStrategy:
+      beClass:
+        cpuQOS: {enable: true, groupIdentity: 0}
+        resctrlQOS: {enable: true, catRangeEndPercent: 50, mbaPercent: 40}
+    policies: {cpuPolicy: coreSched}
+    resourceUsedThresholdWithBE: {enable: true, cpuSuppressPolicy: cfsQuota}
+    """
+    rules = parse_rules(yaml.safe_load(text))
+    be = rules.resource_qos_strategy.be_class
+    assert be.cpu_qos == CPUQOS(enable=True, group_identity=0, sched_idle=0, core_expeller=False)
+    assert (be.resctrl_qos.cat_range_start_percent, be.resctrl_qos.cat_range_end_percent) == (0, 50)
+    assert be.resctrl_qos.mba_percent == 40
+    assert be.memory_qos.wmark_min_adj == 50  # untouched default
+    assert rules.resource_qos_strategy.ls_class == Rules().resource_qos_strategy.ls_class
+    assert rules.policies.cpu_policy == "coreSched"
+    assert rules.resource_used_threshold_with_be.cpu_suppress_policy == "cfsQuota"
+
+
+def test_merge_over_a_given_base() -> None:
+    first = parse_rules({"resourceQOSStrategy": {"lsClass": {"cpuQOS": {"enable": True}}}})
+    second = parse_rules({"resourceQOSStrategy": {"lsClass": {"cpuQOS": {"groupIdentity": 1}}}}, base=first)
+    assert second.resource_qos_strategy.ls_class.cpu_qos == CPUQOS(enable=True, group_identity=1, core_expeller=True)
+
+
+def test_for_class_applies_enable_and_lse() -> None:
+    rules = parse_rules({"resourceQOSStrategy": {"lsrClass": {"cpuQOS": {"enable": True}}}})
+    assert rules.for_class(QoSClass.LSE).cpu_qos.group_identity == 2
+    assert rules.for_class(QoSClass.LSR).cpu_qos.group_identity == 2
+    assert rules.for_class(QoSClass.LS).cpu_qos == NONE_CLASS.cpu_qos  # disabled -> None config
+    assert rules.for_class(QoSClass.BE).resctrl_qos == NONE_CLASS.resctrl_qos
+    assert rules.for_class(QoSClass.NONE) == NONE_CLASS
+
+
+@pytest.mark.parametrize(
+    ("raw", "path", "value"),
+    [
+        ({"resourceQOSStrategy": {"beClass": {"cpuQOS": {"groupIdentity": 5}}}},
+         "rules.resourceQOSStrategy.beClass.cpuQOS.groupIdentity", 5),
+        ({"resourceQOSStrategy": {"beClass": {"cpuQOS": {"groupIdentity": "-1"}}}},
+         "rules.resourceQOSStrategy.beClass.cpuQOS.groupIdentity", "-1"),
+        ({"resourceQOSStrategy": {"beClass": {"cpuQOS": {"enable": "yes"}}}},
+         "rules.resourceQOSStrategy.beClass.cpuQOS.enable", "yes"),
+        ({"resourceQOSStrategy": {"beClass": {"cpuQOS": {"enable": 1}}}},
+         "rules.resourceQOSStrategy.beClass.cpuQOS.enable", 1),
+        ({"resourceQOSStrategy": {"beClass": {"cpuQos": {}}}}, "rules.resourceQOSStrategy.beClass.cpuQos", {}),
+        ({"resourceQOSStrategy": {"bestEffort": {}}}, "rules.resourceQOSStrategy.bestEffort", {}),
+        ({"resourceQOSStrategy": {"lsClass": {"resctrlQOS": {"mbaPercent": 0}}}},
+         "rules.resourceQOSStrategy.lsClass.resctrlQOS.mbaPercent", 0),
+        ({"resourceQOSStrategy": {"lsClass": {"resctrlQOS": {"catRangeEndPercent": 101}}}},
+         "rules.resourceQOSStrategy.lsClass.resctrlQOS.catRangeEndPercent", 101),
+        ({"resourceQOSStrategy": {"lsClass": {"memoryQOS": {"wmarkMinAdj": 60}}}},
+         "rules.resourceQOSStrategy.lsClass.memoryQOS.wmarkMinAdj", 60),
+        ({"resourceQOSStrategy": {"lsClass": {"memoryQOS": {"minLimitPercent": True}}}},
+         "rules.resourceQOSStrategy.lsClass.memoryQOS.minLimitPercent", True),
+        ({"resourceQOSStrategy": []}, "rules.resourceQOSStrategy", []),
+        ({"policies": {"cpuPolicy": "bvt"}}, "rules.policies.cpuPolicy", "bvt"),
+        ({"resourceUsedThresholdWithBE": {"cpuSuppressPolicy": "quota"}},
+         "rules.resourceUsedThresholdWithBE.cpuSuppressPolicy", "quota"),
+        ({"nodeSLO": {}}, "rules.nodeSLO", {}),
+    ],
+)
+def test_bad_rules_name_path_and_value(raw: dict[str, Any], path: str, value: object) -> None:
+    with pytest.raises(HookConfigError) as info:
+        parse_rules(raw)
+    assert info.value.key_path == path
+    assert info.value.value == value
+    assert path in str(info.value) and repr(value) in str(info.value)
+
+
+def test_cat_range_must_not_be_empty() -> None:
+    raw = {"resourceQOSStrategy": {"beClass": {"resctrlQOS": {"catRangeStartPercent": 30}}}}
+    with pytest.raises(HookConfigError, match="catRangeStartPercent must be below") as info:
+        parse_rules(raw)
+    assert info.value.key_path == "rules.resourceQOSStrategy.beClass.resctrlQOS"
+    assert info.value.value == (30, 30)
+
+
+def test_rules_are_frozen() -> None:
+    rules = parse_rules({})
+    with pytest.raises(AttributeError):
+        rules.policies.cpu_policy = "coreSched"  # type: ignore[misc]

@@ -1,0 +1,89 @@
+"""Background-task plugins: found by name, configured under ``tasks:``, run supervised."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from runtimeproxy import config, plugins
+from runtimeproxy.hookapi import PodInfo, PodMeta
+from runtimeproxy.store import Store
+
+TASK_MODULE = '''
+import asyncio
+from pathlib import Path
+
+CALLS = []
+
+def make(init):
+    out = Path(init.args["out"])
+    if init.args.get("explode_at_build"):
+        from runtimeproxy.hookapi import HookConfigError
+        raise HookConfigError(init.key_path + ".explode_at_build", True, "refused")
+
+    async def run():
+        pods, containers = init.snapshot()
+        out.write_text(f"{init.name} pods={sorted(p.meta.name for p in pods.values())}")
+        CALLS.append(init.name)
+        await asyncio.sleep(3600)
+
+    return run
+'''
+
+
+@pytest.fixture
+def task_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    name = f"krp_task_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(TASK_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+@pytest.mark.asyncio
+async def test_enabled_task_runs_and_sees_the_store(task_module: str, tmp_path: Path) -> None:
+    store = Store()
+    store.put_pod(PodInfo(meta=PodMeta(name="web", namespace="ns", uid="u1"), id="sb1"))
+    out = tmp_path / "out.txt"
+    settings = config.from_mapping({"tasks": {f"{task_module}:make": {"out": str(out)}}})
+    tasks = plugins.build_tasks(settings, store.snapshot)
+    assert [name for name, _ in tasks] == [f"{task_module}:make"]
+    runner = asyncio.create_task(tasks[0][1]())
+    try:
+        async with asyncio.timeout(5):
+            while not out.exists():
+                await asyncio.sleep(0.01)
+    finally:
+        runner.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await runner
+    assert out.read_text() == f"{task_module}:make pods=['web']"
+
+
+def test_disabled_task_is_not_built(task_module: str, tmp_path: Path) -> None:
+    settings = config.from_mapping({"tasks": {f"{task_module}:make": {"enabled": False, "out": "x"}}})
+    assert plugins.build_tasks(settings, Store().snapshot) == []
+
+
+def test_unknown_task_names_the_key() -> None:
+    settings = config.from_mapping({"tasks": {"no-such-task": {}}})
+    with pytest.raises(config.ConfigError) as err:
+        plugins.build_tasks(settings, Store().snapshot)
+    assert err.value.key_path == "tasks.no-such-task"
+    assert "unknown plugin" in str(err.value)
+
+
+def test_task_arg_errors_name_the_key(task_module: str) -> None:
+    settings = config.from_mapping({"tasks": {f"{task_module}:make": {"out": "x", "explode_at_build": True}}})
+    with pytest.raises(config.ConfigError) as err:
+        plugins.build_tasks(settings, Store().snapshot)
+    assert err.value.key_path == f"tasks.{task_module}:make.explode_at_build"
+
+
+def test_bad_enabled_value_names_the_key(task_module: str) -> None:
+    settings = config.from_mapping({"tasks": {f"{task_module}:make": {"enabled": "yes"}}})
+    with pytest.raises(config.ConfigError) as err:
+        plugins.build_tasks(settings, Store().snapshot)
+    assert err.value.key_path == f"tasks.{task_module}:make.enabled"
