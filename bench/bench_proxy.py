@@ -50,13 +50,14 @@ def _start_proxy(base: Path, backend: Path, hooks: int) -> tuple[subprocess.Pope
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     sock = base / "proxy.sock"
-    chain = "\n".join(CHAIN.format(i=i, s=512 + i) for i in range(hooks)) or "  []"
+    chain = "\n".join(CHAIN.format(i=i, s=512 + i) for i in range(hooks))
+    text = CONFIG.format(sock=sock, backend=backend, port=port, hooks=chain)
     cfg = base / "bench.yaml"
-    cfg.write_text(CONFIG.format(sock=sock, backend=backend, port=port, hooks=chain).replace("hooks:\n  []", "hooks: []"))
+    cfg.write_text(text if hooks else text.replace("hooks:\n", "hooks: []\n"))
     proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg)])
     for _ in range(300):
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:  # noqa: S310
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
                 if r.status == 200:
                     return proc, sock
         except OSError:
