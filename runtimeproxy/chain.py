@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Final, Literal, Protocol, cast
 
 import structlog
 
@@ -38,6 +38,8 @@ from runtimeproxy.hookapi import (
 log = structlog.get_logger("runtimeproxy.chain")
 
 HookResult = Literal["ok", "error", "timeout"]
+#: Prefix of Change.target for writes a hook made on the host (files, not the request).
+HOST_TARGET: Final = "host:"
 
 
 class HookFailed(Exception):
@@ -81,6 +83,11 @@ class Outcome:
     context: Context
     patches: tuple[tuple[str, Patch], ...]
     changes: tuple[Change, ...]
+
+    @property
+    def request_changed(self) -> bool:
+        """Whether the CRI request must be rewritten (host writes alone do not)."""
+        return any(not c.target.startswith(HOST_TARGET) for c in self.changes)
 
 
 class HookObserver(Protocol):
@@ -179,15 +186,19 @@ def _check_result(hook: BoundHook, ctx: Context, result: object) -> Patch | None
     expected: type = PodPatch if isinstance(ctx, PodContext) else ContainerPatch
     if not isinstance(result, expected):
         raise TypeError(f"returned {type(result).__name__}, expected {expected.__name__} or None")
-    if not ctx.stage.patchable:
-        # Post and id-only stages cannot change the request; a patch there is a plugin bug.
-        raise TypeError(f"returned a patch at {ctx.stage.value}, which cannot be patched")
-    return cast(Patch, result)
+    patch = cast(Patch, result)
+    if not ctx.stage.patchable and patch.changes_request():
+        # Post and id-only stages cannot change the request; only host writes may be reported there.
+        raise TypeError(f"returned request changes at {ctx.stage.value}, which cannot be patched")
+    return patch
 
 
 def apply_patch(ctx: Context, patch: Patch, hook: str) -> tuple[Context, list[Change]]:
     """The context as the next hook should see it, and the recorded changes."""
     rec = _Recorder(hook, ctx.stage.value, patch.reason)
+    for write in patch.writes:
+        rec.changes.append(Change(hook, ctx.stage.value, HOST_TARGET + write.target, write.old, write.new,
+                                  write.reason or patch.reason))
     if isinstance(ctx, PodContext) and isinstance(patch, PodPatch):
         pod = ctx.pod
         pod = replace(

@@ -181,8 +181,22 @@ class ContainerContext:
 
 
 @dataclass(frozen=True, slots=True)
+class HostWrite:
+    """A change a hook made on the host itself (a cgroup or resctrl file), reported
+    so ``explain`` and the log show it next to the request changes."""
+
+    target: str
+    old: str
+    new: str
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class PodPatch:
-    """Changes to a RunPodSandbox request. Maps are merged key by key."""
+    """Changes to a RunPodSandbox request. Maps are merged key by key.
+
+    At stages whose request cannot change (Post stages, id-only calls) a hook may
+    still return a patch carrying only ``writes``."""
 
     labels: Mapping[str, str] | None = None
     annotations: Mapping[str, str] | None = None
@@ -190,6 +204,12 @@ class PodPatch:
     resources: ResourcesPatch | None = None
     overhead: ResourcesPatch | None = None
     reason: str = ""
+    writes: tuple[HostWrite, ...] = ()
+
+    def changes_request(self) -> bool:
+        return any(
+            v is not None for v in (self.labels, self.annotations, self.cgroup_parent, self.resources, self.overhead)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +221,10 @@ class ContainerPatch:
     resources: ResourcesPatch | None = None
     pod_cgroup_parent: str | None = None
     reason: str = ""
+    writes: tuple[HostWrite, ...] = ()
+
+    def changes_request(self) -> bool:
+        return any(v is not None for v in (self.annotations, self.envs, self.resources, self.pod_cgroup_parent))
 
 
 Context = PodContext | ContainerContext

@@ -97,7 +97,7 @@ class Lifecycle:
         deadline = _deadline(call)
         ctx: Context = PodContext(Stage.PRE_RUN_POD_SANDBOX, pod)
         outcome = await self._pre(ctx, deadline)
-        if outcome.patches:
+        if outcome.request_changed:
             for _, patch in outcome.patches:
                 assert isinstance(patch, PodPatch)
                 patching.apply_pod_patch(req, patch)
@@ -140,6 +140,7 @@ class Lifecycle:
         outcome = await self._pre(PodContext(pre, pod), deadline)
 
         async def after(_: Reply) -> None:
+            self._store.record_changes(pod.meta.uid, outcome.changes)
             if remove:
                 self._store.remove_pod(sandbox_id)
 
@@ -164,7 +165,7 @@ class Lifecycle:
         logsetup.bind_container(name=container.meta.name, id="")
         deadline = _deadline(call)
         outcome = await self._pre(ContainerContext(Stage.PRE_CREATE_CONTAINER, pod, container), deadline)
-        if outcome.patches:
+        if outcome.request_changed:
             for _, patch in outcome.patches:
                 assert isinstance(patch, ContainerPatch)
                 patching.apply_create_patch(req, patch)
@@ -207,6 +208,7 @@ class Lifecycle:
         outcome = await self._pre(ContainerContext(stages[0], pod, container), deadline)
 
         async def after(_: Reply) -> None:
+            self._store.record_changes(pod.meta.uid, outcome.changes)
             if stages[0] is Stage.PRE_REMOVE_CONTAINER:
                 self._store.remove_container(container_id)
 
@@ -239,7 +241,7 @@ class Lifecycle:
         merged = replace(container, resources=patching.merge_update(container.resources, req.linux))
         deadline = _deadline(call)
         outcome = await self._pre(ContainerContext(Stage.PRE_UPDATE_CONTAINER_RESOURCES, pod, merged), deadline)
-        if outcome.patches:
+        if outcome.request_changed:
             for hook, patch in outcome.patches:
                 assert isinstance(patch, ContainerPatch)
                 dropped = patching.apply_update_patch(req, patch)
@@ -309,10 +311,12 @@ class Lifecycle:
         if self._skipped(ctx):
             return
         try:
-            await self._chain().run(ctx, deadline=deadline)
+            outcome = await self._chain().run(ctx, deadline=deadline)
         except HookFailed as exc:
             # The backend call already happened; a Post failure cannot undo it, so it is reported, not relayed.
             log.error("post_hook_failed", hook=exc.hook, stage=exc.stage.value, reason=exc.reason)
+            return
+        self._store.record_changes(ctx.pod.meta.uid, outcome.changes)
 
 
 def _deadline(call: CallInfo) -> float | None:

@@ -75,7 +75,8 @@ class Store:
         return dict(self._pods), {cid: (rec.pod_id, rec.info) for cid, rec in self._containers.items()}
 
     def record_changes(self, pod_uid: str, changes: tuple[Change, ...]) -> None:
-        if changes:
+        """Keep a pod's change log; ignored once the pod is gone (Post of RemovePodSandbox)."""
+        if changes and any(p.meta.uid == pod_uid for p in self._pods.values()):
             self._changes.setdefault(pod_uid, collections.deque(maxlen=CHANGES_PER_POD)).extend(changes)
 
     def changes(self, pod_uid: str) -> list[Change]:
