@@ -92,8 +92,6 @@ def _default_path() -> Path | None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from concurrent.futures import ThreadPoolExecutor
-
     from runtimeproxy import plugins
 
     settings = _settings(args)
@@ -104,10 +102,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     except config.ConfigError as exc:
         print(f"koord-runtime-proxy: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    with ThreadPoolExecutor(max_workers=1):
-        for hook in hooks:
-            stages = ",".join(sorted(s.value for s in hook.stages))
-            print(f"{hook.name}\t{hook.policy.value}\t{hook.timeout}s\t{stages}")
+    print(f"config ok: listen={settings.listen} backend={settings.backend.runtime_endpoint}")
+    if not hooks:
+        print("no hooks configured: every call is passed through")
+    for i, hook in enumerate(hooks):
+        stages = ",".join(sorted(s.value for s in hook.stages))
+        print(f"{i + 1}. {hook.name}\t{hook.policy.value}\t{hook.timeout}s\t{stages}")
     return 0
 
 
