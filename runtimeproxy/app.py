@@ -26,8 +26,10 @@ from runtimeproxy.chain import HookChain
 from runtimeproxy.config import ConfigError, Settings, load
 from runtimeproxy.grpcbackend import GrpcBackend
 from runtimeproxy.grpcserver import ProxyHandler, ProxyServer
+from runtimeproxy.hookapi import PodInfo
 from runtimeproxy.lifecycle import Lifecycle, SkipLabel
 from runtimeproxy.promstats import HttpEndpoint, ProxyMetrics
+from runtimeproxy.reconcile import Reconciler
 from runtimeproxy.remote import registration_fingerprint
 from runtimeproxy.store import Store, rebuild
 from runtimeproxy.supervisor import Supervisor
@@ -60,6 +62,10 @@ class App:
             max_message_bytes=settings.max_message_bytes, handler=handler,
         )
         self.supervisor = Supervisor()
+        self.reconciler = Reconciler(
+            store=self.store, chain=lambda: self.chain, skipped=self._skipped,
+            interval=lambda: self.settings.reconcile_interval,
+        )
         for name, task in plugins.build_tasks(settings, self.store.snapshot):
             self.supervisor.add(f"task:{name}", task)
         self.http: HttpEndpoint | None = None
@@ -86,10 +92,15 @@ class App:
         if not self._stop.is_set():
             await self._rebuild_store()
             self._ready = True
+            # First pass right away: pods created while we were down get their settings now.
+            self.supervisor.add("reconciler", self.reconciler.run_forever)
             sdnotify.notify("READY=1")
             log.info("ready", hooks=[h.name for h in self.chain.hooks])
         await self._stop.wait()
         return await self.shutdown()
+
+    def _skipped(self, pod: PodInfo) -> bool:
+        return pod.labels.get(self.settings.skip_label_key) == self.settings.skip_label_value
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -172,6 +183,7 @@ class App:
         old, self.chain, self.settings = self.chain, chain, settings
         logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
         self.metrics.config_reloaded(True)
+        self.reconciler.trigger()
         log.info("config_reloaded", trigger=trigger, hooks=[h.name for h in chain.hooks])
         await plugins.close_hooks(old.hooks)
         return True

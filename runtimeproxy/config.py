@@ -95,6 +95,8 @@ class Settings:
     max_message_bytes: int = 16 * MiB
     #: How often the config file and hookserver dir are polled for changes.
     reload_poll_interval: float = 2.0
+    #: Period of the reconciler's pass (hooks' Reconcile* stages); koordlet uses 10 s too.
+    reconcile_interval: float = 10.0
     host: HostRoots = HostRoots()
     rules: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
     tasks: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
@@ -103,7 +105,7 @@ class Settings:
 _TOP_KEYS: Final = frozenset(
     {
         "listen", "socket_mode", "backend", "hooks", "hookserver_dir", "skip_label",
-        "metrics", "log", "shutdown_grace", "max_message_bytes", "reload_poll_interval",
+        "metrics", "log", "shutdown_grace", "max_message_bytes", "reload_poll_interval", "reconcile_interval",
         "host", "rules", "tasks",
     }
 )
@@ -305,6 +307,9 @@ def from_mapping(data: object) -> Settings:
         ),
         reload_poll_interval=parse_duration(
             top.get("reload_poll_interval", default.reload_poll_interval), "reload_poll_interval"
+        ),
+        reconcile_interval=parse_duration(
+            top.get("reconcile_interval", default.reconcile_interval), "reconcile_interval"
         ),
         host=_host(top.get("host")),
         rules=types.MappingProxyType(dict(_mapping(top.get("rules"), "rules"))),

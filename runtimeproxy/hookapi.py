@@ -51,6 +51,10 @@ class Stage(enum.Enum):
     POST_STOP_CONTAINER = "PostStopContainer"
     PRE_REMOVE_CONTAINER = "PreRemoveContainer"
     POST_REMOVE_CONTAINER = "PostRemoveContainer"
+    #: Not a CRI call: the reconciler's periodic pass over every known pod / container,
+    #: so hooks can repair drift on the host (their patches may carry only ``writes``).
+    RECONCILE_POD_SANDBOX = "ReconcilePodSandbox"
+    RECONCILE_CONTAINER = "ReconcileContainer"
 
     @property
     def method_name(self) -> str:

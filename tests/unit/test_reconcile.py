@@ -1,0 +1,149 @@
+"""The reconciler: periodic Reconcile* stages repair host drift, recorded per pod."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from runtimeproxy.chain import BoundHook, HookChain
+from runtimeproxy.config import FailurePolicy
+from runtimeproxy.hookapi import (
+    ContainerContext,
+    ContainerInfo,
+    ContainerMeta,
+    ContainerPatch,
+    HostWrite,
+    PodContext,
+    PodInfo,
+    PodMeta,
+    PodPatch,
+    Resources,
+    Stage,
+    frozen_map,
+)
+from runtimeproxy.reconcile import Reconciler
+from runtimeproxy.store import Store
+
+SKIP = "runtimeproxy.koordinator.sh/skip-hookserver"
+
+
+class FileKeeper:
+    """Keeps <dir>/<container id> equal to the container's cpu_shares, like a cgroup file."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.pods_seen: list[str] = []
+
+    def reconcile_pod_sandbox(self, ctx: PodContext) -> None:
+        self.pods_seen.append(ctx.pod.meta.name)
+
+    def reconcile_container(self, ctx: ContainerContext) -> ContainerPatch | None:
+        path = self.root / ctx.container.id
+        want = str(ctx.container.resources.cpu_shares)
+        have = path.read_text() if path.exists() else ""
+        if have == want:
+            return None
+        path.write_text(want)
+        return ContainerPatch(writes=(HostWrite(str(path), have, want, "keep shares"),))
+
+
+class Broken:
+    def reconcile_container(self, ctx: ContainerContext) -> None:
+        if ctx.pod.meta.name == "web":
+            raise RuntimeError("cgroup gone")
+
+
+class ChangesRequest:
+    def reconcile_pod_sandbox(self, ctx: PodContext) -> PodPatch:
+        return PodPatch(cgroup_parent="/elsewhere")
+
+
+def _store(*extra: str) -> Store:
+    store = Store()
+    for name, labels in (("web", {}), ("opted-out", {SKIP: "true"}), *((n, {}) for n in extra)):
+        pod = PodInfo(meta=PodMeta(name=name, namespace="ns", uid=f"u-{name}"), id=f"sb-{name}",
+                      labels=frozen_map(labels))
+        store.put_pod(pod)
+        store.put_container(pod.id, ContainerInfo(meta=ContainerMeta(name="c"), id=f"c-{name}",
+                                                  resources=Resources(cpu_shares=512)))
+    return store
+
+
+def _reconciler(store: Store, *hooks: BoundHook, interval: float = 30.0) -> Reconciler:
+    chain = HookChain(hooks, executor=ThreadPoolExecutor(1))
+    return Reconciler(store=store, chain=lambda: chain,
+                      skipped=lambda pod: pod.labels.get(SKIP) == "true", interval=lambda: interval)
+
+
+def _bound(name: str, impl: object, policy: FailurePolicy = FailurePolicy.FAIL) -> BoundHook:
+    stages = frozenset(s for s in (Stage.RECONCILE_POD_SANDBOX, Stage.RECONCILE_CONTAINER)
+                       if callable(getattr(impl, s.method_name, None)))
+    return BoundHook(name, impl, stages, policy, 1.0)
+
+
+@pytest.mark.asyncio
+async def test_pass_writes_once_then_repairs_drift_and_records_it(tmp_path: Path) -> None:
+    store = _store()
+    keeper = FileKeeper(tmp_path)
+    rec = _reconciler(store, _bound("keeper", keeper))
+
+    first = await rec.run_once()
+    assert (first.pods, first.containers, first.writes, first.failures) == (1, 1, 1, 0)
+    assert (tmp_path / "c-web").read_text() == "512"
+    assert not (tmp_path / "c-opted-out").exists(), "skip-labelled pods are left alone"
+    assert keeper.pods_seen == ["web"]
+
+    assert (await rec.run_once()).writes == 0, "nothing drifted: nothing rewritten"
+
+    (tmp_path / "c-web").write_text("2")  # an operator's manual write
+    repaired = await rec.run_once()
+    assert repaired.writes == 1
+    assert (tmp_path / "c-web").read_text() == "512"
+    log = [(c.hook, c.stage, c.old, c.new) for c in store.changes("u-web")]
+    assert log == [("keeper", "ReconcileContainer", "", "512"), ("keeper", "ReconcileContainer", "2", "512")]
+
+
+@pytest.mark.asyncio
+async def test_failures_are_counted_and_do_not_stop_the_pass(tmp_path: Path) -> None:
+    rec = _reconciler(_store("api"), _bound("broken", Broken()), _bound("keeper", FileKeeper(tmp_path)))
+    result = await rec.run_once()
+    assert result.failures == 1
+    assert not (tmp_path / "c-web").exists(), "Fail policy stops the chain for that container"
+    assert (tmp_path / "c-api").read_text() == "512", "the pass goes on with the next container"
+
+
+@pytest.mark.asyncio
+async def test_request_changes_at_reconcile_are_refused(tmp_path: Path) -> None:
+    store = _store()
+    rec = _reconciler(store, _bound("bad", ChangesRequest()))
+    assert (await rec.run_once()).failures == 1
+    assert store.changes("u-web") == []
+
+
+@pytest.mark.asyncio
+async def test_no_reconcile_hooks_means_no_pass() -> None:
+    rec = _reconciler(_store())
+    assert await rec.run_once() == (await rec.run_once())
+    assert (await rec.run_once()).pods == 0
+
+
+@pytest.mark.asyncio
+async def test_trigger_runs_a_pass_before_the_interval(tmp_path: Path) -> None:
+    store = _store()
+    rec = _reconciler(store, _bound("keeper", FileKeeper(tmp_path)), interval=3600)
+    task = asyncio.create_task(rec.run_forever())
+    try:
+        async with asyncio.timeout(5):
+            while not (tmp_path / "c-web").exists():
+                await asyncio.sleep(0.01)
+            (tmp_path / "c-web").write_text("3")
+            rec.trigger()
+            while (tmp_path / "c-web").read_text() != "512":
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
