@@ -8,7 +8,9 @@ all (kube BestEffort). This hook gives them what they were scheduled for:
 * PreRunPodSandbox — the pod cgroup (kubelet has created it before calling
   RunPodSandbox) gets ``cpu.shares`` from the summed batch-cpu requests, a CFS
   quota from the summed limits and a memory limit, written through the executor
-  (v1 or v2 files); the values also go into the returned PodPatch for the record.
+  (v1 or v2 files). Each file actually changed is reported in the patch's
+  ``writes`` (unchanged files are neither rewritten nor reported); the values
+  also go into the returned PodPatch's resources for the record.
 * PreCreateContainer / PreUpdateContainerResources — the container's values go
   into the CRI request, so the runtime creates the container with them.
 
@@ -41,6 +43,7 @@ from hooks.cgroups import (
     pod_cgroup_dir,
 )
 from hooks.executor import CgroupExecutor, Update, Write
+from hooks.hookargs import cgroup_args, host_writes, reject_unknown
 from hooks.qos import QoSClass, pod_name, pod_qos
 from hooks.rules import Rules, parse_rules
 from runtimeproxy.hookapi import (
@@ -105,25 +108,11 @@ def pod_limits(spec: ExtendedResourceSpec, suppress_quota: bool) -> BatchLimits:
     return BatchLimits(milli_cpu_to_shares(requests), quota, memory if memory else -1)
 
 
-def _describe(reason: str, writes: list[Write]) -> str:
-    """The hook API has no channel for host writes yet, so they ride in the reason."""
-    changed = [f"{w.target_path.name} {w.old} -> {w.new}" for w in writes if w.changed]
-    return f"{reason} (wrote {', '.join(changed)})" if changed else f"{reason} (cgroup already set)"
-
 
 def _parse_args(init: HookInit) -> tuple[Driver, Version | Literal["auto"]]:
     args: dict[str, Any] = dict(init.args)
-    unknown = set(args) - _ARGS
-    if unknown:
-        key = sorted(unknown)[0]
-        raise HookConfigError(f"{init.key_path}.{key}", args[key], f"unknown key (known: {', '.join(sorted(_ARGS))})")
-    driver = args.get("cgroup_driver", "cgroupfs")
-    if driver not in ("cgroupfs", "systemd"):
-        raise HookConfigError(f"{init.key_path}.cgroup_driver", driver, "must be cgroupfs or systemd")
-    version = args.get("cgroup_version", "auto")
-    if version not in ("auto", 1, 2):
-        raise HookConfigError(f"{init.key_path}.cgroup_version", version, "must be auto, 1 or 2")
-    return driver, version
+    reject_unknown(init, args, _ARGS)
+    return cgroup_args(init, args)
 
 
 class BatchResource:
@@ -172,7 +161,10 @@ class BatchResource:
             ]
         )
         self.last_writes = writes
-        return PodPatch(resources=limits.patch(), reason=_describe(reason, writes))
+        done = host_writes(writes)
+        return PodPatch(
+            resources=limits.patch(), reason=reason if done else f"{reason} (pod cgroup already set)", writes=done
+        )
 
     def _container_patch(self, ctx: ContainerContext) -> ContainerPatch | None:
         spec = self._batch_spec(ctx.pod)

@@ -21,6 +21,7 @@ from runtimeproxy.hookapi import (
     HookError,
     HookInit,
     HostRoots,
+    HostWrite,
     PodContext,
     PodInfo,
     PodMeta,
@@ -117,20 +118,35 @@ def test_pod_cgroup_v1(tmp_path: Path) -> None:
     assert (cg / "cpu" / PARENT.lstrip("/") / "cpu.cfs_quota_us").read_text() == "250000"
     assert (cg / "memory" / PARENT.lstrip("/") / "memory.limit_in_bytes").read_text() == str(GI + GI // 2)
     assert [w.changed for w in hook.last_writes] == [True, True, True]
-    assert "wrote cpu.shares 2 -> 1536, cpu.cfs_quota_us -1 -> 250000" in patch.reason
-    again = hook.pre_run_pod_sandbox(pod_ctx(pod()))  # idempotent
-    assert again is not None and again.resources == patch.resources and "already set" in again.reason
+    cpu, memory = _under(cg.resolve(), "cpu", PARENT), _under(cg.resolve(), "memory", PARENT)
+    assert patch.reason == "BE pod batch resources"
+    assert patch.writes == (
+        HostWrite(str(cpu / "cpu.shares"), "2", "1536", "BE pod batch resources: batch-cpu requests"),
+        HostWrite(str(cpu / "cpu.cfs_quota_us"), "-1", "250000", "BE pod batch resources: batch-cpu limits"),
+        HostWrite(str(memory / "memory.limit_in_bytes"), "9223372036854771712", str(GI + GI // 2),
+                  "BE pod batch resources: batch-memory limits"),
+    )
+    again = hook.pre_run_pod_sandbox(pod_ctx(pod()))  # idempotent: nothing rewritten, nothing reported
+    assert again is not None and again.resources == patch.resources
+    assert again.writes == () and again.reason == "BE pod batch resources (pod cgroup already set)"
     assert [w.changed for w in hook.last_writes] == [False, False, False]
 
 
 def test_pod_cgroup_v2(tmp_path: Path) -> None:
     v2_tree(tmp_path / "cgroup", PARENT)
     hook = make_hook(tmp_path)
-    assert hook.pre_run_pod_sandbox(pod_ctx(pod())) is not None
+    patch = hook.pre_run_pod_sandbox(pod_ctx(pod()))
+    assert patch is not None
     d = tmp_path / "cgroup" / PARENT.lstrip("/")
     assert (d / "cpu.weight").read_text() == "59"  # 1 + (1536-2)*9999 // 262142
     assert (d / "cpu.max").read_text() == "250000 100000"
     assert (d / "memory.max").read_text() == str(GI + GI // 2)
+    assert [(Path(w.target).name, w.old, w.new) for w in patch.writes] == [
+        ("cpu.weight", "1", "59"), ("cpu.max", "max 100000", "250000 100000"), ("memory.max", "max", str(GI + GI // 2))
+    ]
+    assert all(Path(w.target).is_relative_to(tmp_path.resolve()) for w in patch.writes)
+    again = hook.pre_run_pod_sandbox(pod_ctx(pod()))
+    assert again is not None and again.writes == ()
 
 
 def test_pod_cgroup_v2_systemd(tmp_path: Path) -> None:
@@ -146,6 +162,7 @@ def test_missing_limits_mean_unlimited(tmp_path: Path) -> None:
                            "side": {"requests": {BATCH_CPU: 1000}}}}
     patch = make_hook(tmp_path).pre_run_pod_sandbox(pod_ctx(pod(spec)))
     assert patch is not None and patch.resources == ResourcesPatch(cpu_shares=2048, cpu_quota=-1)
+    assert [Path(w.target).name for w in patch.writes] == ["cpu.weight"]  # only what changed is reported
     d = tmp_path / "cgroup" / PARENT.lstrip("/")
     assert (d / "cpu.max").read_text() == "max 100000\n"  # unchanged: not rewritten
     assert (d / "memory.max").read_text() == "max\n"

@@ -1,0 +1,113 @@
+"""CPUNormalization: a CPU limit means the same amount of work on fast and slow nodes.
+
+Why: a cluster mixes CPU models; one core of a new machine does more than one
+core of an old one. Koordinator scores each node with a
+``node.koordinator.sh/cpu-normalization-ratio`` (> 1 on faster nodes) and
+scales allocatable up by it, so a "2 CPU" limit must shrink there by the same
+ratio or the pod gets more than it was sold. This is koordlet's
+``CPUNormalization`` hook: at PreCreateContainer and PreUpdateContainerResources
+a container's CFS quota becomes ``ceil(quota / ratio)`` (kept at the kernel's
+1000 µs minimum).
+
+Only pods whose limit is a quota are normalized: LS, LSR, BE and class-less
+pods with ``cpu_quota > 0``. LSE and SYSTEM pods, and pods bound to CPUs by
+``scheduling.koordinator.sh/resource-status`` (their quota is unset anyway),
+are left alone. Run it after the hooks that set quotas (batch-resource, cpuset)
+so it sees their values.
+
+The division is exact (the ratio is taken as the decimal it was written as), so
+``120000 / 1.2`` is 100000, not the 100001 that binary floating point gives.
+
+args: ``ratio`` — the node's ratio (number or string, as the node annotation
+carries it), in [1.0, 5.0]; absent, null or 1 disables the hook.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any, Final
+
+from hooks.annotations import resource_status
+from hooks.hookargs import reject_unknown
+from hooks.qos import QoSClass, pod_qos
+from runtimeproxy.hookapi import (
+    ContainerContext,
+    ContainerPatch,
+    HookConfigError,
+    HookInit,
+    ResourcesPatch,
+)
+
+RATIO_ANNOTATION: Final = "node.koordinator.sh/cpu-normalization-ratio"
+MIN_RATIO: Final = Fraction(1)
+MAX_RATIO: Final = Fraction(5)
+MIN_QUOTA: Final = 1000
+_ARGS: Final = frozenset({"ratio"})
+_NORMALIZED: Final = frozenset({QoSClass.LS, QoSClass.LSR, QoSClass.BE, QoSClass.NONE})
+
+
+def parse_ratio(raw: object) -> Fraction | None:
+    """The ratio as an exact fraction (``None`` for null); ValueError when malformed or out of range."""
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+        raise ValueError("expected a number like 1.2")
+    text = raw.strip() if isinstance(raw, str) else repr(raw)
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("expected a number like 1.2") from None
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    try:
+        ratio = Fraction(text)
+    except ValueError:
+        raise ValueError("expected a number like 1.2") from None
+    if not MIN_RATIO <= ratio <= MAX_RATIO:
+        raise ValueError(f"must be in [{float(MIN_RATIO)}, {float(MAX_RATIO)}]")
+    return ratio
+
+
+def normalize_quota(quota: int, ratio: Fraction) -> int:
+    """``ceil(quota / ratio)``, at least the kernel minimum."""
+    return max(MIN_QUOTA, math.ceil(quota / ratio))
+
+
+class CPUNormalization:
+    """Stages: PreCreateContainer, PreUpdateContainerResources."""
+
+    def __init__(self, init: HookInit) -> None:
+        args: dict[str, Any] = dict(init.args)
+        reject_unknown(init, args, _ARGS)
+        try:
+            ratio = parse_ratio(args.get("ratio"))
+        except ValueError as exc:
+            raise HookConfigError(f"{init.key_path}.ratio", args.get("ratio"), str(exc)) from exc
+        self.ratio_text = str(args.get("ratio")).strip()
+        self.ratio: Fraction | None = ratio if ratio is not None and ratio > 1 else None
+
+    def _patch(self, ctx: ContainerContext) -> ContainerPatch | None:
+        if self.ratio is None:
+            return None
+        quota = ctx.container.resources.cpu_quota
+        if quota <= 0:
+            return None
+        qos = pod_qos(ctx.pod)
+        if qos not in _NORMALIZED:
+            return None
+        status = resource_status(ctx.pod)  # a malformed annotation is a HookError, not a guess
+        if status is not None and status.cpus:
+            return None
+        new = normalize_quota(quota, self.ratio)
+        if new == quota:  # already at the kernel minimum
+            return None
+        reason = f"{qos.value or 'no-class'} container CFS quota {quota} / cpu-normalization-ratio {self.ratio_text}"
+        reason += f" = {new}" if new == math.ceil(quota / self.ratio) else f" (raised to the kernel minimum {new})"
+        return ContainerPatch(resources=ResourcesPatch(cpu_quota=new), reason=reason)
+
+    def pre_create_container(self, ctx: ContainerContext) -> ContainerPatch | None:
+        return self._patch(ctx)
+
+    def pre_update_container_resources(self, ctx: ContainerContext) -> ContainerPatch | None:
+        return self._patch(ctx)

@@ -1,0 +1,273 @@
+"""CPUSet: containers run on the CPUs the scheduler gave them, everyone else on the share pools.
+
+Why: koord-scheduler binds LSE/LSR pods to whole CPUs and writes the binding
+into the pod annotation ``scheduling.koordinator.sh/resource-status``
+(``{"cpuset": "2-3", ...}``). Kubelet knows nothing of it, so without this hook
+the containers would float over every CPU and the binding would be a fiction.
+Conversely, LS and BE pods must stay *off* the CPUs bound to latency-critical
+pods, or binding buys nothing. This is koordlet's ``CPUSetAllocator`` hook.
+
+* PreCreateContainer / PreUpdateContainerResources — a pod with a
+  resource-status cpuset gets ``cpuset_cpus = <that set>`` and ``cpu_quota = -1``
+  (a pinned container must not also be throttled; ``args.unset_cpu_quota: false``
+  keeps the quota). The set is checked against the node's online CPUs (from the
+  injected sys root): a scheduler on another machine can name CPUs this node
+  does not have. Unbound LS pods get the LS share pool, unbound BE pods the BE
+  share pool. Unbound LSE/LSR/SYSTEM pods are left alone (kubelet's CPU manager
+  or another hook owns them).
+* PreRunPodSandbox — for bound pods, the pod cgroup (kubelet created it before
+  the call) gets its CFS quota unset (v1 ``cpu.cfs_quota_us = -1``, v2 ``cpu.max
+  = "max <period>"``) through the executor, reported in ``writes``.
+* PostStopPodSandbox / PostRemovePodSandbox — forget the pod's binding.
+
+Share pools come from ``args.ls_pool`` / ``args.be_pool`` when given (what
+koordlet publishes as the node annotations ``node.koordinator.sh/cpu-shared-pools``
+and ``be-cpu-shared-pools``: a CPU list, or that annotation's list of
+``{"socket", "node", "cpuset"}`` objects). Otherwise they are computed from the
+bindings this hook has seen at PreCreateContainer / PreUpdateContainerResources
+(kept in memory, per pod uid): LS pool = online CPUs minus LSE/LSR-bound minus
+``args.reserved_cpus``; BE pool = online CPUs minus LSE-bound (as Koordinator
+computes its annotations). A pool is never empty: if nothing is left, the pod
+gets every online CPU and the reason says so.
+
+Limitation: the binding map is in memory. After a proxy restart the computed
+pools include CPUs of bound pods until their containers are created or updated
+again (a reconciler pass, or pools given in args, closes that gap).
+
+args: ``ls_pool``, ``be_pool``, ``reserved_cpus`` (CPU lists), ``unset_cpu_quota``
+(bool, default true), ``cgroup_driver`` (cgroupfs | systemd), ``cgroup_version``
+(auto | 1 | 2).
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from hooks.annotations import RESOURCE_STATUS, resource_status
+from hooks.cgroups import CPU_CFS_QUOTA, CgroupError, CgroupLayout, pod_cgroup_dir
+from hooks.cpusets import CpuListError, check_on_node, format_cpu_list, parse_cpu_list, read_online_cpus
+from hooks.executor import CgroupExecutor, Update
+from hooks.hookargs import cgroup_args, host_writes
+from hooks.qos import QoSClass, pod_name, pod_qos
+from runtimeproxy.hookapi import (
+    ContainerContext,
+    ContainerPatch,
+    HookConfigError,
+    HookError,
+    HookInit,
+    PodContext,
+    PodInfo,
+    PodPatch,
+    ResourcesPatch,
+)
+
+_ARGS: Final = frozenset({"ls_pool", "be_pool", "reserved_cpus", "unset_cpu_quota", "cgroup_driver", "cgroup_version"})
+_SHOWN: Final = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """A pod's scheduler binding as this hook saw it (``NONE``-class pods count as LSR, as in koordlet)."""
+
+    qos: QoSClass
+    cpus: frozenset[int]
+
+
+
+def _fmt(cpus: frozenset[int]) -> str:
+    return format_cpu_list(cpus) or "none"
+
+
+def _pool_text(raw: object) -> str:
+    """A CPU list, or the node annotation's ``[{"socket": s, "node": n, "cpuset": "..."}]`` form."""
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list | tuple):
+        pieces: list[str] = []
+        for i, item in enumerate(raw):
+            cpuset = item.get("cpuset") if isinstance(item, Mapping) else None
+            if not isinstance(cpuset, str):
+                raise ValueError(f"item {i}: expected an object with a \"cpuset\" CPU list, got {item!r}")
+            pieces.extend(p for p in cpuset.strip().split(",") if p)
+        return ",".join(pieces)
+    raise ValueError(f"expected a CPU list string like \"0-3,8\" (or a list of {{cpuset: ...}}), got {raw!r}")
+
+
+class CPUSet:
+    """Stages: PreRunPodSandbox, PreCreateContainer, PreUpdateContainerResources,
+    PostStopPodSandbox, PostRemovePodSandbox."""
+
+    def __init__(self, init: HookInit) -> None:
+        args: dict[str, Any] = dict(init.args)
+        path = init.key_path
+        unknown = set(args) - _ARGS
+        if unknown:
+            key = sorted(unknown)[0]
+            raise HookConfigError(f"{path}.{key}", args[key], f"unknown key (known: {', '.join(sorted(_ARGS))})")
+        self.sys_root: Path = init.host.sys
+        unset = args.get("unset_cpu_quota", True)
+        if not isinstance(unset, bool):
+            raise HookConfigError(f"{path}.unset_cpu_quota", unset, "expected true or false")
+        self.unset_cpu_quota = unset
+        self.ls_pool = self._cpu_arg(init, args, "ls_pool", allow_empty=False)
+        self.be_pool = self._cpu_arg(init, args, "be_pool", allow_empty=False)
+        self.reserved = self._cpu_arg(init, args, "reserved_cpus", allow_empty=True) or frozenset()
+        driver, version = cgroup_args(init, args)
+        self.executor: CgroupExecutor | None = None
+        if self.unset_cpu_quota:  # the only host write this hook makes
+            try:
+                self.executor = CgroupExecutor(CgroupLayout(init.host.cgroup, version, driver))
+            except CgroupError as exc:
+                raise HookConfigError(f"{path}.cgroup_version", version, str(exc)) from exc
+        self._lock = threading.Lock()
+        self._bindings: dict[str, Binding] = {}
+
+    def _cpu_arg(
+        self, init: HookInit, args: Mapping[str, Any], key: str, *, allow_empty: bool
+    ) -> frozenset[int] | None:
+        if args.get(key) is None:
+            return None
+        where = f"{init.key_path}.{key}"
+        raw = args[key]
+        try:
+            text = _pool_text(raw)
+            cpus = parse_cpu_list(text)
+        except ValueError as exc:  # CpuListError is a ValueError
+            raise HookConfigError(where, raw, str(exc)) from exc
+        if not cpus and not allow_empty:
+            raise HookConfigError(where, raw, "a share pool must name at least one CPU")
+        try:
+            online = read_online_cpus(init.host.sys)
+        except CpuListError as exc:
+            raise HookConfigError(where, raw, f"cannot check it against the node: {exc}") from exc
+        try:
+            return check_on_node(cpus, online, text)
+        except CpuListError as exc:
+            raise HookConfigError(where, raw, str(exc)) from exc
+
+    # --- state -----------------------------------------------------------------
+
+    @property
+    def bindings(self) -> Mapping[str, Binding]:
+        """A snapshot of the bindings seen so far (pod uid → binding)."""
+        with self._lock:
+            return types.MappingProxyType(dict(self._bindings))
+
+    def _remember(self, pod: PodInfo, binding: Binding | None) -> None:
+        key = pod.meta.uid or pod_name(pod)
+        with self._lock:
+            if binding is None:
+                self._bindings.pop(key, None)
+            else:
+                self._bindings[key] = binding
+
+    def _bound(self, classes: frozenset[QoSClass]) -> frozenset[int]:
+        cpus: set[int] = set()
+        with self._lock:
+            for binding in self._bindings.values():
+                if binding.qos in classes:
+                    cpus |= binding.cpus
+        return frozenset(cpus)
+
+    # --- decisions -------------------------------------------------------------
+
+    def _online(self, pod: PodInfo) -> frozenset[int]:
+        try:
+            return read_online_cpus(self.sys_root)
+        except CpuListError as exc:
+            raise HookError(f"pod {pod_name(pod)}: {exc}") from exc
+
+    def _binding(self, pod: PodInfo) -> tuple[QoSClass, Binding | None]:
+        """The pod's class and, if the scheduler bound it, its checked binding."""
+        qos = pod_qos(pod)
+        status = resource_status(pod)
+        if status is None or not status.cpus:
+            return qos, None
+        try:
+            check_on_node(status.cpus, self._online(pod), status.cpuset)
+        except CpuListError as exc:
+            raw = pod.annotations.get(RESOURCE_STATUS, "")
+            shown = raw if len(raw) <= _SHOWN else raw[:_SHOWN] + "..."
+            raise HookError(f"pod {pod_name(pod)}: annotation {RESOURCE_STATUS}={shown!r}: cpuset: {exc}") from exc
+        return qos, Binding(QoSClass.LSR if qos is QoSClass.NONE else qos, status.cpus)
+
+    def share_pool(self, qos: QoSClass, online: frozenset[int]) -> tuple[frozenset[int], str]:
+        """The LS or BE share pool and how it was found."""
+        if qos is QoSClass.LS:
+            configured, key = self.ls_pool, "ls_pool"
+        else:
+            configured, key = self.be_pool, "be_pool"
+        if configured is not None:
+            pool = configured & online
+            why = f"from args.{key} {_fmt(configured)}"
+            if pool != configured:
+                why += f", limited to the online CPUs {_fmt(online)}"
+        elif qos is QoSClass.LS:
+            bound = self._bound(frozenset({QoSClass.LSE, QoSClass.LSR}))
+            pool = online - bound - self.reserved
+            why = f"computed: online {_fmt(online)} - LSE/LSR-bound {_fmt(bound)} - reserved {_fmt(self.reserved)}"
+        else:
+            bound = self._bound(frozenset({QoSClass.LSE}))
+            pool = online - bound
+            why = f"computed: online {_fmt(online)} - LSE-bound {_fmt(bound)}"
+        if not pool:
+            pool = online
+            why += "; that leaves no CPU, so all online CPUs"
+        return pool, why
+
+    def _container_patch(self, ctx: ContainerContext) -> ContainerPatch | None:
+        pod = ctx.pod
+        qos, binding = self._binding(pod)
+        self._remember(pod, binding)
+        if binding is not None:
+            cpuset = format_cpu_list(binding.cpus)
+            reason = f"{qos.value or 'no-class'} pod bound by resource-status cpuset {cpuset}"
+            if self.unset_cpu_quota:
+                return ContainerPatch(resources=ResourcesPatch(cpuset_cpus=cpuset, cpu_quota=-1),
+                                      reason=f"{reason}; CFS quota unset")
+            return ContainerPatch(resources=ResourcesPatch(cpuset_cpus=cpuset), reason=reason)
+        if qos not in (QoSClass.LS, QoSClass.BE):
+            return None
+        pool, why = self.share_pool(qos, self._online(pod))
+        cpuset = format_cpu_list(pool)
+        return ContainerPatch(
+            resources=ResourcesPatch(cpuset_cpus=cpuset),
+            reason=f"unbound {qos.value} pod gets the {qos.value} share pool {cpuset} ({why})",
+        )
+
+    # --- stages ----------------------------------------------------------------
+
+    def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
+        pod = ctx.pod
+        qos, binding = self._binding(pod)
+        if binding is None or self.executor is None:
+            return None
+        try:
+            cgroup = pod_cgroup_dir(pod.cgroup_parent, self.executor.layout.driver)
+        except CgroupError as exc:
+            raise HookError(f"pod {pod_name(pod)}: {exc}") from exc
+        reason = (f"{qos.value or 'no-class'} pod bound by resource-status cpuset {format_cpu_list(binding.cpus)}: "
+                  "pod CFS quota unset")
+        source = f"pod {pod_name(pod)}: cgroup_parent {pod.cgroup_parent!r}"
+        writes = host_writes(self.executor.apply([Update(cgroup, CPU_CFS_QUOTA, -1, reason, source)]))
+        return PodPatch(reason=reason if writes else f"{reason} (already unset)", writes=writes)
+
+    def pre_create_container(self, ctx: ContainerContext) -> ContainerPatch | None:
+        return self._container_patch(ctx)
+
+    def pre_update_container_resources(self, ctx: ContainerContext) -> ContainerPatch | None:
+        return self._container_patch(ctx)
+
+    def post_stop_pod_sandbox(self, ctx: PodContext) -> None:
+        if ctx.result is None or ctx.result.ok:
+            self._remember(ctx.pod, None)
+
+    def post_remove_pod_sandbox(self, ctx: PodContext) -> None:
+        if ctx.result is None or ctx.result.ok:
+            self._remember(ctx.pod, None)
+

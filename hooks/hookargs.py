@@ -1,0 +1,37 @@
+"""Argument checks and host-write reporting shared by the QoS hooks.
+
+Every hook validates its ``args`` the same way (unknown keys and the cgroup
+driver/version are errors naming ``hooks[i].args.<key>``), and every hook turns
+the executor's writes into the ``HostWrite`` entries ``explain`` shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from hooks.cgroups import Driver, Version
+from hooks.executor import Write
+from runtimeproxy.hookapi import HookConfigError, HookInit, HostWrite
+
+
+def reject_unknown(init: HookInit, args: Mapping[str, Any], known: frozenset[str]) -> None:
+    unknown = set(args) - known
+    if unknown:
+        key = sorted(unknown)[0]
+        raise HookConfigError(f"{init.key_path}.{key}", args[key], f"unknown key (known: {', '.join(sorted(known))})")
+
+
+def cgroup_args(init: HookInit, args: Mapping[str, Any]) -> tuple[Driver, Version | Literal["auto"]]:
+    driver = args.get("cgroup_driver", "cgroupfs")
+    if driver not in ("cgroupfs", "systemd"):
+        raise HookConfigError(f"{init.key_path}.cgroup_driver", driver, "must be cgroupfs or systemd")
+    version = args.get("cgroup_version", "auto")
+    if version not in ("auto", 1, 2):
+        raise HookConfigError(f"{init.key_path}.cgroup_version", version, "must be auto, 1 or 2")
+    return driver, version
+
+
+def host_writes(writes: Sequence[Write]) -> tuple[HostWrite, ...]:
+    """Only files whose value changed: an idempotent re-apply reports nothing."""
+    return tuple(HostWrite(str(w.target_path), w.old or "", w.new, w.reason) for w in writes if w.changed)
