@@ -1,0 +1,98 @@
+"""The shipped default chain (systemd/config.yaml) through the real proxy on cgroup v1.
+
+An LSR pod bound by ``scheduling.koordinator.sh/resource-status`` gets that cpuset
+and no CFS limit; a BE pod gets ``cpu.idle = 1`` on its pod cgroup (this upstream
+kernel has no bvt); ``explain`` lists every change with its hook and reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from criapi import cri_v1_pb2 as cri
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "systemd" / "config.yaml"
+STATUS = "scheduling.koordinator.sh/resource-status"
+
+
+@pytest.fixture(scope="module")
+def proxy_config() -> dict[str, Any]:
+    shipped = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    return {"hooks": shipped["hooks"], "rules": shipped["rules"], "reconcile_interval": "1s"}
+
+
+def _pod_dir(pod: cri.PodSandboxConfig, controller: str) -> Path:
+    path = CGROUP_ROOT / controller / pod.linux.cgroup_parent.lstrip("/")
+    assert path.is_relative_to(CGROUP_ROOT / controller)
+    return path
+
+
+def _kubelet_creates_pod_cgroup(pod: cri.PodSandboxConfig) -> None:
+    for controller in ("cpu", "cpuacct", "memory", "cpuset", "pids"):
+        _pod_dir(pod, controller).mkdir(parents=True, exist_ok=True)
+    rel = _pod_dir(pod, "cpuset").relative_to(CGROUP_ROOT / "cpuset")
+    for level in [*reversed(rel.parents[:-1]), rel]:
+        here = CGROUP_ROOT / "cpuset" / level
+        for name in ("cpuset.cpus", "cpuset.mems"):
+            if not (here / name).read_text().strip():
+                (here / name).write_text((here.parent / name).read_text())
+
+
+def _last_online_cpu() -> str:
+    # "0-1" or "0,2-3": the last number is the highest online CPU.
+    return Path("/sys/devices/system/cpu/online").read_text().strip().replace("-", ",").split(",")[-1]
+
+
+def test_lsr_pod_gets_its_bound_cpuset_and_no_quota(proxy: Any, pods: Any) -> None:
+    rt = proxy.runtime()
+    bound = _last_online_cpu()
+    pod = pods.sandbox("lsr-bound", qos="guaranteed", labels={"koordinator.sh/qosClass": "LSR"},
+                       annotations={STATUS: json.dumps({"cpuset": bound})})
+    _kubelet_creates_pod_cgroup(pod)
+    sid = pods.run(rt, pod)
+    resources = cri.LinuxContainerResources(cpu_shares=1024, cpu_quota=100000, cpu_period=100000)
+    cid = pods.create(rt, sid, pod, pods.container("app", resources=resources))
+    pods.start(rt, cid)
+    assert pods.cgroup_value(pod, cid, "cpuset", "cpuset.cpus") == bound
+    assert pods.cgroup_value(pod, cid, "cpu", "cpu.cfs_quota_us") == "-1"
+    assert (_pod_dir(pod, "cpu") / "cpu.cfs_quota_us").read_text().strip() == "-1"
+
+
+def test_be_pod_gets_cpu_idle(proxy: Any, pods: Any) -> None:
+    rt = proxy.runtime()
+    pod = pods.sandbox("be-idle", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"})
+    _kubelet_creates_pod_cgroup(pod)
+    pods.run(rt, pod)
+    assert (_pod_dir(pod, "cpu") / "cpu.idle").read_text().strip() == "1"
+    ls = pods.sandbox("ls-not-idle", qos="burstable", labels={"koordinator.sh/qosClass": "LS"})
+    _kubelet_creates_pod_cgroup(ls)
+    pods.run(rt, ls)
+    assert (_pod_dir(ls, "cpu") / "cpu.idle").read_text().strip() == "0"
+
+
+def test_explain_lists_request_and_host_changes(proxy: Any, pods: Any) -> None:
+    rt = proxy.runtime()
+    pod = pods.sandbox("explained", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"})
+    _kubelet_creates_pod_cgroup(pod)
+    sid = pods.run(rt, pod)
+    cid = pods.create(rt, sid, pod, pods.container("app", resources=cri.LinuxContainerResources(cpu_shares=2)))
+    pods.start(rt, cid)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run(
+        [sys.executable, "-m", "runtimeproxy.cli", "explain", "krp-test/explained", "--endpoint", proxy.endpoint],
+        capture_output=True, text=True, timeout=30, env=env, check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    idle = str(_pod_dir(pod, "cpu") / "cpu.idle")
+    assert f"[PreRunPodSandbox] group-identity: host:{idle}: 0 -> 1" in out.stdout
+    assert "[PreCreateContainer] cpuset: container.resources.cpuset_cpus:" in out.stdout
+    assert "unbound BE pod gets the BE share pool" in out.stdout, out.stdout
