@@ -25,6 +25,7 @@ from typing import Any
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy import devpods, embedded
+from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 
 CONFIG = """
 listen: {sock}
@@ -35,12 +36,22 @@ log: {{level: warning}}
 hooks:
 {hooks}
 """
+BATCH = ('{"containers": {"c": {"requests": {"kubernetes.io/batch-cpu": "500", "kubernetes.io/batch-memory": '
+         '"268435456"}, "limits": {"kubernetes.io/batch-cpu": "1000", "kubernetes.io/batch-memory": "268435456"}}}}')
 CHAIN = """  - {{name: shares-{i}, plugin: example-cpu-shares, failure_policy: Ignore, args: {{cpu_shares: {s}}}}}"""
 
 
 def _pct(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * p))]
+
+
+def _shipped_chain() -> str:
+    """The default config's hooks and rules, as YAML lines to append."""
+    import yaml
+
+    shipped = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    return yaml.safe_dump({"hooks": shipped["hooks"], "rules": shipped["rules"]})
 
 
 def _start_proxy(base: Path, backend: Path, hooks: int) -> tuple[subprocess.Popen[bytes], Path]:
@@ -52,8 +63,12 @@ def _start_proxy(base: Path, backend: Path, hooks: int) -> tuple[subprocess.Pope
     sock = base / "proxy.sock"
     chain = "\n".join(CHAIN.format(i=i, s=512 + i) for i in range(hooks))
     text = CONFIG.format(sock=sock, backend=backend, port=port, hooks=chain)
+    if hooks < 0:  # the shipped QoS chain
+        text = text.replace("hooks:\n", "") + _shipped_chain()
+    elif hooks == 0:
+        text = text.replace("hooks:\n", "hooks: []\n")
     cfg = base / "bench.yaml"
-    cfg.write_text(text if hooks else text.replace("hooks:\n", "hooks: []\n"))
+    cfg.write_text(text)
     proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg)])
     for _ in range(300):
         try:
@@ -92,11 +107,15 @@ def passthrough(direct: Any, proxied: Any, cid: str, n: int) -> list[tuple[str, 
 
 def lifecycle(rt: Any, prefix: str, logs: Path) -> float:
     uid = str(uuid.uuid4())
+    parent = devpods.kube_cgroup_parent(prefix, "besteffort", uid)
+    labels = {"koordinator.sh/qosClass": "BE"}
+    annotations = {"node.koordinator.sh/extended-resource-spec": BATCH}
     sandbox = devpods.sandbox_config(name="bench", namespace="bench", uid=uid, log_dir=str(logs),
-                                     cgroup_parent=devpods.kube_cgroup_parent(prefix, "burstable", uid))
+                                     cgroup_parent=parent, labels=labels, annotations=annotations)
     config = devpods.container_config(name="c", image=embedded.BUSYBOX_IMAGE, command=["sleep", "60"],
                                       resources=cri.LinuxContainerResources(cpu_shares=256))
     t = time.perf_counter()
+    kubelet_creates_pod_cgroup(parent)  # kubelet's step, timed on both paths
     sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sandbox)).pod_sandbox_id
     cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=config,
                                                         sandbox_config=sandbox)).container_id
@@ -112,7 +131,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000, help="pass-through calls per method and path")
     ap.add_argument("--pods", type=int, default=10, help="pod lifecycles per path")
-    ap.add_argument("--hooks", type=int, default=3, help="hooks in the chain for the lifecycle run")
+    ap.add_argument("--hooks", type=int, default=-1,
+                    help="example hooks in the chain; -1 (default) = the shipped QoS chain of systemd/config.yaml")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="krpb-", dir="/tmp"))
     ctd = embedded.EmbeddedContainerd(base / "ctd")
@@ -146,7 +166,7 @@ def main() -> int:
             print(f"| {name} | {d50:.0f} | {p50:.0f} | {p50 - d50:+.0f} | {d99:.0f} | {p99:.0f} | {p99 - d99:+.0f} |")
         dm, pm = statistics.median(d_times), statistics.median(p_times)
         print(f"\n### Pod lifecycle (Run, Create, Start, Stop, Remove), {args.pods} pods per path,"
-              f" {args.hooks} hooks in the chain\n")
+              f" chain: {'shipped QoS chain (4 hooks)' if args.hooks < 0 else f'{args.hooks} example hooks'}\n")
         print("| path | median s | min s | max s |")
         print("|---|---:|---:|---:|")
         print(f"| direct | {dm:.3f} | {min(d_times):.3f} | {max(d_times):.3f} |")
