@@ -13,6 +13,23 @@ all (kube BestEffort). This hook gives them what they were scheduled for:
   also go into the returned PodPatch's resources for the record.
 * PreCreateContainer / PreUpdateContainerResources — the container's values go
   into the CRI request, so the runtime creates the container with them.
+* ReconcilePodSandbox / ReconcileContainer (the reconciler's pass) — the same
+  values are recomputed from the annotation and the rules and re-applied through
+  the executor: the pod cgroup as at PreRunPodSandbox, the container cgroup
+  (``<pod cgroup>/<container id>``, or ``cri-containerd-<id>.scope`` with
+  systemd) with the container's shares, CFS quota and memory limit. The
+  container is written in one leveled update with its pod (parents widened
+  first, children narrowed first), so a narrower pod quota or memory limit
+  never fails because a container still holds the old value. Only drifted files
+  are written and reported.
+
+  The container's CFS quota is the one value another hook may change after this
+  one in the lifecycle chain (cpu-normalization scales it). So when both the
+  recomputed quota and the quota the proxy forwarded (``ctx.container.resources``,
+  the lifecycle chain's result) are limits, the forwarded one is the desired
+  value, and the two hooks agree instead of rewriting each other every pass.
+  When the recomputed quota is -1 (no batch-cpu limit, or the cfsQuota suppress
+  policy now on), -1 is written.
 
 Formulas (Koordinator ``MilliCPUToShares`` / ``MilliCPUToQuota``):
 shares = clamp(milli·1024/1000, 2, 262144); quota = milli·100 (at least 1000,
@@ -27,11 +44,13 @@ args: ``cgroup_driver`` (cgroupfs | systemd, default cgroupfs), ``cgroup_version
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any, Final, Literal
 
 from hooks.annotations import BATCH_CPU, BATCH_MEMORY, ContainerResources, ExtendedResourceSpec, extended_resource_spec
 from hooks.cgroups import (
     CPU_CFS_QUOTA,
+    CPU_IDLE,
     CPU_SHARES,
     MAX_SHARES,
     MEMORY_LIMIT,
@@ -40,6 +59,7 @@ from hooks.cgroups import (
     CgroupLayout,
     Driver,
     Version,
+    container_cgroup_dir,
     pod_cgroup_dir,
 )
 from hooks.executor import CgroupExecutor, Update, Write
@@ -48,6 +68,7 @@ from hooks.qos import QoSClass, pod_name, pod_qos
 from hooks.rules import Rules, parse_rules
 from runtimeproxy.hookapi import (
     ContainerContext,
+    ContainerInfo,
     ContainerPatch,
     HookConfigError,
     HookError,
@@ -108,7 +129,6 @@ def pod_limits(spec: ExtendedResourceSpec, suppress_quota: bool) -> BatchLimits:
     return BatchLimits(milli_cpu_to_shares(requests), quota, memory if memory else -1)
 
 
-
 def _parse_args(init: HookInit) -> tuple[Driver, Version | Literal["auto"]]:
     args: dict[str, Any] = dict(init.args)
     reject_unknown(init, args, _ARGS)
@@ -116,7 +136,8 @@ def _parse_args(init: HookInit) -> tuple[Driver, Version | Literal["auto"]]:
 
 
 class BatchResource:
-    """Stages: PreRunPodSandbox, PreCreateContainer, PreUpdateContainerResources."""
+    """Stages: PreRunPodSandbox, PreCreateContainer, PreUpdateContainerResources,
+    ReconcilePodSandbox, ReconcileContainer."""
 
     def __init__(self, init: HookInit) -> None:
         driver, version = _parse_args(init)
@@ -141,43 +162,112 @@ class BatchResource:
             return None
         return spec
 
-    def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
-        pod = ctx.pod
-        spec = self._batch_spec(pod)
-        if spec is None:
-            return None
-        limits = pod_limits(spec, self._suppress_quota)
+    def _pod_updates(self, pod: PodInfo, limits: BatchLimits) -> list[Update]:
         source = f"pod {pod_name(pod)}: cgroup_parent {pod.cgroup_parent!r}"
         try:
             cgroup = pod_cgroup_dir(pod.cgroup_parent, self.layout.driver)
         except CgroupError as exc:
             raise HookError(f"pod {pod_name(pod)}: {exc}") from exc
-        reason = "BE pod batch resources"
-        writes = self.executor.apply(
-            [
-                Update(cgroup, CPU_SHARES, limits.cpu_shares, f"{reason}: batch-cpu requests", source),
-                Update(cgroup, CPU_CFS_QUOTA, limits.cpu_quota, f"{reason}: batch-cpu limits", source),
-                Update(cgroup, MEMORY_LIMIT, limits.memory_limit, f"{reason}: batch-memory limits", source),
-            ]
-        )
+        reason = _REASON
+        updates = [
+            Update(cgroup, CPU_CFS_QUOTA, limits.cpu_quota, f"{reason}: batch-cpu limits", source),
+            Update(cgroup, MEMORY_LIMIT, limits.memory_limit, f"{reason}: batch-memory limits", source),
+        ]
+        if not self._idle(cgroup, source):
+            updates.insert(0, Update(cgroup, CPU_SHARES, limits.cpu_shares, f"{reason}: batch-cpu requests", source))
+        return updates
+
+    def _idle(self, cgroup: PurePosixPath, source: str) -> bool:
+        """An idle (SCHED_IDLE) group's weight belongs to the kernel: writing shares
+        there is refused (EINVAL), so group-identity's cpu.idle=1 wins over shares."""
+        try:
+            return self.executor.read(cgroup, CPU_IDLE, source).strip() == "1"
+        except CgroupError:
+            return False  # no cpu.idle on this kernel: shares apply as usual
+
+    def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
+        spec = self._batch_spec(ctx.pod)
+        if spec is None:
+            return None
+        limits = pod_limits(spec, self._suppress_quota)
+        writes = self.executor.apply(self._pod_updates(ctx.pod, limits))
         self.last_writes = writes
         done = host_writes(writes)
         return PodPatch(
-            resources=limits.patch(), reason=reason if done else f"{reason} (pod cgroup already set)", writes=done
+            resources=limits.patch(), reason=_REASON if done else f"{_REASON} (pod cgroup already set)", writes=done
         )
 
-    def _container_patch(self, ctx: ContainerContext) -> ContainerPatch | None:
+    def _container_spec(self, ctx: ContainerContext) -> ContainerResources | None:
         spec = self._batch_spec(ctx.pod)
         if spec is None:
             return None
         res = spec.containers.get(ctx.container.meta.name)
         if res is None or not _has_batch(res):
             return None
+        return res
+
+    def _container_patch(self, ctx: ContainerContext) -> ContainerPatch | None:
+        res = self._container_spec(ctx)
+        if res is None:
+            return None
         limits = container_limits(res, self._suppress_quota)
-        return ContainerPatch(resources=limits.patch(), reason="BE container batch resources")
+        return ContainerPatch(resources=limits.patch(), reason=_CONTAINER_REASON)
 
     def pre_create_container(self, ctx: ContainerContext) -> ContainerPatch | None:
         return self._container_patch(ctx)
 
     def pre_update_container_resources(self, ctx: ContainerContext) -> ContainerPatch | None:
         return self._container_patch(ctx)
+
+    # --- reconciler ----------------------------------------------------------------
+
+    def reconcile_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
+        """Re-apply the pod cgroup values of PreRunPodSandbox; report only what drifted."""
+        spec = self._batch_spec(ctx.pod)
+        if spec is None:
+            return None
+        writes = self.executor.apply(self._pod_updates(ctx.pod, pod_limits(spec, self._suppress_quota)))
+        self.last_writes = writes
+        done = host_writes(writes)
+        return PodPatch(reason=f"{_REASON} (reconciled)", writes=done) if done else None
+
+    def reconcile_container(self, ctx: ContainerContext) -> ContainerPatch | None:
+        """Write the container's batch values to its cgroup (with its pod, leveled)."""
+        if not ctx.container.id:
+            return None
+        spec = self._batch_spec(ctx.pod)
+        res = self._container_spec(ctx)
+        if spec is None or res is None:
+            return None
+        pod, container = ctx.pod, ctx.container
+        limits = container_limits(res, self._suppress_quota)
+        quota, quota_why = _desired_quota(limits.cpu_quota, container)
+        try:
+            cgroup = container_cgroup_dir(pod.cgroup_parent, container.id, self.layout.driver)
+        except CgroupError as exc:
+            raise HookError(f"pod {pod_name(pod)}: container {container.meta.name}: {exc}") from exc
+        source = (f"pod {pod_name(pod)}: container {container.meta.name} ({container.id}): "
+                  f"cgroup_parent {pod.cgroup_parent!r}")
+        reason = _CONTAINER_REASON
+        container_updates = [
+            Update(cgroup, CPU_SHARES, limits.cpu_shares, f"{reason}: batch-cpu requests", source),
+            Update(cgroup, CPU_CFS_QUOTA, quota, f"{reason}: {quota_why}", source),
+            Update(cgroup, MEMORY_LIMIT, limits.memory_limit, f"{reason}: batch-memory limits", source),
+        ]
+        pod_updates = self._pod_updates(pod, pod_limits(spec, self._suppress_quota))
+        writes = self.executor.leveled_update([pod_updates, container_updates])
+        self.last_writes = writes
+        done = host_writes(writes)
+        return ContainerPatch(reason=f"{reason} (reconciled)", writes=done) if done else None
+
+
+_REASON: Final = "BE pod batch resources"
+_CONTAINER_REASON: Final = "BE container batch resources"
+
+
+def _desired_quota(computed: int, container: ContainerInfo) -> tuple[int, str]:
+    """The container quota to keep at reconcile: see the module docstring."""
+    forwarded = container.resources.cpu_quota
+    if computed > 0 and forwarded > 0 and forwarded != computed:
+        return forwarded, f"batch-cpu limits ({computed}) as forwarded to the runtime ({forwarded})"
+    return computed, "batch-cpu limits"

@@ -18,23 +18,43 @@ so it sees their values.
 The division is exact (the ratio is taken as the decimal it was written as), so
 ``120000 / 1.2`` is 100000, not the 100001 that binary floating point gives.
 
+ReconcileContainer (the reconciler's pass) keeps the container cgroup's CFS
+quota (``<pod cgroup>/<container id>``: v1 ``cpu.cfs_quota_us``, v2 the quota
+half of ``cpu.max``) at the normalized value, for the same containers as above.
+The value is *not* computed again: ``ctx.container.resources.cpu_quota`` is
+what the proxy forwarded to the runtime, i.e. already divided by this hook at
+PreCreateContainer / PreUpdateContainerResources (and after a proxy restart
+the store relearns it from the runtime, which holds the forwarded request).
+Dividing it again would shrink the quota by the ratio on every pass, so the
+stored quota is the desired value as it is. (A container created while the
+proxy was down was never normalized; its stored quota is kubelet's and is kept
+as such: the reconciler cannot tell the two apart, and never dividing twice is
+the safe side.)
+
 args: ``ratio`` — the node's ratio (number or string, as the node annotation
 carries it), in [1.0, 5.0]; absent, null or 1 disables the hook.
+``cgroup_driver`` (cgroupfs | systemd), ``cgroup_version`` (auto | 1 | 2): the
+container cgroups the reconciler writes (the tree is looked at on first use, so
+the CRI-only stages work without one).
 """
 
 from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Any, Final
+from pathlib import Path
+from typing import Any, Final, Literal
 
 from hooks.annotations import resource_status
-from hooks.hookargs import reject_unknown
-from hooks.qos import QoSClass, pod_qos
+from hooks.cgroups import CPU_CFS_QUOTA, CgroupError, CgroupLayout, Driver, Version, container_cgroup_dir
+from hooks.executor import CgroupExecutor, Update
+from hooks.hookargs import cgroup_args, host_writes, reject_unknown
+from hooks.qos import QoSClass, pod_name, pod_qos
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
     HookConfigError,
+    HookError,
     HookInit,
     ResourcesPatch,
 )
@@ -43,7 +63,7 @@ RATIO_ANNOTATION: Final = "node.koordinator.sh/cpu-normalization-ratio"
 MIN_RATIO: Final = Fraction(1)
 MAX_RATIO: Final = Fraction(5)
 MIN_QUOTA: Final = 1000
-_ARGS: Final = frozenset({"ratio"})
+_ARGS: Final = frozenset({"ratio", "cgroup_driver", "cgroup_version"})
 _NORMALIZED: Final = frozenset({QoSClass.LS, QoSClass.LSR, QoSClass.BE, QoSClass.NONE})
 
 
@@ -75,7 +95,7 @@ def normalize_quota(quota: int, ratio: Fraction) -> int:
 
 
 class CPUNormalization:
-    """Stages: PreCreateContainer, PreUpdateContainerResources."""
+    """Stages: PreCreateContainer, PreUpdateContainerResources, ReconcileContainer."""
 
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
@@ -86,12 +106,13 @@ class CPUNormalization:
             raise HookConfigError(f"{init.key_path}.ratio", args.get("ratio"), str(exc)) from exc
         self.ratio_text = str(args.get("ratio")).strip()
         self.ratio: Fraction | None = ratio if ratio is not None and ratio > 1 else None
+        driver, version = cgroup_args(init, args)
+        self._cgroup: tuple[Path, Version | Literal["auto"], Driver] = (init.host.cgroup, version, driver)
+        self._executor: CgroupExecutor | None = None
 
-    def _patch(self, ctx: ContainerContext) -> ContainerPatch | None:
-        if self.ratio is None:
-            return None
-        quota = ctx.container.resources.cpu_quota
-        if quota <= 0:
+    def _applies(self, ctx: ContainerContext) -> QoSClass | None:
+        """The pod's class when its container's quota is normalized, else ``None``."""
+        if self.ratio is None or ctx.container.resources.cpu_quota <= 0:
             return None
         qos = pod_qos(ctx.pod)
         if qos not in _NORMALIZED:
@@ -99,6 +120,13 @@ class CPUNormalization:
         status = resource_status(ctx.pod)  # a malformed annotation is a HookError, not a guess
         if status is not None and status.cpus:
             return None
+        return qos
+
+    def _patch(self, ctx: ContainerContext) -> ContainerPatch | None:
+        qos = self._applies(ctx)
+        if qos is None or self.ratio is None:
+            return None
+        quota = ctx.container.resources.cpu_quota
         new = normalize_quota(quota, self.ratio)
         if new == quota:  # already at the kernel minimum
             return None
@@ -111,3 +139,33 @@ class CPUNormalization:
 
     def pre_update_container_resources(self, ctx: ContainerContext) -> ContainerPatch | None:
         return self._patch(ctx)
+
+    # --- reconciler ----------------------------------------------------------------
+
+    def _writer(self, ctx: ContainerContext) -> CgroupExecutor:
+        if self._executor is None:
+            root, version, driver = self._cgroup
+            try:
+                self._executor = CgroupExecutor(CgroupLayout(root, version, driver))
+            except CgroupError as exc:
+                raise HookError(f"pod {pod_name(ctx.pod)}: {exc}") from exc
+        return self._executor
+
+    def reconcile_container(self, ctx: ContainerContext) -> ContainerPatch | None:
+        """Keep the container cgroup's quota at the forwarded (already normalized) value."""
+        qos = self._applies(ctx)
+        pod, container = ctx.pod, ctx.container
+        if qos is None or not container.id:
+            return None
+        executor = self._writer(ctx)
+        try:
+            cgroup = container_cgroup_dir(pod.cgroup_parent, container.id, executor.layout.driver)
+        except CgroupError as exc:
+            raise HookError(f"pod {pod_name(pod)}: container {container.meta.name}: {exc}") from exc
+        quota = container.resources.cpu_quota  # as forwarded: already divided, never divided again
+        reason = (f"{qos.value or 'no-class'} container CFS quota {quota} as forwarded "
+                  f"(normalized by cpu-normalization-ratio {self.ratio_text} at creation, not divided again)")
+        source = (f"pod {pod_name(pod)}: container {container.meta.name} ({container.id}): "
+                  f"cgroup_parent {pod.cgroup_parent!r}")
+        writes = host_writes(executor.apply([Update(cgroup, CPU_CFS_QUOTA, quota, reason, source)]))
+        return ContainerPatch(reason=reason, writes=writes) if writes else None

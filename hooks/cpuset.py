@@ -19,6 +19,18 @@ pods, or binding buys nothing. This is koordlet's ``CPUSetAllocator`` hook.
   the call) gets its CFS quota unset (v1 ``cpu.cfs_quota_us = -1``, v2 ``cpu.max
   = "max <period>"``) through the executor, reported in ``writes``.
 * PostStopPodSandbox / PostRemovePodSandbox — forget the pod's binding.
+* ReconcilePodSandbox (the reconciler's pass; it runs over every pod before any
+  container) — re-learn the pod's binding from its annotation, so the binding
+  map, and with it the computed pools, is whole again after a restart or a
+  reload; for bound pods re-apply the pod's unset CFS quota. A bound pod whose
+  cgroup is gone is forgotten (its CPUs return to the pools) and reported as a
+  HookError.
+* ReconcileContainer — the same decision as at PreCreateContainer, written to
+  the container cgroup (``<pod cgroup>/<container id>``): ``cpuset.cpus`` = the
+  bound set or the current share pool (so pools follow bindings as pods come and
+  go), and for bound pods ``cpu.cfs_quota_us = -1``. One leveled update with the
+  pod cgroup: the pod is first widened to hold the container's CPUs (it is never
+  narrowed, and an empty v2 ``cpuset.cpus``, which inherits, is left alone).
 
 Share pools come from ``args.ls_pool`` / ``args.be_pool`` when given (what
 koordlet publishes as the node annotations ``node.koordinator.sh/cpu-shared-pools``
@@ -30,9 +42,10 @@ bindings this hook has seen at PreCreateContainer / PreUpdateContainerResources
 computes its annotations). A pool is never empty: if nothing is left, the pod
 gets every online CPU and the reason says so.
 
-Limitation: the binding map is in memory. After a proxy restart the computed
-pools include CPUs of bound pods until their containers are created or updated
-again (a reconciler pass, or pools given in args, closes that gap).
+The binding map is in memory. After a proxy restart or a reload the computed
+pools include CPUs of bound pods until the reconciler's first pass (right after
+start-up and after every reload) has re-learned them; pools given in args do
+not depend on it.
 
 args: ``ls_pool``, ``be_pool``, ``reserved_cpus`` (CPU lists), ``unset_cpu_quota``
 (bool, default true), ``cgroup_driver`` (cgroupfs | systemd), ``cgroup_version``
@@ -46,10 +59,20 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from hooks.annotations import RESOURCE_STATUS, resource_status
-from hooks.cgroups import CPU_CFS_QUOTA, CgroupError, CgroupLayout, pod_cgroup_dir
+from hooks.cgroups import (
+    CPU_CFS_QUOTA,
+    CPUSET_CPUS,
+    CgroupError,
+    CgroupGoneError,
+    CgroupLayout,
+    Driver,
+    Version,
+    container_cgroup_dir,
+    pod_cgroup_dir,
+)
 from hooks.cpusets import CpuListError, check_on_node, format_cpu_list, parse_cpu_list, read_online_cpus
 from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes
@@ -60,6 +83,7 @@ from runtimeproxy.hookapi import (
     HookConfigError,
     HookError,
     HookInit,
+    HostWrite,
     PodContext,
     PodInfo,
     PodPatch,
@@ -76,7 +100,6 @@ class Binding:
 
     qos: QoSClass
     cpus: frozenset[int]
-
 
 
 def _fmt(cpus: frozenset[int]) -> str:
@@ -100,7 +123,7 @@ def _pool_text(raw: object) -> str:
 
 class CPUSet:
     """Stages: PreRunPodSandbox, PreCreateContainer, PreUpdateContainerResources,
-    PostStopPodSandbox, PostRemovePodSandbox."""
+    PostStopPodSandbox, PostRemovePodSandbox, ReconcilePodSandbox, ReconcileContainer."""
 
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
@@ -118,8 +141,9 @@ class CPUSet:
         self.be_pool = self._cpu_arg(init, args, "be_pool", allow_empty=False)
         self.reserved = self._cpu_arg(init, args, "reserved_cpus", allow_empty=True) or frozenset()
         driver, version = cgroup_args(init, args)
+        self._cgroup: tuple[Path, Version | Literal["auto"], Driver] = (init.host.cgroup, version, driver)
         self.executor: CgroupExecutor | None = None
-        if self.unset_cpu_quota:  # the only host write this hook makes
+        if self.unset_cpu_quota:  # the only host write of the lifecycle stages
             try:
                 self.executor = CgroupExecutor(CgroupLayout(init.host.cgroup, version, driver))
             except CgroupError as exc:
@@ -242,19 +266,23 @@ class CPUSet:
 
     # --- stages ----------------------------------------------------------------
 
-    def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
-        pod = ctx.pod
-        qos, binding = self._binding(pod)
-        if binding is None or self.executor is None:
-            return None
+    def _unset_pod_quota(self, pod: PodInfo, qos: QoSClass, binding: Binding,
+                         executor: CgroupExecutor) -> tuple[str, tuple[HostWrite, ...]]:
         try:
-            cgroup = pod_cgroup_dir(pod.cgroup_parent, self.executor.layout.driver)
+            cgroup = pod_cgroup_dir(pod.cgroup_parent, executor.layout.driver)
         except CgroupError as exc:
             raise HookError(f"pod {pod_name(pod)}: {exc}") from exc
         reason = (f"{qos.value or 'no-class'} pod bound by resource-status cpuset {format_cpu_list(binding.cpus)}: "
                   "pod CFS quota unset")
         source = f"pod {pod_name(pod)}: cgroup_parent {pod.cgroup_parent!r}"
-        writes = host_writes(self.executor.apply([Update(cgroup, CPU_CFS_QUOTA, -1, reason, source)]))
+        return reason, host_writes(executor.apply([Update(cgroup, CPU_CFS_QUOTA, -1, reason, source)]))
+
+    def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
+        pod = ctx.pod
+        qos, binding = self._binding(pod)
+        if binding is None or self.executor is None:
+            return None
+        reason, writes = self._unset_pod_quota(pod, qos, binding, self.executor)
         return PodPatch(reason=reason if writes else f"{reason} (already unset)", writes=writes)
 
     def pre_create_container(self, ctx: ContainerContext) -> ContainerPatch | None:
@@ -271,3 +299,73 @@ class CPUSet:
         if ctx.result is None or ctx.result.ok:
             self._remember(ctx.pod, None)
 
+    # --- reconciler ----------------------------------------------------------------
+
+    def _writer(self, pod: PodInfo) -> CgroupExecutor:
+        """The executor; built on first use when ``unset_cpu_quota`` is false (the
+        lifecycle stages then write nothing, so no cgroup tree was required)."""
+        if self.executor is None:
+            root, version, driver = self._cgroup
+            try:
+                self.executor = CgroupExecutor(CgroupLayout(root, version, driver))
+            except CgroupError as exc:
+                raise HookError(f"pod {pod_name(pod)}: {exc}") from exc
+        return self.executor
+
+    def reconcile_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
+        """Re-learn the pod's binding; for a bound pod keep its pod CFS quota unset."""
+        pod = ctx.pod
+        qos, binding = self._binding(pod)
+        self._remember(pod, binding)
+        if binding is None or not self.unset_cpu_quota:
+            return None
+        try:
+            reason, writes = self._unset_pod_quota(pod, qos, binding, self._writer(pod))
+        except CgroupGoneError:
+            self._remember(pod, None)  # a pod without a cgroup holds no CPUs
+            raise
+        return PodPatch(reason=f"{reason} (reconciled)", writes=writes) if writes else None
+
+    def reconcile_container(self, ctx: ContainerContext) -> ContainerPatch | None:
+        """Write the container's cpuset.cpus (and, bound, its unset quota) as PreCreateContainer decides them."""
+        pod, container = ctx.pod, ctx.container
+        if not container.id:
+            return None
+        qos, binding = self._binding(pod)
+        self._remember(pod, binding)
+        if binding is not None:
+            cpus = binding.cpus
+            reason = f"{qos.value or 'no-class'} pod bound by resource-status cpuset {format_cpu_list(cpus)}"
+        elif qos in (QoSClass.LS, QoSClass.BE):
+            cpus, why = self.share_pool(qos, self._online(pod))
+            reason = f"unbound {qos.value} pod gets the {qos.value} share pool {format_cpu_list(cpus)} ({why})"
+        else:
+            return None
+        executor = self._writer(pod)
+        try:
+            pod_cgroup = pod_cgroup_dir(pod.cgroup_parent, executor.layout.driver)
+            cgroup = container_cgroup_dir(pod.cgroup_parent, container.id, executor.layout.driver)
+        except CgroupError as exc:
+            raise HookError(f"pod {pod_name(pod)}: container {container.meta.name}: {exc}") from exc
+        source = (f"pod {pod_name(pod)}: container {container.meta.name} ({container.id}): "
+                  f"cgroup_parent {pod.cgroup_parent!r}")
+        cpuset = format_cpu_list(cpus)
+        container_level = [Update(cgroup, CPUSET_CPUS, cpuset, reason, source)]
+        if binding is not None and self.unset_cpu_quota:
+            container_level.append(Update(cgroup, CPU_CFS_QUOTA, -1, f"{reason}; CFS quota unset", source))
+        pod_level: list[Update] = []
+        pod_source = f"pod {pod_name(pod)}: cgroup_parent {pod.cgroup_parent!r}"
+        try:
+            current = executor.read(pod_cgroup, CPUSET_CPUS, pod_source)
+        except CgroupGoneError:
+            self._remember(pod, None)  # as in reconcile_pod_sandbox: a pod without a cgroup holds no CPUs
+            raise
+        try:
+            have = parse_cpu_list(current)
+        except CpuListError:
+            have = frozenset()
+        if have and not cpus <= have:  # widen only; empty (v2: inherited) stays as it is
+            pod_level.append(Update(pod_cgroup, CPUSET_CPUS, format_cpu_list(have | cpus),
+                                    f"{reason}: pod cgroup widened to hold the container's CPUs", source))
+        writes = host_writes(executor.leveled_update([pod_level, container_level]))
+        return ContainerPatch(reason=f"{reason} (reconciled)", writes=writes) if writes else None

@@ -27,6 +27,11 @@ koordlet: ``enable`` false or missing means 0, ``enable`` true means its
 ``groupIdentity`` (the class value when absent). A malformed annotation is a
 HookError naming pod, key and value, and nothing is written.
 
+ReconcilePodSandbox (the reconciler's pass, at start-up, periodically and after
+a reload) makes the same decision and re-applies it: a manual write, a pod
+created while the proxy was down, or a rule change is repaired; only a file
+that differs is written and reported.
+
 args: ``idle_fallback`` (bool, default true), ``cgroup_driver`` (cgroupfs |
 systemd), ``cgroup_version`` (auto | 1 | 2).
 """
@@ -54,7 +59,7 @@ from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
 from hooks.qos import QoSClass, pod_name, pod_qos
 from hooks.rules import Rules, parse_rules
-from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, PodContext, PodInfo, PodPatch
+from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostWrite, PodContext, PodInfo, PodPatch
 
 CPU_QOS_ANNOTATION: Final = "koordinator.sh/cpuQOS"
 _ARGS: Final = frozenset({"idle_fallback", "cgroup_driver", "cgroup_version"})
@@ -86,7 +91,6 @@ class Detection:
         return f"kernel has neither cpu.bvt_warp_ns nor a usable cpu.idle (detected in {self.where})"
 
 
-
 def parse_cpu_qos(raw: str) -> tuple[bool, int | None]:
     """``koordinator.sh/cpuQOS`` → (enable, groupIdentity or None). Raises ValueError."""
     try:
@@ -108,7 +112,7 @@ def parse_cpu_qos(raw: str) -> tuple[bool, int | None]:
 
 
 class GroupIdentity:
-    """Stages: PreRunPodSandbox."""
+    """Stages: PreRunPodSandbox, ReconcilePodSandbox."""
 
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
@@ -183,8 +187,8 @@ class GroupIdentity:
                      idle_fallback=self.idle_fallback, detail=self._detection.describe())
             return self._detection
 
-    def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
-        pod = ctx.pod
+    def _apply(self, pod: PodInfo) -> tuple[Update, tuple[HostWrite, ...]] | None:
+        """Decide the pod's value and write it if it differs; ``None`` when there is nothing to do."""
         qos = pod_qos(pod)
         decided = self.pod_value(pod, qos)
         if decided is None:
@@ -203,6 +207,19 @@ class GroupIdentity:
             update = Update(cgroup, CPU_IDLE, idle, f"{why}: cpu.idle {idle}; {detection.describe()}", source)
         else:
             return None
-        writes = host_writes(self.executor.apply([update]))
+        return update, host_writes(self.executor.apply([update]))
+
+    def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
+        done = self._apply(ctx.pod)
+        if done is None:
+            return None
+        update, writes = done
         return PodPatch(reason=update.reason if writes else f"{update.reason} (already set)", writes=writes)
 
+    def reconcile_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
+        """Re-apply the pod's bvt / cpu.idle; a patch only when a file had drifted."""
+        done = self._apply(ctx.pod)
+        if done is None or not done[1]:
+            return None
+        update, writes = done
+        return PodPatch(reason=f"{update.reason} (reconciled)", writes=writes)

@@ -12,7 +12,7 @@ SHIPPED = Path(__file__).resolve().parents[2] / "systemd" / "config.yaml"
 def test_shipped_config_validates_and_keeps_yaml_order() -> None:
     settings = config.load(SHIPPED, {"hookserver_dir": ""})
     hooks = plugins.build_hooks(settings)
-    assert [h.name for h in hooks] == ["batch-resource", "cpuset", "cpu-normalization", "group-identity"]
+    assert [h.name for h in hooks] == ["batch-resource", "cpuset", "cpu-normalization", "group-identity", "resctrl"]
     assert all(h.policy is config.FailurePolicy.IGNORE for h in hooks)
     assert settings.listen == "/var/run/koord-runtimeproxy/runtimeproxy.sock"
     assert settings.metrics_listen == "127.0.0.1:9316"
@@ -27,4 +27,4 @@ def test_reversed_yaml_gives_reversed_chain(tmp_path: Path) -> None:
     path = tmp_path / "reversed.yaml"
     path.write_text(yaml.safe_dump(doc))
     hooks = plugins.build_hooks(config.load(path))
-    assert [h.name for h in hooks] == ["group-identity", "cpu-normalization", "cpuset", "batch-resource"]
+    assert [h.name for h in hooks] == ["resctrl", "group-identity", "cpu-normalization", "cpuset", "batch-resource"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 
 from hooks.annotations import BATCH_CPU, BATCH_MEMORY, EXTENDED_RESOURCE_SPEC
 from hooks.batchresource import BatchResource, milli_cpu_to_quota, milli_cpu_to_shares
-from hooks.cgroups import CgroupGoneError
+from hooks.cgroups import CgroupGoneError, shares_to_weight
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerInfo,
@@ -25,6 +26,7 @@ from runtimeproxy.hookapi import (
     PodContext,
     PodInfo,
     PodMeta,
+    Resources,
     ResourcesPatch,
     Stage,
     frozen_map,
@@ -309,3 +311,208 @@ def test_config_errors(
 def test_missing_cgroup_root_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(HookConfigError, match="no cgroup hierarchy"):
         make_hook(tmp_path)
+
+
+# --- reconciler -----------------------------------------------------------------------
+
+MAIN_ID = "c0ffee01main"
+SIDE_ID = "c0ffee02side"
+
+
+def add_containers(root: Path, pod_dir: str, *ids: str) -> None:
+    """Container cgroups under a pod as kubelet/containerd leave a BE container (no limits)."""
+    v2 = (root / "cgroup.controllers").exists()
+    for cid in ids:
+        if v2:
+            _under(root, pod_dir, cid).mkdir()
+            for name, value in V2.items():
+                _under(root, pod_dir, cid, name).write_text(value + "\n")
+            continue
+        for controller, files in V1.items():
+            _under(root, controller, pod_dir, cid).mkdir()
+            for name, value in files.items():
+                _under(root, controller, pod_dir, cid, name).write_text(value + "\n")
+
+
+def trees_with_containers(tmp_path: Path, tree: Callable[[Path, str], None]) -> Path:
+    cg = tmp_path / "cgroup"
+    tree(cg, PARENT)
+    add_containers(cg, PARENT, MAIN_ID, SIDE_ID)
+    return cg
+
+
+def rpod(info: PodInfo) -> PodContext:
+    return PodContext(Stage.RECONCILE_POD_SANDBOX, replace(info, id="sb-job"))
+
+
+def rctr(info: PodInfo, name: str, cid: str, quota: int = 0) -> ContainerContext:
+    container = ContainerInfo(ContainerMeta(name), id=cid, resources=Resources(cpu_quota=quota, cpu_period=100_000))
+    return ContainerContext(Stage.RECONCILE_CONTAINER, replace(info, id="sb-job"), container)
+
+
+def cfile(cg: Path, tree: Callable[[Path, str], None], resource: str, *cid: str) -> Path:
+    """The fixture file of a logical resource ("shares", "quota", "memory") in the pod or a container."""
+    v1 = {"shares": ("cpu", "cpu.shares"), "quota": ("cpu", "cpu.cfs_quota_us"),
+          "memory": ("memory", "memory.limit_in_bytes")}
+    v2 = {"shares": "cpu.weight", "quota": "cpu.max", "memory": "memory.max"}
+    if tree is v1_tree:
+        controller, name = v1[resource]
+        path = _under(cg, controller, PARENT, *cid, name)
+    else:
+        path = _under(cg, PARENT, *cid, v2[resource])
+    assert path.resolve().is_relative_to(cg.resolve()) and path.is_file(), path
+    return path
+
+
+@pytest.mark.parametrize("tree", [v1_tree, v2_tree], ids=["v1", "v2"])
+def test_reconcile_writes_once_then_repairs_drift(tmp_path: Path, tree: Callable[[Path, str], None]) -> None:
+    cg = trees_with_containers(tmp_path, tree)
+    hook = make_hook(tmp_path)
+    v1 = tree is v1_tree
+    # First pass: the pod as at PreRunPodSandbox, then each container's own values.
+    first = hook.reconcile_pod_sandbox(rpod(pod()))
+    assert first is not None and not first.changes_request()
+    assert [Path(w.target).name for w in first.writes] == (
+        ["cpu.shares", "cpu.cfs_quota_us", "memory.limit_in_bytes"] if v1 else ["cpu.weight", "cpu.max", "memory.max"]
+    )
+    main = hook.reconcile_container(rctr(pod(), "main", MAIN_ID))
+    assert main is not None and not main.changes_request()
+    expected = {
+        "shares": "1024" if v1 else str(shares_to_weight(1024)),
+        "quota": "200000" if v1 else "200000 100000",
+        "memory": str(GI),
+    }
+    assert {Path(w.target) for w in main.writes} == {cfile(cg, tree, r, MAIN_ID).resolve() for r in expected}
+    for resource, value in expected.items():
+        assert cfile(cg, tree, resource, MAIN_ID).read_text() == value
+    assert all(Path(w.target).is_relative_to(tmp_path.resolve()) for w in first.writes + main.writes)
+    side = hook.reconcile_container(rctr(pod(), "side", SIDE_ID))
+    assert side is not None and cfile(cg, tree, "memory", SIDE_ID).read_text() == str(512 * 2**20)
+    # Second pass: nothing drifted, nothing written or reported.
+    before = snapshot(cg)
+    assert hook.reconcile_pod_sandbox(rpod(pod())) is None
+    assert hook.reconcile_container(rctr(pod(), "main", MAIN_ID)) is None
+    assert hook.reconcile_container(rctr(pod(), "side", SIDE_ID)) is None
+    assert snapshot(cg) == before
+    # A manual write to a container file and to a pod file: repaired, reported old -> new.
+    drifted = cfile(cg, tree, "shares", MAIN_ID)
+    drifted.write_text("4096\n" if v1 else "500\n")
+    cfile(cg, tree, "memory").write_text("max\n" if not v1 else "-1\n")
+    repaired_pod = hook.reconcile_pod_sandbox(rpod(pod()))
+    assert repaired_pod is not None and [(Path(w.target).name, w.old, w.new) for w in repaired_pod.writes] == [
+        (cfile(cg, tree, "memory").name, "max" if not v1 else "-1", str(GI + GI // 2))
+    ]
+    repaired = hook.reconcile_container(rctr(pod(), "main", MAIN_ID))
+    assert repaired is not None
+    assert repaired.writes == (
+        HostWrite(str(drifted.resolve()), "4096" if v1 else "500", expected["shares"],
+                  "BE container batch resources: batch-cpu requests"),
+    )
+    assert drifted.read_text() == expected["shares"]
+    assert hook.reconcile_container(rctr(pod(), "main", MAIN_ID)) is None
+
+
+def test_reconcile_systemd_v2(tmp_path: Path) -> None:
+    cg = tmp_path / "cgroup"
+    v2_tree(cg, SYSTEMD_DIR)
+    scope = f"cri-containerd-{MAIN_ID}.scope"
+    _under(cg, SYSTEMD_DIR, scope).mkdir()
+    for name, value in V2.items():
+        _under(cg, SYSTEMD_DIR, scope, name).write_text(value + "\n")
+    hook = make_hook(tmp_path, {"cgroup_driver": "systemd", "cgroup_version": 2})
+    patch = hook.reconcile_container(rctr(pod(parent=SYSTEMD_PARENT), "main", MAIN_ID))
+    assert patch is not None
+    assert _under(cg, SYSTEMD_DIR, scope, "cpu.max").read_text() == "200000 100000"
+    assert _under(cg, SYSTEMD_DIR, "cpu.max").read_text() == "250000 100000"  # the pod, in the same leveled update
+
+
+@pytest.mark.parametrize("tree", [v1_tree, v2_tree], ids=["v1", "v2"])
+def test_reconcile_quota_as_forwarded(tmp_path: Path, tree: Callable[[Path, str], None]) -> None:
+    """A later hook (cpu-normalization) scaled the quota in the forwarded request: that value is kept,
+    so the two hooks never rewrite each other; without a forwarded quota the computed one is written."""
+    cg = trees_with_containers(tmp_path, tree)
+    hook = make_hook(tmp_path)
+    patch = hook.reconcile_container(rctr(pod(), "main", MAIN_ID, quota=166_667))
+    assert patch is not None
+    quota = [w for w in patch.writes if Path(w.target) == cfile(cg, tree, "quota", MAIN_ID).resolve()]
+    assert len(quota) == 1 and quota[0].new.split()[0] == "166667"
+    assert quota[0].reason == ("BE container batch resources: batch-cpu limits (200000) "
+                               "as forwarded to the runtime (166667)")
+    assert hook.reconcile_container(rctr(pod(), "main", MAIN_ID, quota=166_667)) is None
+    again = hook.reconcile_container(rctr(pod(), "main", MAIN_ID))  # nothing forwarded: the computed value
+    assert again is not None and [w.new.split()[0] for w in again.writes] == ["200000"]
+
+
+def test_reconcile_applies_rule_change_to_unlimited(tmp_path: Path) -> None:
+    cg = trees_with_containers(tmp_path, v1_tree)
+    make_hook(tmp_path).reconcile_container(rctr(pod(), "main", MAIN_ID, quota=200_000))
+    rules = {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"}}
+    hook = make_hook(tmp_path, rules=rules)  # a reload builds a new hook with the new rules
+    pod_patch = hook.reconcile_pod_sandbox(rpod(pod()))
+    assert pod_patch is not None and [(w.old, w.new) for w in pod_patch.writes] == [("250000", "-1")]
+    patch = hook.reconcile_container(rctr(pod(), "main", MAIN_ID, quota=200_000))
+    assert patch is not None and [(w.old, w.new) for w in patch.writes] == [("200000", "-1")]
+    assert cfile(cg, v1_tree, "quota", MAIN_ID).read_text() == "-1"
+
+
+def test_reconcile_container_narrows_children_before_the_pod(tmp_path: Path) -> None:
+    """The pod's and the container's quota shrink: the container is written first (v1 refuses a
+    parent quota below a child's)."""
+    cg = trees_with_containers(tmp_path, v1_tree)
+    cfile(cg, v1_tree, "quota").write_text("900000\n")
+    cfile(cg, v1_tree, "quota", MAIN_ID).write_text("800000\n")
+    patch = make_hook(tmp_path).reconcile_container(rctr(pod(), "main", MAIN_ID))
+    assert patch is not None
+    quotas = [(w.target, w.old, w.new) for w in patch.writes if w.target.endswith("cpu.cfs_quota_us")]
+    assert quotas == [
+        (str(cfile(cg, v1_tree, "quota", MAIN_ID).resolve()), "800000", "200000"),
+        (str(cfile(cg, v1_tree, "quota").resolve()), "900000", "250000"),
+    ]
+
+
+@pytest.mark.parametrize("tree", [v1_tree, v2_tree], ids=["v1", "v2"])
+def test_reconcile_cgroup_gone_is_a_hook_error(tmp_path: Path, tree: Callable[[Path, str], None]) -> None:
+    trees_with_containers(tmp_path, tree)
+    hook = make_hook(tmp_path)
+    gone = pod(parent="/kubepods/besteffort/podvanished")
+    with pytest.raises(HookError, match=r"pod batch/job: cgroup_parent '/kubepods/besteffort/podvanished'.*"
+                                        r"does not exist") as info:
+        hook.reconcile_pod_sandbox(rpod(gone))
+    assert isinstance(info.value, CgroupGoneError)
+    with pytest.raises(CgroupGoneError, match=r"pod batch/job: container main \(c0ffee03gone\).*does not exist"):
+        hook.reconcile_container(rctr(pod(), "main", "c0ffee03gone"))
+
+
+@pytest.mark.parametrize(
+    "ctx",
+    [
+        rctr(pod(labels={"koordinator.sh/qosClass": "LS"}), "main", MAIN_ID),
+        rctr(pod(spec=None), "main", MAIN_ID),
+        rctr(pod(), "other", MAIN_ID),
+        rctr(pod(), "main", ""),
+    ],
+    ids=["LS", "no-annotation", "container-without-batch", "no-container-id"],
+)
+def test_reconcile_not_for_this_hook(tmp_path: Path, ctx: ContainerContext) -> None:
+    cg = trees_with_containers(tmp_path, v1_tree)
+    before = snapshot(cg)
+    hook = make_hook(tmp_path)
+    assert hook.reconcile_container(ctx) is None
+    if ctx.container.meta.name == "main" and ctx.container.id:
+        assert hook.reconcile_pod_sandbox(PodContext(Stage.RECONCILE_POD_SANDBOX, ctx.pod)) is None
+    assert snapshot(cg) == before
+
+
+def test_idle_pod_group_keeps_kernel_weight(tmp_path: Path) -> None:
+    """group-identity's cpu.idle=1 owns an idle group's weight: the kernel refuses
+    cpu.shares there (EINVAL), so batch-resource leaves shares alone and sets the rest."""
+    v1_tree(tmp_path / "cgroup", PARENT)
+    cpu = tmp_path / "cgroup" / "cpu" / PARENT.lstrip("/")
+    (cpu / "cpu.idle").write_text("1\n")
+    (cpu / "cpu.shares").write_text("3\n")
+    hook = make_hook(tmp_path)
+    patch = hook.reconcile_pod_sandbox(pod_ctx(pod()))
+    assert (cpu / "cpu.shares").read_text().strip() == "3"
+    assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "250000"
+    assert patch is not None
+    assert [Path(w.target).name for w in patch.writes] == ["cpu.cfs_quota_us", "memory.limit_in_bytes"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from hooks.annotations import RESOURCE_STATUS
+from hooks.cgroups import CgroupGoneError
 from hooks.cpunormalization import CPUNormalization, normalize_quota, parse_ratio
 from hooks.cpuset import CPUSet
 from runtimeproxy.chain import apply_patch
@@ -24,6 +26,7 @@ from runtimeproxy.hookapi import (
     HookError,
     HookInit,
     HostRoots,
+    HostWrite,
     PodInfo,
     PodMeta,
     Resources,
@@ -237,6 +240,120 @@ def test_bad_qos_label(tmp_path: Path) -> None:
     ],
 )
 def test_config_errors(tmp_path: Path, args: dict[str, Any], key: str, fragment: str) -> None:
+    with pytest.raises(HookConfigError, match=fragment) as exc:
+        make_hook(tmp_path, args)
+    assert exc.value.key_path == f"hooks[3].args.{key}"
+
+
+# --- reconciler -----------------------------------------------------------------------
+
+CID = "beef0001app"
+POD_DIR = f"/kubepods/burstable/pod{UID}"
+
+
+def with_container(root: Path, tree: Callable[[Path], None], cid: str = CID) -> Path:
+    """The pod tree plus a container cgroup; returns the container's quota file."""
+    tree(root)
+    if tree is v1_tree:
+        d = _under(root, "cpu", POD_DIR, cid)
+        d.mkdir()
+        (d / "cpu.cfs_quota_us").write_text("120000\n")
+        return d / "cpu.cfs_quota_us"
+    d = _under(root, POD_DIR, cid)
+    d.mkdir()
+    (d / "cpu.max").write_text("120000 100000\n")
+    return d / "cpu.max"
+
+
+def rctx(quota: int, qos: str | None = "LS", cid: str = CID, **kw: Any) -> ContainerContext:
+    c = ctx(quota, qos, Stage.RECONCILE_CONTAINER, **kw)
+    return replace(c, pod=replace(c.pod, id="sb-svc"), container=replace(c.container, id=cid))
+
+
+@pytest.mark.parametrize("tree", [v1_tree, v2_tree], ids=["v1", "v2"])
+def test_reconcile_writes_the_forwarded_quota_never_divides_twice(tmp_path: Path, tree: Callable[[Path], None]) -> None:
+    target = with_container(tmp_path / "cgroup", tree)
+    v1 = tree is v1_tree
+    hook = make_hook(tmp_path)  # ratio 1.2
+    # What the proxy forwarded at PreCreateContainer: kubelet's 120000 already divided by 1.2.
+    created = hook.pre_create_container(ctx(120_000))
+    assert created is not None and created.resources is not None and created.resources.cpu_quota == 100_000
+    stored = rctx(100_000)
+    first = hook.reconcile_container(stored)
+    reason = ("LS container CFS quota 100000 as forwarded "
+              "(normalized by cpu-normalization-ratio 1.2 at creation, not divided again)")
+    assert first == ContainerPatch(reason=reason, writes=(HostWrite(
+        str(target.resolve()), "120000" if v1 else "120000 100000", "100000" if v1 else "100000 100000", reason),))
+    assert not first.changes_request()
+    assert Path(first.writes[0].target).is_relative_to(tmp_path.resolve())
+    for _ in range(3):  # pass after pass: 100000 stays, it is not divided again (83334, 69445, ...)
+        assert hook.reconcile_container(stored) is None
+    assert target.read_text() == ("100000" if v1 else "100000 100000")
+    target.write_text("400000\n" if v1 else "max 100000\n")  # drift
+    repaired = hook.reconcile_container(stored)
+    assert repaired is not None and [(w.old, w.new) for w in repaired.writes] == [
+        ("400000", "100000") if v1 else ("max 100000", "100000 100000")
+    ]
+    assert hook.reconcile_container(stored) is None
+
+
+def test_reconcile_systemd_v2(tmp_path: Path) -> None:
+    root = tmp_path / "cgroup"
+    pod_dir = f"kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID.replace('-', '_')}.slice"
+    scope = _under(root, pod_dir, f"cri-containerd-{CID}.scope")
+    scope.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu\n")
+    (scope / "cpu.max").write_text("max 100000\n")
+    hook = make_hook(tmp_path, {"ratio": 2, "cgroup_driver": "systemd", "cgroup_version": 2})
+    patch = hook.reconcile_container(rctx(150_000, parent=f"kubepods-burstable-pod{UID.replace('-', '_')}.slice"))
+    assert patch is not None and (scope / "cpu.max").read_text() == "150000 100000"
+
+
+@pytest.mark.parametrize("tree", [v1_tree, v2_tree], ids=["v1", "v2"])
+def test_reconcile_cgroup_gone(tmp_path: Path, tree: Callable[[Path], None]) -> None:
+    with_container(tmp_path / "cgroup", tree)
+    hook = make_hook(tmp_path)
+    with pytest.raises(CgroupGoneError, match=r"pod team/svc: container app \(beef0002gone\).*does not exist"):
+        hook.reconcile_container(rctx(100_000, cid="beef0002gone"))
+    with pytest.raises(CgroupGoneError, match=r"pod team/svc: .*cgroup_parent '/kubepods/burstable/podgone'"):
+        hook.reconcile_container(rctx(100_000, parent="/kubepods/burstable/podgone"))
+
+
+def test_reconcile_without_cgroup_tree_is_a_hook_error(tmp_path: Path) -> None:
+    with pytest.raises(HookError, match=r"pod team/svc: no cgroup hierarchy"):
+        make_hook(tmp_path).reconcile_container(rctx(100_000))
+
+
+@pytest.mark.parametrize(
+    ("args", "c"),
+    [
+        ({"ratio": 1}, rctx(100_000)),
+        ({}, rctx(100_000)),
+        ({"ratio": 2}, rctx(0)),
+        ({"ratio": 2}, rctx(-1)),
+        ({"ratio": 2}, rctx(100_000, "LSE")),
+        ({"ratio": 2}, rctx(100_000, "SYSTEM")),
+        ({"ratio": 2}, rctx(100_000, "LSR", status=json.dumps({"cpuset": "2-3"}))),
+        ({"ratio": 2}, rctx(100_000, cid="")),
+    ],
+    ids=["ratio-1", "no-ratio", "no-quota", "unlimited", "LSE", "SYSTEM", "bound", "no-container-id"],
+)
+@pytest.mark.parametrize("tree", [v1_tree, v2_tree], ids=["v1", "v2"])
+def test_reconcile_left_alone(
+    tmp_path: Path, tree: Callable[[Path], None], args: dict[str, Any], c: ContainerContext
+) -> None:
+    with_container(tmp_path / "cgroup", tree)
+    before = snapshot(tmp_path)
+    assert make_hook(tmp_path, args).reconcile_container(c) is None
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    ("args", "key", "fragment"),
+    [({"ratio": 2, "cgroup_driver": "upstart"}, "cgroup_driver", "cgroupfs or systemd"),
+     ({"ratio": 2, "cgroup_version": 3}, "cgroup_version", "auto, 1 or 2")],
+)
+def test_cgroup_config_errors(tmp_path: Path, args: dict[str, Any], key: str, fragment: str) -> None:
     with pytest.raises(HookConfigError, match=fragment) as exc:
         make_hook(tmp_path, args)
     assert exc.value.key_path == f"hooks[3].args.{key}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -416,3 +417,205 @@ def test_missing_cgroup_root_is_a_config_error(tmp_path: Path) -> None:
     sys_tree(tmp_path)
     with pytest.raises(HookConfigError, match="no cgroup hierarchy"):
         make_hook(tmp_path)
+
+
+# --- reconciler -----------------------------------------------------------------------
+
+CID = "cafe0001main"
+LS_UID = "ls-0000-pod"
+LS_PARENT = f"/kubepods/burstable/pod{LS_UID}"
+
+
+def reconcile_tree(root: Path, tree: Tree, pod_dir: str, cid: str = CID, pod_cpus: str = "0-7") -> None:
+    """A pod and container cgroup with the files the reconciler keeps (cpuset.cpus, the CFS quota)."""
+    if not root.exists() or not _under(root, "cpu" if tree is v1_tree else "", pod_dir).exists():
+        tree(root, pod_dir)
+    if tree is v1_tree:
+        _under(root, "cpu", pod_dir, cid).mkdir()
+        _under(root, "cpu", pod_dir, cid, "cpu.cfs_quota_us").write_text("200000\n")
+        _under(root, "cpuset", pod_dir, "cpuset.cpus").write_text(pod_cpus + "\n")
+        _under(root, "cpuset", pod_dir, cid).mkdir()
+        _under(root, "cpuset", pod_dir, cid, "cpuset.cpus").write_text("0-7\n")
+    else:
+        _under(root, pod_dir, "cpuset.cpus").write_text(pod_cpus + "\n")
+        _under(root, pod_dir, cid).mkdir()
+        _under(root, pod_dir, cid, "cpu.max").write_text("200000 50000\n")
+        _under(root, pod_dir, cid, "cpuset.cpus").write_text("\n")
+
+
+def cpus_file(tmp_path: Path, tree: Tree, pod_dir: str, *cid: str) -> Path:
+    path = _under(tmp_path / "cgroup", "cpuset" if tree is v1_tree else "", pod_dir, *cid, "cpuset.cpus")
+    assert path.is_file(), path
+    return path
+
+
+def quota_file(tmp_path: Path, tree: Tree, pod_dir: str, *cid: str) -> Path:
+    if tree is v1_tree:
+        return _under(tmp_path / "cgroup", "cpu", pod_dir, *cid, "cpu.cfs_quota_us")
+    return _under(tmp_path / "cgroup", pod_dir, *cid, "cpu.max")
+
+
+def rpod(info: PodInfo) -> PodContext:
+    return PodContext(Stage.RECONCILE_POD_SANDBOX, replace(info, id=f"sb-{info.meta.uid}"))
+
+
+def rctr(info: PodInfo, cid: str = CID) -> ContainerContext:
+    return ContainerContext(Stage.RECONCILE_CONTAINER, replace(info, id=f"sb-{info.meta.uid}"),
+                            ContainerInfo(ContainerMeta("main"), id=cid))
+
+
+@pytest.mark.parametrize("tree", [v1_tree, v2_tree], ids=["v1", "v2"])
+def test_reconcile_bound_pod(tmp_path: Path, tree: Tree) -> None:
+    reconcile_tree(tmp_path / "cgroup", tree, PARENT)
+    sys_tree(tmp_path)
+    hook = make_hook(tmp_path)
+    v1 = tree is v1_tree
+    pod_patch = hook.reconcile_pod_sandbox(rpod(pod()))
+    assert pod_patch is not None and not pod_patch.changes_request()
+    assert pod_patch.writes == (HostWrite(
+        str(quota_file(tmp_path, tree, PARENT).resolve()), "400000" if v1 else "400000 50000",
+        "-1" if v1 else "max 50000", "LSR pod bound by resource-status cpuset 2-3: pod CFS quota unset"),)
+    patch = hook.reconcile_container(rctr(pod()))
+    assert patch is not None and not patch.changes_request()
+    container_cpus = cpus_file(tmp_path, tree, PARENT, CID)
+    assert {(w.target, w.old, w.new) for w in patch.writes} == {  # growing values: the widening pass writes them
+        (str(container_cpus.resolve()), "0-7" if v1 else "", "2-3"),
+        (str(quota_file(tmp_path, tree, PARENT, CID).resolve()), "200000" if v1 else "200000 50000",
+         "-1" if v1 else "max 50000"),
+    }
+    assert container_cpus.read_text() == "2-3"
+    assert all(Path(w.target).is_relative_to(tmp_path.resolve()) for w in patch.writes)
+    # Second pass: nothing to do. The pod cgroup (0-7) already holds 2-3: never narrowed.
+    before = snapshot(tmp_path)
+    assert hook.reconcile_pod_sandbox(rpod(pod())) is None
+    assert hook.reconcile_container(rctr(pod())) is None
+    assert snapshot(tmp_path) == before
+    # Drift: someone widened the container to every CPU again.
+    container_cpus.write_text("0-7\n")
+    repaired = hook.reconcile_container(rctr(pod()))
+    assert repaired is not None and repaired.writes == (
+        HostWrite(str(container_cpus.resolve()), "0-7", "2-3", "LSR pod bound by resource-status cpuset 2-3"),
+    )
+    assert repaired.reason == "LSR pod bound by resource-status cpuset 2-3 (reconciled)"
+    assert container_cpus.read_text() == "2-3"
+
+
+@pytest.mark.parametrize("tree", [v1_tree, v2_tree], ids=["v1", "v2"])
+def test_reconcile_relearns_bindings_for_the_pools(tmp_path: Path, tree: Tree) -> None:
+    """After a restart the binding map is empty; the pod pass (which runs before any container)
+    re-learns it, so the LS pool excludes the bound CPUs again."""
+    root = tmp_path / "cgroup"
+    reconcile_tree(root, tree, PARENT)
+    reconcile_tree(root, tree, LS_PARENT, "cafe0002ls")
+    sys_tree(tmp_path, "0-7")
+    hook = make_hook(tmp_path)  # a fresh hook: nothing learned yet
+    ls = pod("LS", None, uid=LS_UID, name="cache", parent=LS_PARENT)
+    assert hook.reconcile_pod_sandbox(rpod(ls)) is None
+    hook.reconcile_pod_sandbox(rpod(pod()))
+    assert hook.bindings == {UID: Binding(QoSClass.LSR, frozenset({2, 3}))}
+    patch = hook.reconcile_container(rctr(ls, "cafe0002ls"))
+    target = cpus_file(tmp_path, tree, LS_PARENT, "cafe0002ls")
+    assert patch is not None and [(w.target, w.new) for w in patch.writes] == [(str(target.resolve()), "0-1,4-7")]
+    assert patch.writes[0].reason.startswith("unbound LS pod gets the LS share pool 0-1,4-7 "
+                                             "(computed: online 0-7 - LSE/LSR-bound 2-3 - reserved none)")
+    # The bound pod goes away: its CPUs return to the LS pool at the next pass.
+    hook.post_remove_pod_sandbox(PodContext(Stage.POST_REMOVE_POD_SANDBOX, pod(), CallResult(ok=True)))
+    grown = hook.reconcile_container(rctr(ls, "cafe0002ls"))
+    assert grown is not None and [(w.old, w.new) for w in grown.writes] == [("0-1,4-7", "0-7")]
+    assert hook.reconcile_container(rctr(ls, "cafe0002ls")) is None
+
+
+def test_reconcile_container_alone_relearns_the_binding(tmp_path: Path) -> None:
+    reconcile_tree(tmp_path / "cgroup", v1_tree, PARENT)
+    sys_tree(tmp_path)
+    hook = make_hook(tmp_path)
+    assert hook.reconcile_container(rctr(pod())) is not None
+    assert hook.bindings == {UID: Binding(QoSClass.LSR, frozenset({2, 3}))}
+
+
+@pytest.mark.parametrize("tree", [v1_tree, v2_tree], ids=["v1", "v2"])
+def test_reconcile_widens_the_pod_first(tmp_path: Path, tree: Tree) -> None:
+    reconcile_tree(tmp_path / "cgroup", tree, PARENT, pod_cpus="0-1")
+    sys_tree(tmp_path)
+    patch = make_hook(tmp_path).reconcile_container(rctr(pod()))
+    assert patch is not None
+    pod_cpus, container_cpus = cpus_file(tmp_path, tree, PARENT), cpus_file(tmp_path, tree, PARENT, CID)
+    cpus_writes = [(w.target, w.old, w.new) for w in patch.writes if w.target.endswith("cpuset.cpus")]
+    assert cpus_writes == [
+        (str(pod_cpus.resolve()), "0-1", "0-3"),  # the parent is widened before the child is written
+        (str(container_cpus.resolve()), "0-7" if tree is v1_tree else "", "2-3"),
+    ]
+    assert "widened first" in patch.writes[0].reason
+    assert pod_cpus.read_text() == "0-3" and container_cpus.read_text() == "2-3"
+
+
+def test_reconcile_leaves_an_inherited_v2_pod_cpuset_alone(tmp_path: Path) -> None:
+    reconcile_tree(tmp_path / "cgroup", v2_tree, PARENT, pod_cpus="")
+    sys_tree(tmp_path)
+    patch = make_hook(tmp_path).reconcile_container(rctr(pod()))
+    assert patch is not None
+    assert cpus_file(tmp_path, v2_tree, PARENT).read_text() == "\n"
+    assert cpus_file(tmp_path, v2_tree, PARENT, CID).read_text() == "2-3"
+
+
+def test_reconcile_without_unset_cpu_quota_writes_only_cpusets(tmp_path: Path) -> None:
+    reconcile_tree(tmp_path / "cgroup", v1_tree, PARENT)
+    sys_tree(tmp_path)
+    hook = make_hook(tmp_path, {"unset_cpu_quota": False})
+    assert hook.executor is None  # not needed by the lifecycle stages in this mode
+    assert hook.reconcile_pod_sandbox(rpod(pod())) is None
+    assert hook.bindings == {UID: Binding(QoSClass.LSR, frozenset({2, 3}))}
+    patch = hook.reconcile_container(rctr(pod()))
+    assert patch is not None and [Path(w.target).name for w in patch.writes] == ["cpuset.cpus"]
+    assert quota_file(tmp_path, v1_tree, PARENT, CID).read_text() == "200000\n"
+
+
+def test_reconcile_without_cgroup_tree_is_a_hook_error(tmp_path: Path) -> None:
+    sys_tree(tmp_path)
+    hook = make_hook(tmp_path, {"unset_cpu_quota": False})
+    with pytest.raises(HookError, match=r"pod shop/web: no cgroup hierarchy"):
+        hook.reconcile_container(rctr(pod()))
+
+
+@pytest.mark.parametrize("tree", [v1_tree, v2_tree], ids=["v1", "v2"])
+def test_reconcile_pod_cgroup_gone(tmp_path: Path, tree: Tree) -> None:
+    reconcile_tree(tmp_path / "cgroup", tree, PARENT)
+    sys_tree(tmp_path)
+    hook = make_hook(tmp_path)
+    gone = pod(uid="gone", parent="/kubepods/podgone")
+    with pytest.raises(CgroupGoneError, match=r"pod shop/web: cgroup_parent '/kubepods/podgone'.*does not exist"):
+        hook.reconcile_pod_sandbox(rpod(gone))
+    assert hook.bindings == {}  # its CPUs are not kept out of the pools
+    with pytest.raises(CgroupGoneError, match=r"pod shop/web: cgroup_parent '/kubepods/podgone'.*does not exist"):
+        hook.reconcile_container(rctr(gone))
+    assert hook.bindings == {}
+    with pytest.raises(CgroupGoneError, match=r"pod shop/web: container main \(cafe0009gone\).*does not exist"):
+        hook.reconcile_container(rctr(pod(), "cafe0009gone"))
+
+
+@pytest.mark.parametrize(
+    "info",
+    [pod("LSR", None), pod("LSE", None), pod("SYSTEM", None), pod("LSR", raw=json.dumps({"numaNodeResources": []}))],
+    ids=["LSR-unbound", "LSE-unbound", "SYSTEM", "numa-only"],
+)
+def test_reconcile_not_for_this_hook(tmp_path: Path, info: PodInfo) -> None:
+    reconcile_tree(tmp_path / "cgroup", v1_tree, PARENT)
+    sys_tree(tmp_path)
+    before = snapshot(tmp_path)
+    hook = make_hook(tmp_path)
+    assert hook.reconcile_pod_sandbox(rpod(info)) is None
+    assert hook.reconcile_container(rctr(info)) is None
+    assert hook.reconcile_container(rctr(pod(), "")) is None  # no container id: nothing to address
+    assert snapshot(tmp_path) == before
+
+
+def test_reconcile_bad_annotation_is_a_hook_error(tmp_path: Path) -> None:
+    reconcile_tree(tmp_path / "cgroup", v1_tree, PARENT)
+    sys_tree(tmp_path)
+    before = snapshot(tmp_path)
+    hook = make_hook(tmp_path)
+    bad = pod("LSR", raw=json.dumps({"cpuset": "0-15"}))
+    for run in (lambda: hook.reconcile_pod_sandbox(rpod(bad)), lambda: hook.reconcile_container(rctr(bad))):
+        with pytest.raises(HookError, match="CPUs 8-15 that are not online"):
+            run()
+    assert snapshot(tmp_path) == before

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -380,3 +381,89 @@ def test_config_errors(
 def test_missing_cgroup_root_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(HookConfigError, match="no cgroup hierarchy"):
         make_hook(tmp_path)
+
+
+# --- reconciler -----------------------------------------------------------------------
+
+
+def rctx(qos: str | None, parent: str, annotation: object = None) -> PodContext:
+    return replace(ctx(qos, parent, annotation), stage=Stage.RECONCILE_POD_SANDBOX)
+
+
+@pytest.mark.parametrize("tree", TREES, ids=["v1", "v2"])
+def test_reconcile_bvt_writes_once_then_repairs_drift(tmp_path: Path, tree: Tree) -> None:
+    tree(tmp_path / "cgroup", ("cpu.bvt_warp_ns",))
+    hook = make_hook(tmp_path)
+    target = pod_file(tmp_path, tree, BE_PARENT, "cpu.bvt_warp_ns")
+    probe = target.parent.parent.resolve()
+    reason = f"BE pod: class rule cpuQOS.groupIdentity -1; kernel has cpu.bvt_warp_ns (detected in {probe})"
+    first = hook.reconcile_pod_sandbox(rctx("BE", BE_PARENT))
+    assert first == PodPatch(reason=f"{reason} (reconciled)",
+                             writes=(HostWrite(str(target.resolve()), "0", "-1", reason),))
+    assert not first.changes_request() and target.read_text() == "-1"
+    assert Path(first.writes[0].target).is_relative_to(tmp_path.resolve())
+    before = snapshot(tmp_path)
+    assert hook.reconcile_pod_sandbox(rctx("BE", BE_PARENT)) is None  # nothing drifted: nothing reported
+    assert snapshot(tmp_path) == before
+    target.write_text("2\n")  # a manual write
+    repaired = hook.reconcile_pod_sandbox(rctx("BE", BE_PARENT))
+    assert repaired is not None and repaired.writes == (HostWrite(str(target.resolve()), "2", "-1", reason),)
+    assert target.read_text() == "-1"
+    # LS pods are kept at their class value the same way.
+    ls = pod_file(tmp_path, tree, LS_PARENT, "cpu.bvt_warp_ns")
+    ls_patch = hook.reconcile_pod_sandbox(rctx("LS", LS_PARENT))
+    assert ls_patch is not None and [(w.old, w.new) for w in ls_patch.writes] == [("0", "2")]
+    assert ls.read_text() == "2"
+
+
+@pytest.mark.parametrize("tree", TREES, ids=["v1", "v2"])
+def test_reconcile_idle_fallback(tmp_path: Path, tree: Tree) -> None:
+    tree(tmp_path / "cgroup", ("cpu.idle",))
+    hook = make_hook(tmp_path)
+    target = pod_file(tmp_path, tree, BE_PARENT, "cpu.idle")
+    first = hook.reconcile_pod_sandbox(rctx("BE", BE_PARENT))
+    assert first is not None and [(w.target, w.old, w.new) for w in first.writes] == [
+        (str(target.resolve()), "0", "1")
+    ]
+    assert hook.reconcile_pod_sandbox(rctx("BE", BE_PARENT)) is None
+    target.write_text("0\n")
+    repaired = hook.reconcile_pod_sandbox(rctx("BE", BE_PARENT))
+    assert repaired is not None and [(w.old, w.new) for w in repaired.writes] == [("0", "1")]
+    assert hook.reconcile_pod_sandbox(rctx("LS", LS_PARENT)) is None  # fallback: only BE pods
+
+
+def test_reconcile_applies_a_rule_change(tmp_path: Path) -> None:
+    v1_tree(tmp_path / "cgroup", ("cpu.bvt_warp_ns",))
+    assert make_hook(tmp_path).reconcile_pod_sandbox(rctx("LS", LS_PARENT)) is not None
+    rules = {"resourceQOSStrategy": {"lsClass": {"cpuQOS": {"enable": True, "groupIdentity": 1}}}}
+    reloaded = make_hook(tmp_path, rules=rules)  # a reload builds the hook anew with the new rules
+    patch = reloaded.reconcile_pod_sandbox(rctx("LS", LS_PARENT))
+    assert patch is not None and [(w.old, w.new) for w in patch.writes] == [("2", "1")]
+
+
+@pytest.mark.parametrize("tree", TREES, ids=["v1", "v2"])
+def test_reconcile_pod_cgroup_gone(tmp_path: Path, tree: Tree) -> None:
+    tree(tmp_path / "cgroup", ("cpu.bvt_warp_ns",))
+    hook = make_hook(tmp_path)
+    assert hook.reconcile_pod_sandbox(rctx("BE", BE_PARENT)) is not None
+    with pytest.raises(CgroupGoneError, match=r"pod prod/api: cgroup_parent '/kubepods/besteffort/podgone'.*"
+                                              r"does not exist"):
+        hook.reconcile_pod_sandbox(rctx("BE", "/kubepods/besteffort/podgone"))
+
+
+@pytest.mark.parametrize("tree", TREES, ids=["v1", "v2"])
+def test_reconcile_nothing_to_do(tmp_path: Path, tree: Tree) -> None:
+    tree(tmp_path / "cgroup", BOTH)
+    before = snapshot(tmp_path)
+    off = make_hook(tmp_path, rules={})
+    assert off.reconcile_pod_sandbox(rctx("BE", BE_PARENT)) is None  # rules say nothing
+    assert make_hook(tmp_path).reconcile_pod_sandbox(rctx("SYSTEM", LS_PARENT)) is None  # already 0
+    assert snapshot(tmp_path) == before
+
+
+def test_reconcile_bad_annotation_is_a_hook_error(tmp_path: Path) -> None:
+    v1_tree(tmp_path / "cgroup", BOTH)
+    before = snapshot(tmp_path)
+    with pytest.raises(HookError, match=r"pod prod/api: annotation koordinator\.sh/cpuQOS='\{bad'"):
+        make_hook(tmp_path).reconcile_pod_sandbox(rctx("LS", LS_PARENT, "{bad"))
+    assert snapshot(tmp_path) == before

@@ -1,0 +1,71 @@
+"""The reconciler on real cgroups: a manual write to a managed file is repaired.
+
+Runs the shipped chain with a 1 s reconcile interval. The container's CFS quota
+(batch-resource) and cpuset (cpuset share pool) are overwritten by hand, as an
+operator or another agent might, and must come back without any CRI call.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from criapi import cri_v1_pb2 as cri
+from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+SPEC = "node.koordinator.sh/extended-resource-spec"
+
+
+@pytest.fixture(scope="module")
+def proxy_config() -> dict[str, Any]:
+    shipped = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    return {"hooks": shipped["hooks"], "rules": shipped["rules"], "reconcile_interval": "1s"}
+
+
+def _wait_for(read: Any, want: str, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    value = read()
+    while value != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+        value = read()
+    return str(value)
+
+
+def test_manual_writes_are_repaired(proxy: Any, pods: Any) -> None:
+    rt = proxy.runtime()
+    spec = {"containers": {"app": {
+        "requests": {"kubernetes.io/batch-cpu": "500", "kubernetes.io/batch-memory": str(128 << 20)},
+        "limits": {"kubernetes.io/batch-cpu": "1000", "kubernetes.io/batch-memory": str(256 << 20)},
+    }}}
+    pod = pods.sandbox("drift-be", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"},
+                       annotations={SPEC: json.dumps(spec)})
+    kubelet_creates_pod_cgroup(pod.linux.cgroup_parent)
+    sid = pods.run(rt, pod)
+    cid = pods.create(rt, sid, pod, pods.container("app", resources=cri.LinuxContainerResources(cpu_shares=2)))
+    pods.start(rt, cid)
+    quota = CGROUP_ROOT / "cpu" / pod.linux.cgroup_parent.lstrip("/") / cid / "cpu.cfs_quota_us"
+    cpuset = CGROUP_ROOT / "cpuset" / pod.linux.cgroup_parent.lstrip("/") / cid / "cpuset.cpus"
+    assert quota.read_text().strip() == "100000"
+    pool = cpuset.read_text().strip()
+
+    quota.write_text("50000")  # drift: someone halves the BE container's quota
+    online = Path("/sys/devices/system/cpu/online").read_text().strip()
+    narrowed = online.replace("-", ",").split(",")[0]
+    cpuset.write_text(narrowed)  # drift: someone pins it to one CPU
+    assert quota.read_text().strip() == "50000"
+
+    assert _wait_for(lambda: quota.read_text().strip(), "100000") == "100000"
+    if pool != narrowed:
+        assert _wait_for(lambda: cpuset.read_text().strip(), pool) == pool
+    proxy.wait_event("reconcile_repaired", timeout=10)
+    changes = [c for event in proxy.events("reconcile_repaired") for c in event["changes"]]
+    assert f"batch-resource:host:{quota}=100000" in changes, changes
+    # No hook keeps failing on these pods (e.g. writing shares to an idle BE group).
+    failures = [e for e in proxy.events("hook_failed") if e.get("pod_name") == "drift-be"]
+    assert failures == [], failures
