@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from hooks.annotations import resource_status
-from hooks.cgroups import CPU_CFS_QUOTA, CgroupError, CgroupLayout, Driver, Version, container_cgroup_dir
+from hooks.cgroups import CPU_CFS_QUOTA, CgroupError, Driver, Version, container_cgroup_dir
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_args, host_writes, reject_unknown
+from hooks.hookargs import cgroup_args, host_writes, open_executor, reject_unknown
 from hooks.qos import QoSClass, pod_name, pod_qos
 from runtimeproxy.hookapi import (
     ContainerContext,
@@ -145,10 +145,7 @@ class CPUNormalization:
     def _writer(self, ctx: ContainerContext) -> CgroupExecutor:
         if self._executor is None:
             root, version, driver = self._cgroup
-            try:
-                self._executor = CgroupExecutor(CgroupLayout(root, version, driver))
-            except CgroupError as exc:
-                raise HookError(f"pod {pod_name(ctx.pod)}: {exc}") from exc
+            self._executor = open_executor(root, version, driver, ctx.pod)
         return self._executor
 
     def reconcile_container(self, ctx: ContainerContext) -> ContainerPatch | None:

@@ -75,7 +75,7 @@ from hooks.cgroups import (
 )
 from hooks.cpusets import CpuListError, check_on_node, format_cpu_list, parse_cpu_list, read_online_cpus
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_args, host_writes
+from hooks.hookargs import cgroup_args, host_writes, open_executor
 from hooks.qos import QoSClass, pod_name, pod_qos
 from runtimeproxy.hookapi import (
     ContainerContext,
@@ -306,10 +306,7 @@ class CPUSet:
         lifecycle stages then write nothing, so no cgroup tree was required)."""
         if self.executor is None:
             root, version, driver = self._cgroup
-            try:
-                self.executor = CgroupExecutor(CgroupLayout(root, version, driver))
-            except CgroupError as exc:
-                raise HookError(f"pod {pod_name(pod)}: {exc}") from exc
+            self.executor = open_executor(root, version, driver, pod)
         return self.executor
 
     def reconcile_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:

@@ -8,11 +8,13 @@ the executor's writes into the ``HostWrite`` entries ``explain`` shows.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
-from hooks.cgroups import Driver, Version
-from hooks.executor import Write
-from runtimeproxy.hookapi import HookConfigError, HookInit, HostWrite
+from hooks.cgroups import CgroupError, CgroupLayout, Driver, Version
+from hooks.executor import CgroupExecutor, Write
+from hooks.qos import pod_name
+from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostWrite, PodInfo
 
 
 def reject_unknown(init: HookInit, args: Mapping[str, Any], known: frozenset[str]) -> None:
@@ -30,6 +32,15 @@ def cgroup_args(init: HookInit, args: Mapping[str, Any]) -> tuple[Driver, Versio
     if version not in ("auto", 1, 2):
         raise HookConfigError(f"{init.key_path}.cgroup_version", version, "must be auto, 1 or 2")
     return driver, version
+
+
+def open_executor(root: Path, version: Version | Literal["auto"], driver: Driver, pod: PodInfo) -> CgroupExecutor:
+    """An executor built on first use (hooks that may run without a cgroup tree);
+    a missing or unusable tree is a HookError naming the pod that needed it."""
+    try:
+        return CgroupExecutor(CgroupLayout(root, version, driver))
+    except CgroupError as exc:
+        raise HookError(f"pod {pod_name(pod)}: {exc}") from exc
 
 
 def host_writes(writes: Sequence[Write]) -> tuple[HostWrite, ...]:
