@@ -64,7 +64,7 @@ from hooks.cgroups import (
 )
 from hooks.executor import CgroupExecutor, Update, Write
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
-from hooks.qos import QoSClass, pod_name, pod_qos
+from hooks.qos import QoSClass, pod_name
 from hooks.rules import Rules, parse_rules
 from runtimeproxy.hookapi import (
     ContainerContext,
@@ -155,7 +155,7 @@ class BatchResource:
         return threshold.enable and threshold.cpu_suppress_policy == "cfsQuota"
 
     def _batch_spec(self, pod: PodInfo) -> ExtendedResourceSpec | None:
-        if pod_qos(pod) is not QoSClass.BE:
+        if self.rules.qos_of(pod) is not QoSClass.BE:
             return None
         spec = extended_resource_spec(pod)
         if spec is None or not any(_has_batch(res) for res in spec.containers.values()):

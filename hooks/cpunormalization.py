@@ -49,7 +49,8 @@ from hooks.annotations import resource_status
 from hooks.cgroups import CPU_CFS_QUOTA, CgroupError, Driver, Version, container_cgroup_dir
 from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, open_executor, reject_unknown
-from hooks.qos import QoSClass, pod_name, pod_qos
+from hooks.qos import QoSClass, pod_name
+from hooks.rules import Rules, parse_rules
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
@@ -98,6 +99,7 @@ class CPUNormalization:
     """Stages: PreCreateContainer, PreUpdateContainerResources, ReconcileContainer."""
 
     def __init__(self, init: HookInit) -> None:
+        self.rules: Rules = parse_rules(init.rules)
         args: dict[str, Any] = dict(init.args)
         reject_unknown(init, args, _ARGS)
         try:
@@ -114,7 +116,7 @@ class CPUNormalization:
         """The pod's class when its container's quota is normalized, else ``None``."""
         if self.ratio is None or ctx.container.resources.cpu_quota <= 0:
             return None
-        qos = pod_qos(ctx.pod)
+        qos = self.rules.qos_of(ctx.pod)
         if qos not in _NORMALIZED:
             return None
         status = resource_status(ctx.pod)  # a malformed annotation is a HookError, not a guess

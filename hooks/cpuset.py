@@ -76,7 +76,8 @@ from hooks.cgroups import (
 from hooks.cpusets import CpuListError, check_on_node, format_cpu_list, parse_cpu_list, read_online_cpus
 from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, open_executor
-from hooks.qos import QoSClass, pod_name, pod_qos
+from hooks.qos import QoSClass, pod_name
+from hooks.rules import Rules, parse_rules
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
@@ -126,6 +127,7 @@ class CPUSet:
     PostStopPodSandbox, PostRemovePodSandbox, ReconcilePodSandbox, ReconcileContainer."""
 
     def __init__(self, init: HookInit) -> None:
+        self.rules: Rules = parse_rules(init.rules)
         args: dict[str, Any] = dict(init.args)
         path = init.key_path
         unknown = set(args) - _ARGS
@@ -208,7 +210,7 @@ class CPUSet:
 
     def _binding(self, pod: PodInfo) -> tuple[QoSClass, Binding | None]:
         """The pod's class and, if the scheduler bound it, its checked binding."""
-        qos = pod_qos(pod)
+        qos = self.rules.qos_of(pod)
         status = resource_status(pod)
         if status is None or not status.cpus:
             return qos, None

@@ -57,7 +57,7 @@ from hooks.cgroups import (
 )
 from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
-from hooks.qos import QoSClass, pod_name, pod_qos
+from hooks.qos import QoSClass, pod_name
 from hooks.rules import Rules, parse_rules
 from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostWrite, PodContext, PodInfo, PodPatch
 
@@ -189,7 +189,7 @@ class GroupIdentity:
 
     def _apply(self, pod: PodInfo) -> tuple[Update, tuple[HostWrite, ...]] | None:
         """Decide the pod's value and write it if it differs; ``None`` when there is nothing to do."""
-        qos = pod_qos(pod)
+        qos = self.rules.qos_of(pod)
         decided = self.pod_value(pod, qos)
         if decided is None:
             return None

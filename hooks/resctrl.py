@@ -82,7 +82,7 @@ import structlog
 from hooks.cgroups import CgroupError, CgroupLayout, PathEscapeError, container_cgroup_dir
 from hooks.executor import confine
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
-from hooks.qos import QoSClass, pod_name, pod_qos
+from hooks.qos import QoSClass, pod_name
 from hooks.resctrlfs import ResctrlError, ResctrlFS, ResctrlNotSupported, format_schemata
 from hooks.rules import ResctrlQOS, Rules, parse_rules
 from runtimeproxy.hookapi import (
@@ -292,7 +292,7 @@ class Resctrl:
                 shown = raw if len(raw) <= _SHOWN else raw[:_SHOWN] + "..."
                 raise HookError(f"pod {pod_name(pod)}: annotation {RESCTRL_ANNOTATION}={shown!r}: {exc}") from exc
             return group, schemata, f"pod annotation {RESCTRL_ANNOTATION}: group {group}", True
-        qos = pod_qos(pod)
+        qos = self.rules.qos_of(pod)
         class_group = self.class_group(qos)
         if class_group is None:
             return None
@@ -406,7 +406,7 @@ class Resctrl:
     def _reset_disabled_class(self, pod: PodInfo) -> PodPatch | None:
         """A class whose resctrlQOS is now disabled but whose group exists gets the
         None config (whole cache, full bandwidth), as koordlet does."""
-        qos = pod_qos(pod)
+        qos = self.rules.qos_of(pod)
         group = self.class_group(qos)
         if group is None or not self.fs.group_dir(group).is_dir():
             return None

@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
-from hooks.qos import QoSClass
-from runtimeproxy.hookapi import HookConfigError
+from hooks.qos import QoSClass, pod_qos
+from runtimeproxy.hookapi import HookConfigError, PodInfo
 
 T = TypeVar("T")
 
@@ -102,6 +102,13 @@ class Rules:
     resource_qos_strategy: ResourceQOSStrategy = field(default_factory=ResourceQOSStrategy)
     policies: Policies = Policies()
     resource_used_threshold_with_be: ResourceThresholdStrategy = ResourceThresholdStrategy()
+    #: Our extension (not a NodeSLO key): the class of Guaranteed pods without a
+    #: ``koordinator.sh/qosClass`` label. Koordinator treats them as LSR.
+    guaranteed_class: QoSClass = QoSClass.LSR
+
+    def qos_of(self, pod: PodInfo) -> QoSClass:
+        """The pod's class: its label, else its Kubernetes QoS (Guaranteed -> guaranteed_class)."""
+        return pod_qos(pod, guaranteed=self.guaranteed_class)
 
     def for_class(self, qos: QoSClass) -> ClassQOS:
         """The effective config of a class: LSE uses LSR's; a sub-config whose
@@ -241,12 +248,21 @@ _THRESHOLD: Final = _section(
         "memoryEvictThresholdPercent": ("memory_evict_threshold_percent", _PCT),
     },
 )
+def _guaranteed(raw: object, path: str, current: QoSClass) -> QoSClass:
+    allowed = (QoSClass.LSE, QoSClass.LSR, QoSClass.LS)
+    for qos in allowed:
+        if raw == qos.value:
+            return qos
+    raise HookConfigError(path, raw, f"must be one of {', '.join(q.value for q in allowed)}")
+
+
 _RULES: Final = _section(
     Rules,
     {
         "resourceQOSStrategy": ("resource_qos_strategy", _STRATEGY),
         "policies": ("policies", _POLICIES),
         "resourceUsedThresholdWithBE": ("resource_used_threshold_with_be", _THRESHOLD),
+        "guaranteedQoSClass": ("guaranteed_class", _guaranteed),
     },
 )
 

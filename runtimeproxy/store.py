@@ -78,6 +78,9 @@ class Store:
         """Keep a pod's change log; ignored once the pod is gone (Post of RemovePodSandbox)."""
         if changes and any(p.meta.uid == pod_uid for p in self._pods.values()):
             self._changes.setdefault(pod_uid, collections.deque(maxlen=CHANGES_PER_POD)).extend(changes)
+            for c in changes:  # what `explain` shows, also in the debug log
+                log.debug("change_recorded", hook=c.hook, stage=c.stage, target=c.target, old=c.old, new=c.new,
+                          reason=c.reason)
 
     def changes(self, pod_uid: str) -> list[Change]:
         return list(self._changes.get(pod_uid, ()))

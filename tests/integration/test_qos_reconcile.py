@@ -69,3 +69,23 @@ def test_manual_writes_are_repaired(proxy: Any, pods: Any) -> None:
     # No hook keeps failing on these pods (e.g. writing shares to an idle BE group).
     failures = [e for e in proxy.events("hook_failed") if e.get("pod_name") == "drift-be"]
     assert failures == [], failures
+
+
+def test_rule_change_is_reapplied_to_running_pods(proxy: Any, pods: Any) -> None:
+    rt = proxy.runtime()
+    pod = pods.sandbox("rule-change-be", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"})
+    kubelet_creates_pod_cgroup(pod.linux.cgroup_parent)
+    pods.run(rt, pod)
+    idle = CGROUP_ROOT / "cpu" / pod.linux.cgroup_parent.lstrip("/") / "cpu.idle"
+    assert idle.read_text().strip() == "1"
+    doc = proxy.config()
+    original = json.loads(json.dumps(doc))
+    try:
+        # BE's group identity -1 -> 0: no longer an idle group. No CRI call: the reload
+        # builds a new chain with the new rules and the reconciler re-applies them.
+        doc["rules"]["resourceQOSStrategy"]["beClass"]["cpuQOS"]["groupIdentity"] = 0
+        proxy.write_config(doc)
+        assert _wait_for(lambda: idle.read_text().strip(), "0") == "0"
+    finally:
+        proxy.write_config(original)
+    assert _wait_for(lambda: idle.read_text().strip(), "1") == "1"

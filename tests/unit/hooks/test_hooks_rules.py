@@ -125,3 +125,18 @@ def test_rules_are_frozen() -> None:
     rules = parse_rules({})
     with pytest.raises(AttributeError):
         rules.policies.cpu_policy = "coreSched"  # type: ignore[misc]
+
+
+def test_guaranteed_class_is_configurable() -> None:
+    from runtimeproxy.hookapi import PodInfo, PodMeta
+
+    guaranteed = PodInfo(meta=PodMeta(name="g", namespace="ns", uid="u"), cgroup_parent="/kubepods/podu")
+    labelled = PodInfo(meta=PodMeta(name="l", namespace="ns", uid="v"), cgroup_parent="/kubepods/podv",
+                       labels={"koordinator.sh/qosClass": "LSE"})
+    assert parse_rules(None).qos_of(guaranteed) is QoSClass.LSR
+    custom = parse_rules({"guaranteedQoSClass": "LS"})
+    assert custom.qos_of(guaranteed) is QoSClass.LS
+    assert custom.qos_of(labelled) is QoSClass.LSE, "the label still wins"
+    with pytest.raises(HookConfigError) as err:
+        parse_rules({"guaranteedQoSClass": "BE"})
+    assert err.value.key_path == "rules.guaranteedQoSClass"
