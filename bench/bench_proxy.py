@@ -166,7 +166,7 @@ def main() -> int:
             print(f"| {name} | {d50:.0f} | {p50:.0f} | {p50 - d50:+.0f} | {d99:.0f} | {p99:.0f} | {p99 - d99:+.0f} |")
         dm, pm = statistics.median(d_times), statistics.median(p_times)
         print(f"\n### Pod lifecycle (Run, Create, Start, Stop, Remove), {args.pods} pods per path,"
-              f" chain: {'shipped QoS chain (4 hooks)' if args.hooks < 0 else f'{args.hooks} example hooks'}\n")
+              f" chain: {'shipped QoS chain (5 hooks)' if args.hooks < 0 else f'{args.hooks} example hooks'}\n")
         print("| path | median s | min s | max s |")
         print("|---|---:|---:|---:|")
         print(f"| direct | {dm:.3f} | {min(d_times):.3f} | {max(d_times):.3f} |")
