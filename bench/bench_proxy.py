@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy import devpods, embedded
-from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
+from runtimeproxy.demo import DEFAULT_CONFIG, free_port, kubelet_creates_pod_cgroup, wait_healthy
 
 CONFIG = """
 listen: {sock}
@@ -55,11 +54,7 @@ def _shipped_chain() -> str:
 
 
 def _start_proxy(base: Path, backend: Path, hooks: int) -> tuple[subprocess.Popen[bytes], Path]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     sock = base / "proxy.sock"
     chain = "\n".join(CHAIN.format(i=i, s=512 + i) for i in range(hooks))
     text = CONFIG.format(sock=sock, backend=backend, port=port, hooks=chain)
@@ -70,14 +65,8 @@ def _start_proxy(base: Path, backend: Path, hooks: int) -> tuple[subprocess.Pope
     cfg = base / "bench.yaml"
     cfg.write_text(text)
     proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg)])
-    for _ in range(300):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
-                if r.status == 200:
-                    return proc, sock
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("proxy not ready")
+    wait_healthy(port, proc)
+    return proc, sock
 
 
 def _lat(fn: Callable[[], Any]) -> float:

@@ -20,7 +20,7 @@ import prometheus_client
 import structlog
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import logsetup, plugins, sdnotify
+from runtimeproxy import __version__, logsetup, plugins, sdnotify
 from runtimeproxy.backend import CallError
 from runtimeproxy.chain import HookChain
 from runtimeproxy.config import ConfigError, Settings, load
@@ -47,6 +47,7 @@ class App:
         self._overrides = overrides
         self.registry = prometheus_client.CollectorRegistry()
         self.metrics = ProxyMetrics(self.registry)
+        self.metrics.set_build_info(__version__)
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hooks")
         # Built here so a bad plugin or stage fails start-up, before the socket exists.
         self.chain: HookChain = plugins.build_chain(settings, executor=self._executor, observer=self.metrics)

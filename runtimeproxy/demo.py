@@ -83,7 +83,7 @@ def kubelet_creates_pod_cgroup(parent: str) -> None:
                 (here / name).write_text((here.parent / name).read_text())
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -92,7 +92,7 @@ def _free_port() -> int:
         return port
 
 
-def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+def wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -174,14 +174,14 @@ def main(*, workdir: Path, config_path: Path | None, once: bool = False) -> int:
         containerd.start()
         containerd.import_image(embedded.build_busybox_image(base))
         containerd.import_image(embedded.build_pause_image(base))
-        socket, port = base / "proxy.sock", _free_port()
+        socket, port = base / "proxy.sock", free_port()
         cfg = config_path or (base / "config.yaml")
         if config_path is None:
             cfg.write_text(demo_config(workdir, socket, containerd.socket, port))
         args = ["--listen", str(socket), "--backend", str(containerd.socket), "--metrics-listen", f"127.0.0.1:{port}"]
         proxy = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg), *args],
                                  start_new_session=True)  # Ctrl-C is ours to handle, in order
-        _wait_healthy(port, proxy)
+        wait_healthy(port, proxy)
         print(f"proxy ready on {socket}; metrics on http://127.0.0.1:{port}/metrics")
         rt = embedded.runtime_stub(embedded.unix_channel(socket))
         for spec in DEMO_PODS:

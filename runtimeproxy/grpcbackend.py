@@ -9,7 +9,7 @@ backend is down, as it would talking to containerd directly.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from typing import Final
 
 import grpc
@@ -78,15 +78,6 @@ class GrpcBackend:
         await self._runtime.close()
         if self._image is not self._runtime:
             await self._image.close()
-
-
-async def relay_stream(call: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Yield a backend stream's messages; errors surface as ``CallError``."""
-    try:
-        async for message in call:
-            yield message
-    except grpc.aio.AioRpcError as exc:
-        raise to_call_error(exc) from None
 
 
 def forwardable(metadata: Iterable[tuple[str, str | bytes]] | None) -> Metadata:

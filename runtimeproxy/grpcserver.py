@@ -121,9 +121,9 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
                 response: bytes = await call
             except grpc.aio.AioRpcError as exc:
                 stats.error(exc.code().name)
-                stats.duration.observe(time.perf_counter() - start)
                 await _abort(context, to_call_error(exc))
-            stats.duration.observe(time.perf_counter() - start)
+            finally:
+                stats.duration.observe(time.perf_counter() - start)
             initial = await call.initial_metadata()
             if initial:
                 await context.send_initial_metadata(initial)
@@ -173,13 +173,13 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
                 reply = await lifecycle.handle(method, request, info)
             except CallError as err:
                 stats.error(err.code.name)
-                stats.duration.observe(time.perf_counter() - start)
                 await _abort(context, err)
-            except Exception as exc:
+            except Exception as exc:  # a bug must not end kubelet's call without a status
                 log.exception("intercept_internal_error", method=method)
                 stats.error("INTERNAL")
                 await _abort(context, CallError(Code.INTERNAL, f"koord-runtime-proxy: {type(exc).__name__}: {exc}"))
-            stats.duration.observe(time.perf_counter() - start)
+            finally:
+                stats.duration.observe(time.perf_counter() - start)
             await _relay_metadata(context, reply)
             return reply.payload
 

@@ -71,10 +71,6 @@ class Stage(enum.Enum):
         return self.value.startswith("Pre")
 
     @property
-    def is_pod(self) -> bool:
-        return self.value.endswith("PodSandbox")
-
-    @property
     def patchable(self) -> bool:
         """Only stages whose CRI request carries a config can be patched; the
         others (stop/remove/start take an id) can observe or veto, not change."""
@@ -288,3 +284,4 @@ class HookConfigError(Exception):
         super().__init__(f"{key_path}: {message} (got {value!r})")
         self.key_path = key_path
         self.value = value
+        self.message = message

@@ -85,7 +85,7 @@ class Lifecycle:
         return frozenset(self._handlers)
 
     async def handle(self, method: str, payload: bytes, call: CallInfo) -> Reply:
-        with logsetup.scoped(method=method.rsplit("/", 1)[-1]):
+        with logsetup.scoped(method=method.removeprefix(RUNTIME)):
             return await self._handlers[method](payload, call)
 
     # --- pod sandbox -------------------------------------------------------------

@@ -57,6 +57,11 @@ def resolve_factory(spec: str, key_path: str, group: str = HOOK_GROUP) -> HookFa
     return factory
 
 
+def _config_error(exc: HookConfigError) -> ConfigError:
+    """A plugin's own validation error, reported like any other config error."""
+    return ConfigError(exc.key_path, exc.value, exc.message)
+
+
 def _check_methods(impl: object, stages: frozenset[Stage], key_path: str) -> None:
     for stage in stages:
         method = getattr(impl, stage.method_name)
@@ -73,7 +78,7 @@ def _local_hook(hook: HookSettings, settings: Settings) -> BoundHook:
     try:
         impl = factory(init)
     except HookConfigError as exc:
-        raise ConfigError(exc.key_path, exc.value, str(exc).split(": ", 1)[-1]) from exc
+        raise _config_error(exc) from exc
     implemented = implemented_stages(impl)
     if not implemented:
         raise ConfigError(f"{hook.key_path}.plugin", hook.plugin, "the hook implements no stage")
@@ -98,8 +103,7 @@ def _remote_hook(hook: HookSettings) -> BoundHook:
 
 
 def _registered_hook(reg: Registration) -> BoundHook:
-    impl = RemoteHook(name=f"hookserver.d/{reg.name}", endpoint=reg.endpoint, stages=reg.stages)
-    return BoundHook(f"hookserver.d/{reg.name}", impl, reg.stages, FailurePolicy(reg.failure_policy),
+    return BoundHook(f"hookserver.d/{reg.name}", reg.hook(), reg.stages, FailurePolicy(reg.failure_policy),
                      REGISTRATION_TIMEOUT)
 
 
@@ -160,7 +164,7 @@ def build_tasks(settings: Settings, snapshot: PodSnapshot) -> list[tuple[str, Ta
         try:
             task = factory(init)
         except HookConfigError as exc:
-            raise ConfigError(exc.key_path, exc.value, str(exc).split(": ", 1)[-1]) from exc
+            raise _config_error(exc) from exc
         if not callable(task):
             raise ConfigError(key_path, name, "task factory must return a coroutine function")
         out.append((name, cast(TaskFactory, task)))

@@ -428,6 +428,12 @@ class PodKit:
     def start(self, rt: Any, cid: str) -> None:
         rt.StartContainer(cri_v1_pb2.StartContainerRequest(container_id=cid), timeout=60)
 
+    def pod_dir(self, pod: cri_v1_pb2.PodSandboxConfig, controller: str) -> Path:
+        """The pod's own cgroup dir in one v1 controller, checked to stay under it."""
+        path = CGROUP_ROOT / controller / pod.linux.cgroup_parent.lstrip("/")
+        assert path.is_relative_to(CGROUP_ROOT / controller), path
+        return path
+
     def cgroup_value(self, pod: cri_v1_pb2.PodSandboxConfig, cid: str, controller: str, name: str) -> str:
         rel = pod.linux.cgroup_parent.lstrip("/")
         return (CGROUP_ROOT / controller / rel / cid / name).read_text().strip()

@@ -8,14 +8,13 @@ cgroup, and the container's values travel in the CRI request to runc.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from criapi import cri_v1_pb2 as cri
+from runtimeproxy.demo import kubelet_creates_pod_cgroup
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 SPEC = "node.koordinator.sh/extended-resource-spec"
 
 
@@ -24,22 +23,6 @@ def proxy_config() -> dict[str, Any]:
     return {"hooks": [{"name": "batch", "plugin": "batch-resource", "failure_policy": "Fail"}]}
 
 
-def _pod_dir(pod: cri.PodSandboxConfig, controller: str) -> Path:
-    path = CGROUP_ROOT / controller / pod.linux.cgroup_parent.lstrip("/")
-    assert path.is_relative_to(CGROUP_ROOT / controller)
-    return path
-
-
-def _kubelet_creates_pod_cgroup(pod: cri.PodSandboxConfig) -> None:
-    for controller in ("cpu", "cpuacct", "memory", "cpuset", "pids"):
-        _pod_dir(pod, controller).mkdir(parents=True, exist_ok=True)
-    # cpuset children start empty; kubelet copies the parent's cpus and mems down, top first.
-    rel = _pod_dir(pod, "cpuset").relative_to(CGROUP_ROOT / "cpuset")
-    for level in [*reversed(rel.parents[:-1]), rel]:
-        here = CGROUP_ROOT / "cpuset" / level
-        for name in ("cpuset.cpus", "cpuset.mems"):
-            if not (here / name).read_text().strip():
-                (here / name).write_text((here.parent / name).read_text())
 
 
 def test_be_pod_gets_batch_limits_in_pod_and_container_cgroups(proxy: Any, pods: Any) -> None:
@@ -50,12 +33,12 @@ def test_be_pod_gets_batch_limits_in_pod_and_container_cgroups(proxy: Any, pods:
     }}}
     pod = pods.sandbox("batch-be", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"},
                        annotations={SPEC: json.dumps(spec)})
-    _kubelet_creates_pod_cgroup(pod)
+    kubelet_creates_pod_cgroup(pod.linux.cgroup_parent)
     sid = pods.run(rt, pod)
     # Pod level, written by the hook at PreRunPodSandbox: 500m -> 512 shares, 1000m -> 100000 us quota.
-    assert (_pod_dir(pod, "cpu") / "cpu.shares").read_text().strip() == "512"
-    assert (_pod_dir(pod, "cpu") / "cpu.cfs_quota_us").read_text().strip() == "100000"
-    assert (_pod_dir(pod, "memory") / "memory.limit_in_bytes").read_text().strip() == str(256 << 20)
+    assert (pods.pod_dir(pod, "cpu") / "cpu.shares").read_text().strip() == "512"
+    assert (pods.pod_dir(pod, "cpu") / "cpu.cfs_quota_us").read_text().strip() == "100000"
+    assert (pods.pod_dir(pod, "memory") / "memory.limit_in_bytes").read_text().strip() == str(256 << 20)
     # Container level, carried in the CRI request: runc writes the same values.
     cid = pods.create(rt, sid, pod, pods.container("app", resources=cri.LinuxContainerResources(cpu_shares=2)))
     pods.start(rt, cid)
@@ -70,10 +53,10 @@ def test_bad_batch_annotation_fails_the_sandbox_naming_pod_and_key(proxy: Any, p
     rt = proxy.runtime()
     pod = pods.sandbox("batch-bad", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"},
                        annotations={SPEC: '{"containers": {"app": {"requests": {"kubernetes.io/batch-cpu": "-5"}}}}'})
-    _kubelet_creates_pod_cgroup(pod)
+    kubelet_creates_pod_cgroup(pod.linux.cgroup_parent)
     with pytest.raises(grpc.RpcError) as err:
         pods.run(rt, pod)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "batch" in err.value.details() and "batch-bad" in err.value.details() and SPEC in err.value.details()
     # Nothing was written: a new cgroup keeps the kernel's default shares.
-    assert (_pod_dir(pod, "cpu") / "cpu.shares").read_text().strip() == "1024"
+    assert (pods.pod_dir(pod, "cpu") / "cpu.shares").read_text().strip() == "1024"

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from criapi import cri_v1_pb2 as cri
+from runtimeproxy.demo import kubelet_creates_pod_cgroup
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "systemd" / "config.yaml"
 STATUS = "scheduling.koordinator.sh/resource-status"
 
@@ -30,21 +30,6 @@ def proxy_config() -> dict[str, Any]:
     return {"hooks": shipped["hooks"], "rules": shipped["rules"], "reconcile_interval": "1s"}
 
 
-def _pod_dir(pod: cri.PodSandboxConfig, controller: str) -> Path:
-    path = CGROUP_ROOT / controller / pod.linux.cgroup_parent.lstrip("/")
-    assert path.is_relative_to(CGROUP_ROOT / controller)
-    return path
-
-
-def _kubelet_creates_pod_cgroup(pod: cri.PodSandboxConfig) -> None:
-    for controller in ("cpu", "cpuacct", "memory", "cpuset", "pids"):
-        _pod_dir(pod, controller).mkdir(parents=True, exist_ok=True)
-    rel = _pod_dir(pod, "cpuset").relative_to(CGROUP_ROOT / "cpuset")
-    for level in [*reversed(rel.parents[:-1]), rel]:
-        here = CGROUP_ROOT / "cpuset" / level
-        for name in ("cpuset.cpus", "cpuset.mems"):
-            if not (here / name).read_text().strip():
-                (here / name).write_text((here.parent / name).read_text())
 
 
 def _last_online_cpu() -> str:
@@ -57,32 +42,32 @@ def test_lsr_pod_gets_its_bound_cpuset_and_no_quota(proxy: Any, pods: Any) -> No
     bound = _last_online_cpu()
     pod = pods.sandbox("lsr-bound", qos="guaranteed", labels={"koordinator.sh/qosClass": "LSR"},
                        annotations={STATUS: json.dumps({"cpuset": bound})})
-    _kubelet_creates_pod_cgroup(pod)
+    kubelet_creates_pod_cgroup(pod.linux.cgroup_parent)
     sid = pods.run(rt, pod)
     resources = cri.LinuxContainerResources(cpu_shares=1024, cpu_quota=100000, cpu_period=100000)
     cid = pods.create(rt, sid, pod, pods.container("app", resources=resources))
     pods.start(rt, cid)
     assert pods.cgroup_value(pod, cid, "cpuset", "cpuset.cpus") == bound
     assert pods.cgroup_value(pod, cid, "cpu", "cpu.cfs_quota_us") == "-1"
-    assert (_pod_dir(pod, "cpu") / "cpu.cfs_quota_us").read_text().strip() == "-1"
+    assert (pods.pod_dir(pod, "cpu") / "cpu.cfs_quota_us").read_text().strip() == "-1"
 
 
 def test_be_pod_gets_cpu_idle(proxy: Any, pods: Any) -> None:
     rt = proxy.runtime()
     pod = pods.sandbox("be-idle", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"})
-    _kubelet_creates_pod_cgroup(pod)
+    kubelet_creates_pod_cgroup(pod.linux.cgroup_parent)
     pods.run(rt, pod)
-    assert (_pod_dir(pod, "cpu") / "cpu.idle").read_text().strip() == "1"
+    assert (pods.pod_dir(pod, "cpu") / "cpu.idle").read_text().strip() == "1"
     ls = pods.sandbox("ls-not-idle", qos="burstable", labels={"koordinator.sh/qosClass": "LS"})
-    _kubelet_creates_pod_cgroup(ls)
+    kubelet_creates_pod_cgroup(ls.linux.cgroup_parent)
     pods.run(rt, ls)
-    assert (_pod_dir(ls, "cpu") / "cpu.idle").read_text().strip() == "0"
+    assert (pods.pod_dir(ls, "cpu") / "cpu.idle").read_text().strip() == "0"
 
 
 def test_explain_lists_request_and_host_changes(proxy: Any, pods: Any) -> None:
     rt = proxy.runtime()
     pod = pods.sandbox("explained", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"})
-    _kubelet_creates_pod_cgroup(pod)
+    kubelet_creates_pod_cgroup(pod.linux.cgroup_parent)
     sid = pods.run(rt, pod)
     cid = pods.create(rt, sid, pod, pods.container("app", resources=cri.LinuxContainerResources(cpu_shares=2)))
     pods.start(rt, cid)
@@ -92,7 +77,7 @@ def test_explain_lists_request_and_host_changes(proxy: Any, pods: Any) -> None:
         capture_output=True, text=True, timeout=30, env=env, check=False,
     )
     assert out.returncode == 0, out.stderr
-    idle = str(_pod_dir(pod, "cpu") / "cpu.idle")
+    idle = str(pods.pod_dir(pod, "cpu") / "cpu.idle")
     assert f"[PreRunPodSandbox] group-identity: host:{idle}: 0 -> 1" in out.stdout
     assert "[PreCreateContainer] cpuset: container.resources.cpuset_cpus:" in out.stdout
     assert "unbound BE pod gets the BE share pool" in out.stdout, out.stdout

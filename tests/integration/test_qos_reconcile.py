@@ -18,7 +18,6 @@ import yaml
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 SPEC = "node.koordinator.sh/extended-resource-spec"
 
 
@@ -49,8 +48,8 @@ def test_manual_writes_are_repaired(proxy: Any, pods: Any) -> None:
     sid = pods.run(rt, pod)
     cid = pods.create(rt, sid, pod, pods.container("app", resources=cri.LinuxContainerResources(cpu_shares=2)))
     pods.start(rt, cid)
-    quota = CGROUP_ROOT / "cpu" / pod.linux.cgroup_parent.lstrip("/") / cid / "cpu.cfs_quota_us"
-    cpuset = CGROUP_ROOT / "cpuset" / pod.linux.cgroup_parent.lstrip("/") / cid / "cpuset.cpus"
+    quota = pods.pod_dir(pod, "cpu") / cid / "cpu.cfs_quota_us"
+    cpuset = pods.pod_dir(pod, "cpuset") / cid / "cpuset.cpus"
     assert quota.read_text().strip() == "100000"
     pool = cpuset.read_text().strip()
 
@@ -76,7 +75,7 @@ def test_rule_change_is_reapplied_to_running_pods(proxy: Any, pods: Any) -> None
     pod = pods.sandbox("rule-change-be", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"})
     kubelet_creates_pod_cgroup(pod.linux.cgroup_parent)
     pods.run(rt, pod)
-    idle = CGROUP_ROOT / "cpu" / pod.linux.cgroup_parent.lstrip("/") / "cpu.idle"
+    idle = pods.pod_dir(pod, "cpu") / "cpu.idle"
     assert idle.read_text().strip() == "1"
     doc = proxy.config()
     original = json.loads(json.dumps(doc))
