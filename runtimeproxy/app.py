@@ -26,7 +26,7 @@ from runtimeproxy.chain import HookChain
 from runtimeproxy.config import ConfigError, Settings, load
 from runtimeproxy.grpcbackend import GrpcBackend
 from runtimeproxy.grpcserver import ProxyHandler, ProxyServer
-from runtimeproxy.hookapi import PodInfo
+from runtimeproxy.hookapi import CriCallError, Explainer, PodInfo, Route, TaskInit
 from runtimeproxy.lifecycle import Lifecycle, SkipLabel
 from runtimeproxy.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.reconcile import Reconciler
@@ -67,7 +67,14 @@ class App:
             store=self.store, chain=lambda: self.chain, skipped=self._skipped,
             interval=lambda: self.settings.reconcile_interval,
         )
-        for name, task in plugins.build_tasks(settings, self.store.snapshot):
+        self._routes: dict[str, Route] = {"/debug/explain": self._explain_route}
+        self._explainers: dict[str, Explainer] = {}
+        base = TaskInit(
+            name="", args={}, key_path="tasks", snapshot=self.store.snapshot,
+            current_rules=lambda: self.settings.rules, registry=self.registry,
+            add_route=self._add_route, add_explainer=self._add_explainer, cri=self._cri_call,
+        )
+        for name, task in plugins.build_tasks(settings, base):
             self.supervisor.add(f"task:{name}", task)
         self.http: HttpEndpoint | None = None
         self._stop = asyncio.Event()
@@ -135,7 +142,7 @@ class App:
         host, _, port = self.settings.metrics_listen.rpartition(":")
         self.http = HttpEndpoint(
             host.strip("[]"), int(port), self.registry, healthy=lambda: self._ready,
-            routes={"/debug/explain": self._explain_route},
+            routes=self._routes,
         )
         await self.http.start()
 
@@ -210,7 +217,38 @@ class App:
 
     # --- debug -------------------------------------------------------------------
 
+    def _add_route(self, path: str, handler: Route) -> None:
+        if self.http is not None:
+            raise RuntimeError(f"route {path!r} added after the HTTP endpoint started")
+        if path in self._routes:
+            raise ValueError(f"route {path!r} is already served")
+        self._routes[path] = handler
+
+    def _add_explainer(self, name: str, explainer: Explainer) -> None:
+        if name in self._explainers:
+            raise ValueError(f"explainer {name!r} is already registered")
+        self._explainers[name] = explainer
+
+    async def _cri_call(self, method: str, payload: bytes, timeout: float) -> bytes:
+        try:
+            reply = await self.backend.unary(method, payload, timeout=timeout)
+        except CallError as exc:
+            raise CriCallError(method, exc.code.name, exc.details or str(exc)) from exc
+        return reply.payload
+
+    def _task_views(self, pod: PodInfo | None) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, explainer in self._explainers.items():
+            try:
+                out[name] = dict(explainer(pod))
+            except Exception as exc:  # noqa: BLE001 - an explainer bug must not break explain
+                out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        return out
+
     async def _explain_route(self, query: dict[str, str]) -> tuple[int, str, bytes]:
+        if not query.get("pod"):
+            body: dict[str, Any] = {"node": True, "tasks": self._task_views(None)}
+            return 200, "application/json", json.dumps(body, indent=2, default=str).encode()
         namespace, _, name = query.get("pod", "").partition("/")
         pod = self.store.find_pod(namespace, name) if name else None
         if pod is None:
@@ -221,8 +259,9 @@ class App:
             "sandbox_id": pod.id,
             "cgroup_parent": pod.cgroup_parent,
             "changes": [asdict(c) for c in self.store.changes(pod.meta.uid)],
+            "tasks": self._task_views(pod),
         }
-        return 200, "application/json", json.dumps(body, indent=2).encode()
+        return 200, "application/json", json.dumps(body, indent=2, default=str).encode()
 
 
 def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, Any]) -> int:

@@ -8,6 +8,7 @@ Exit status: 0 clean stop, 1 runtime failure, 2 bad configuration or usage.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 import urllib.error
@@ -20,6 +21,9 @@ from typing import Any
 from runtimeproxy import config
 
 EXIT_CONFIG = 2
+#: Entry points here are ``register(subparsers)`` callables adding a subcommand that
+#: sets ``func`` (taking the parsed args, returning the exit status).
+COMMAND_GROUP = "koord_runtime_proxy.commands"
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -53,13 +57,16 @@ def parser() -> argparse.ArgumentParser:
     _add_config_flags(run)
     check = sub.add_parser("check-config", help="validate the config and the hooks it names, then exit")
     _add_config_flags(check)
-    explain = sub.add_parser("explain", help="what the hooks changed for a pod, and why")
-    explain.add_argument("pod", help="namespace/name")
+    explain = sub.add_parser("explain", help="what the hooks and tasks did for a pod (or the node), and why")
+    explain.add_argument("pod", nargs="?", default="", help="namespace/name (omit for the node-wide view)")
     explain.add_argument("--endpoint", default="127.0.0.1:9316", help="the proxy's metrics host:port")
     demo = sub.add_parser("demo", help="private containerd + proxy + demo pods; Ctrl-C cleans up")
     demo.add_argument("--workdir", type=Path, default=Path("/var/tmp/koord-runtime-proxy-demo"))
     demo.add_argument("--config", type=Path, default=None, help="proxy config (default: a demo config)")
     demo.add_argument("--once", action="store_true", help="clean up right after printing, no Ctrl-C wait")
+    # Plugin families add their own commands (e.g. ``top``) without the core naming them.
+    for ep in sorted(importlib.metadata.entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        ep.load()(sub)
     return p
 
 
@@ -111,24 +118,42 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_explain(args: argparse.Namespace) -> int:
-    query = urllib.parse.urlencode({"pod": args.pod})
-    url = f"http://{args.endpoint}/debug/explain?{query}"
+def _fetch_json(url: str) -> tuple[int, Any]:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
-            body = json.loads(resp.read())
+            return 0, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         print(f"koord-runtime-proxy: {json.loads(exc.read()).get('error', exc)}", file=sys.stderr)
-        return 1
     except OSError as exc:
         print(f"koord-runtime-proxy: cannot reach {url}: {exc}", file=sys.stderr)
-        return 1
+    return 1, None
+
+
+def _print_tasks(tasks: dict[str, Any]) -> None:
+    for name, view in tasks.items():
+        print(f"  task {name}:")
+        for line in json.dumps(view, indent=2, default=str).splitlines():
+            print(f"    {line}")
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    query = urllib.parse.urlencode({"pod": args.pod}) if args.pod else ""
+    code, body = _fetch_json(f"http://{args.endpoint}/debug/explain?{query}")
+    if code:
+        return code
+    if not args.pod:
+        print("node")
+        _print_tasks(body.get("tasks", {}))
+        if not body.get("tasks"):
+            print("  no background task explains anything")
+        return 0
     print(f"pod {body['pod']} uid={body['uid']} sandbox={body['sandbox_id'][:13]}")
     print(f"  cgroup_parent={body['cgroup_parent']}")
     for c in body["changes"]:
         print(f"  [{c['stage']}] {c['hook']}: {c['target']}: {c['old'] or '-'} -> {c['new']}  ({c['reason']})")
     if not body["changes"]:
         print("  no changes recorded")
+    _print_tasks(body.get("tasks", {}))
     return 0
 
 
@@ -145,6 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv.insert(0, "run")
     args = parser().parse_args(argv)
     commands = {"run": _cmd_run, "check-config": _cmd_check, "explain": _cmd_explain, "demo": _cmd_demo}
+    if args.command not in commands:
+        # A plugin command: its register() set ``func`` on its subparser.
+        code: int = args.func(args)
+        return code
     return commands[args.command](args)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -255,14 +255,60 @@ class HookInit:
 
 PodSnapshot = Callable[[], tuple[Mapping[str, PodInfo], Mapping[str, tuple[str, ContainerInfo]]]]
 
+#: An HTTP GET handler on the loopback endpoint: query -> (status, content type, body).
+Route = Callable[[dict[str, str]], Awaitable[tuple[int, str, bytes]]]
+#: Contributes to ``explain``: given a pod (or None for the node view), a JSON-able mapping.
+Explainer = Callable[["PodInfo | None"], Mapping[str, Any]]
+#: A unary CRI call to the runtime behind the proxy: (full method, request bytes, timeout) ->
+#: response bytes. Raises ``CriCallError`` when the runtime answers with an error.
+CriCall = Callable[[str, bytes, float], Awaitable[bytes]]
+
+
+class CriCallError(Exception):
+    """The runtime answered a task's CRI call with an error (``code`` is the gRPC status name)."""
+
+    def __init__(self, method: str, code: str, message: str) -> None:
+        super().__init__(f"{method}: {code}: {message}")
+        self.method = method
+        self.code = code
+        self.message = message
+
+
+def _no_rules() -> Mapping[str, Any]:
+    return EMPTY
+
+
+def _no_route(path: str, handler: Route) -> None:
+    raise RuntimeError(f"no HTTP endpoint to add {path!r} to")
+
+
+def _no_explainer(name: str, explainer: Explainer) -> None:
+    return None
+
+
+async def _no_cri(method: str, payload: bytes, timeout: float) -> bytes:
+    raise CriCallError(method, "UNAVAILABLE", "no runtime connected")
+
 
 @dataclass(frozen=True, slots=True)
 class TaskInit:
     """What a background-task factory (entry-point group ``koord_runtime_proxy.tasks``)
-    is given: its ``tasks.<name>`` mapping, the host roots, the rules, and a read-only
-    snapshot of the proxy's pods (sandbox id -> pod) and containers (id -> (sandbox id,
-    container)). The factory returns a zero-argument coroutine function that the
-    supervisor runs (and restarts with back-off if it raises)."""
+    is given. The factory returns a zero-argument coroutine function that the
+    supervisor runs (and restarts with back-off if it raises).
+
+    - ``args``: its ``tasks.<name>`` mapping (validate it; raise ``HookConfigError``
+      naming ``key_path``);
+    - ``snapshot``: a read-only view of the proxy's pods (sandbox id -> pod) and
+      containers (id -> (sandbox id, container));
+    - ``rules`` is the ``rules:`` section at start; ``current_rules()`` the one in force
+      now (it changes on reload without restarting tasks);
+    - ``registry``: the Prometheus registry served on ``/metrics`` (None when off);
+    - ``add_route``/``add_explainer``: extend the loopback HTTP endpoint and ``explain``;
+      only valid inside the factory (the endpoint starts after the tasks are built);
+    - ``cri``: unary calls to the runtime behind the proxy (not through the hook chain);
+    - ``shared``: one mapping per process, for tasks of one plugin family to share an
+      object (e.g. the metrics store) whatever their order in the YAML.
+    """
 
     name: str
     args: Mapping[str, Any]
@@ -270,6 +316,12 @@ class TaskInit:
     snapshot: PodSnapshot
     host: HostRoots = HostRoots()
     rules: Mapping[str, Any] = field(default_factory=dict)
+    current_rules: Callable[[], Mapping[str, Any]] = _no_rules
+    registry: Any = None
+    add_route: Callable[[str, Route], None] = _no_route
+    add_explainer: Callable[[str, Explainer], None] = _no_explainer
+    cri: CriCall = _no_cri
+    shared: MutableMapping[str, Any] = field(default_factory=dict)
 
 
 class HookError(Exception):

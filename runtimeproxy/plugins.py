@@ -8,6 +8,7 @@ once at load time rather than at the first pod.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import inspect
@@ -143,10 +144,11 @@ async def close_hooks(hooks: Sequence[BoundHook]) -> None:
 TaskFactory = Callable[[], Awaitable[None]]
 
 
-def build_tasks(settings: Settings, snapshot: PodSnapshot) -> list[tuple[str, TaskFactory]]:
+def build_tasks(settings: Settings, base: TaskInit) -> list[tuple[str, TaskFactory]]:
     """Background tasks named under ``tasks:`` (``{name: {enabled: bool, ...args}}``),
-    found by entry point; the supervisor runs them. Built at start so a bad name
-    or bad args exit 2 like any other config error."""
+    found by entry point; the supervisor runs them. ``base`` carries the process's
+    services (snapshot, registry, routes...); each task gets it with its own name and
+    args. Built at start so a bad name or bad args exit 2 like any other config error."""
     out: list[tuple[str, TaskFactory]] = []
     for name, raw in settings.tasks.items():
         key_path = f"tasks.{name}"
@@ -159,8 +161,8 @@ def build_tasks(settings: Settings, snapshot: PodSnapshot) -> list[tuple[str, Ta
         if not enabled:
             continue
         factory = resolve_factory(name, key_path, TASK_GROUP)
-        init = TaskInit(name=name, args=args, key_path=key_path, snapshot=snapshot,
-                        host=settings.host, rules=settings.rules)
+        init = dataclasses.replace(base, name=name, args=args, key_path=key_path,
+                                   host=settings.host, rules=settings.rules)
         try:
             task = factory(init)
         except HookConfigError as exc:
@@ -169,3 +171,8 @@ def build_tasks(settings: Settings, snapshot: PodSnapshot) -> list[tuple[str, Ta
             raise ConfigError(key_path, name, "task factory must return a coroutine function")
         out.append((name, cast(TaskFactory, task)))
     return out
+
+
+def task_base(snapshot: PodSnapshot) -> TaskInit:
+    """A TaskInit template with only the snapshot set (tests, check-config)."""
+    return TaskInit(name="", args={}, key_path="tasks", snapshot=snapshot)

@@ -48,7 +48,7 @@ async def test_enabled_task_runs_and_sees_the_store(task_module: str, tmp_path: 
     store.put_pod(PodInfo(meta=PodMeta(name="web", namespace="ns", uid="u1"), id="sb1"))
     out = tmp_path / "out.txt"
     settings = config.from_mapping({"tasks": {f"{task_module}:make": {"out": str(out)}}})
-    tasks = plugins.build_tasks(settings, store.snapshot)
+    tasks = plugins.build_tasks(settings, plugins.task_base(store.snapshot))
     assert [name for name, _ in tasks] == [f"{task_module}:make"]
     runner = asyncio.create_task(tasks[0][1]())
     try:
@@ -64,13 +64,13 @@ async def test_enabled_task_runs_and_sees_the_store(task_module: str, tmp_path: 
 
 def test_disabled_task_is_not_built(task_module: str, tmp_path: Path) -> None:
     settings = config.from_mapping({"tasks": {f"{task_module}:make": {"enabled": False, "out": "x"}}})
-    assert plugins.build_tasks(settings, Store().snapshot) == []
+    assert plugins.build_tasks(settings, plugins.task_base(Store().snapshot)) == []
 
 
 def test_unknown_task_names_the_key() -> None:
     settings = config.from_mapping({"tasks": {"no-such-task": {}}})
     with pytest.raises(config.ConfigError) as err:
-        plugins.build_tasks(settings, Store().snapshot)
+        plugins.build_tasks(settings, plugins.task_base(Store().snapshot))
     assert err.value.key_path == "tasks.no-such-task"
     assert "unknown plugin" in str(err.value)
 
@@ -78,12 +78,12 @@ def test_unknown_task_names_the_key() -> None:
 def test_task_arg_errors_name_the_key(task_module: str) -> None:
     settings = config.from_mapping({"tasks": {f"{task_module}:make": {"out": "x", "explode_at_build": True}}})
     with pytest.raises(config.ConfigError) as err:
-        plugins.build_tasks(settings, Store().snapshot)
+        plugins.build_tasks(settings, plugins.task_base(Store().snapshot))
     assert err.value.key_path == f"tasks.{task_module}:make.explode_at_build"
 
 
 def test_bad_enabled_value_names_the_key(task_module: str) -> None:
     settings = config.from_mapping({"tasks": {f"{task_module}:make": {"enabled": "yes"}}})
     with pytest.raises(config.ConfigError) as err:
-        plugins.build_tasks(settings, Store().snapshot)
+        plugins.build_tasks(settings, plugins.task_base(Store().snapshot))
     assert err.value.key_path == f"tasks.{task_module}:make.enabled"

@@ -1,0 +1,179 @@
+"""The vocabulary shared by collectors, the store, reporters and the QoS manager.
+
+A sample is ``(metric, labels, ts, value)``, as in koordlet's metric cache: the metric
+name says what is measured (and its unit), the labels say of what (a pod, a container,
+a NUMA node...). Names are ours (``node_cpu_usage_cores``); the Prometheus reporter
+maps them to koordlet's exported names. Units are SI base units (cores, bytes,
+seconds), never milli, so no consumer has to guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Protocol
+
+from hooks.qos import QoSClass
+
+Labels = tuple[tuple[str, str], ...]
+NO_LABELS: Final[Labels] = ()
+
+# --- label keys (koordlet's property labels where one exists) ---------------------
+POD_UID: Final = "pod_uid"
+CONTAINER_ID: Final = "container_id"
+NUMA_NODE: Final = "numa_node_id"
+RESOURCE: Final = "resource"  # psi: cpu | memory | io
+KIND: Final = "kind"  # psi: some | full
+WINDOW: Final = "window"  # psi: avg10 | avg60 | avg300
+SOURCE: Final = "source"  # sched latency: ebpf | schedstat
+
+# --- node -------------------------------------------------------------------------
+NODE_CPU_USAGE: Final = "node_cpu_usage_cores"
+NODE_CPU_CAPACITY: Final = "node_cpu_capacity_cores"
+NODE_MEMORY_USED: Final = "node_memory_used_bytes"  # MemTotal - MemAvailable
+NODE_MEMORY_TOTAL: Final = "node_memory_total_bytes"
+NUMA_CPU_USAGE: Final = "numa_cpu_usage_cores"  # {numa_node_id}
+NUMA_MEMORY_USED: Final = "numa_memory_used_bytes"  # {numa_node_id}
+SYSTEM_CPU_USAGE: Final = "system_cpu_usage_cores"  # max(node - sum(pods), 0)
+SYSTEM_MEMORY_USED: Final = "system_memory_used_bytes"
+
+# --- pods / containers ({pod_uid} / {pod_uid, container_id}) --------------------------
+POD_CPU_USAGE: Final = "pod_cpu_usage_cores"
+POD_MEMORY_USED: Final = "pod_memory_used_bytes"  # anon + unevictable (no page cache)
+POD_MEMORY_CACHE: Final = "pod_memory_cache_bytes"  # page cache, separately
+POD_CPU_THROTTLED: Final = "pod_cpu_throttled_ratio"  # d(nr_throttled) / d(nr_periods)
+CONTAINER_CPU_USAGE: Final = "container_cpu_usage_cores"
+CONTAINER_MEMORY_USED: Final = "container_memory_used_bytes"
+CONTAINER_MEMORY_CACHE: Final = "container_memory_cache_bytes"
+CONTAINER_CPU_THROTTLED: Final = "container_cpu_throttled_ratio"
+#: Mean run-queue wait per scheduling event over the interval, {pod_uid, container_id, source}.
+CONTAINER_SCHED_LATENCY: Final = "container_sched_latency_seconds"
+#: p99 of run-queue waits over the interval (eBPF histograms only).
+CONTAINER_SCHED_LATENCY_P99: Final = "container_sched_latency_p99_seconds"
+CONTAINER_CPI: Final = "container_cpi"  # cycles / instructions
+CONTAINER_CYCLES: Final = "container_cycles"
+CONTAINER_INSTRUCTIONS: Final = "container_instructions"
+
+# --- PSI ({resource, kind, window} plus pod_uid / container_id for cgroups) ---------
+#: Percentages for avg10/avg60/avg300; ``PSI_TOTAL`` is the stall time counter in seconds.
+NODE_PSI: Final = "node_psi_percent"
+POD_PSI: Final = "pod_psi_percent"
+CONTAINER_PSI: Final = "container_psi_percent"
+NODE_PSI_TOTAL: Final = "node_psi_total_seconds"
+POD_PSI_TOTAL: Final = "pod_psi_total_seconds"
+CONTAINER_PSI_TOTAL: Final = "container_psi_total_seconds"
+
+# --- best-effort aggregate --------------------------------------------------------
+BE_CPU_USAGE: Final = "be_cpu_usage_cores"
+BE_CPU_REQUEST: Final = "be_cpu_request_cores"  # sum of batch-cpu requests
+BE_CPU_LIMIT: Final = "be_cpu_real_limit_cores"  # min(|BE cpuset|, BE CFS quota / period)
+
+# --- static records (key-value) ---------------------------------------------------
+KV_NODE_CPU_INFO: Final = "node_cpu_info"
+KV_POD_META: Final = "pod_meta"
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    metric: str
+    value: float
+    labels: Labels = NO_LABELS
+    #: Unix time in seconds; 0 means "stamp with the collection time".
+    ts: float = 0.0
+
+
+def labels(**kv: str) -> Labels:
+    """Canonical (sorted) label tuple, so the same series always has the same key."""
+    return tuple(sorted(kv.items()))
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregate:
+    """One series over a window. Percentiles as koordlet computes them: sort
+    ascending, index ``int(n * p) - 1`` floored at 0."""
+
+    count: int
+    avg: float
+    p50: float
+    p90: float
+    p95: float
+    p99: float
+    last: float
+    first_ts: float
+    last_ts: float
+
+    def value(self, agg: str) -> float:
+        if agg not in AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {agg!r} (one of {', '.join(AGGREGATIONS)})")
+        return float(getattr(self, agg))
+
+    @property
+    def span(self) -> float:
+        return self.last_ts - self.first_ts
+
+
+AGGREGATIONS: Final = ("avg", "p50", "p90", "p95", "p99", "last", "count")
+
+
+class MetricReader(Protocol):
+    """Read side of the time-series store (``metrics.tsdb.TSDB`` implements it)."""
+
+    def aggregate(self, metric: str, labels: Labels, start: float, end: float) -> Aggregate | None:
+        """The series ``(metric, labels)`` over ``[start, end]``; None without samples."""
+
+    def aggregate_all(self, metric: str, start: float, end: float) -> Mapping[Labels, Aggregate]:
+        """Every series of ``metric`` with samples in ``[start, end]``."""
+
+    def last(self, metric: str, labels: Labels, max_age: float, now: float) -> Sample | None:
+        """The newest sample not older than ``max_age`` seconds before ``now``."""
+
+    def get_kv(self, key: str) -> object | None:
+        """A static record (JSON-decoded), None when absent."""
+
+
+class MetricWriter(Protocol):
+    def write(self, samples: Sequence[Sample]) -> None:
+        """Append samples (one transaction)."""
+
+    def put_kv(self, key: str, value: object) -> None:
+        """Replace a static record (JSON-encodable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerView:
+    """A container as collectors and the QoS manager see it."""
+
+    id: str
+    name: str
+    #: cgroup directory relative to a hierarchy root (driver applied).
+    cgroup_dir: str
+    cpu_quota: int = 0  # CRI value (µs per period), 0/-1 = unlimited
+    cpu_period: int = 0
+    batch_cpu_request_milli: int = 0
+    batch_cpu_limit_milli: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """A pod as collectors, reporters and the QoS manager see it."""
+
+    uid: str
+    namespace: str
+    name: str
+    sandbox_id: str
+    qos: QoSClass
+    #: Kubernetes priority value (from kubelet enrichment or the priority-class band default).
+    priority: int
+    priority_class: str
+    cgroup_dir: str
+    containers: tuple[ContainerView, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    batch_cpu_request_milli: int = 0
+    batch_memory_request: int = 0
+    #: Kubernetes QoS tier from the cgroup parent: guaranteed | burstable | besteffort | "".
+    kube_qos: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
