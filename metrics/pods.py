@@ -17,8 +17,8 @@ from hooks.annotations import BATCH_CPU, BATCH_MEMORY, extended_resource_spec
 from hooks.cgroups import CgroupError, Driver, container_cgroup_dir, pod_cgroup_dir
 from hooks.qos import (
     KubeQoS,
-    QoSClass,
     PriorityClass,
+    QoSClass,
     default_priority_class,
     kube_qos_from_cgroup_parent,
     priority_class,
