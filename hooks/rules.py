@@ -89,12 +89,52 @@ class Policies:
 
 @dataclass(frozen=True, slots=True)
 class ResourceThresholdStrategy:
-    """``resourceUsedThresholdWithBE`` (the fields the hooks use)."""
+    """``resourceUsedThresholdWithBE``: BE suppression and eviction thresholds.
+
+    ``None`` means "not set": Koordinator has no default for those, and a strategy
+    that needs one (BE CPU eviction needs both satisfaction bounds) stays idle."""
 
     enable: bool = False
     cpu_suppress_threshold_percent: int = 65
+    #: Floor of the BE suppress target, % of node capacity (unset: no floor).
+    cpu_suppress_min_percent: int | None = None
     cpu_suppress_policy: str = "cpuset"
     memory_evict_threshold_percent: int = 70
+    #: Release down to this % (unset: threshold - 2, as koordlet).
+    memory_evict_lower_percent: int | None = None
+    cpu_evict_be_satisfaction_lower_percent: int | None = None
+    cpu_evict_be_satisfaction_upper_percent: int | None = None
+    cpu_evict_be_usage_threshold_percent: int = 90
+    #: Averaging window of BE CPU eviction (unset: the collect interval).
+    cpu_evict_time_window_seconds: int | None = None
+    cpu_evict_policy: str = "evictByRealLimit"
+
+    @property
+    def memory_evict_lower(self) -> int:
+        """The effective lower bound of memory eviction, in %."""
+        if self.memory_evict_lower_percent is not None:
+            return self.memory_evict_lower_percent
+        return max(self.memory_evict_threshold_percent - 2, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class CPUBurstStrategy:
+    """``cpuBurstStrategy`` (node level; a pod may override it with ``koordinator.sh/cpuBurst``)."""
+
+    policy: str = "none"
+    cpu_burst_percent: int = 1000
+    cfs_quota_burst_percent: int = 300
+    #: Token-bucket period of the CFS quota burst; -1 = unlimited bursting.
+    cfs_quota_burst_period_seconds: int = -1
+    share_pool_threshold_percent: int = 50
+
+    @property
+    def cpu_burst_enabled(self) -> bool:
+        return self.policy in ("cpuBurstOnly", "auto")
+
+    @property
+    def cfs_quota_burst_enabled(self) -> bool:
+        return self.policy in ("cfsQuotaBurstOnly", "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +142,7 @@ class Rules:
     resource_qos_strategy: ResourceQOSStrategy = field(default_factory=ResourceQOSStrategy)
     policies: Policies = Policies()
     resource_used_threshold_with_be: ResourceThresholdStrategy = ResourceThresholdStrategy()
+    cpu_burst_strategy: CPUBurstStrategy = CPUBurstStrategy()
     #: Our extension (not a NodeSLO key): the class of Guaranteed pods without a
     #: ``koordinator.sh/qosClass`` label. Koordinator treats them as LSR.
     guaranteed_class: QoSClass = QoSClass.LSR
@@ -244,10 +285,27 @@ _THRESHOLD: Final = _section(
     {
         "enable": ("enable", _bool),
         "cpuSuppressThresholdPercent": ("cpu_suppress_threshold_percent", _PCT),
+        "cpuSuppressMinPercent": ("cpu_suppress_min_percent", _PCT),
         "cpuSuppressPolicy": ("cpu_suppress_policy", _choice("cpuset", "cfsQuota")),
         "memoryEvictThresholdPercent": ("memory_evict_threshold_percent", _PCT),
+        "memoryEvictLowerPercent": ("memory_evict_lower_percent", _PCT),
+        "cpuEvictBESatisfactionLowerPercent": ("cpu_evict_be_satisfaction_lower_percent", _int(1, 60)),
+        "cpuEvictBESatisfactionUpperPercent": ("cpu_evict_be_satisfaction_upper_percent", _int(1, 99)),
+        "cpuEvictBEUsageThresholdPercent": ("cpu_evict_be_usage_threshold_percent", _PCT),
+        "cpuEvictTimeWindowSeconds": ("cpu_evict_time_window_seconds", _int(1, 3600)),
+        "cpuEvictPolicy": ("cpu_evict_policy", _choice("evictByRealLimit", "evictByAllocatable")),
     },
 )
+_BURST_FIELDS: Final[Mapping[str, tuple[str, Parser]]] = {
+    "policy": ("policy", _choice("none", "cpuBurstOnly", "cfsQuotaBurstOnly", "auto")),
+    "cpuBurstPercent": ("cpu_burst_percent", _int(0, 100_000)),
+    "cfsQuotaBurstPercent": ("cfs_quota_burst_percent", _int(100, 100_000)),
+    "cfsQuotaBurstPeriodSeconds": ("cfs_quota_burst_period_seconds", _int(-1, 86_400)),
+    "sharePoolThresholdPercent": ("share_pool_threshold_percent", _int(1, 100)),
+}
+_BURST: Final = _section(CPUBurstStrategy, _BURST_FIELDS)
+
+
 def _guaranteed(raw: object, path: str, current: QoSClass) -> QoSClass:
     allowed = (QoSClass.LSE, QoSClass.LSR, QoSClass.LS)
     for qos in allowed:
@@ -262,6 +320,7 @@ _RULES: Final = _section(
         "resourceQOSStrategy": ("resource_qos_strategy", _STRATEGY),
         "policies": ("policies", _POLICIES),
         "resourceUsedThresholdWithBE": ("resource_used_threshold_with_be", _THRESHOLD),
+        "cpuBurstStrategy": ("cpu_burst_strategy", _BURST),
         "guaranteedQoSClass": ("guaranteed_class", _guaranteed),
     },
 )
@@ -278,8 +337,36 @@ def _check_cat_ranges(rules: Rules, path: str) -> None:
             raise HookConfigError(where, value, "catRangeStartPercent must be below catRangeEndPercent")
 
 
+def _check_thresholds(rules: Rules, path: str) -> None:
+    """Cross-field checks koordlet does at run time (it then skips the strategy);
+    here a contradiction fails at load time instead."""
+    t = rules.resource_used_threshold_with_be
+    where = f"{path}.resourceUsedThresholdWithBE"
+    lower, upper = t.cpu_evict_be_satisfaction_lower_percent, t.cpu_evict_be_satisfaction_upper_percent
+    if lower is not None and upper is not None and upper <= lower:
+        raise HookConfigError(f"{where}.cpuEvictBESatisfactionUpperPercent", upper,
+                              f"must be above cpuEvictBESatisfactionLowerPercent ({lower})")
+    if t.memory_evict_lower_percent is not None and t.memory_evict_lower_percent >= t.memory_evict_threshold_percent:
+        raise HookConfigError(f"{where}.memoryEvictLowerPercent", t.memory_evict_lower_percent,
+                              f"must be below memoryEvictThresholdPercent ({t.memory_evict_threshold_percent})")
+    if t.cpu_suppress_min_percent is not None and t.cpu_suppress_min_percent > t.cpu_suppress_threshold_percent:
+        raise HookConfigError(f"{where}.cpuSuppressMinPercent", t.cpu_suppress_min_percent,
+                              f"must not exceed cpuSuppressThresholdPercent ({t.cpu_suppress_threshold_percent})")
+
+
 def parse_rules(raw: Mapping[str, Any] | None, path: str = "rules", base: Rules | None = None) -> Rules:
     """Merge a (partial) NodeSLO-style mapping over ``base`` (Koordinator's defaults)."""
     rules: Rules = _RULES(raw, path, base if base is not None else Rules())
     _check_cat_ranges(rules, path)
+    _check_thresholds(rules, path)
     return rules
+
+
+def parse_cpu_burst(raw: object, path: str, base: CPUBurstStrategy) -> CPUBurstStrategy:
+    """A pod's ``koordinator.sh/cpuBurst`` config (already JSON-decoded) merged over
+    the node's; ``sharePoolThresholdPercent`` is node-level only, as in Koordinator."""
+    if isinstance(raw, Mapping) and "sharePoolThresholdPercent" in raw:
+        raise HookConfigError(f"{path}.sharePoolThresholdPercent", raw["sharePoolThresholdPercent"],
+                              "is a node-level setting; a pod cannot override it")
+    burst: CPUBurstStrategy = _BURST(raw, path, base)
+    return burst

@@ -1,0 +1,249 @@
+"""The metrics task (entry point ``metrics`` in ``koord_runtime_proxy.tasks``).
+
+One supervised coroutine owns the node's measurements: a loop per collector (each on
+its own interval, the blocking read in a worker thread), the store's flush and GC,
+the states informer and the NodeMetric reporter. Derived series (system usage, the
+best-effort aggregate) are computed right after the pod collector's tick, from the
+same tick's figures, so they never mix samples of different seconds.
+
+The agent is also put in ``TaskInit.shared`` so the QoS manager task reads the same
+store and pod views instead of measuring everything a second time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import structlog
+
+from hooks.qos import QoSClass
+from hooks.rules import Rules, parse_rules
+from metrics import model as m
+from metrics.collect.base import Collector
+from metrics.collect.be import BEAggregator
+from metrics.collect.cgroupfs import PodCollector
+from metrics.collect.cpi import CPICollector
+from metrics.collect.procfs import NodeCollector
+from metrics.collect.psi import PSICollector
+from metrics.collect.schedlat import SchedLatencyCollector
+from metrics.collect.topology import TopologyCollector
+from metrics.informer import KubeletPods, StatesInformer
+from metrics.kubeclient import KubeClient, KubeSettings, KubeUnavailable
+from metrics.model import PodView, Sample
+from metrics.pods import PodViews
+from metrics.promexport import LatestValues, register_exporter
+from metrics.reporter import NodeMetricReporter
+from metrics.settings import MetricsSettings, parse_metrics
+from metrics.topcmd import pod_meta_record
+from metrics.tsdb import TSDB, TSDBError
+from runtimeproxy.hookapi import HookConfigError, PodInfo, TaskInit
+
+log = structlog.get_logger("metrics.agent")
+
+SHARED_KEY: Final = "metrics.agent"
+#: Pod views are rebuilt when the set of pods/containers changes, and at least this often
+#: (priorities from kubelet and rule changes arrive without a CRI call).
+_VIEWS_MAX_AGE: Final = 10.0
+
+
+class MetricsAgent:
+    def __init__(self, init: TaskInit, settings: MetricsSettings) -> None:
+        self.settings = settings
+        self._init = init
+        self._rules_cache: tuple[Mapping[str, Any], Rules] | None = None
+        try:
+            self.tsdb = TSDB.open_or_reset(settings.db, retention=settings.retention, max_bytes=settings.max_bytes)
+        except TSDBError as exc:
+            raise HookConfigError(f"{init.key_path}.db", str(settings.db), str(exc)) from exc
+        self.kube = _connect(settings)
+        kubelet = _kubelet(settings)
+        self.informer = (
+            StatesInformer(self.kube, kubelet, sync_interval=settings.kubelet.sync_interval)
+            if self.kube is not None or kubelet is not None else None
+        )
+        self.views = PodViews(init.snapshot, driver=settings.cgroup_driver, guaranteed=self._guaranteed,
+                              priority_of=self._priority)
+        self._pods: list[PodView] = []
+        self._views_key: object = None
+        self._views_at = 0.0
+        self.latest = LatestValues()
+        iv = settings.intervals
+        self.node = NodeCollector(init.host, interval=iv.node)
+        self.pod_collector = PodCollector(init.host, interval=iv.pods)
+        self.topology = TopologyCollector(init.host, interval=iv.topology)
+        self.be = BEAggregator(init.host, besteffort_dir=settings.besteffort_dir)
+        self.collectors: list[Collector] = [self.node, self.pod_collector, self.topology,
+                                            PSICollector(init.host, interval=iv.psi)]
+        if settings.schedlat_source != "off":
+            self.collectors.append(SchedLatencyCollector(init.host, prefer=settings.schedlat_source,
+                                                         interval=iv.schedlat))
+        if settings.cpi:
+            self.collectors.append(CPICollector(init.host, interval=iv.cpi))
+        if init.registry is not None:
+            register_exporter(init.registry, self.latest, self.pods, settings.node_name)
+        self.reporter = NodeMetricReporter(self.tsdb, self.pods, self.informer, self.kube)
+        init.add_route("/apis/nodemetric", self.reporter.route)
+        init.add_explainer("metrics", self.explain)
+        self.ticks: dict[str, int] = {c.name: 0 for c in self.collectors}
+        self._errors: set[str] = set()
+
+    # --- views -------------------------------------------------------------------
+
+    def rules(self) -> Rules:
+        """NodeSLO from the API server when present, else the YAML ``rules:`` (parsed once per change)."""
+        raw: Mapping[str, Any] | None = self.informer.nodeslo_rules() if self.informer is not None else None
+        if raw is None:
+            raw = self._init.current_rules()
+        if self._rules_cache is None or self._rules_cache[0] is not raw:
+            try:
+                self._rules_cache = (raw, parse_rules(raw))
+            except HookConfigError as exc:
+                log.warning("rules_ignored", reason=exc.message, key=exc.key_path)
+                self._rules_cache = (raw, Rules())
+        return self._rules_cache[1]
+
+    def _guaranteed(self) -> QoSClass:
+        return self.rules().guaranteed_class
+
+    def _priority(self, uid: str) -> int | None:
+        return self.informer.priority_of(uid) if self.informer is not None else None
+
+    def pods(self) -> list[PodView]:
+        """The pod views of the last pod tick (cheap: no rebuild)."""
+        return self._pods
+
+    def refresh_pods(self) -> list[PodView]:
+        pods, containers = self._init.snapshot()
+        key = (frozenset(pods), frozenset(containers))
+        now = time.monotonic()
+        if key != self._views_key or now - self._views_at > _VIEWS_MAX_AGE:
+            self._pods = self.views.current()
+            self._views_key, self._views_at = key, now
+            self.tsdb.put_kv(m.KV_POD_META, pod_meta_record(self._pods))
+            self.latest.forget({p.uid for p in self._pods})
+        return self._pods
+
+    # --- loops -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                for collector in self.collectors:
+                    group.create_task(self._collect_loop(collector), name=f"collect:{collector.name}")
+                group.create_task(self._every(self.settings.flush_interval, self._flush), name="tsdb:flush")
+                group.create_task(self._every(self.settings.gc_interval, self._gc), name="tsdb:gc")
+                group.create_task(self.reporter.run(), name="nodemetric")
+                if self.informer is not None:
+                    group.create_task(self.informer.run(), name="informer")
+        finally:
+            # Cancelled (shutdown) or crashed: keep what was measured.
+            await asyncio.to_thread(self.tsdb.flush)
+
+    async def _collect_loop(self, collector: Collector) -> None:
+        next_at = time.monotonic()
+        while True:
+            now = time.time()
+            pods = self.refresh_pods() if collector is self.pod_collector else self._pods
+            samples = await self._collect(collector, now, pods)
+            if collector is self.pod_collector:
+                samples += self._derived(pods)
+            stamped = [s if s.ts else Sample(s.metric, s.value, s.labels, now) for s in samples]
+            self.tsdb.write(stamped)
+            self.latest.update(stamped)
+            if collector is self.topology:
+                record = self.topology.as_record()
+                if record is not None:
+                    self.tsdb.put_kv(m.KV_NODE_CPU_INFO, record)
+            self.ticks[collector.name] += 1
+            next_at += collector.interval
+            delay = next_at - time.monotonic()
+            if delay < 0:  # fell behind (slow disk, suspended VM): skip, do not burst
+                next_at, delay = time.monotonic(), 0.0
+            await asyncio.sleep(delay)
+
+    async def _collect(self, collector: Collector, now: float, pods: Sequence[PodView]) -> list[Sample]:
+        try:
+            return await asyncio.to_thread(collector.collect, now, pods)
+        except Exception as exc:
+            key = f"{collector.name}:{type(exc).__name__}"
+            if key not in self._errors:
+                self._errors.add(key)
+                log.exception("collector_failed", collector=collector.name, error=str(exc))
+            return []
+
+    def _derived(self, pods: Sequence[PodView]) -> list[Sample]:
+        return self.be.samples(self.node.latest(), self.pod_collector.latest(), pods)
+
+    async def _every(self, interval: float, job: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await job()
+
+    async def _flush(self) -> None:
+        await asyncio.to_thread(self.tsdb.flush)
+
+    async def _gc(self) -> None:
+        result = await asyncio.to_thread(self.tsdb.gc)
+        log.info("tsdb_gc", **dataclasses.asdict(result))
+
+    # --- explain -----------------------------------------------------------------
+
+    def explain(self, pod: PodInfo | None) -> Mapping[str, Any]:
+        now = time.time()
+        if pod is None:
+            out: dict[str, Any] = {"db": str(self.settings.db), "ticks": dict(self.ticks), "pods": len(self._pods)}
+            for metric in (m.NODE_CPU_USAGE, m.NODE_MEMORY_USED, m.SYSTEM_CPU_USAGE, m.BE_CPU_USAGE,
+                           m.BE_CPU_LIMIT):
+                last = self.tsdb.last(metric, m.NO_LABELS, max_age=60, now=now)
+                out[metric] = None if last is None else round(last.value, 4)
+            return out
+        labels = m.labels(pod_uid=pod.meta.uid)
+        view: dict[str, Any] = {}
+        for metric in (m.POD_CPU_USAGE, m.POD_MEMORY_USED, m.POD_MEMORY_CACHE, m.POD_CPU_THROTTLED):
+            last = self.tsdb.last(metric, labels, max_age=60, now=now)
+            view[metric] = None if last is None else round(last.value, 4)
+        return view
+
+
+def _connect(settings: MetricsSettings) -> KubeClient | None:
+    if not settings.kube:
+        return None
+    kube_settings = KubeSettings(node_name=settings.node_name,
+                                 kubeconfig=Path(settings.kubeconfig) if settings.kubeconfig else None)
+    try:
+        return KubeClient.connect(kube_settings)
+    except KubeUnavailable as exc:
+        # Not a config error: the node keeps measuring and serving NodeMetric locally.
+        log.warning("kube_unavailable", reason=exc.reason)
+        return None
+
+
+def _kubelet(settings: MetricsSettings) -> KubeletPods | None:
+    k = settings.kubelet
+    if not k.url:
+        return None
+    return KubeletPods(k.url, token_path=Path(k.token_path) if k.token_path else None,
+                       ca_path=Path(k.ca_path) if k.ca_path else None, insecure=k.insecure)
+
+
+def metrics_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
+    """Entry point: validate ``tasks.metrics``, build the agent, share it, return its loop."""
+    settings = parse_metrics(init.args, init.key_path)
+    if SHARED_KEY in init.shared:
+        raise HookConfigError(init.key_path, init.name, "a metrics task is already configured")
+    agent = MetricsAgent(init, settings)
+    init.shared[SHARED_KEY] = agent
+    return agent.run
+
+
+def shared_agent(init: TaskInit) -> MetricsAgent:
+    """The metrics agent for a task that builds on it (it must come first under ``tasks:``)."""
+    agent = init.shared.get(SHARED_KEY)
+    if not isinstance(agent, MetricsAgent):
+        raise HookConfigError(init.key_path, init.name, "needs the metrics task: list `metrics` before it under tasks")
+    return agent

@@ -1,0 +1,135 @@
+"""What every collector shares: the protocol, the error types, and "log once".
+
+Collectors run every second against files that come and go (a container exits
+between the pod snapshot and the read) or that a kernel formats differently. A
+problem with one file must cost one sample and one log line, not a log line per
+tick and never a made-up number, so reads raise ``ReadError`` and collectors
+report each (path, reason) once through ``OnceLog``.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+
+from metrics.model import CONTAINER_ID, POD_UID, ContainerView, Labels, PodView, Sample, labels
+
+
+class Collector(Protocol):
+    """A metric source. ``collect`` blocks (the agent runs it in a worker thread, never
+    two calls of one collector at once) and keeps previous counters for deltas."""
+
+    name: str
+    interval: float  # seconds
+
+    def collect(self, now: float, pods: Sequence[PodView]) -> list[Sample]: ...
+
+    def close(self) -> None: ...
+
+
+class ReadError(Exception):
+    """A host file could not be read or parsed. ``gone`` is true when the file or its
+    directory does not exist (a vanished cgroup or process), which is routine."""
+
+    def __init__(self, path: Path, reason: str, *, gone: bool = False) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+        self.gone = gone
+
+
+class SourceUnavailable(Exception):
+    """A measuring mechanism (eBPF, perf counters) cannot work on this host; says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def os_error(path: Path, exc: OSError) -> ReadError:
+    """The ReadError for an OSError: ``gone`` when the file, its directory or its
+    process no longer exists (ENOENT, ENODEV, ESRCH, ENOTDIR)."""
+    gone = exc.errno in (errno.ENOENT, errno.ENODEV, errno.ESRCH, errno.ENOTDIR)
+    return ReadError(path, exc.strerror or str(exc), gone=gone)
+
+
+def read_file(path: Path) -> str:
+    """One file's text; ``ReadError`` instead of OSError."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read()
+    except OSError as exc:
+        raise os_error(path, exc) from exc
+
+
+def parse_int(text: str, path: Path, what: str) -> int:
+    """A decimal integer token, or a ``ReadError`` naming the file and the field."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ReadError(path, f"{what}: {text[:40]!r} is not an integer") from None
+
+
+def parse_flat_keyed(text: str, path: Path) -> dict[str, int]:
+    """``key value`` lines (memory.stat, cpu.stat) -> dict; a non-integer value is an error."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) != 2:
+            raise ReadError(path, f"malformed line {line[:60]!r} (expected 'key value')")
+        out[parts[0]] = parse_int(parts[1], path, parts[0])
+    return out
+
+
+def pod_labels(pod: PodView) -> Labels:
+    return labels(**{POD_UID: pod.uid})
+
+
+def container_labels(pod: PodView, container: ContainerView) -> Labels:
+    return labels(**{POD_UID: pod.uid, CONTAINER_ID: container.id})
+
+
+def relative(cgroup_dir: str) -> str:
+    """A cgroup dir joined onto a root must never be absolute (``/kubepods`` would
+    replace the root instead of extending it)."""
+    return cgroup_dir.lstrip("/")
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyStat:
+    """Run-queue waits of one container over one interval."""
+
+    mean: float  # seconds per scheduling event
+    events: int
+    p99: float | None = None  # seconds; only sources with a histogram have it
+
+
+class OnceLog:
+    """Logs each (owner, path, reason) once. ``owner`` (a pod uid, "node") lets the
+    collector forget the entries of pods that are gone, so the set stays bounded and a
+    pod that comes back is reported again."""
+
+    def __init__(self, logger: structlog.typing.FilteringBoundLogger) -> None:
+        self._log = logger
+        self._seen: set[tuple[str, str, str]] = set()
+
+    def skipped(self, owner: str, exc: ReadError, event: str = "sample_skipped") -> None:
+        key = (owner, str(exc.path), exc.reason)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        if exc.gone:
+            self._log.info(event, path=str(exc.path), reason=exc.reason, owner=owner)
+        else:
+            self._log.warning(event, path=str(exc.path), reason=exc.reason, owner=owner)
+
+    def keep_owners(self, owners: Iterable[str]) -> None:
+        live = set(owners)
+        self._seen = {k for k in self._seen if k[0] in live}

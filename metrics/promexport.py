@@ -1,0 +1,242 @@
+"""Prometheus export of the latest samples, under koordlet's metric and label names.
+
+Dashboards and alerts written for koordlet keep working: where koordlet exports a
+series (``koordlet_node_used_cpu_cores{node}``, ``koordlet_pod_psi{...}``,
+``koordlet_container_cpi{cpi_field}``, ``koordlet_be_suppress_*``) we use its name
+and labels; what koordlet lacks is exported as ``koord_runtime_proxy_*``. The table
+``EXPORTS`` is the whole mapping (docs/metrics.md shows it).
+
+Collectors push their samples into ``LatestValues``; a custom collector turns the
+newest value of each series into gauges at scrape time, adding pod/container names
+from the current pod views (a pod no longer in them is not exported). The exporter
+is registered into the registry it is given, never the global one.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from metrics import model as m
+from metrics.model import CONTAINER_ID, KIND, NUMA_NODE, POD_UID, RESOURCE, SOURCE, WINDOW, Labels, PodView, Sample
+
+#: Series the QoS manager feeds in (koordlet records them from its suppress strategy).
+BE_SUPPRESS_CPU: Final = "be_suppress_cpu_cores"  # {type: cpuset | cfsQuota}
+BE_SUPPRESS_LS_USED_CPU: Final = "be_suppress_ls_used_cpu_cores"
+BE_SUPPRESS_BE_USED_CPU: Final = "be_suppress_be_used_cpu_cores"
+SUPPRESS_TYPE: Final = "type"
+#: Exposed by other components into the same registry (the dashboard uses them too). The QoS
+#: manager's prometheus_client Counter ``koordlet_pod_eviction`` is exposed with ``_total``.
+EXTERNAL_METRICS: Final = frozenset({"koordlet_pod_eviction_total"})
+
+Scope = Literal["node", "pod", "container"]
+SCOPE_LABELS: Final[Mapping[Scope, tuple[str, ...]]] = {
+    "node": ("node",),
+    "pod": ("node", "pod_uid", "pod_name", "pod_namespace"),
+    "container": ("node", "container_id", "container_name", "pod_uid", "pod_name", "pod_namespace"),
+}
+#: Our label key -> koordlet's, for PSI series.
+PSI_LABELS: Final = ((RESOURCE, "psi_resource_type"), (WINDOW, "psi_precision"), (KIND, "psi_degree"))
+_PSI_RESOURCE_NAMES: Final = {"memory": "mem"}  # koordlet says "mem"
+_P = "koord_runtime_proxy_"
+
+
+@dataclass(frozen=True, slots=True)
+class Export:
+    """One of our series -> one exported gauge."""
+
+    metric: str
+    name: str
+    help: str
+    scope: Scope
+    #: (our label key, exported label name), after the scope's labels.
+    extra: tuple[tuple[str, str], ...] = ()
+    #: Constant labels, after ``extra``.
+    const: tuple[tuple[str, str], ...] = ()
+    #: PSI: translate resource names and add koordlet's ``cpu_full_supported``.
+    psi: bool = False
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+            names = SCOPE_LABELS[self.scope] + tuple(n for _, n in self.extra) + tuple(n for n, _ in self.const)
+            return names + (("cpu_full_supported",) if self.psi else ())
+
+    @property
+    def koordlet(self) -> bool:
+            return self.name.startswith("koordlet_")
+
+
+_PSI_WINDOWED: Final = (*PSI_LABELS,)
+_PSI_TOTAL: Final = ((RESOURCE, "psi_resource_type"), (KIND, "psi_degree"))
+
+EXPORTS: Final[tuple[Export, ...]] = (
+    Export(m.NODE_CPU_USAGE, "koordlet_node_used_cpu_cores", "Number of cpu cores used by node in realtime", "node"),
+    Export(m.NODE_MEMORY_USED, "koordlet_node_used_memory_bytes", "Memory used by node in realtime", "node"),
+    Export(m.NODE_CPU_CAPACITY, _P + "node_cpu_capacity_cores", "Online CPUs of the node", "node"),
+    Export(m.NODE_MEMORY_TOTAL, _P + "node_memory_total_bytes", "MemTotal of the node", "node"),
+    Export(m.NUMA_CPU_USAGE, _P + "numa_cpu_usage_cores", "CPU cores used per NUMA node", "node",
+           extra=((NUMA_NODE, "numa_node_id"),)),
+    Export(m.NUMA_MEMORY_USED, _P + "numa_memory_used_bytes", "Memory used per NUMA node", "node",
+           extra=((NUMA_NODE, "numa_node_id"),)),
+    Export(m.SYSTEM_CPU_USAGE, _P + "system_cpu_usage_cores", "CPU used outside pods: max(node - pods, 0)", "node"),
+    Export(m.SYSTEM_MEMORY_USED, _P + "system_memory_used_bytes", "Memory used outside pods", "node"),
+    Export(m.POD_CPU_USAGE, _P + "pod_cpu_usage_cores", "CPU cores used by the pod", "pod"),
+    Export(m.POD_MEMORY_USED, _P + "pod_memory_used_bytes", "Pod memory without page cache (anon + unevictable)",
+               "pod"),
+    Export(m.POD_MEMORY_CACHE, _P + "pod_memory_cache_bytes", "Pod page cache", "pod"),
+    Export(m.POD_CPU_THROTTLED, _P + "pod_cpu_throttled_ratio", "Throttled CFS periods / periods", "pod"),
+    Export(m.CONTAINER_CPU_USAGE, _P + "container_cpu_usage_cores", "CPU cores used by the container", "container"),
+    Export(m.CONTAINER_MEMORY_USED, _P + "container_memory_used_bytes", "Container memory without page cache",
+           "container"),
+    Export(m.CONTAINER_MEMORY_CACHE, _P + "container_memory_cache_bytes", "Container page cache", "container"),
+    Export(m.CONTAINER_CPU_THROTTLED, _P + "container_cpu_throttled_ratio", "Throttled CFS periods / periods",
+           "container"),
+    Export(m.CONTAINER_SCHED_LATENCY, _P + "container_sched_latency_seconds",
+           "Mean run-queue wait per scheduling event", "container", extra=((SOURCE, "source"),)),
+    Export(m.CONTAINER_SCHED_LATENCY_P99, _P + "container_sched_latency_p99_seconds",
+           "p99 run-queue wait (eBPF histograms)", "container", extra=((SOURCE, "source"),)),
+    Export(m.CONTAINER_CYCLES, "koordlet_container_cpi", "Container cpi collected by koordlet", "container",
+           const=(("cpi_field", "cycles"),)),
+    Export(m.CONTAINER_INSTRUCTIONS, "koordlet_container_cpi", "Container cpi collected by koordlet", "container",
+           const=(("cpi_field", "instructions"),)),
+    Export(m.CONTAINER_CPI, _P + "container_cpi_ratio", "Cycles per instruction", "container"),
+    Export(m.NODE_PSI, _P + "node_psi", "Node pressure stall percentage", "node", extra=_PSI_WINDOWED, psi=True),
+    Export(m.POD_PSI, "koordlet_pod_psi", "Pod psi collected by koordlet", "pod", extra=_PSI_WINDOWED, psi=True),
+    Export(m.CONTAINER_PSI, "koordlet_container_psi", "Container psi collected by koordlet", "container",
+           extra=_PSI_WINDOWED, psi=True),
+    Export(m.NODE_PSI_TOTAL, _P + "node_psi_total_seconds", "Node stall time counter", "node", extra=_PSI_TOTAL),
+    Export(m.POD_PSI_TOTAL, _P + "pod_psi_total_seconds", "Pod stall time counter", "pod", extra=_PSI_TOTAL),
+    Export(m.CONTAINER_PSI_TOTAL, _P + "container_psi_total_seconds", "Container stall time counter", "container",
+           extra=_PSI_TOTAL),
+    Export(m.BE_CPU_USAGE, _P + "be_cpu_usage_cores", "CPU cores used by BE pods", "node"),
+    Export(m.BE_CPU_REQUEST, _P + "be_cpu_request_cores", "Sum of BE batch-cpu requests", "node"),
+    Export(m.BE_CPU_LIMIT, _P + "be_cpu_real_limit_cores", "BE real limit: min(BE cpuset, BE quota/period)", "node"),
+    Export(BE_SUPPRESS_CPU, "koordlet_be_suppress_cpu_cores", "Number of cores suppress by koordlet", "node",
+           extra=((SUPPRESS_TYPE, "type"),)),
+    Export(BE_SUPPRESS_LS_USED_CPU, "koordlet_be_suppress_ls_used_cpu_cores",
+           "Number of cpu cores used by LS. We consider non-BE pods and podMeta-missing pods as LS.", "node"),
+    Export(BE_SUPPRESS_BE_USED_CPU, "koordlet_be_suppress_be_used_cpu_cores", "Number of cpu cores used by BE.",
+               "node"),
+)
+_BY_METRIC: Final = {e.metric: e for e in EXPORTS}
+
+
+def exported_names() -> frozenset[str]:
+    return frozenset(e.name for e in EXPORTS)
+
+
+class LatestValues:
+    """The newest value of every exported series; written by collectors' threads."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+            self._lock = threading.Lock()
+            self._values: dict[tuple[str, Labels], tuple[float, float]] = {}
+            self._clock = clock
+
+    def update(self, samples: Iterable[Sample]) -> None:
+            """Keep each series' newest sample; non-finite values and series we do not export are dropped."""
+            now = self._clock()
+            with self._lock:
+                for s in samples:
+                    if s.metric not in _BY_METRIC or not math.isfinite(s.value):
+                        continue
+                    key, ts = (s.metric, s.labels), s.ts or now
+                    old = self._values.get(key)
+                    if old is None or old[1] <= ts:
+                        self._values[key] = (s.value, ts)
+
+    def forget(self, pod_uids_alive: set[str]) -> None:
+            """Drop the series of pods (and their containers) that are gone."""
+            with self._lock:
+                keep = pod_uids_alive | {""}  # "" = node series
+                for key in [k for k in self._values if _pod_uid(k[1]) not in keep]:
+                    del self._values[key]
+
+    def snapshot(self) -> list[tuple[str, Labels, float]]:
+            with self._lock:
+                return [(metric, lbls, value) for (metric, lbls), (value, _ts) in self._values.items()]
+
+
+def _pod_uid(lbls: Labels) -> str:
+    return next((v for k, v in lbls if k == POD_UID), "")
+
+
+def _container_name(pod: PodView, container_id: str) -> str:
+    return next((c.name for c in pod.containers if c.id == container_id), "")
+
+
+class _Exporter(Collector):
+    def __init__(self, latest: LatestValues, pods: Callable[[], Sequence[PodView]], node_name: str) -> None:
+            self._latest = latest
+            self._pods = pods
+            self._node = node_name
+
+    def _families(self) -> dict[str, GaugeMetricFamily]:
+            families: dict[str, GaugeMetricFamily] = {}
+            for e in EXPORTS:
+                if e.name not in families:
+                    families[e.name] = GaugeMetricFamily(e.name, e.help, labels=e.label_names)
+            return families
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+            # Names only, so the registry can refuse a clash with another collector's names.
+            yield from self._families().values()
+
+    def _scope_values(self, e: Export, lbls: Mapping[str, str], views: Mapping[str, PodView]) -> list[str] | None:
+            if e.scope == "node":
+                return [self._node]
+            pod = views.get(lbls.get(POD_UID, ""))
+            if pod is None:
+                return None
+            if e.scope == "pod":
+                return [self._node, pod.uid, pod.name, pod.namespace]
+            cid = lbls.get(CONTAINER_ID, "")
+            return [self._node, cid, _container_name(pod, cid), pod.uid, pod.name, pod.namespace]
+
+    def _values(
+            self, e: Export, lbls: Mapping[str, str], views: Mapping[str, PodView], full: set[tuple[str, Labels]],
+    ) -> list[str] | None:
+            values = self._scope_values(e, lbls, views)
+            if values is None:
+                return None
+            for key, _name in e.extra:
+                raw = lbls.get(key, "")
+                values.append(_PSI_RESOURCE_NAMES.get(raw, raw) if e.psi and key == RESOURCE else raw)
+            values.extend(v for _n, v in e.const)
+            if e.psi:
+                values.append("true" if (e.metric, _owner(lbls)) in full else "false")
+            return values
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+            views = {p.uid: p for p in self._pods()}
+            snapshot = self._latest.snapshot()
+            # koordlet's cpu_full_supported: the kernel reports a "full" line for this owner.
+            full = {(metric, _owner(dict(lbls))) for metric, lbls, _ in snapshot if dict(lbls).get(KIND) == "full"}
+            families = self._families()
+            for metric, lbls, value in snapshot:
+                e = _BY_METRIC[metric]
+                values = self._values(e, dict(lbls), views, full)
+                if values is not None:
+                    families[e.name].add_metric(values, value)
+            yield from families.values()
+
+
+def _owner(lbls: Mapping[str, str]) -> Labels:
+    """The series' owner (pod/container) and resource, without window and degree."""
+    return tuple(sorted((k, v) for k, v in lbls.items() if k in (POD_UID, CONTAINER_ID, RESOURCE)))
+
+
+def register_exporter(
+    registry: CollectorRegistry, latest: LatestValues, pods: Callable[[], Sequence[PodView]], node_name: str,
+) -> Collector:
+    """Register the exporter into ``registry``; returns it (to unregister)."""
+    exporter = _Exporter(latest, pods, node_name)
+    registry.register(exporter)
+    return exporter

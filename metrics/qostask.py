@@ -1,0 +1,124 @@
+"""The QoS manager task (entry point ``qos-manager`` in ``koord_runtime_proxy.tasks``).
+
+Builds the manager on the metrics agent's store, pod views, topology and rules (so
+nothing is measured twice), adds the fast path and the PSI triggers, and exposes
+the plans through ``explain``. The agent must be listed before it under ``tasks:``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path, PurePosixPath
+
+import structlog
+
+from hooks.cgroups import CgroupError, CgroupLayout
+from hooks.executor import CgroupExecutor
+from hooks.resctrlfs import ResctrlFS
+from metrics.agent import MetricsAgent, shared_agent
+from metrics.collect.cgroupfs import CgroupReader
+from metrics.kubeclient import EvictionRefused, KubeClient, KubeError
+from metrics.model import PodView
+from metrics.qos.evict import CriEvictor, EvictionError, Evictor
+from metrics.qos.fastpath import FastPath, FastPathConfig
+from metrics.qos.manager import ManagerConfig, QoSManager
+from metrics.qos.psitrigger import PsiTriggers
+from metrics.qos.resctrlsync import ResctrlSync
+from metrics.qos.suppress import SuppressConfig
+from metrics.settings import QoSSettings, parse_qos
+from runtimeproxy.hookapi import HookConfigError, TaskInit
+
+log = structlog.get_logger("metrics.qostask")
+
+
+class ApiEvictor:
+    """Evicts through the Eviction API (PodDisruptionBudgets are honoured)."""
+
+    def __init__(self, kube: KubeClient) -> None:
+        self._kube = kube
+
+    async def evict(self, pod: PodView, reason: str) -> None:
+        try:
+            await asyncio.to_thread(self._kube.evict, pod.namespace, pod.name, pod.uid, reason)
+        except EvictionRefused as exc:
+            raise EvictionError(f"pod {pod.key}: eviction refused: {exc}") from exc
+        except KubeError as exc:
+            raise EvictionError(f"pod {pod.key}: eviction API failed: {exc}") from exc
+
+
+def _evictor(init: TaskInit, settings: QoSSettings, agent: MetricsAgent) -> Evictor:
+    if settings.evict_mode == "cri":
+        return CriEvictor(init.cri)
+    if agent.kube is None:
+        raise HookConfigError(f"{init.key_path}.evict_mode", "api",
+                              "needs a cluster connection (tasks.metrics.kube: true)")
+    return ApiEvictor(agent.kube)
+
+
+def _resctrl(init: TaskInit, layout: CgroupLayout) -> ResctrlSync | None:
+    # No resctrl mount (VMs, AMD without RDT): the strategy is simply absent.
+    if not (init.host.resctrl / "schemata").exists():
+        return None
+    return ResctrlSync(ResctrlFS(init.host.resctrl), init.host.cgroup, layout.version)
+
+
+def _reserved(settings: QoSSettings, agent: MetricsAgent) -> float:
+    if settings.reserved_cpu:
+        return settings.reserved_cpu
+    from_node = agent.informer.node_reserved_cpu() if agent.informer is not None else None
+    return from_node or 0.0
+
+
+def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
+    settings = parse_qos(init.args, init.key_path)
+    agent = shared_agent(init)
+    try:
+        layout = CgroupLayout(init.host.cgroup, "auto", settings.cgroup_driver)
+    except CgroupError as exc:
+        raise HookConfigError(f"{init.key_path}.cgroup_driver", settings.cgroup_driver, str(exc)) from exc
+    agent.topology.collect(time.time(), [])  # the CPU list is needed before the first round
+    cpus = agent.topology.latest().cpus
+    manager = QoSManager(
+        reader=agent.tsdb, pods=agent.pods, topology=cpus, executor=CgroupExecutor(layout),
+        evictor=_evictor(init, settings, agent), rules=agent.rules,
+        config=ManagerConfig(
+            interval=settings.interval, collect_interval=agent.settings.intervals.pods, dry_run=settings.dry_run,
+            node_name=agent.settings.node_name, reserved_cores=_reserved(settings, agent),
+            suppress=SuppressConfig(besteffort_dir=PurePosixPath(settings.besteffort_dir)),
+        ),
+        resctrl=_resctrl(init, layout), registry=init.registry,
+    )
+    fast = FastPath(manager, proc_root=init.host.proc, cgroups=CgroupReader(init.host.cgroup), rules=agent.rules,
+                    config=FastPathConfig(interval=settings.fast_interval)) if settings.fast_path else None
+    init.add_explainer("qos", manager.explain)
+
+    async def run() -> None:
+        triggers = _triggers(init.host.proc, settings) if fast is not None else None
+        try:
+            if triggers is not None and fast is not None:
+                wake_fast = fast.wake
+
+                def on_fire() -> None:
+                    wake_fast()
+                    manager.wake()
+
+                triggers.start(asyncio.get_running_loop(), on_fire)
+            async with asyncio.TaskGroup() as group:
+                group.create_task(manager.run(), name="qos:manager")
+                if fast is not None:
+                    group.create_task(fast.run(), name="qos:fastpath")
+        finally:
+            if triggers is not None:
+                triggers.close()
+
+    return run
+
+
+def _triggers(proc: Path, settings: QoSSettings) -> PsiTriggers | None:
+    if not settings.psi_trigger:
+        return None
+    triggers = PsiTriggers()
+    triggers.register(proc / "pressure" / "cpu")
+    return triggers

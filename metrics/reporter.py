@@ -1,0 +1,121 @@
+"""Reports the NodeMetric status: to the API server when connected, always on the
+loopback endpoint (``/apis/nodemetric``, mounted by the agent).
+
+The report interval is the NodeMetric's ``reportIntervalSeconds`` when the informer
+has the CR, else the default policy's. Building reads a window of the store, so it
+runs off the event loop; so does the PATCH.
+
+A document without any node usage (no samples yet, e.g. right after the first start)
+is served but never sent: it would overwrite the last good status with an empty one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import structlog
+
+from metrics.informer import StatesInformer
+from metrics.kubeclient import KubeClient, KubeError
+from metrics.model import MetricReader, PodView
+from metrics.nodemetric import WITH_HOT_PAGE_CACHE, CollectPolicy, build_status
+
+log = structlog.get_logger("metrics.reporter")
+
+JSON = "application/json"
+
+
+def _json(doc: object) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+class NodeMetricReporter:
+    def __init__(
+        self,
+        reader: MetricReader,
+        pods: Callable[[], list[PodView]],
+        informer: StatesInformer | None,
+        kube: KubeClient | None,
+        policy_default: CollectPolicy | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._reader = reader
+        self._pods = pods
+        self._informer = informer
+        self._kube = kube
+        self._default = policy_default or CollectPolicy()
+        self._clock = clock
+        self._latest: tuple[dict[str, Any], bytes] | None = None
+        self._problems: set[str] = set()
+        self._last_send_problem = ""
+        self.reports_sent = 0
+
+    def policy(self) -> CollectPolicy:
+        """The NodeMetric's policy when known and valid, else the default (bad spec logged once)."""
+        spec = self._informer.nodemetric_spec() if self._informer is not None and self._kube is not None else None
+        if spec is None:
+            return self._default
+        try:
+            return CollectPolicy.from_spec(spec)
+        except ValueError as exc:
+            self._once("nodemetric_spec_ignored", reason=str(exc))
+            return self._default
+
+    def _once(self, event: str, **kw: Any) -> None:
+        key = f"{event}:{sorted(kw.items())}"
+        if key not in self._problems:
+            self._problems.add(key)
+            log.warning(event, **kw)
+
+    def latest(self) -> Mapping[str, Any] | None:
+        return None if self._latest is None else self._latest[0]
+
+    async def report_once(self) -> CollectPolicy:
+        """Build one document (and send it when connected); returns the policy used."""
+        policy = self.policy()
+        if policy.memory_policy == WITH_HOT_PAGE_CACHE:
+            self._once("hot_page_cache_unavailable", reported_as="usageWithoutPageCache")
+        pods = self._pods()
+        doc = await asyncio.to_thread(build_status, self._reader, pods, policy, self._clock())
+        self._latest = (doc, _json(doc))
+        if self._kube is not None:
+            await self._send(self._kube, doc)
+        return policy
+
+    async def _send(self, kube: KubeClient, doc: dict[str, Any]) -> None:
+        if not doc["nodeMetric"]["nodeUsage"]["resources"]:
+            self._send_problem("nodemetric_not_sent", "no node usage samples yet")
+            return
+        try:
+            sent = await asyncio.to_thread(kube.update_nodemetric_status, doc)
+        except KubeError as exc:
+            self._send_problem("nodemetric_report_failed", str(exc))
+            return
+        if sent:
+            self.reports_sent += 1
+            if self._last_send_problem:
+                self._last_send_problem = ""
+                log.info("nodemetric_report_recovered")
+
+    def _send_problem(self, event: str, reason: str) -> None:
+        # One line per distinct problem in a row, not one per report interval.
+        if self._last_send_problem != f"{event}:{reason}":
+            self._last_send_problem = f"{event}:{reason}"
+            log.warning(event, reason=reason)
+
+    async def run(self) -> None:
+        """Report every interval until cancelled."""
+        while True:
+            policy = await self.report_once()
+            await asyncio.sleep(policy.report_interval)
+
+    async def route(self, query: dict[str, str]) -> tuple[int, str, bytes]:
+        """GET handler: the latest document as JSON; 503 before the first build."""
+        if self._latest is None:
+            return 503, JSON, _json({"error": "no NodeMetric status built yet"})
+        return 200, JSON, self._latest[1]

@@ -1,0 +1,218 @@
+"""``tasks.metrics`` and ``tasks.qos-manager``: frozen, validated once at start.
+
+Every key is optional; defaults follow koordlet (node/pod every 1 s, PSI 10 s, CPI
+60 s, topology 60 s, retention 12 h, NodeMetric report every 60 s). A bad value is a
+``HookConfigError`` naming ``tasks.<name>.<key>`` and the value, so the process exits
+2 before it listens, like any other config error.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal, TypeVar
+
+from hooks.cgroups import Driver
+from runtimeproxy.config import ConfigError, parse_duration
+from runtimeproxy.hookapi import HookConfigError
+
+T = TypeVar("T")
+
+DEFAULT_DB: Final = Path("/var/lib/koord-runtime-proxy/metrics.db")
+SchedSource = Literal["auto", "ebpf", "schedstat", "off"]
+EvictMode = Literal["cri", "api"]
+
+
+@dataclass(frozen=True, slots=True)
+class Intervals:
+    node: float = 1.0
+    pods: float = 1.0
+    psi: float = 10.0
+    schedlat: float = 10.0
+    cpi: float = 60.0
+    topology: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class KubeletSettings:
+    """kubelet ``/pods`` enrichment (priority values); empty url = off."""
+
+    url: str = ""
+    token_path: str = ""
+    ca_path: str = ""
+    insecure: bool = False
+    sync_interval: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSettings:
+    db: Path = DEFAULT_DB
+    retention: float = 12 * 3600.0
+    max_bytes: int = 100 * 2**20
+    gc_interval: float = 300.0
+    flush_interval: float = 1.0
+    node_name: str = field(default_factory=socket.gethostname)
+    cgroup_driver: Driver = "cgroupfs"
+    besteffort_dir: str = "kubepods/besteffort"
+    intervals: Intervals = Intervals()
+    schedlat_source: SchedSource = "auto"
+    cpi: bool = True
+    kubelet: KubeletSettings = KubeletSettings()
+    #: Connect to the API server (NodeSLO/NodeMetric/Node watch, NodeMetric status).
+    kube: bool = False
+    kubeconfig: str = ""
+    report_interval: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class QoSSettings:
+    interval: float = 1.0
+    dry_run: bool = False
+    fast_path: bool = True
+    fast_interval: float = 0.2
+    psi_trigger: bool = True
+    evict_mode: EvictMode = "cri"
+    cpu_evict_cool_down: float = 20.0
+    memory_evict_cool_down: float = 4.0
+    besteffort_dir: str = "kubepods/besteffort"
+    cgroup_driver: Driver = "cgroupfs"
+    #: Reserved CPUs for the suppress formula when no Node object says (cores).
+    reserved_cpu: float = 0.0
+
+
+class _Args:
+    """Typed reads of one task's mapping; every error names the key path and value."""
+
+    def __init__(self, raw: Mapping[str, Any], key_path: str) -> None:
+        self.raw = raw
+        self.key_path = key_path
+
+    def fail(self, key: str, value: object, message: str) -> HookConfigError:
+        return HookConfigError(f"{self.key_path}.{key}", value, message)
+
+    def reject_unknown(self, known: frozenset[str]) -> None:
+        for key in sorted(set(self.raw) - known):
+            raise self.fail(key, self.raw[key], f"unknown key (known: {', '.join(sorted(known))})")
+
+    def get(self, key: str, default: T, conv: Callable[[object, str], T]) -> T:
+        if key not in self.raw or self.raw[key] is None:
+            return default
+        return conv(self.raw[key], key)
+
+    def duration(self, value: object, key: str) -> float:
+        try:
+            seconds = parse_duration(value, f"{self.key_path}.{key}")
+        except ConfigError as exc:
+            raise self.fail(key, value, "must be a duration such as 1s or 500ms") from exc
+        if seconds <= 0:
+            raise self.fail(key, value, "must be a positive duration")
+        return seconds
+
+    def boolean(self, value: object, key: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(key, value, "must be true or false")
+        return value
+
+    def string(self, value: object, key: str) -> str:
+        if not isinstance(value, str):
+            raise self.fail(key, value, "must be a string")
+        return value
+
+    def positive_int(self, value: object, key: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise self.fail(key, value, "must be a positive integer")
+        return value
+
+    def choice(self, *allowed: str) -> Callable[[object, str], Any]:
+        # Any: the caller's field is a Literal of exactly these strings.
+        def conv(value: object, key: str) -> Any:
+            if value not in allowed:
+                raise self.fail(key, value, f"must be one of {', '.join(allowed)}")
+            return str(value)
+
+        return conv
+
+    def relative_dir(self, value: object, key: str) -> str:
+        text = self.string(value, key).strip("/")
+        if not text or any(part in ("", ".", "..") for part in text.split("/")):
+            raise self.fail(key, value, "must be a cgroup path below the root, without '.' or '..'")
+        return text
+
+    def section(self, key: str) -> _Args:
+        value = self.raw.get(key) or {}
+        if not isinstance(value, Mapping):
+            raise self.fail(key, value, "must be a mapping")
+        return _Args(value, f"{self.key_path}.{key}")
+
+
+def _intervals(args: _Args) -> Intervals:
+    base = Intervals()
+    args.reject_unknown(frozenset(Intervals.__slots__))
+    return Intervals(**{k: args.get(k, getattr(base, k), args.duration) for k in Intervals.__slots__})
+
+
+def _kubelet(args: _Args) -> KubeletSettings:
+    base = KubeletSettings()
+    args.reject_unknown(frozenset(KubeletSettings.__slots__))
+    url = args.get("url", base.url, args.string)
+    if url and not url.startswith(("http://", "https://")):
+        raise args.fail("url", url, "must start with http:// or https://")
+    return KubeletSettings(
+        url=url.rstrip("/"),
+        token_path=args.get("token_path", base.token_path, args.string),
+        ca_path=args.get("ca_path", base.ca_path, args.string),
+        insecure=args.get("insecure", base.insecure, args.boolean),
+        sync_interval=args.get("sync_interval", base.sync_interval, args.duration),
+    )
+
+
+def parse_metrics(raw: Mapping[str, Any], key_path: str) -> MetricsSettings:
+    args = _Args(raw, key_path)
+    args.reject_unknown(frozenset(MetricsSettings.__slots__))
+    base = MetricsSettings()
+    driver = args.get("cgroup_driver", base.cgroup_driver, args.choice("cgroupfs", "systemd"))
+    source = args.get("schedlat_source", base.schedlat_source, args.choice("auto", "ebpf", "schedstat", "off"))
+    return MetricsSettings(
+        db=Path(args.get("db", str(base.db), args.string)),
+        retention=args.get("retention", base.retention, args.duration),
+        max_bytes=args.get("max_bytes", base.max_bytes, args.positive_int),
+        gc_interval=args.get("gc_interval", base.gc_interval, args.duration),
+        flush_interval=args.get("flush_interval", base.flush_interval, args.duration),
+        node_name=args.get("node_name", base.node_name, args.string) or base.node_name,
+        cgroup_driver=driver,
+        besteffort_dir=args.get("besteffort_dir", base.besteffort_dir, args.relative_dir),
+        intervals=_intervals(args.section("intervals")),
+        schedlat_source=source,
+        cpi=args.get("cpi", base.cpi, args.boolean),
+        kubelet=_kubelet(args.section("kubelet")),
+        kube=args.get("kube", base.kube, args.boolean),
+        kubeconfig=args.get("kubeconfig", base.kubeconfig, args.string),
+        report_interval=args.get("report_interval", base.report_interval, args.duration),
+    )
+
+
+def parse_qos(raw: Mapping[str, Any], key_path: str) -> QoSSettings:
+    args = _Args(raw, key_path)
+    args.reject_unknown(frozenset(QoSSettings.__slots__))
+    base = QoSSettings()
+    fast_interval = args.get("fast_interval", base.fast_interval, args.duration)
+    if fast_interval < 0.05:
+        raise args.fail("fast_interval", raw.get("fast_interval"), "must be at least 50ms")
+    reserved = raw.get("reserved_cpu", base.reserved_cpu)
+    if isinstance(reserved, bool) or not isinstance(reserved, int | float) or reserved < 0:
+        raise args.fail("reserved_cpu", reserved, "must be a number of cores >= 0")
+    return QoSSettings(
+        interval=args.get("interval", base.interval, args.duration),
+        dry_run=args.get("dry_run", base.dry_run, args.boolean),
+        fast_path=args.get("fast_path", base.fast_path, args.boolean),
+        fast_interval=fast_interval,
+        psi_trigger=args.get("psi_trigger", base.psi_trigger, args.boolean),
+        evict_mode=args.get("evict_mode", base.evict_mode, args.choice("cri", "api")),
+        cpu_evict_cool_down=args.get("cpu_evict_cool_down", base.cpu_evict_cool_down, args.duration),
+        memory_evict_cool_down=args.get("memory_evict_cool_down", base.memory_evict_cool_down, args.duration),
+        besteffort_dir=args.get("besteffort_dir", base.besteffort_dir, args.relative_dir),
+        cgroup_driver=args.get("cgroup_driver", base.cgroup_driver, args.choice("cgroupfs", "systemd")),
+        reserved_cpu=float(reserved),
+    )

@@ -1,0 +1,151 @@
+"""The suppress fast path on fixture /proc/stat and cpuacct counters, through the real manager."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hooks.cgroups import CgroupLayout
+from hooks.executor import CgroupExecutor
+from hooks.qos import QoSClass
+from hooks.rules import parse_rules
+from metrics import model
+from metrics.collect.cgroupfs import CgroupReader
+from metrics.collect.topology import CPUInfo
+from metrics.model import ContainerView, PodView, Sample, labels
+from metrics.qos.evict import CriEvictor
+from metrics.qos.fastpath import FastPath, FastPathConfig
+from metrics.qos.manager import ManagerConfig, QoSManager
+from metrics.tsdb import TSDB
+
+NOW = 5_000.0
+TOPOLOGY = [CPUInfo(cpu=i, core=i % 4, socket=0, numa=0 if i % 4 < 2 else 1) for i in range(8)]
+BE_DIR = "kubepods/besteffort"
+RULES = parse_rules({"resourceUsedThresholdWithBE": {"enable": True}})
+
+
+def make_pod(uid: str, qos: QoSClass, kube: str) -> PodView:
+    d = f"kubepods/{kube}/pod{uid}"
+    return PodView(uid=uid, namespace="ns", name=uid, sandbox_id=uid, qos=qos, priority=0, priority_class="",
+                   cgroup_dir=d, kube_qos=kube, containers=(ContainerView(f"c{uid}", "main", f"{d}/c{uid}"),))
+
+
+LS, BE = make_pod("a", QoSClass.LS, "burstable"), make_pod("c", QoSClass.BE, "besteffort")
+
+
+async def _no_runtime(method: str, payload: bytes, timeout: float) -> bytes:
+    raise AssertionError("the fast path never evicts")
+
+
+class Host:
+    """Fixture /proc and cgroup v1 roots whose counters the test advances."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.proc, self.cgroup = tmp_path / "proc", tmp_path / "cgroup"
+        self.proc.mkdir()
+        for d in ["", "kubepods", BE_DIR, "kubepods/burstable", LS.cgroup_dir, BE.cgroup_dir,
+                  LS.containers[0].cgroup_dir, BE.containers[0].cgroup_dir]:
+            (self.cgroup / "cpu" / d).mkdir(parents=True, exist_ok=True)
+            (self.cgroup / "cpu" / d / "cpu.cfs_quota_us").write_text("-1\n")
+            (self.cgroup / "cpuset" / d).mkdir(parents=True, exist_ok=True)
+            (self.cgroup / "cpuset" / d / "cpuset.cpus").write_text("0-7\n")
+            (self.cgroup / "cpuacct" / d).mkdir(parents=True, exist_ok=True)
+        self.used, self.total, self.ns = 0, 0, {"a": 0, "c": 0}
+        self.write()
+
+    def advance(self, seconds: float, node: float, ls: float, be: float) -> None:
+        """Move the counters as if the node used ``node`` cores for ``seconds`` (HZ = 100)."""
+        self.total += round(8 * seconds * 100)
+        self.used += round(node * seconds * 100)
+        self.ns["a"] += round(ls * seconds * 1e9)
+        self.ns["c"] += round(be * seconds * 1e9)
+        self.write()
+
+    def write(self) -> None:
+        idle = self.total - self.used
+        (self.proc / "stat").write_text(f"cpu  {self.used} 0 0 {idle} 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0\n")
+        for pod in (LS, BE):
+            (self.cgroup / "cpuacct" / pod.cgroup_dir / "cpuacct.usage").write_text(f"{self.ns[pod.uid]}\n")
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Host:
+    return Host(tmp_path)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[TSDB]:
+    db = TSDB(tmp_path / "m.db", clock=lambda: NOW)
+    db.write([Sample(model.NODE_CPU_USAGE, 4.0, ts=NOW - 0.5),
+              Sample(model.POD_CPU_USAGE, 2.0, labels(pod_uid="a"), NOW - 0.5),
+              Sample(model.POD_CPU_USAGE, 1.0, labels(pod_uid="c"), NOW - 0.5)])
+    yield db
+    db.close()
+
+
+async def setup(host: Host, store: TSDB) -> tuple[QoSManager, FastPath, list[float]]:
+    manager = QoSManager(reader=store, pods=lambda: [LS, BE], topology=TOPOLOGY,
+                         executor=CgroupExecutor(CgroupLayout(host.cgroup)), evictor=CriEvictor(_no_runtime),
+                         rules=lambda: RULES, config=ManagerConfig(reserved_cores=0.5), clock=lambda: NOW)
+    await manager.run_once()  # the regular round: BE gets 3 CPUs
+    assert (host.cgroup / "cpuset" / BE_DIR / "cpuset.cpus").read_text().strip() == "0,2,4"
+    clock = [0.0]
+    fast = FastPath(manager, proc_root=host.proc, cgroups=CgroupReader(host.cgroup), rules=lambda: RULES,
+                    config=FastPathConfig(interval=0.2), clock=lambda: clock[0], wall=lambda: NOW)
+    return manager, fast, clock
+
+
+@pytest.mark.asyncio
+async def test_an_ls_burst_shrinks_be_within_a_tick(host: Host, store: TSDB) -> None:
+    manager, fast, clock = await setup(host, store)
+    assert not await fast.tick()  # first tick: baseline only
+    host.advance(0.2, node=7.0, ls=6.0, be=0.5)
+    clock[0] = 0.2
+    inputs = fast.sample()
+    assert inputs is not None
+    assert inputs.node_cpu_used == pytest.approx(7.0) and inputs.pod_cpu_used["a"] == pytest.approx(6.0)
+    # 5.2 - 6.0 - max(7.0 - 6.5, 0.5) = -1.3 -> 2 CPUs < 3 in force: re-plan now
+    assert "headroom dropped" in (fast.decide(inputs) or "")
+    host.advance(0.2, node=7.0, ls=6.0, be=0.5)
+    clock[0] = 0.4
+    assert await fast.tick()
+    assert (host.cgroup / "cpuset" / BE_DIR / "cpuset.cpus").read_text().strip() == "0,4"
+    assert manager.explain()["strategies"]["cpu_suppress"]["plan"]["inputs"]["source"] == "fastpath"
+
+
+@pytest.mark.asyncio
+async def test_no_trigger_inside_the_dead_band(host: Host, store: TSDB) -> None:
+    _, fast, clock = await setup(host, store)
+    await fast.tick()
+    host.advance(0.2, node=4.0, ls=2.0, be=1.0)  # 2.2 cores -> 3 CPUs, as in force
+    clock[0] = 0.2
+    assert not await fast.tick() and fast.triggers == 0
+
+
+@pytest.mark.asyncio
+async def test_stall_and_counter_reset_make_no_decision(host: Host, store: TSDB) -> None:
+    _, fast, clock = await setup(host, store)
+    await fast.tick()
+    host.advance(1.0, node=7.0, ls=6.0, be=0.5)
+    clock[0] = 1.0  # 5 intervals later: the sampler stalled
+    assert fast.sample() is None
+    host.advance(0.2, node=7.0, ls=6.0, be=0.5)
+    host.ns["a"] = 0  # the LS pod's counter went back (cgroup recreated)
+    host.write()
+    clock[0] = 1.2
+    inputs = fast.sample()
+    assert inputs is not None and inputs.missing == ("pod_cpu{ns/a}",)
+    assert fast.decide(inputs) is None
+
+
+@pytest.mark.asyncio
+async def test_garbled_proc_stat_is_skipped_with_one_warning(host: Host, store: TSDB,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    _, fast, clock = await setup(host, store)
+    (host.proc / "stat").write_text("intr 1 2 3\n")
+    for i in range(3):
+        clock[0] = 0.2 * i
+        assert fast.sample() is None
+    assert capsys.readouterr().out.count("fastpath_sample_failed") == 1

@@ -1,0 +1,210 @@
+"""The manager on a fixture cgroup v1 tree with the real TSDB: rounds, dry-run, policy
+switches, stale metrics, eviction through the runtime, explain."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from criapi import cri_v1_pb2
+from hooks.cgroups import CgroupLayout
+from hooks.executor import CgroupExecutor
+from hooks.qos import QoSClass
+from hooks.rules import Rules, parse_rules
+from metrics import model
+from metrics.collect.topology import CPUInfo
+from metrics.model import ContainerView, PodView, Sample, labels
+from metrics.qos.evict import CriEvictor
+from metrics.qos.manager import ManagerConfig, QoSManager
+from metrics.tsdb import TSDB
+from runtimeproxy.hookapi import PodInfo, PodMeta
+
+NOW = 5_000.0
+TOPOLOGY = [CPUInfo(cpu=i, core=i % 4, socket=0, numa=0 if i % 4 < 2 else 1) for i in range(8)]
+BE_DIR = "kubepods/besteffort"
+
+
+def make_pod(uid: str, qos: QoSClass, kube: str) -> PodView:
+    d = f"kubepods/{kube}/pod{uid}"
+    return PodView(uid=uid, namespace="ns", name=uid, sandbox_id=uid, qos=qos, priority=5500, priority_class="",
+                   cgroup_dir=d, kube_qos=kube, containers=(ContainerView(f"c{uid}", "main", f"{d}/c{uid}"),))
+
+
+LS = make_pod("a", QoSClass.LS, "burstable")
+BE = make_pod("c", QoSClass.BE, "besteffort")
+FILES = {"cpu": {"cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000", "cpu.cfs_burst_us": "0"},
+         "cpuset": {"cpuset.cpus": "0-7", "cpuset.mems": "0"}}
+
+
+def build_tree(root: Path) -> None:
+    dirs = ["", "kubepods", BE_DIR, "kubepods/burstable"]
+    dirs += [d for p in (LS, BE) for d in (p.cgroup_dir, p.containers[0].cgroup_dir)]
+    for controller, files in FILES.items():
+        for d in dirs:
+            (root / controller / d).mkdir(parents=True, exist_ok=True)
+            for name, value in files.items():
+                (root / controller / d / name).write_text(value + "\n")
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): p.read_text().strip() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+class FakeRuntime:
+    def __init__(self) -> None:
+        self.stopped: list[str] = []
+
+    async def __call__(self, method: str, payload: bytes, timeout: float) -> bytes:
+        self.stopped.append(cri_v1_pb2.StopContainerRequest.FromString(payload).container_id)
+        return b""
+
+
+class Env:
+    def __init__(self, tmp_path: Path, rules: dict[str, Any], dry_run: bool = False) -> None:
+        self.root = tmp_path / "cgroup"
+        build_tree(self.root)
+        self.store = TSDB(tmp_path / "m.db", clock=lambda: NOW)
+        self.rules: Rules = parse_rules(rules)
+        self.runtime = FakeRuntime()
+        self.registry = CollectorRegistry()
+        self.manager = QoSManager(
+            reader=self.store, pods=lambda: [LS, BE], topology=TOPOLOGY,
+            executor=CgroupExecutor(CgroupLayout(self.root)), evictor=CriEvictor(self.runtime),
+            rules=lambda: self.rules, config=ManagerConfig(dry_run=dry_run, reserved_cores=0.5, node_name="n1"),
+            registry=self.registry, clock=lambda: NOW)
+
+    def usage(self, node: float = 4.0, ls: float = 2.0, be: float = 1.0, mem: float = 500.0) -> None:
+        self.store.write([
+            Sample(model.NODE_CPU_USAGE, node, ts=NOW - 0.5),
+            Sample(model.NODE_MEMORY_USED, mem, ts=NOW - 0.5), Sample(model.NODE_MEMORY_TOTAL, 1000.0, ts=NOW - 0.5),
+            Sample(model.POD_CPU_USAGE, ls, labels(pod_uid="a"), NOW - 0.5),
+            Sample(model.POD_CPU_USAGE, be, labels(pod_uid="c"), NOW - 0.5),
+            Sample(model.POD_MEMORY_USED, 300.0, labels(pod_uid="c"), NOW - 0.5),
+        ])
+
+    def read(self, controller: str, cgroup: str, name: str) -> str:
+        return (self.root / controller / cgroup / name).read_text().strip()
+
+
+@pytest.fixture
+def env_factory(tmp_path: Path) -> Iterator[Any]:
+    made: list[Env] = []
+
+    def make(rules: dict[str, Any], dry_run: bool = False) -> Env:
+        env = Env(tmp_path / str(len(made)), rules, dry_run)
+        made.append(env)
+        return env
+
+    yield make
+    for env in made:
+        env.store.close()
+
+
+ON = {"resourceUsedThresholdWithBE": {"enable": True}}
+
+
+@pytest.mark.asyncio
+async def test_a_round_suppresses_the_be_tree_only(env_factory: Any) -> None:
+    env = env_factory(ON)
+    env.usage()
+    before = tree(env.root)
+    await env.manager.run_once()
+    # 8 x 65% - 2.0 (LS) - max(4 - 3, 0.5) = 2.2 -> 3 CPUs
+    for cgroup in (BE_DIR, BE.cgroup_dir, BE.containers[0].cgroup_dir):
+        assert env.read("cpuset", cgroup, "cpuset.cpus") == "0,2,4"
+    changed = {k for k, v in tree(env.root).items() if before[k] != v}
+    assert changed == {f"cpuset/{d}/cpuset.cpus" for d in (BE_DIR, BE.cgroup_dir, BE.containers[0].cgroup_dir)}
+    explained = env.manager.explain()["strategies"]["cpu_suppress"]
+    assert explained["applied"][0]["result"] == "written"
+    assert explained["plan"]["inputs"]["suppress_cores"] == pytest.approx(2.2)
+
+
+@pytest.mark.asyncio
+async def test_dry_run_writes_nothing_but_explains(env_factory: Any) -> None:
+    env = env_factory({**ON, "cpuBurstStrategy": {"policy": "auto"}}, dry_run=True)
+    env.usage(mem=900.0)
+    before = tree(env.root)
+    await env.manager.run_once()
+    assert tree(env.root) == before
+    assert env.runtime.stopped == []
+    out = env.manager.explain()
+    assert out["dry_run"] and {a["result"] for a in out["strategies"]["cpu_suppress"]["applied"]} == {"dry-run"}
+    assert out["strategies"]["be_memory_evict"]["applied"][0]["kind"] == "evict"
+
+
+@pytest.mark.asyncio
+async def test_policy_switch_and_disable_recover_the_other_knob(env_factory: Any) -> None:
+    env = env_factory({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"}})
+    env.usage()
+    await env.manager.run_once()
+    assert env.read("cpu", BE_DIR, "cpu.cfs_quota_us") == "220000"
+    assert env.read("cpuset", BE_DIR, "cpuset.cpus") == "0-7"
+    env.rules = parse_rules(ON)
+    await env.manager.run_once()
+    assert env.read("cpu", BE_DIR, "cpu.cfs_quota_us") == "-1"
+    assert env.read("cpuset", BE_DIR, "cpuset.cpus") == "0,2,4"
+    env.rules = parse_rules({})
+    await env.manager.run_once()
+    assert env.read("cpuset", BE_DIR, "cpuset.cpus") == "0-7"
+    assert env.read("cpuset", BE.containers[0].cgroup_dir, "cpuset.cpus") == "0-7"
+    assert env.read("cpuset", LS.cgroup_dir, "cpuset.cpus") == "0-7"
+
+
+@pytest.mark.asyncio
+async def test_stale_metrics_change_nothing(env_factory: Any) -> None:
+    env = env_factory(ON)
+    env.store.write([Sample(model.NODE_CPU_USAGE, 1.0, ts=NOW - 10)])
+    before = tree(env.root)
+    await env.manager.run_once()
+    assert tree(env.root) == before
+    assert "no decision" in env.manager.explain()["strategies"]["cpu_suppress"]["plan"]["reason"]
+
+
+@pytest.mark.asyncio
+async def test_eviction_goes_through_the_runtime_and_wins_over_suppression(env_factory: Any) -> None:
+    env = env_factory(ON)
+    env.usage(mem=900.0)  # 90% >= 70%: release 220 -> the BE pod (300)
+    await env.manager.run_once()
+    assert env.runtime.stopped == ["cc"]
+    assert env.registry.get_sample_value("koordlet_pod_eviction_total",
+                                         {"node": "n1", "reason": "EvictPodByNodeMemoryUsage"}) == 1.0
+    # the evicted pod's own dirs were left alone; the besteffort dir was still suppressed
+    assert env.read("cpuset", BE.cgroup_dir, "cpuset.cpus") == "0-7"
+    assert env.read("cpuset", BE_DIR, "cpuset.cpus") == "0,2,4"
+    info = PodInfo(meta=PodMeta(name="c", namespace="ns", uid="c"))
+    mine = env.manager.explain(info)["strategies"]
+    assert mine["be_memory_evict"]["applied"][0]["result"] == "evicted"
+    assert {r["reason"] for r in mine["cpu_suppress"]["rejected"]} == {"pod is being evicted"}
+    assert env.manager.explain("a")["strategies"] == {}  # nothing concerned the LS pod
+    await env.manager.run_once()  # cool-down and the pending set: no second eviction
+    assert env.runtime.stopped == ["cc"]
+
+
+@pytest.mark.asyncio
+async def test_run_loop_wakes_early(env_factory: Any) -> None:
+    env = env_factory(ON)
+    env.usage()
+    env.manager.cfg = ManagerConfig(interval=3600)
+    rounds: list[float] = []
+    original = env.manager.run_once
+
+    async def counted() -> Any:
+        rounds.append(NOW)
+        return await original()
+
+    env.manager.run_once = counted
+    task = asyncio.create_task(env.manager.run())
+    while len(rounds) < 1:
+        await asyncio.sleep(0.01)
+    env.manager.wake()
+    async with asyncio.timeout(5):
+        while len(rounds) < 2:
+            await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

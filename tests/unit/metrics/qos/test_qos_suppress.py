@@ -1,0 +1,168 @@
+"""BE CPU suppress: the formula, cpuset selection, CFS quota, recovery, stale inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import PurePosixPath
+
+import pytest
+
+from hooks.annotations import RESOURCE_STATUS
+from hooks.cgroups import CPU_CFS_QUOTA, CPUSET_CPUS
+from hooks.qos import QoSClass
+from hooks.rules import ResourceThresholdStrategy
+from metrics.collect.topology import CPUInfo
+from metrics.model import ContainerView, PodView
+from metrics.qos.inputs import NodeInputs
+from metrics.qos.plan import LeveledWrite, SetCgroup
+from metrics.qos.suppress import (
+    BEState,
+    SuppressConfig,
+    SuppressStrategy,
+    quota_target,
+    select_cpus,
+    suppress_cores,
+)
+
+BE_DIR = PurePosixPath("kubepods/besteffort")
+ALL = frozenset(range(8))
+ON = ResourceThresholdStrategy(enable=True)
+QUOTA = ResourceThresholdStrategy(enable=True, cpu_suppress_policy="cfsQuota")
+
+
+def topology() -> list[CPUInfo]:
+    """8 CPUs, HT siblings i and i+4 (core i % 4); cores 0-1 on NUMA 0, 2-3 on NUMA 1."""
+    return [CPUInfo(cpu=i, core=i % 4, socket=0, numa=0 if i % 4 < 2 else 1) for i in range(8)]
+
+
+def pod(uid: str, qos: QoSClass, kube: str = "burstable", annotations: dict[str, str] | None = None) -> PodView:
+    cgroup = f"kubepods/{kube}/pod{uid}"
+    return PodView(uid=uid, namespace="ns", name=uid, sandbox_id=f"sb-{uid}", qos=qos, priority=0,
+                   priority_class="", cgroup_dir=cgroup, kube_qos=kube, annotations=annotations or {},
+                   containers=(ContainerView(id=f"c{uid}", name="main", cgroup_dir=f"{cgroup}/c{uid}"),))
+
+
+LS_A, LS_B, BE_C = pod("a", QoSClass.LS), pod("b", QoSClass.LS), pod("c", QoSClass.BE, "besteffort")
+
+
+def inputs(pods: tuple[PodView, ...] = (LS_A, LS_B, BE_C), used: dict[str, float] | None = None,
+           node: float | None = 4.0, reserved: float = 0.5) -> NodeInputs:
+    usage = {"a": 1.5, "b": 0.5, "c": 1.0} if used is None else used
+    return NodeInputs(now=100.0, capacity_cores=8.0, reserved_cores=reserved, pods=pods, node_cpu_used=node,
+                      pod_cpu_used=usage)
+
+
+def test_formula_by_hand() -> None:
+    # 8 x 65% = 5.2; non-BE = 1.5 + 0.5; system = max(4.0 - 3.0, 0.5) = 1.0 -> 2.2
+    f = suppress_cores(inputs(), ON)
+    assert (f.non_be_used, f.system_used, f.pods_used) == (2.0, 1.0, 3.0)
+    assert f.suppress == pytest.approx(2.2)
+    # reserved above the measured system usage wins: system = 1.5 -> 1.7
+    assert suppress_cores(inputs(reserved=1.5), ON).suppress == pytest.approx(1.7)
+    # floor: 8 x 40% = 3.2 > 2.2
+    floored = suppress_cores(inputs(), ResourceThresholdStrategy(enable=True, cpu_suppress_min_percent=40))
+    assert floored.suppress == pytest.approx(3.2) and floored.floor == pytest.approx(3.2)
+
+
+def test_pods_without_a_view_count_as_non_be_and_kube_besteffort_as_be() -> None:
+    # ghost 0.4 is non-BE: non-BE = 2.4, pods = 3.4, system = max(0.6, 1.0) = 1.0 -> 5.2 - 2.4 - 1.0
+    ghost = suppress_cores(inputs(used={"a": 1.5, "b": 0.5, "c": 1.0, "ghost": 0.4}, reserved=1.0), ON)
+    assert ghost.suppress == pytest.approx(1.8)
+    unlabeled_be = pod("c", QoSClass.NONE, "besteffort")
+    assert suppress_cores(inputs((LS_A, LS_B, unlabeled_be)), ON).suppress == pytest.approx(2.2)
+
+
+@pytest.mark.parametrize(("n", "expected"), [(4, {0, 2, 4, 6}), (3, {0, 2, 4}), (5, {0, 1, 2, 4, 6}),
+                                             (2, {0, 4}), (9, set(range(8)))])
+def test_cpuset_selection_takes_whole_ht_pairs_round_robin_over_numa(n: int, expected: set[int]) -> None:
+    assert select_cpus(n, topology()) == frozenset(expected)
+
+
+def cpuset_of(plan_actions: tuple[object, ...]) -> tuple[str, LeveledWrite]:
+    leveled = next(a for a in plan_actions if isinstance(a, LeveledWrite))
+    top = leveled.levels[0][0]
+    return str(top.value), leveled
+
+
+def test_cpuset_plan_writes_only_the_be_tree_and_recovers_quota() -> None:
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    plan = strategy.plan(inputs(), ON, BEState(ALL, 300_000))
+    cpus, leveled = cpuset_of(plan.actions)
+    assert cpus == "0,2,4"  # ceil(2.2) = 3 CPUs
+    assert [[str(i.cgroup) for i in level] for level in leveled.levels] == [
+        ["kubepods/besteffort"], ["kubepods/besteffort/podc"], ["kubepods/besteffort/podc/cc"]]
+    assert all(i.resource is CPUSET_CPUS for i in leveled.items())
+    assert SetCgroup(BE_DIR, CPU_CFS_QUOTA, -1, "recover BE cfs quota (policy cpuset)") in plan.actions
+    touched = {str(i.cgroup) for i in leveled.items()}
+    assert not any("burstable" in t for t in touched)  # LS pods are never suppressed
+    assert plan.inputs["suppress_cores"] == pytest.approx(2.2)
+
+
+def test_cpuset_excludes_reserved_and_lse_bound_cpus() -> None:
+    reserved = SuppressStrategy(SuppressConfig(reserved_cpus=frozenset({0})), topology())
+    assert cpuset_of(reserved.plan(inputs(), ON, BEState(ALL, -1)).actions)[0] == "2,4,6"
+    lse = pod("e", QoSClass.LSE, "guaranteed", {RESOURCE_STATUS: json.dumps({"cpuset": "2-3"})})
+    plan = reserved.plan(inputs((LS_A, LS_B, BE_C, lse), {"a": 1.5, "b": 0.5, "c": 1.0, "e": 0.0}), ON,
+                         BEState(ALL, -1))
+    assert cpuset_of(plan.actions)[0] == "1,5-6"
+
+
+def test_cpuset_growth_is_capped_and_never_below_two() -> None:
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    # idle node: 5.2 - 0 - 0.5 = 4.7 -> 5 wanted, but only 2 + ceil(0.8) = 3 allowed from {0, 1}
+    idle = inputs(used={"a": 0.0, "b": 0.0, "c": 0.0}, node=0.0)
+    plan = strategy.plan(idle, ON, BEState(frozenset({0, 1}), -1))
+    assert (plan.inputs["wanted_cpus"], plan.inputs["growth_cap"]) == (5, 3)
+    assert cpuset_of(plan.actions)[0] == "0,2,4"
+    busy = inputs(used={"a": 6.0, "b": 0.0, "c": 0.5}, node=7.0)
+    assert cpuset_of(strategy.plan(busy, ON, BEState(ALL, -1)).actions)[0] == "0,4"
+
+
+@pytest.mark.parametrize(
+    ("current", "expected"),
+    [(-1, 220_000), (200_000, 220_000), (215_000, None), (100_000, 180_000)],
+)
+def test_cfs_quota_dead_band_and_growth_cap(current: int, expected: int | None) -> None:
+    # 2.2 cores x 100 ms = 220000; dead band 1% of 8 x 100000 = 8000; growth <= 80000 a round
+    assert quota_target(2.2, current, 8.0, 100_000)[0] == expected
+
+
+def test_cfs_quota_floor_is_written_even_inside_the_dead_band() -> None:
+    assert quota_target(-1.0, 2500, 8.0, 100_000)[0] == 2000
+
+
+def test_cfs_plan_recovers_the_cpuset() -> None:
+    strategy = SuppressStrategy(SuppressConfig(reserved_cpus=frozenset({7})), topology())
+    plan = strategy.plan(inputs(), QUOTA, BEState(frozenset({0, 1}), 400_000))
+    assert SetCgroup(BE_DIR, CPU_CFS_QUOTA, 220_000, plan.reason) in plan.actions  # shrinking is never capped
+    assert cpuset_of(plan.actions)[0] == "0-6"
+
+
+def test_disabled_recovers_both_knobs() -> None:
+    lse = pod("e", QoSClass.LSE, "guaranteed", {RESOURCE_STATUS: json.dumps({"cpuset": "6-7"})})
+    strategy = SuppressStrategy(SuppressConfig(reserved_cpus=frozenset({0})), topology())
+    plan = strategy.plan(inputs((LS_A, BE_C, lse)), ResourceThresholdStrategy(enable=False), BEState(None, None))
+    assert cpuset_of(plan.actions)[0] == "1-5"
+    assert any(isinstance(a, SetCgroup) and a.value == -1 and a.resource is CPU_CFS_QUOTA for a in plan.actions)
+
+
+def test_stale_or_missing_metrics_make_no_decision() -> None:
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    no_node = strategy.plan(inputs(node=None), ON, BEState(ALL, -1))
+    assert no_node.actions == () and "node_cpu_usage_cores" in no_node.reason
+    no_ls = strategy.plan(inputs(used={"b": 0.5, "c": 1.0}), ON, BEState(ALL, -1))
+    assert no_ls.actions == () and "ns/a" in no_ls.reason
+    # a BE pod without a sample does not block the decision (it is not in the formula)
+    assert strategy.plan(inputs(used={"a": 1.5, "b": 0.5}), ON, BEState(ALL, -1)).actions
+    unknown_state = strategy.plan(inputs(), ON, BEState(None, -1))
+    assert unknown_state.actions == () and "unreadable" in unknown_state.reason
+
+
+def test_bad_resource_status_is_skipped_with_one_warning(capsys: pytest.CaptureFixture[str]) -> None:
+    bad = pod("e", QoSClass.LSE, "guaranteed", {RESOURCE_STATUS: "{not json"})
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    for _ in range(3):
+        plan = strategy.plan(inputs((LS_A, LS_B, BE_C, bad), {"a": 1.5, "b": 0.5, "c": 1.0, "e": 0.0}), ON,
+                             BEState(ALL, -1))
+    assert cpuset_of(plan.actions)[0] == "0,2,4"
+    assert capsys.readouterr().out.count("resource_status_ignored") == 1

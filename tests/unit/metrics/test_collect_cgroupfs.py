@@ -1,0 +1,294 @@
+"""CgroupReader, read_cpu_usage_ns and PodCollector on fixture cgroup v1, hybrid and v2 trees."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from hooks.qos import QoSClass
+from metrics import model as m
+from metrics.collect.base import ReadError
+from metrics.collect.cgroupfs import CgroupReader, PodCollector, read_cpu_usage_ns
+from runtimeproxy.hookapi import HostRoots
+
+POD_DIR = "kubepods/burstable/podu1"
+C1_DIR = POD_DIR + "/c1"
+C2_DIR = POD_DIR + "/c2"
+
+
+class Clock:
+    """Monotonic time that moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def pod(*containers: str, uid: str = "u1", pod_dir: str = POD_DIR) -> m.PodView:
+    return m.PodView(
+        uid=uid, namespace="ns", name=f"pod-{uid}", sandbox_id=f"sb-{uid}", qos=QoSClass.LS, priority=0,
+        priority_class="koord-prod", cgroup_dir=pod_dir,
+        containers=tuple(m.ContainerView(id=c, name=c, cgroup_dir=f"{pod_dir}/{c}") for c in containers),
+    )
+
+
+class Tree:
+    """A fixture cgroup root: v1 with separate controller mounts plus a unified tree
+    (this host's layout), or pure v2."""
+
+    def __init__(self, root: Path, version: int) -> None:
+        self.root = root
+        self.version = version
+        self._periods: dict[str, tuple[int, int]] = {}
+        if version == 2:
+            write(root / "cgroup.controllers", "cpuset cpu io memory pids\n")
+        else:
+            for controller in ("cpu", "cpuacct", "cpuset", "memory"):
+                (root / controller).mkdir(parents=True)
+            write(root / "unified/cgroup.procs", "")
+
+    def d(self, controller: str, rel: str) -> Path:
+        return self.root / rel if self.version == 2 else self.root / controller / rel
+
+    def usage(self, rel: str, ns: int) -> None:
+        if self.version == 2:
+            write(self.d("cpu", rel) / "cpu.stat", f"usage_usec {ns // 1000}\nuser_usec 1\nsystem_usec 2\n"
+                  + self._throttle_text(rel))
+        else:
+            write(self.d("cpuacct", rel) / "cpuacct.usage", f"{ns}\n")
+
+    def throttle(self, rel: str, periods: int, throttled: int) -> None:
+        self._periods[rel] = (periods, throttled)
+        if self.version == 2:
+            path = self.d("cpu", rel) / "cpu.stat"
+            usage = path.read_text().splitlines()[0] if path.exists() else "usage_usec 0"
+            write(path, usage + "\n" + self._throttle_text(rel))
+        else:
+            write(self.d("cpu", rel) / "cpu.stat", self._throttle_text(rel))
+
+    def _throttle_text(self, rel: str) -> str:
+        periods, throttled = self._periods.get(rel, (0, 0))
+        return f"nr_periods {periods}\nnr_throttled {throttled}\nthrottled_usec 0\n"
+
+    def memory(self, rel: str, anon: int, unevictable: int, cache: int) -> None:
+        if self.version == 2:
+            text = f"anon {anon}\nfile {cache}\nkernel 4096\nunevictable {unevictable}\n"
+        else:
+            half = anon // 2
+            text = (f"cache {cache + 1}\nrss 1\nactive_anon 1\ninactive_anon 1\nunevictable 1\n"
+                    f"total_cache {cache}\ntotal_inactive_anon {half}\ntotal_active_anon {anon - half}\n"
+                    f"total_unevictable {unevictable}\n")
+        write(self.d("memory", rel) / "memory.stat", text)
+
+    def cgroup(self, rel: str, usage_ns: int, anon: int = 4096, cache: int = 8192) -> None:
+        self.usage(rel, usage_ns)
+        self.throttle(rel, 0, 0)
+        self.memory(rel, anon, 0, cache)
+
+
+@pytest.fixture(params=[1, 2], ids=["v1", "v2"])
+def tree(request: pytest.FixtureRequest, tmp_path: Path) -> Tree:
+    return Tree(tmp_path / "cgroup", request.param)
+
+
+def collector(tree: Tree, clock: Clock) -> PodCollector:
+    return PodCollector(HostRoots(cgroup=tree.root, proc=tree.root / "none", sys=tree.root / "none"), clock=clock)
+
+
+def by_key(samples: Sequence[m.Sample]) -> dict[tuple[str, m.Labels], float]:
+    return {(s.metric, s.labels): s.value for s in samples}
+
+
+POD = m.labels(pod_uid="u1")
+C1 = m.labels(pod_uid="u1", container_id="c1")
+
+
+# --- CgroupReader and read_cpu_usage_ns ----------------------------------------------
+
+
+def test_reader_paths_on_a_hybrid_v1_host(tmp_path: Path) -> None:
+    tree = Tree(tmp_path, 1)
+    reader = CgroupReader(tmp_path)
+    assert reader.version == 1
+    assert reader.cpu_dir("/" + POD_DIR) == tmp_path / "cpu" / POD_DIR  # a leading "/" never escapes the root
+    assert reader.cpuacct_dir(POD_DIR) == tmp_path / "cpuacct" / POD_DIR
+    assert reader.memory_dir(POD_DIR) == tmp_path / "memory" / POD_DIR
+    assert reader.cpuset_dir(POD_DIR) == tmp_path / "cpuset" / POD_DIR
+    assert reader.pressure_dir(POD_DIR) == tmp_path / "unified" / POD_DIR
+    assert reader.perf_event_dir(POD_DIR) == tmp_path / "unified" / POD_DIR
+    tree.usage(POD_DIR, 5_000)
+    assert reader.cpu_usage_ns(POD_DIR) == 5_000
+
+
+def test_reader_on_pure_v1_with_comounted_cpu_cpuacct(tmp_path: Path) -> None:
+    (tmp_path / "cpu,cpuacct").mkdir()
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "perf_event").mkdir()
+    reader = CgroupReader(tmp_path)
+    assert reader.cpu_dir(POD_DIR) == reader.cpuacct_dir(POD_DIR) == tmp_path / "cpu,cpuacct" / POD_DIR
+    assert reader.pressure_dir(POD_DIR) is None
+    assert reader.perf_event_dir(POD_DIR) == tmp_path / "perf_event" / POD_DIR
+
+
+def test_reader_on_v2(tmp_path: Path) -> None:
+    Tree(tmp_path, 2)
+    reader = CgroupReader(tmp_path)
+    assert reader.version == 2
+    for directory in (reader.cpu_dir(POD_DIR), reader.cpuacct_dir(POD_DIR), reader.memory_dir(POD_DIR),
+                      reader.pressure_dir(POD_DIR), reader.perf_event_dir(POD_DIR)):
+        assert directory == tmp_path / POD_DIR
+
+
+def test_read_cpu_usage_ns_v1_v2_and_detected(tmp_path: Path) -> None:
+    write(tmp_path / "v1/cpuacct.usage", "123456789\n")
+    write(tmp_path / "v2/cpu.stat", "usage_usec 42\nuser_usec 40\nsystem_usec 2\n")
+    assert read_cpu_usage_ns(tmp_path / "v1", 1) == 123456789
+    assert read_cpu_usage_ns(tmp_path / "v2", 2) == 42_000
+    # version unknown: cpuacct.usage first, else cpu.stat (a hybrid host's unified dir)
+    assert read_cpu_usage_ns(tmp_path / "v1") == 123456789
+    assert read_cpu_usage_ns(tmp_path / "v2") == 42_000
+
+
+def test_read_cpu_usage_ns_errors(tmp_path: Path) -> None:
+    write(tmp_path / "garbage/cpuacct.usage", "lots\n")
+    write(tmp_path / "no-usage/cpu.stat", "nr_periods 1\n")
+    with pytest.raises(ReadError, match="not an integer"):
+        read_cpu_usage_ns(tmp_path / "garbage", 1)
+    with pytest.raises(ReadError, match="no usage_usec"):
+        read_cpu_usage_ns(tmp_path / "no-usage", 2)
+    with pytest.raises(ReadError) as info:
+        read_cpu_usage_ns(tmp_path / "vanished")
+    assert info.value.gone
+
+
+# --- PodCollector --------------------------------------------------------------------
+
+
+def test_cpu_usage_is_a_delta_over_the_monotonic_clock(tree: Tree) -> None:
+    tree.cgroup(POD_DIR, 1_000_000_000)
+    tree.cgroup(C1_DIR, 500_000_000)
+    clock = Clock()
+    pc = collector(tree, clock)
+    first = by_key(pc.collect(0, [pod("c1")]))
+    assert (m.POD_CPU_USAGE, POD) not in first and (m.CONTAINER_CPU_USAGE, C1) not in first
+    assert pc.latest().cpu == {} and not pc.latest().cpu_complete
+
+    tree.usage(POD_DIR, 1_000_000_000 + 3_000_000_000)  # 3 s of CPU in 2 s
+    tree.usage(C1_DIR, 500_000_000 + 1_000_000_000)
+    clock.t += 2.0
+    second = by_key(pc.collect(1, [pod("c1")]))
+    assert second[(m.POD_CPU_USAGE, POD)] == pytest.approx(1.5)
+    assert second[(m.CONTAINER_CPU_USAGE, C1)] == pytest.approx(0.5)
+    assert pc.latest().cpu == {"u1": pytest.approx(1.5)} and pc.latest().cpu_complete
+
+
+def test_memory_used_excludes_page_cache(tree: Tree) -> None:
+    tree.cgroup(POD_DIR, 0)
+    tree.memory(POD_DIR, anon=10 * 4096, unevictable=2 * 4096, cache=100 * 4096)
+    samples = by_key(collector(tree, Clock()).collect(0, [pod()]))
+    assert samples[(m.POD_MEMORY_USED, POD)] == 12 * 4096
+    assert samples[(m.POD_MEMORY_CACHE, POD)] == 100 * 4096
+
+
+def test_v1_memory_falls_back_to_the_non_total_counters(tmp_path: Path) -> None:
+    tree = Tree(tmp_path, 1)
+    tree.cgroup(POD_DIR, 0)
+    write(tree.d("memory", POD_DIR) / "memory.stat",
+          "cache 300\nactive_anon 100\ninactive_anon 20\nunevictable 3\nactive_file 1\n")
+    samples = by_key(collector(tree, Clock()).collect(0, [pod()]))
+    assert samples[(m.POD_MEMORY_USED, POD)] == 123
+    assert samples[(m.POD_MEMORY_CACHE, POD)] == 300
+
+
+def test_throttled_ratio_needs_elapsed_periods(tree: Tree) -> None:
+    tree.cgroup(POD_DIR, 0)
+    tree.throttle(POD_DIR, 100, 10)
+    pc = collector(tree, Clock())
+    assert (m.POD_CPU_THROTTLED, POD) not in by_key(pc.collect(0, [pod()]))
+    tree.throttle(POD_DIR, 150, 30)
+    assert by_key(pc.collect(1, [pod()]))[(m.POD_CPU_THROTTLED, POD)] == pytest.approx(20 / 50)
+    # no period elapsed (no quota, or idle): no sample rather than a made-up 0
+    assert (m.POD_CPU_THROTTLED, POD) not in by_key(pc.collect(2, [pod()]))
+
+
+def test_cpu_counter_reset_starts_a_new_baseline(tree: Tree) -> None:
+    tree.cgroup(POD_DIR, 9_000_000_000)
+    clock = Clock()
+    pc = collector(tree, clock)
+    pc.collect(0, [pod()])
+    tree.usage(POD_DIR, 1_000_000_000)
+    clock.t += 1
+    assert (m.POD_CPU_USAGE, POD) not in by_key(pc.collect(1, [pod()]))
+    tree.usage(POD_DIR, 1_250_000_000)
+    clock.t += 1
+    assert by_key(pc.collect(2, [pod()]))[(m.POD_CPU_USAGE, POD)] == pytest.approx(0.25)
+
+
+def test_vanished_container_is_skipped_and_logged_once(tree: Tree) -> None:
+    tree.cgroup(POD_DIR, 0)
+    tree.cgroup(C1_DIR, 0)
+    clock = Clock()
+    pc = collector(tree, clock)
+    with capture_logs() as logs:
+        for tick in range(4):  # c2 has no cgroup (the container exited)
+            clock.t += 1
+            samples = by_key(pc.collect(tick, [pod("c1", "c2")]))
+    assert (m.CONTAINER_CPU_USAGE, C1) in samples
+    assert not [k for k in samples if ("container_id", "c2") in k[1]]
+    assert {(e["event"], e["log_level"]) for e in logs} == {("sample_skipped", "info")}
+    paths = [e["path"] for e in logs]
+    # one line per missing file (v1: cpuacct.usage, memory.stat, cpu.stat; v2: cpu.stat, memory.stat), not per tick
+    assert len(paths) == len(set(paths)) == (3 if tree.version == 1 else 2)
+    assert all("/c2/" in p for p in paths)
+
+
+def test_state_of_a_container_that_left_is_dropped(tree: Tree) -> None:
+    tree.cgroup(POD_DIR, 0)
+    tree.cgroup(C1_DIR, 0)
+    clock = Clock()
+    pc = collector(tree, clock)
+    pc.collect(0, [pod("c1")])
+    clock.t += 1
+    pc.collect(1, [pod()])  # c1 gone from the pod list
+    tree.usage(C1_DIR, 7_000_000_000)
+    clock.t += 1
+    # back with the same id: it has no baseline, so no (wrong) 7-core sample
+    assert (m.CONTAINER_CPU_USAGE, C1) not in by_key(pc.collect(2, [pod("c1")]))
+
+
+def test_garbage_files_skip_only_their_samples(tree: Tree) -> None:
+    tree.cgroup(POD_DIR, 0)
+    tree.cgroup(C1_DIR, 0)
+    write(tree.d("memory", C1_DIR) / "memory.stat", "anon twelve\n")
+    (tree.d("memory", POD_DIR) / "memory.stat").unlink()
+    (tree.d("memory", POD_DIR) / "memory.stat").mkdir()
+    clock = Clock()
+    pc = collector(tree, clock)
+    with capture_logs() as logs:
+        pc.collect(0, [pod("c1")])
+        clock.t += 1
+        samples = by_key(pc.collect(1, [pod("c1")]))
+    assert (m.POD_CPU_USAGE, POD) in samples and (m.CONTAINER_CPU_USAGE, C1) in samples
+    assert (m.POD_MEMORY_USED, POD) not in samples and (m.CONTAINER_MEMORY_USED, C1) not in samples
+    assert sorted(e["log_level"] for e in logs) == ["warning", "warning"]
+    assert not pc.latest().memory_complete and pc.latest().cpu_complete
+
+
+def test_hybrid_unified_tree_usage_works_for_the_v1_reader(tmp_path: Path) -> None:
+    """A hybrid host's unified dirs have cpu.stat with usage_usec only (no cpu controller)."""
+    Tree(tmp_path, 1)
+    write(tmp_path / "unified" / C1_DIR / "cpu.stat", "usage_usec 2500\nuser_usec 2000\nsystem_usec 500\n")
+    reader = CgroupReader(tmp_path)
+    unified = reader.unified_dir(C1_DIR)
+    assert unified is not None
+    assert read_cpu_usage_ns(unified) == 2_500_000

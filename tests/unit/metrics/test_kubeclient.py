@@ -1,0 +1,374 @@
+"""KubeClient (and the informer's watches) against a recording HTTP endpoint that
+answers like the API server. Not a cluster: what is checked is what we send and how
+we handle the answers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+import structlog
+
+from metrics.informer import StatesInformer
+from metrics.kubeclient import (
+    EvictionRefused,
+    Kind,
+    KubeApiError,
+    KubeClient,
+    KubeSettings,
+    KubeUnavailable,
+)
+from metrics.model import NODE_CPU_USAGE, Sample
+from metrics.reporter import NodeMetricReporter
+from metrics.tsdb import TSDB
+
+NODE = "node-a"
+CRD = "/apis/slo.koordinator.sh/v1alpha1"
+HOLD = "hold"  # a watch script ending in HOLD keeps the stream open until the test ends
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+Answer = tuple[int, object]
+
+
+class FakeApiServer:
+    """Routes (method, path) -> (status, JSON body); watch requests (``watch=true``) take the
+    next script of events for their path and stream it as chunked JSON lines."""
+
+    def __init__(self) -> None:
+        self.routes: dict[tuple[str, str], Answer | Callable[[Request], Answer]] = {}
+        self.watch_scripts: dict[str, list[list[object]]] = {}
+        self.requests: list[Request] = []
+        self.release = threading.Event()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _handle(self) -> None:
+                url = urlsplit(self.path)
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                req = Request(self.command, url.path, parse_qs(url.query), headers, body)
+                fake.requests.append(req)
+                if req.query.get("watch", [""])[0].lower() == "true":
+                    fake.stream(self, req)
+                    return
+                route = fake.routes.get((req.method, req.path), (404, {"kind": "Status", "code": 404,
+                                                                      "message": "not found"}))
+                status, doc = route(req) if callable(route) else route
+                data = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_PATCH = do_POST = _handle
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+        self._thread.start()
+
+    def stream(self, handler: BaseHTTPRequestHandler, req: Request) -> None:
+        scripts = self.watch_scripts.get(req.path, [])
+        script = scripts.pop(0) if scripts else [HOLD]
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        try:
+            for event in script:
+                if event == HOLD:
+                    self.release.wait(10)
+                    break
+                line = json.dumps(event).encode() + b"\n"
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                handler.wfile.flush()
+            handler.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            pass  # the client hung up (interrupt_watches)
+
+    def seen(self, method: str, path: str) -> list[Request]:
+        return [r for r in self.requests if r.method == method and r.path == path]
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    server = FakeApiServer()
+    yield server
+    server.close()
+
+
+def kubeconfig(tmp_path: Path, server: str) -> Path:
+    path = tmp_path / "kubeconfig"
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": server}}],
+        "users": [{"name": "agent", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "agent"}}],
+    }))
+    return path
+
+
+@pytest.fixture
+def kube(tmp_path: Path, api: FakeApiServer) -> Iterator[KubeClient]:
+    settings = KubeSettings(NODE, kubeconfig=kubeconfig(tmp_path, api.url), qps=1000, timeout=5,
+                            backoff_initial=0.05, backoff_max=0.2, watch_seconds=30)
+    client = KubeClient.connect(settings)
+    yield client
+    client.close()
+
+
+def test_get_nodemetric_and_missing_nodeslo(api: FakeApiServer, kube: KubeClient) -> None:
+    doc = {"apiVersion": "slo.koordinator.sh/v1alpha1", "kind": "NodeMetric", "metadata": {"name": NODE},
+           "spec": {"metricCollectPolicy": {"reportIntervalSeconds": 30}}}
+    api.routes[("GET", f"{CRD}/nodemetrics/{NODE}")] = (200, doc)
+    assert kube.get_nodemetric() == doc
+    assert kube.get_nodeslo() is None  # 404
+    [req] = api.seen("GET", f"{CRD}/nodemetrics/{NODE}")
+    assert req.headers["authorization"] == "Bearer test-token"
+    assert api.seen("GET", f"{CRD}/nodeslos/{NODE}")
+
+
+def test_get_node(api: FakeApiServer, kube: KubeClient) -> None:
+    with pytest.raises(KubeApiError) as err:
+        kube.get_node()
+    assert err.value.status == 404
+    api.routes[("GET", f"/api/v1/nodes/{NODE}")] = (200, {"kind": "Node", "metadata": {"name": NODE}})
+    assert kube.get_node()["metadata"]["name"] == NODE
+
+
+def test_patch_status_is_a_merge_patch_of_the_status_subresource(api: FakeApiServer, kube: KubeClient) -> None:
+    path = f"{CRD}/nodemetrics/{NODE}/status"
+    api.routes[("PATCH", path)] = (200, {"kind": "NodeMetric"})
+    status = {"updateTime": "2023-11-14T22:13:20Z", "nodeMetric": {"nodeUsage": {"resources": {"cpu": "1500m"}}},
+              "podsMetric": []}
+    assert kube.update_nodemetric_status(status) is True
+    [req] = api.seen("PATCH", path)
+    assert req.headers["content-type"] == "application/merge-patch+json"
+    assert req.json() == {"status": status}
+
+
+def test_missing_nodemetric_is_not_created_and_logged_once(api: FakeApiServer, kube: KubeClient) -> None:
+    with structlog.testing.capture_logs() as logs:
+        assert kube.update_nodemetric_status({"podsMetric": []}) is False
+        assert kube.update_nodemetric_status({"podsMetric": []}) is False
+    assert [e["event"] for e in logs] == ["nodemetric_missing"]
+    assert not [r for r in api.requests if r.method in ("POST", "PUT")]
+    api.routes[("PATCH", f"{CRD}/nodemetrics/{NODE}/status")] = (200, {})
+    assert kube.update_nodemetric_status({"podsMetric": []}) is True
+
+
+def test_server_error_is_raised(api: FakeApiServer, kube: KubeClient) -> None:
+    api.routes[("PATCH", f"{CRD}/nodemetrics/{NODE}/status")] = (500, {"message": "etcd is down"})
+    with pytest.raises(KubeApiError, match="etcd is down") as err:
+        kube.update_nodemetric_status({})
+    assert err.value.status == 500
+
+
+def test_eviction_body_has_uid_precondition(api: FakeApiServer, kube: KubeClient) -> None:
+    path = "/api/v1/namespaces/shop/pods/web/eviction"
+    api.routes[("POST", path)] = (201, {"kind": "Status", "status": "Success"})
+    kube.evict("shop", "web", "uid-1", "BEMemoryEvict")
+    [req] = api.seen("POST", path)
+    assert req.json() == {
+        "apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "web", "namespace": "shop"},
+        "deleteOptions": {"preconditions": {"uid": "uid-1"}},
+    }
+
+
+def test_eviction_refused_on_429_and_gone_pod_is_done(api: FakeApiServer, kube: KubeClient) -> None:
+    path = "/api/v1/namespaces/shop/pods/web/eviction"
+    api.routes[("POST", path)] = (429, {"kind": "Status", "code": 429,
+                                        "message": "Cannot evict pod as it would violate the pod's disruption budget."})
+    with pytest.raises(EvictionRefused, match="disruption budget"):
+        kube.evict("shop", "web", "uid-1", "BECPUEvict")
+    api.routes[("POST", path)] = (404, {"kind": "Status", "code": 404, "message": "pods \"web\" not found"})
+    kube.evict("shop", "web", "uid-1", "BECPUEvict")
+    api.routes[("POST", path)] = (409, {"kind": "Status", "code": 409, "message": "uid precondition failed"})
+    kube.evict("shop", "web", "uid-1", "BECPUEvict")
+    assert len(api.seen("POST", path)) == 3
+
+
+def test_unreachable_server_and_missing_config(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = KubeClient.connect(KubeSettings(NODE, kubeconfig=kubeconfig(tmp_path, f"http://127.0.0.1:{port}"),
+                                             timeout=2))
+    with pytest.raises(KubeUnavailable):
+        client.get_nodeslo()
+    client.close()
+    with pytest.raises(KubeUnavailable, match="no Kubernetes configuration"):
+        KubeClient.connect(KubeSettings(NODE, kubeconfig=tmp_path / "absent"))
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="node name"):
+        KubeSettings("")
+    with pytest.raises(ValueError, match="qps"):
+        KubeSettings(NODE, qps=0)
+    with pytest.raises(ValueError, match="exclusive"):
+        KubeSettings(NODE, kubeconfig=Path("x"), in_cluster=True)
+
+
+def nodeslo(rv: str, threshold: int) -> dict[str, Any]:
+    return {"kind": "NodeSLO", "metadata": {"name": NODE, "resourceVersion": rv},
+            "spec": {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": threshold}}}
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_watch_lists_then_streams_and_relists_on_410(api: FakeApiServer, kube: KubeClient) -> None:
+    path = f"{CRD}/nodeslos"
+    lists = iter([nodeslo("100", 60), nodeslo("200", 61)])
+    api.routes[("GET", path)] = lambda _req: (200, {"kind": "NodeSLOList", "metadata": {"resourceVersion": "100"},
+                                                    "items": [next(lists)]})
+    api.watch_scripts[path] = [
+        [{"type": "MODIFIED", "object": nodeslo("101", 65)},
+         {"type": "BOOKMARK", "object": {"kind": "NodeSLO", "metadata": {"resourceVersion": "150"}}},
+         b"not json".decode(),
+         {"type": "MODIFIED", "object": nodeslo("160", 70)}],
+        [{"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}}],
+        [HOLD],
+    ]
+    events: list[tuple[str, int | None]] = []
+
+    def on_event(etype: str, obj: dict[str, Any] | None) -> None:
+        value = obj["spec"]["resourceUsedThresholdWithBE"]["cpuSuppressThresholdPercent"] if obj else None
+        events.append((etype, value))
+
+    stop = threading.Event()
+    thread = threading.Thread(target=kube.watch, args=(Kind.NODESLO, on_event, stop), daemon=True)
+    thread.start()
+    wait_for(lambda: len(events) >= 4 and len([r for r in api.seen("GET", path) if "watch" in r.query]) >= 3)
+    stop.set()
+    kube.interrupt_watches()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert events[:4] == [("SYNC", 60), ("MODIFIED", 65), ("MODIFIED", 70), ("SYNC", 61)]
+    lists_made = [r for r in api.seen("GET", path) if "watch" not in r.query]
+    watches = [r for r in api.seen("GET", path) if "watch" in r.query]
+    assert len(lists_made) == 2  # the first list and the relist after 410 Gone
+    assert all(r.query["fieldSelector"] == [f"metadata.name={NODE}"] for r in api.seen("GET", path))
+    # Watch from the list's version, then resume from the last event (the bookmark counts too).
+    assert [w.query.get("resourceVersion") for w in watches[:2]] == [["100"], ["160"]]
+    assert watches[0].query["allowWatchBookmarks"][0].lower() == "true"
+
+
+def test_watch_backs_off_while_the_crd_is_missing(api: FakeApiServer, kube: KubeClient) -> None:
+    stop = threading.Event()
+    events: list[str] = []
+    with structlog.testing.capture_logs() as logs:
+        thread = threading.Thread(target=kube.watch, args=(Kind.NODEMETRIC, lambda t, o: events.append(t), stop),
+                                  daemon=True)
+        thread.start()
+        wait_for(lambda: len(api.seen("GET", f"{CRD}/nodemetrics")) >= 3)
+        stop.set()
+        thread.join(5)
+    assert events == []
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["watch_failed"]  # once, not per retry
+
+
+async def stop_informer(task: asyncio.Task[None]) -> None:
+    """Cancel the informer and wait until its watch threads are gone (none may outlive a test)."""
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("watch-") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "watch threads still running after cancellation"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.asyncio
+async def test_informer_gets_nodeslo_and_node_through_watches(api: FakeApiServer, kube: KubeClient) -> None:
+    node = {"kind": "Node", "metadata": {"name": NODE, "resourceVersion": "5",
+                                         "annotations": {"node.koordinator.sh/reservation": '{"reservedCPUs": "0-2"}'}},
+            "status": {"capacity": {"cpu": "8", "memory": "16Gi"}, "allocatable": {"cpu": "7500m", "memory": "15Gi"}}}
+    api.routes[("GET", "/api/v1/nodes")] = (200, {"kind": "NodeList", "metadata": {"resourceVersion": "5"},
+                                                 "items": [node]})
+    api.routes[("GET", f"{CRD}/nodeslos")] = (200, {"kind": "NodeSLOList", "metadata": {"resourceVersion": "1"},
+                                                   "items": []})
+    api.routes[("GET", f"{CRD}/nodemetrics")] = (200, {"kind": "NodeMetricList", "metadata": {"resourceVersion": "1"},
+                                                      "items": [{"metadata": {"name": NODE}, "spec": {
+                                                          "metricCollectPolicy": {"reportIntervalSeconds": 30}}}]})
+    api.watch_scripts[f"{CRD}/nodeslos"] = [[{"type": "ADDED", "object": nodeslo("2", 55)}, HOLD]]
+    informer = StatesInformer(kube, None, sync_interval=0.05)
+    task = asyncio.create_task(informer.run())
+    deadline = time.monotonic() + 10
+    while informer.nodeslo_rules() is None or informer.node_capacity() is None:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    assert informer.nodeslo_rules() == nodeslo("2", 55)["spec"]
+    assert informer.nodemetric_spec() == {"metricCollectPolicy": {"reportIntervalSeconds": 30}}
+    assert informer.node_capacity() == (8.0, 16 * 1024**3)
+    assert informer.node_reserved_cpu() == 3.0  # reservedCPUs 0-2 beats capacity - allocatable = 0.5
+    await stop_informer(task)
+
+
+@pytest.mark.asyncio
+async def test_reporter_patches_status_with_the_crs_interval(api: FakeApiServer, kube: KubeClient,
+                                                              tmp_path: Path) -> None:
+    now = 1_700_000_000.0
+    api.routes[("GET", f"{CRD}/nodemetrics")] = (200, {"kind": "NodeMetricList", "metadata": {"resourceVersion": "1"},
+                                                      "items": [{"metadata": {"name": NODE}, "spec": {
+                                                          "metricCollectPolicy": {"reportIntervalSeconds": 45,
+                                                                                  "aggregateDurationSeconds": 60}}}]})
+    api.routes[("PATCH", f"{CRD}/nodemetrics/{NODE}/status")] = (200, {"kind": "NodeMetric"})
+    informer = StatesInformer(kube, None)
+    task = asyncio.create_task(informer.run())
+    with TSDB(tmp_path / "m.db", clock=lambda: now) as store:
+        reporter = NodeMetricReporter(store, lambda: [], informer, kube, clock=lambda: now)
+        assert (await reporter.report_once()).report_interval == 60  # CR not seen yet: default
+        assert api.seen("PATCH", f"{CRD}/nodemetrics/{NODE}/status") == []  # empty store: nothing sent
+        deadline = time.monotonic() + 10
+        while informer.nodemetric_spec() is None:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        store.write([Sample(NODE_CPU_USAGE, 1.0 + k % 2, (), now - k) for k in range(60)]
+                    + [Sample(NODE_CPU_USAGE, 9.0, (), now - 100)])  # outside the CR's 60 s window
+        store.flush()
+        assert (await reporter.report_once()).report_interval == 45
+    await stop_informer(task)
+    [req] = api.seen("PATCH", f"{CRD}/nodemetrics/{NODE}/status")
+    assert req.json()["status"]["nodeMetric"]["nodeUsage"] == {"resources": {"cpu": "1500m"}}
+    assert req.json()["status"] == reporter.latest()
+    assert reporter.reports_sent == 1

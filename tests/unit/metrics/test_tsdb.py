@@ -1,0 +1,373 @@
+"""The SQLite time-series store: aggregations, windows, batching, threads, retention, files."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from metrics.model import Aggregate, Labels, MetricReader, MetricWriter, Sample, labels
+from metrics.tsdb import TSDB, CorruptStore, TSDBError
+
+CPU = "pod_cpu_usage_cores"
+MEM = "pod_memory_used_bytes"
+A = labels(pod_uid="a")
+B = labels(pod_uid="b")
+T0 = 1_700_000_000.0
+
+
+class Clock:
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    return tmp_path / "store" / "metrics.db"
+
+
+@pytest.fixture
+def db(path: Path) -> Iterator[TSDB]:
+    store = TSDB(path, clock=Clock())
+    yield store
+    store.close()
+
+
+def _series(metric: str, lb: Labels, values: list[float], start: float = T0, step: float = 1.0) -> list[Sample]:
+    return [Sample(metric, v, lb, start + i * step) for i, v in enumerate(values)]
+
+
+def test_implements_the_reader_and_writer_protocols(db: TSDB) -> None:
+    reader: MetricReader = db
+    writer: MetricWriter = db
+    writer.write([Sample(CPU, 1.0, A, T0)])
+    db.flush()
+    assert reader.last(CPU, A, 5, T0) == Sample(CPU, 1.0, A, T0)
+
+
+def test_aggregate_matches_a_hand_computation(db: TSDB) -> None:
+    values = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0, 5.0, 3.0]
+    db.write(_series(CPU, A, values))
+    db.flush()
+    # sorted: 1 1 2 3 3 4 5 5 6 9; idx = int(10 * p) - 1 -> p50: 4, p90: 8, p95: 8, p99: 8
+    assert db.aggregate(CPU, A, T0, T0 + 9) == Aggregate(
+        count=10, avg=3.9, p50=3.0, p90=6.0, p95=6.0, p99=6.0, last=3.0, first_ts=T0, last_ts=T0 + 9
+    )
+
+
+def test_percentiles_on_a_hundred_values_written_out_of_order(db: TSDB) -> None:
+    values = [float(v) for v in range(1, 101)]
+    samples = _series(CPU, A, values)
+    random.Random(7).shuffle(samples)
+    db.write(samples)
+    db.flush()
+    agg = db.aggregate(CPU, A, T0, T0 + 99)
+    assert agg is not None
+    assert (agg.p50, agg.p90, agg.p95, agg.p99) == (50.0, 90.0, 95.0, 99.0)
+    assert agg.last == 100.0  # the latest by time, not the last written
+    assert agg.span == 99.0
+    assert agg.value("count") == 100.0
+
+
+def test_a_single_sample_floors_the_percentile_index_at_zero(db: TSDB) -> None:
+    db.write([Sample(CPU, 0.25, A, T0)])
+    db.flush()
+    agg = db.aggregate(CPU, A, T0 - 10, T0 + 10)
+    assert agg is not None
+    assert (agg.count, agg.p50, agg.p99, agg.span) == (1, 0.25, 0.25, 0.0)
+
+
+def test_windows_are_inclusive_and_exclude_the_rest(db: TSDB) -> None:
+    db.write(_series(CPU, A, [1.0, 2.0, 3.0, 4.0, 5.0]))
+    db.flush()
+    agg = db.aggregate(CPU, A, T0 + 1, T0 + 3)
+    assert agg is not None
+    assert (agg.count, agg.avg, agg.first_ts, agg.last_ts) == (3, 3.0, T0 + 1, T0 + 3)
+    assert db.points(CPU, A, T0 + 3, T0 + 100) == [(T0 + 3, 4.0), (T0 + 4, 5.0)]
+    assert db.aggregate(CPU, A, T0 + 10, T0 + 20) is None
+    assert db.aggregate(CPU, B, T0, T0 + 4) is None
+    assert db.aggregate(MEM, A, T0, T0 + 4) is None
+
+
+def test_aggregate_all_returns_each_series_with_samples_in_the_window(db: TSDB) -> None:
+    db.write(_series(CPU, A, [1.0, 3.0]) + _series(CPU, B, [10.0], start=T0 + 50) + _series(MEM, A, [7.0]))
+    db.flush()
+    early = db.aggregate_all(CPU, T0, T0 + 10)
+    assert set(early) == {A}
+    assert early[A].avg == 2.0
+    assert set(db.aggregate_all(CPU, T0, T0 + 60)) == {A, B}
+    assert db.aggregate_all("no_such_metric", T0, T0 + 60) == {}
+
+
+def test_labels_are_canonical_whatever_their_order(db: TSDB) -> None:
+    unsorted: Labels = (("pod_uid", "a"), ("container_id", "c1"))
+    db.write([Sample(CPU, 1.0, unsorted, T0), Sample(CPU, 3.0, labels(container_id="c1", pod_uid="a"), T0 + 1)])
+    db.flush()
+    canonical = (("container_id", "c1"), ("pod_uid", "a"))
+    assert db.series(CPU) == [canonical]
+    agg = db.aggregate(CPU, unsorted, T0, T0 + 1)
+    assert agg is not None and agg.count == 2
+    assert set(db.aggregate_all(CPU, T0, T0 + 1)) == {canonical}
+    last = db.last(CPU, unsorted, 10, T0 + 1)
+    assert last is not None and last.labels == canonical
+
+
+def test_queries_see_flushed_data_but_last_also_sees_the_batch(path: Path) -> None:
+    clock = Clock()
+    with TSDB(path, clock=clock) as db:
+        db.write([Sample(CPU, 2.0, A)])  # ts 0: stamped with the clock
+        assert db.aggregate(CPU, A, T0 - 1, T0 + 1) is None
+        assert db.series(CPU) == []
+        assert db.last(CPU, A, 5, T0) == Sample(CPU, 2.0, A, T0)
+        assert db.flush() == 1
+        assert db.flush() == 0
+        clock.now = T0 + 1
+        db.write([Sample(CPU, 4.0, A)])
+        assert db.last(CPU, A, 5, T0 + 1) == Sample(CPU, 4.0, A, T0 + 1)
+        agg = db.aggregate(CPU, A, T0 - 1, T0 + 1)
+        assert agg is not None and agg.count == 1
+
+
+def test_last_honours_max_age_and_now(db: TSDB) -> None:
+    db.write(_series(CPU, A, [1.0, 2.0, 3.0]))
+    db.flush()
+    assert db.last(CPU, A, 5, T0 + 2) == Sample(CPU, 3.0, A, T0 + 2)
+    # ``now`` in the past: samples after it are not "the newest" yet.
+    assert db.last(CPU, A, 5, T0 + 1) == Sample(CPU, 2.0, A, T0 + 1)
+    assert db.last(CPU, A, 2, T0 + 10) is None
+    assert db.last(CPU, B, 100, T0 + 2) is None
+
+
+def test_the_batch_flushes_itself_when_full(path: Path) -> None:
+    with TSDB(path, max_batch=5, clock=Clock()) as db:
+        db.write(_series(CPU, A, [1.0, 2.0, 3.0, 4.0]))
+        assert db.aggregate(CPU, A, T0, T0 + 10) is None
+        db.write(_series(CPU, A, [5.0], start=T0 + 4))
+        agg = db.aggregate(CPU, A, T0, T0 + 10)
+        assert agg is not None and agg.count == 5
+
+
+def test_non_finite_values_are_skipped_not_stored(db: TSDB) -> None:
+    db.write([Sample(CPU, float("nan"), A, T0), Sample(CPU, float("inf"), A, T0 + 1), Sample(CPU, 1.0, A, T0 + 2)])
+    db.flush()
+    assert db.points(CPU, A, T0, T0 + 2) == [(T0 + 2, 1.0)]
+
+
+def test_kv_records_round_trip_and_reject_what_json_cannot_hold(db: TSDB) -> None:
+    assert db.get_kv("pod_meta") is None
+    db.put_kv("pod_meta", {"u1": {"namespace": "ns", "name": "p", "qos": "LS", "priority": 9000}})
+    db.put_kv("pod_meta", {"u2": {"namespace": "ns", "name": "q", "qos": "BE", "priority": 5000}})
+    assert db.get_kv("pod_meta") == {"u2": {"namespace": "ns", "name": "q", "qos": "BE", "priority": 5000}}
+    with pytest.raises(ValueError, match="pod_meta"):
+        db.put_kv("pod_meta", {"x": object()})
+
+
+def test_concurrent_writer_and_readers_never_see_a_torn_flush(path: Path) -> None:
+    """Each flush adds one point to every series in one transaction, so any reader
+    snapshot must show the same count (and last value) for all series."""
+    pods = [labels(pod_uid=f"p{i}") for i in range(30)]
+    ticks = 150
+    errors: list[BaseException] = []
+    done = threading.Event()
+    # A small compaction threshold: rows move between the tables while readers read.
+    db = TSDB(path, clock=Clock(), compact_rows=len(pods) * 7)
+
+    def writer() -> None:
+        try:
+            for t in range(ticks):
+                db.write([Sample(CPU, float(t), lb, T0 + t) for lb in pods])
+                db.flush()
+        except BaseException as exc:  # handed to the main thread
+            errors.append(exc)
+        finally:
+            done.set()
+
+    def reader() -> None:
+        try:
+            while not done.is_set():
+                view = db.aggregate_all(CPU, T0, T0 + ticks)
+                counts = {a.count for a in view.values()}
+                lasts = {a.last for a in view.values()}
+                assert len(counts) <= 1 and len(lasts) <= 1, (counts, lasts)
+                if view:
+                    assert lasts == {float(counts.pop() - 1)}
+                    assert len(view) == len(pods)
+                db.last(CPU, pods[0], 1000, T0 + ticks)
+        except BaseException as exc:  # handed to the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    try:
+        assert not errors, errors
+        final = db.aggregate_all(CPU, T0, T0 + ticks)
+        assert {a.count for a in final.values()} == {ticks}
+    finally:
+        db.close()
+
+
+def test_reads_span_flushed_rows_before_and_after_compaction(path: Path) -> None:
+    values = [float(v % 7) for v in range(25)]
+    with TSDB(path, clock=Clock(), compact_rows=10) as db:
+        for i, sample in enumerate(_series(CPU, A, values)):
+            db.write([sample, Sample(MEM, 1.0, B, sample.ts)])
+            db.flush()
+            # Compaction every 10 rows: a window read always sees both tables.
+            agg = db.aggregate(CPU, A, T0, T0 + 100)
+            assert agg is not None and agg.count == i + 1 and agg.last == values[i]
+        both = db.aggregate(CPU, A, T0 + 3, T0 + 21)
+        db.compact()
+        assert db.aggregate(CPU, A, T0 + 3, T0 + 21) == both
+        assert both is not None and both.avg == sum(values[3:22]) / 19
+        assert db.points(CPU, A, T0 + 23, T0 + 30) == [(T0 + 23, values[23]), (T0 + 24, values[24])]
+        assert db.last(CPU, A, 100, T0 + 30) == Sample(CPU, values[24], A, T0 + 24)
+        assert db.latest_ts(MEM) == T0 + 24
+
+
+def test_rows_not_yet_compacted_survive_a_restart_and_are_compacted_later(path: Path) -> None:
+    with TSDB(path, clock=Clock(), compact_rows=1000) as db:
+        db.write(_series(CPU, A, [1.0, 2.0, 3.0]))
+    with TSDB(path, clock=Clock(), compact_rows=4) as db:
+        assert db.points(CPU, A, T0, T0 + 10) == [(T0, 1.0), (T0 + 1, 2.0), (T0 + 2, 3.0)]
+        db.write([Sample(CPU, 4.0, A, T0 + 3)])
+        db.flush()  # 3 rows left from before + 1: compacts
+        assert db.points(CPU, A, T0, T0 + 10)[-1] == (T0 + 3, 4.0)
+        recent = sqlite3.connect(path).execute("SELECT count(*) FROM recent").fetchone()[0]
+        assert recent == 0
+
+
+def test_gc_drops_points_past_retention_and_empty_series(path: Path) -> None:
+    with TSDB(path, retention=100, clock=Clock()) as db:
+        db.write(_series(CPU, A, [1.0] * 10, start=T0, step=20))  # T0 .. T0+180
+        db.write(_series(CPU, B, [2.0] * 3, start=T0, step=10))  # T0 .. T0+20
+        db.flush()
+        result = db.gc(now=T0 + 200)  # keeps ts >= T0 + 100
+        assert (result.points_deleted, result.series_deleted, result.capped) == (5 + 3, 1, False)
+        assert db.series(CPU) == [A]
+        assert [ts for ts, _ in db.points(CPU, A, 0, T0 + 1000)] == [T0 + 100 + 20 * i for i in range(5)]
+        # A series GC dropped comes back with a fresh id when written again.
+        db.write([Sample(CPU, 5.0, B, T0 + 201)])
+        db.flush()
+        assert db.points(CPU, B, 0, T0 + 1000) == [(T0 + 201, 5.0)]
+
+
+def test_gc_size_cap_drops_the_oldest_points_and_shrinks_the_file(path: Path) -> None:
+    pods = [labels(pod_uid=f"p{i:03d}") for i in range(50)]
+    with TSDB(path, clock=Clock()) as db:
+        for t in range(0, 3000, 100):
+            db.write([Sample(CPU, 0.5 + t, lb, T0 + t + k) for k in range(100) for lb in pods])
+            db.flush()
+        uncapped = db.gc(now=T0 + 3000)  # under the default cap: compacts, checkpoints the WAL
+        assert (uncapped.points_deleted, uncapped.capped) == (0, False)
+        before = db.size_bytes()
+        assert before == uncapped.size_after == path.stat().st_size
+        cap = before // 2
+        db.max_bytes = cap
+        result = db.gc(now=T0 + 3000)
+        assert result.capped
+        assert result.size_before == before
+        assert result.size_after <= cap
+        assert path.stat().st_size <= cap
+        assert db.size_bytes() == result.size_after
+        assert not Path(f"{path}-wal").exists() or Path(f"{path}-wal").stat().st_size == 0
+        kept = db.points(CPU, pods[0], 0, T0 + 3000)
+        assert kept[-1][0] == T0 + 2999  # newest kept, oldest gone
+        assert kept[0][0] > T0
+        # Freed pages really went back: about half the points still fit under half the size.
+        assert len(kept) >= 3000 * 0.35
+        assert result.points_deleted == 50 * (3000 - len(kept))
+
+
+def test_history_survives_a_restart(path: Path) -> None:
+    with TSDB(path, clock=Clock()) as db:
+        db.write(_series(CPU, A, [1.0, 2.0]))  # not flushed explicitly: close() flushes
+        db.put_kv("node_cpu_info", {"cores": 8})
+    with TSDB(path, clock=Clock()) as again:
+        assert again.points(CPU, A, T0, T0 + 1) == [(T0, 1.0), (T0 + 1, 2.0)]
+        assert again.get_kv("node_cpu_info") == {"cores": 8}
+        again.write([Sample(CPU, 3.0, A, T0 + 2)])
+        again.flush()
+        assert again.series(CPU) == [A]
+        agg = again.aggregate(CPU, A, T0, T0 + 2)
+        assert agg is not None and agg.count == 3
+
+
+def test_a_garbage_file_is_a_clear_error_naming_it(path: Path) -> None:
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"this is not a database, just some bytes " * 200)
+    with pytest.raises(CorruptStore, match=str(path)):
+        TSDB(path)
+
+
+def test_another_programs_database_is_refused(path: Path) -> None:
+    path.parent.mkdir(parents=True)
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(CorruptStore, match="not a metrics store"):
+        TSDB(path)
+
+
+def test_open_or_reset_moves_a_corrupt_file_aside_and_starts_fresh(path: Path) -> None:
+    path.parent.mkdir(parents=True)
+    garbage = b"garbage " * 1000
+    path.write_bytes(garbage)
+    with TSDB.open_or_reset(path, clock=Clock()) as db:
+        db.write([Sample(CPU, 1.0, A, T0)])
+        db.flush()
+        assert db.series(CPU) == [A]
+    aside = list(path.parent.glob("metrics.db.corrupt-*"))
+    assert len(aside) == 1
+    assert aside[0].read_bytes() == garbage
+
+
+def test_open_or_reset_keeps_a_healthy_store(path: Path) -> None:
+    with TSDB(path, clock=Clock()) as db:
+        db.write([Sample(CPU, 1.0, A, T0)])
+    with TSDB.open_or_reset(path) as db:
+        assert db.points(CPU, A, T0, T0) == [(T0, 1.0)]
+    assert not list(path.parent.glob("*.corrupt-*"))
+
+
+def test_readonly_open_never_creates_the_file(path: Path) -> None:
+    with pytest.raises(TSDBError, match="no such file"):
+        TSDB.open_readonly(path)
+    assert not path.exists()
+    assert not path.parent.exists()
+
+
+def test_readonly_store_reads_but_refuses_writes(path: Path) -> None:
+    with TSDB(path, clock=Clock()) as db:
+        db.write([Sample(CPU, 1.0, A, T0)])
+        db.flush()
+        with TSDB.open_readonly(path) as ro:
+            # A reader in another process sees what the running writer flushed.
+            assert ro.points(CPU, A, T0, T0) == [(T0, 1.0)]
+            with pytest.raises(TSDBError, match="read-only"):
+                ro.write([Sample(CPU, 2.0, A, T0 + 1)])
+            with pytest.raises(TSDBError, match="read-only"):
+                ro.put_kv("k", 1)
+    with TSDB.open_readonly(path) as ro:
+        assert ro.latest_ts(CPU) == T0
+        assert ro.latest_ts(MEM) is None
+
+
+def test_a_closed_store_says_so(path: Path) -> None:
+    db = TSDB(path)
+    db.close()
+    db.close()
+    with pytest.raises(TSDBError, match="closed"):
+        db.aggregate(CPU, A, T0, T0)
+    with pytest.raises(TSDBError, match="closed"):
+        db.write([Sample(CPU, 1.0, A, T0)])
