@@ -27,6 +27,8 @@ from metrics.nodemetric import WITH_HOT_PAGE_CACHE, CollectPolicy, build_status
 log = structlog.get_logger("metrics.reporter")
 
 JSON = "application/json"
+#: The loopback document is rebuilt on request when older than this (seconds).
+ROUTE_MAX_AGE = 5.0
 
 
 def _json(doc: object) -> bytes:
@@ -51,6 +53,7 @@ class NodeMetricReporter:
         self._default = policy_default or CollectPolicy()
         self._clock = clock
         self._latest: tuple[dict[str, Any], bytes] | None = None
+        self._built_at = 0.0
         self._problems: set[str] = set()
         self._last_send_problem = ""
         self.reports_sent = 0
@@ -82,7 +85,7 @@ class NodeMetricReporter:
             self._once("hot_page_cache_unavailable", reported_as="usageWithoutPageCache")
         pods = self._pods()
         doc = await asyncio.to_thread(build_status, self._reader, pods, policy, self._clock())
-        self._latest = (doc, _json(doc))
+        self._latest, self._built_at = (doc, _json(doc)), self._clock()
         if self._kube is not None:
             await self._send(self._kube, doc)
         return policy
@@ -115,7 +118,10 @@ class NodeMetricReporter:
             await asyncio.sleep(policy.report_interval)
 
     async def route(self, query: dict[str, str]) -> tuple[int, str, bytes]:
-        """GET handler: the latest document as JSON; 503 before the first build."""
-        if self._latest is None:
-            return 503, JSON, _json({"error": "no NodeMetric status built yet"})
+        """GET handler: the document as JSON, rebuilt (not sent) when the last one is older
+        than ``ROUTE_MAX_AGE`` — without a cluster this endpoint is the only reader, and a
+        60 s old document would hide pods started since."""
+        if self._latest is None or self._clock() - self._built_at > ROUTE_MAX_AGE:
+            doc = await asyncio.to_thread(build_status, self._reader, self._pods(), self.policy(), self._clock())
+            self._latest, self._built_at = (doc, _json(doc)), self._clock()
         return 200, JSON, self._latest[1]

@@ -67,6 +67,7 @@ class App:
             store=self.store, chain=lambda: self.chain, skipped=self._skipped,
             interval=lambda: self.settings.reconcile_interval,
         )
+        self.http: HttpEndpoint | None = None
         self._routes: dict[str, Route] = {"/debug/explain": self._explain_route}
         self._explainers: dict[str, Explainer] = {}
         base = TaskInit(
@@ -76,7 +77,6 @@ class App:
         )
         for name, task in plugins.build_tasks(settings, base):
             self.supervisor.add(f"task:{name}", task)
-        self.http: HttpEndpoint | None = None
         self._stop = asyncio.Event()
         self._ready = False
         self._oneshots: set[asyncio.Task[bool]] = set()

@@ -13,7 +13,7 @@ import structlog
 from hooks.qos import QoSClass
 from metrics.model import NODE_CPU_USAGE, NODE_MEMORY_USED, POD_CPU_USAGE, POD_UID, PodView, Sample, labels
 from metrics.nodemetric import CollectPolicy, build_status
-from metrics.reporter import NodeMetricReporter
+from metrics.reporter import ROUTE_MAX_AGE, NodeMetricReporter
 from metrics.tsdb import TSDB
 
 NOW = 1_700_000_000.0
@@ -33,11 +33,12 @@ def store(tmp_path: Path) -> Iterator[TSDB]:
 
 
 @pytest.mark.asyncio
-async def test_route_503_then_latest_document(store: TSDB) -> None:
-    reporter = NodeMetricReporter(store, lambda: [WEB], None, None, clock=lambda: NOW)
+async def test_route_builds_on_first_request_and_serves_the_report(store: TSDB) -> None:
+    clock = [NOW]
+    reporter = NodeMetricReporter(store, lambda: [WEB], None, None, clock=lambda: clock[0])
     status, ctype, body = await reporter.route({})
-    assert (status, ctype) == (503, "application/json")
-    assert "no NodeMetric status" in json.loads(body)["error"]
+    assert (status, ctype) == (200, "application/json")
+    assert json.loads(body) == build_status(store, [WEB], CollectPolicy(), NOW)
     policy = await reporter.report_once()
     assert policy == CollectPolicy()
     status, ctype, body = await reporter.route({})
@@ -47,6 +48,20 @@ async def test_route_503_then_latest_document(store: TSDB) -> None:
     assert doc["nodeMetric"]["nodeUsage"]["resources"]["cpu"] == "2500m"
     assert [p["name"] for p in doc["podsMetric"]] == ["web"]
     assert reporter.reports_sent == 0  # not connected: nothing sent
+
+
+@pytest.mark.asyncio
+async def test_route_rebuilds_a_stale_document_with_new_pods(store: TSDB) -> None:
+    clock = [NOW]
+    pods: list[PodView] = []
+    reporter = NodeMetricReporter(store, lambda: pods, None, None, clock=lambda: clock[0])
+    await reporter.report_once()
+    pods.append(WEB)
+    _, _, body = await reporter.route({})
+    assert json.loads(body)["podsMetric"] == []  # fresh enough: served as built
+    clock[0] = NOW + ROUTE_MAX_AGE + 1
+    _, _, body = await reporter.route({})
+    assert [p["name"] for p in json.loads(body)["podsMetric"]] == ["web"]
 
 
 @pytest.mark.asyncio
