@@ -29,6 +29,11 @@ if [[ ! -e "$mods/build" ]]; then
   fi
 fi
 
+# bcc attaches tracepoints through tracefs; systemd hosts mount it, minimal VMs may not.
+if [[ ! -d /sys/kernel/tracing/events/sched ]]; then
+  mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null || echo "setup-host: tracefs not mountable; eBPF collector will fall back to schedstat"
+fi
+
 # Debian's python (where python3-bpfcc lives), with system site packages for bcc.
 if [[ ! -x .venv/bin/python ]]; then
   /usr/bin/python3 -m venv --system-site-packages .venv

@@ -1,0 +1,175 @@
+"""Benchmark: how fast BE is suppressed when an LS pod starts burning CPU.
+
+Run by hand as root (not part of the test suite): ``.venv/bin/python bench/bench_qos_reaction.py``.
+A private containerd, the proxy with the metrics and qos-manager tasks (cfsQuota
+policy), one spinning BE pod with batch resources and one LS pod. Each run starts
+a 2-thread CPU burner container in the LS pod and polls the besteffort tier's
+``cpu.cfs_quota_us`` every 5 ms until it has dropped to half of its idle value:
+that interval is the reaction time. The burner is then stopped and BE recovers
+before the next run. Done twice: the 1-second loop alone (fast path off, as in
+koordlet), and with the fast path. Also measures the proxy's CPU with the fast
+path on vs off while nothing happens (the fast path's own cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from criapi import cri_v1_pb2 as cri
+from runtimeproxy import devpods, embedded
+from runtimeproxy.demo import free_port, kubelet_creates_pod_cgroup, wait_healthy
+
+SPIN2 = ["sh", "-c", "while :; do :; done & while :; do :; done"]
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def _pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * p))]
+
+
+def _proxy(base: Path, name: str, backend: Path, prefix: str, fast: bool) -> subprocess.Popen[bytes]:
+    port = free_port()
+    doc = {
+        "listen": str(base / f"{name}.sock"), "backend": {"runtime_endpoint": str(backend)},
+        "metrics": {"listen": f"127.0.0.1:{port}"}, "hookserver_dir": "", "log": {"level": "warning"},
+        "hooks": [{"name": "batch", "plugin": "batch-resource", "failure_policy": "Ignore"}],
+        "rules": {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 65,
+                                                  "cpuSuppressPolicy": "cfsQuota"}},
+        "tasks": {"metrics": {"db": str(base / f"{name}.db"), "schedlat_source": "off", "cpi": False},
+                  "qos-manager": {"besteffort_dir": f"{prefix.strip('/')}/kubepods/besteffort", "fast_path": fast,
+                                  "psi_trigger": False}},
+    }
+    cfg = base / f"{name}.yaml"
+    cfg.write_text(yaml.safe_dump(doc))
+    proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg)])
+    wait_healthy(port, proc)
+    return proc
+
+
+class Node:
+    def __init__(self, rt: Any, prefix: str, logs: Path) -> None:
+        self.rt, self.prefix, self.logs = rt, prefix, logs
+        self.quota_file = Path("/sys/fs/cgroup/cpu") / prefix.strip("/") / "kubepods/besteffort/cpu.cfs_quota_us"
+
+    def pod(self, name: str, qos: str, labels: dict[str, str], annotations: dict[str, str]) -> Any:
+        uid = str(uuid.uuid4())
+        sb = devpods.sandbox_config(name=name, namespace="bench", uid=uid, log_dir=str(self.logs),
+                                    cgroup_parent=devpods.kube_cgroup_parent(self.prefix, qos, uid),  # type: ignore[arg-type]
+                                    labels=labels, annotations=annotations)
+        kubelet_creates_pod_cgroup(sb.linux.cgroup_parent)
+        return sb, self.rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sb), timeout=60).pod_sandbox_id
+
+    def container(self, sb: Any, sid: str, name: str, command: list[str]) -> str:
+        cc = devpods.container_config(name=name, image=embedded.BUSYBOX_IMAGE, command=command)
+        cid: str = self.rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=cc,
+                                                                      sandbox_config=sb), timeout=60).container_id
+        self.rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=60)
+        return cid
+
+    def quota(self) -> int:
+        return int(self.quota_file.read_text())
+
+    def wait(self, check: Any, timeout: float, poll: float = 0.005) -> float | None:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if check(self.quota()):
+                return time.monotonic() - start
+            time.sleep(poll)
+        return None
+
+
+def _runs(node: Node, ls: tuple[Any, str], runs: int) -> list[float]:
+    assert node.wait(lambda q: q >= 70_000, 30) is not None, "BE quota never widened"
+    out = []
+    for i in range(runs):
+        node.wait(lambda q: False, 1.0 + (i % 5) * 0.13)  # de-phase from the 1 s loop
+        wide = node.quota()
+        # The load starts when StartContainer returns (runc has started the process).
+        burner = node.container(ls[0], ls[1], f"burn{i}-{uuid.uuid4().hex[:6]}", SPIN2)
+        took = node.wait(lambda q, w=wide: q <= w // 2, 10)
+        if took is not None:
+            out.append(took)
+        node.rt.StopContainer(cri.StopContainerRequest(container_id=burner, timeout=0), timeout=30)
+        node.rt.RemoveContainer(cri.RemoveContainerRequest(container_id=burner), timeout=30)
+        node.wait(lambda q, w=wide: q >= 0.9 * w, 30)
+    return out
+
+
+def _idle_cpu(proc: subprocess.Popen[bytes], seconds: float) -> float:
+    c0, t0 = _cpu_seconds(proc.pid), time.monotonic()
+    time.sleep(seconds)
+    return 100.0 * (_cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--idle", type=float, default=30.0, help="seconds of idle CPU measurement per mode")
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="krpq-", dir="/tmp"))
+    ctd = embedded.EmbeddedContainerd(base / "ctd")
+    prefix = embedded.unique_test_parent()
+    proc: subprocess.Popen[bytes] | None = None
+    results: dict[str, Any] = {}
+    try:
+        ctd.start()
+        ctd.import_image(embedded.build_busybox_image(base))
+        ctd.import_image(embedded.build_pause_image(base))
+        for mode, fast in (("1 s loop (fast path off)", False), ("fast path 200 ms", True)):
+            proc = _proxy(base, "fast" if fast else "slow", ctd.socket, prefix, fast)
+            rt = embedded.runtime_stub(embedded.unix_channel(base / ("fast.sock" if fast else "slow.sock")))
+            node = Node(rt, prefix, base / "logs")
+            batch = json.dumps({"containers": {"be": {"requests": {"kubernetes.io/batch-cpu": "1000"}}}})
+            be = node.pod(f"be-{mode[:4]}", "besteffort", {"koordinator.sh/qosClass": "BE"},
+                          {"node.koordinator.sh/extended-resource-spec": batch})
+            node.container(be[0], be[1], "be", SPIN2)
+            ls = node.pod(f"ls-{mode[:4]}", "burstable", {"koordinator.sh/qosClass": "LS"}, {})
+            node.container(ls[0], ls[1], "idle", ["sleep", "36000"])
+            times = _runs(node, ls, args.runs)
+            idle = _idle_cpu(proc, args.idle)
+            results[mode] = (times, idle)
+            for sid in (be[1], ls[1]):
+                rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sid), timeout=60)
+                rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sid), timeout=60)
+            proc.terminate()
+            proc.wait(30)
+            proc = None
+        print(f"\n### BE suppression reaction time (LS burner started -> besteffort quota halved), "
+              f"{args.runs} runs per mode\n")
+        print("| mode | runs seen | p50 ms | p99 ms | max ms | proxy CPU % idle (metrics + QoS) |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for mode, (times, idle) in results.items():
+            ms = [t * 1000 for t in times]
+            print(f"| {mode} | {len(ms)} | {statistics.median(ms):.0f} | {_pct(ms, 0.99):.0f} | {max(ms):.0f} |"
+                  f" {idle:.2f} |")
+        slow_idle, fast_idle = (r[1] for r in results.values())
+        print(f"\nfast path's own cost (idle CPU difference): {fast_idle - slow_idle:+.2f} % of a core")
+        return 0
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+        ctd.stop()
+        embedded.remove_cgroup_tree(prefix)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""tasks.metrics / tasks.qos-manager settings: shipped defaults, and errors naming key and value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from metrics.settings import Intervals, MetricsSettings, QoSSettings, parse_metrics, parse_qos
+from runtimeproxy.hookapi import HookConfigError
+
+SHIPPED = Path(__file__).resolve().parents[3] / "systemd" / "config.yaml"
+
+
+def test_shipped_tasks_are_the_documented_defaults() -> None:
+    tasks = yaml.safe_load(SHIPPED.read_text())["tasks"]
+    assert list(tasks) == ["metrics", "qos-manager"]  # qos-manager builds on metrics
+    metrics = parse_metrics(tasks["metrics"], "tasks.metrics")
+    assert metrics == MetricsSettings(node_name=metrics.node_name)
+    assert metrics.intervals == Intervals(node=1, pods=1, psi=10, schedlat=10, cpi=60, topology=60)
+    assert parse_qos(tasks["qos-manager"], "tasks.qos-manager") == QoSSettings()
+
+
+def test_durations_and_nested_sections_parse() -> None:
+    s = parse_metrics({"retention": "2h", "intervals": {"pods": "500ms"}, "kubelet": {"url": "http://127.0.0.1:10255/"}},
+                      "tasks.metrics")
+    assert s.retention == 7200 and s.intervals.pods == 0.5 and s.intervals.node == 1.0
+    assert s.kubelet.url == "http://127.0.0.1:10255"
+    q = parse_qos({"fast_interval": "100ms", "dry_run": True, "evict_mode": "api"}, "tasks.qos-manager")
+    assert (q.fast_interval, q.dry_run, q.evict_mode) == (0.1, True, "api")
+
+
+@pytest.mark.parametrize(("raw", "key", "value"), [
+    ({"retention": "soon"}, "tasks.metrics.retention", "soon"),
+    ({"retention": -1}, "tasks.metrics.retention", -1),
+    ({"intervals": {"pods": "1x"}}, "tasks.metrics.intervals.pods", "1x"),
+    ({"intervals": {"gpu": "1s"}}, "tasks.metrics.intervals.gpu", "1s"),
+    ({"max_bytes": 0}, "tasks.metrics.max_bytes", 0),
+    ({"schedlat_source": "perf"}, "tasks.metrics.schedlat_source", "perf"),
+    ({"cgroup_driver": "cgroup"}, "tasks.metrics.cgroup_driver", "cgroup"),
+    ({"besteffort_dir": "../etc"}, "tasks.metrics.besteffort_dir", "../etc"),
+    ({"kubelet": {"url": "127.0.0.1:10255"}}, "tasks.metrics.kubelet.url", "127.0.0.1:10255"),
+    ({"kube": "yes"}, "tasks.metrics.kube", "yes"),
+    ({"dbpath": "/x"}, "tasks.metrics.dbpath", "/x"),
+])
+def test_bad_metrics_values_name_key_and_value(raw: dict[str, Any], key: str, value: object) -> None:
+    with pytest.raises(HookConfigError) as err:
+        parse_metrics(raw, "tasks.metrics")
+    assert err.value.key_path == key and err.value.value == value
+
+
+@pytest.mark.parametrize(("raw", "key"), [
+    ({"fast_interval": "10ms"}, "tasks.qos-manager.fast_interval"),
+    ({"evict_mode": "kill"}, "tasks.qos-manager.evict_mode"),
+    ({"reserved_cpu": -1}, "tasks.qos-manager.reserved_cpu"),
+    ({"dry_run": 1}, "tasks.qos-manager.dry_run"),
+    ({"besteffort_dir": "/"}, "tasks.qos-manager.besteffort_dir"),
+])
+def test_bad_qos_values_name_key(raw: dict[str, Any], key: str) -> None:
+    with pytest.raises(HookConfigError) as err:
+        parse_qos(raw, "tasks.qos-manager")
+    assert err.value.key_path == key
