@@ -77,7 +77,7 @@ class PodViews:
             log.warning(event, pod=f"{pod.meta.namespace}/{pod.meta.name}", **kw)
 
     def _view(self, sandbox_id: str, pod: PodInfo, containers: list[ContainerInfo]) -> PodView | None:
-        if not sandbox_id or not pod.cgroup_parent:
+        if not sandbox_id or not pod.id or not pod.cgroup_parent:
             return None
         try:
             pod_dir = pod_cgroup_dir(pod.cgroup_parent, self._driver)

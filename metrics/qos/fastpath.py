@@ -51,8 +51,10 @@ class FastPathConfig:
     stale_after: float = 3.0
     #: Dead band, as a share of capacity: smaller drops wait for the regular round.
     dead_band: float = 0.01
-    #: Least time between two fast re-plans (a failing write must not loop at 5 Hz).
-    min_gap: float = 0.5
+    #: Least time between two fast re-plans: one tick, so a re-plan made from a
+    #: partial burst (the load began mid-tick) is completed at the next tick; a
+    #: failing write is retried at most at the tick rate.
+    min_gap: float = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +126,10 @@ class FastPath:
         if pods is self._pods:
             return
         self._pods = pods
+        # The list is rebuilt whenever any container comes or goes (e.g. the very LS
+        # container whose burst we must see): pods that stay keep their baseline, so
+        # only new pods lack a rate for one tick.
         self._paths = {p.uid: self._cgroups.cpuacct_dir(p.cgroup_dir) for p in pods}
-        self._prev = None  # a new pod list: its counters have no baseline yet
 
     def _read(self) -> _Tick | None:
         try:
