@@ -137,12 +137,23 @@ class MetricsAgent:
                     group.create_task(self._collect_loop(collector), name=f"collect:{collector.name}")
                 group.create_task(self._every(self.settings.flush_interval, self._flush), name="tsdb:flush")
                 group.create_task(self._every(self.settings.gc_interval, self._gc), name="tsdb:gc")
-                group.create_task(self.reporter.run(), name="nodemetric")
+                group.create_task(self._guarded("nodemetric", self.reporter.run), name="nodemetric")
                 if self.informer is not None:
-                    group.create_task(self.informer.run(), name="informer")
+                    group.create_task(self._guarded("informer", self.informer.run), name="informer")
         finally:
             # Cancelled (shutdown) or crashed: keep what was measured.
             await asyncio.to_thread(self.tsdb.flush)
+
+    async def _guarded(self, name: str, job: Callable[[], Awaitable[None]]) -> None:
+        """Keep a side job (reporting, API watches) from taking the collectors down with it."""
+        delay = 1.0
+        while True:
+            try:
+                await job()
+            except Exception as exc:  # logged with its traceback, then retried
+                log.exception("agent_job_failed", job=name, error=str(exc), retry_in=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 60.0)
 
     async def _collect_loop(self, collector: Collector) -> None:
         next_at = time.monotonic()
