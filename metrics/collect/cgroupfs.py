@@ -24,11 +24,10 @@ from hooks.cgroups import Version, detect_version
 from metrics.collect.base import (
     OnceLog,
     ReadError,
+    bytes_field,
     container_labels,
-    parse_flat_keyed,
-    parse_int,
     pod_labels,
-    read_file,
+    read_bytes,
     relative,
 )
 from metrics.model import (
@@ -52,13 +51,19 @@ Clock = Callable[[], float]
 _V1_CONTROLLERS: Final = ("cpu", "cpuacct", "cpuset", "memory", "perf_event")
 
 
-def _v2_usage_ns(path: Path) -> int:
-    stat = path / "cpu.stat"
-    text = read_file(stat)
-    for line in text.splitlines():
-        if line.startswith("usage_usec "):
-            return parse_int(line[11:].strip(), stat, "usage_usec") * 1000
-    raise ReadError(stat, "no usage_usec line")
+def _usage_usec_ns(data: bytes, path: str) -> int:
+    usec = bytes_field(data, b"usage_usec ", path)
+    if usec is None:
+        raise ReadError(Path(path), "no usage_usec line")
+    return usec * 1000
+
+
+def _cpuacct_ns(data: bytes, path: str) -> int:
+    try:
+        return int(data)
+    except ValueError:
+        text = data.decode("ascii", "replace").strip()
+        raise ReadError(Path(path), f"cpuacct.usage: {text[:40]!r} is not an integer") from None
 
 
 def read_cpu_usage_ns(path: Path, version: Version | None = None) -> int:
@@ -67,16 +72,19 @@ def read_cpu_usage_ns(path: Path, version: Version | None = None) -> int:
     v2 ``cpu.stat`` ``usage_usec`` * 1000. With ``version`` None, v1 is tried first and
     v2 when there is no ``cpuacct.usage`` (the unified dir of a hybrid host works too).
     One open for a known version. Raises ``ReadError``."""
+    base = str(path)
     if version == 2:
-        return _v2_usage_ns(path)
-    usage = path / "cpuacct.usage"
+        stat = base + "/cpu.stat"
+        return _usage_usec_ns(read_bytes(stat), stat)
+    usage = base + "/cpuacct.usage"
     try:
-        text = read_file(usage)
+        data = read_bytes(usage)
     except ReadError as exc:
         if version is None and exc.gone and path.is_dir():
-            return _v2_usage_ns(path)
+            stat = base + "/cpu.stat"
+            return _usage_usec_ns(read_bytes(stat), stat)
         raise
-    return parse_int(text.strip(), usage, "cpuacct.usage")
+    return _cpuacct_ns(data, usage)
 
 
 class CgroupReader:
@@ -158,31 +166,45 @@ class MemoryUsage:
 def read_memory(path: Path, version: Version) -> MemoryUsage:
     """From ``memory.stat`` of the cgroup dir ``path``. v1 prefers the hierarchical
     ``total_*`` counters (they include child cgroups, which a pod dir needs)."""
-    stat_path = path / "memory.stat"
-    stat = parse_flat_keyed(read_file(stat_path), stat_path)
+    stat_path = str(path) + "/memory.stat"
+    return _memory_usage(read_bytes(stat_path), stat_path, version)
 
-    def pick(*names: str) -> int:
+
+def _memory_usage(data: bytes, path: str, version: Version) -> MemoryUsage:
+    """Only the needed keys of memory.stat bytes are looked up and parsed."""
+
+    def pick(*names: bytes) -> int:
         for name in names:
-            if name in stat:
-                return stat[name]
-        raise ReadError(stat_path, f"none of {', '.join(names)}")
+            value = bytes_field(data, name, path)
+            if value is not None:
+                return value
+        raise ReadError(Path(path), f"none of {', '.join(n.decode().strip() for n in names)}")
 
     if version == 2:
-        return MemoryUsage(pick("anon") + pick("unevictable"), pick("file"))
-    if all(k in stat for k in ("total_inactive_anon", "total_active_anon", "total_unevictable")):
-        used = stat["total_inactive_anon"] + stat["total_active_anon"] + stat["total_unevictable"]
+        return MemoryUsage(pick(b"anon ") + pick(b"unevictable "), pick(b"file "))
+    totals = [bytes_field(data, k, path) for k in _V1_TOTALS]
+    if None in totals:
+        used = pick(b"inactive_anon ") + pick(b"active_anon ") + pick(b"unevictable ")
     else:
-        used = pick("inactive_anon") + pick("active_anon") + pick("unevictable")
-    return MemoryUsage(used, pick("total_cache", "cache"))
+        used = sum(t for t in totals if t is not None)
+    return MemoryUsage(used, pick(b"total_cache ", b"cache "))
+
+
+_V1_TOTALS: Final = (b"total_inactive_anon ", b"total_active_anon ", b"total_unevictable ")
 
 
 def read_throttling(path: Path) -> tuple[int, int]:
     """(nr_periods, nr_throttled) from ``cpu.stat`` of the cgroup dir ``path``."""
-    stat_path = path / "cpu.stat"
-    stat = parse_flat_keyed(read_file(stat_path), stat_path)
-    if "nr_periods" not in stat or "nr_throttled" not in stat:
-        raise ReadError(stat_path, "no nr_periods / nr_throttled (cpu controller not enabled?)")
-    return stat["nr_periods"], stat["nr_throttled"]
+    stat_path = str(path) + "/cpu.stat"
+    return _throttling(read_bytes(stat_path), stat_path)
+
+
+def _throttling(data: bytes, path: str) -> tuple[int, int]:
+    periods = bytes_field(data, b"nr_periods ", path)
+    throttled = bytes_field(data, b"nr_throttled ", path)
+    if periods is None or throttled is None:
+        raise ReadError(Path(path), "no nr_periods / nr_throttled (cpu controller not enabled?)")
+    return periods, throttled
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,10 +239,18 @@ class _Target:
     rel: str
     labels: Labels
     names: _Names
+    usage_path: str  # cpuacct.usage (v1) or cpu.stat (v2)
+    memory_path: str  # memory.stat
+    cpu_stat_path: str  # cpu.stat; the same file as usage_path on v2 (read once)
 
 
 class PodCollector:
-    """Per pod and container: CPU cores, memory used / cache, CFS throttling ratio."""
+    """Per pod and container: CPU cores, memory used / cache, CFS throttling ratio.
+
+    Each target's file paths and labels are built once (plain ``str``, cached by pod /
+    container and cgroup dir) and files are read as bytes with one os.read; only the
+    needed keys of memory.stat / cpu.stat are parsed: this runs every second for every
+    pod and container."""
 
     name = "pods"
 
@@ -232,6 +262,7 @@ class PodCollector:
         self._throttle: dict[tuple[str, str], tuple[int, int]] = {}
         self._once = OnceLog(log)
         self._latest = PodUsage({}, {})
+        self._targets: dict[tuple[str, str, str], _Target] = {}
 
     def latest(self) -> PodUsage:
         return self._latest
@@ -239,67 +270,107 @@ class PodCollector:
     def close(self) -> None:
         self._cpu.clear()
         self._throttle.clear()
+        self._targets.clear()
 
     def collect(self, now: float, pods: Sequence[PodView]) -> list[Sample]:
-        targets = list(_targets(pods))
+        targets = self._resolve(pods)
         live = {t.key for t in targets}
         # State of vanished pods / containers is dropped, so a reused key starts fresh.
-        self._cpu = {k: v for k, v in self._cpu.items() if k in live}
-        self._throttle = {k: v for k, v in self._throttle.items() if k in live}
-        self._once.keep_owners(p.uid for p in pods)
+        if len(self._cpu) != len(live) or not live.issuperset(self._cpu):
+            self._cpu = {k: v for k, v in self._cpu.items() if k in live}
+        if len(self._throttle) != len(live) or not live.issuperset(self._throttle):
+            self._throttle = {k: v for k, v in self._throttle.items() if k in live}
+        uids = {p.uid for p in pods}
+        self._once.keep_owners(uids)
+        v2 = self.reader.version == 2
         out: list[Sample] = []
+        append = out.append
         pod_cpu: dict[str, float] = {}
         pod_mem: dict[str, float] = {}
         for target in targets:
-            cpu = self._cpu_usage(target)
+            names = target.names
+            lbl = target.labels
+            cpu, cpu_stat = self._cpu_usage(target, v2)
             if cpu is not None:
-                out.append(Sample(target.names.cpu, cpu, target.labels))
+                append(Sample(names.cpu, cpu, lbl))
             mem = self._memory(target)
             if mem is not None:
-                out.append(Sample(target.names.memory, float(mem.used), target.labels))
-                out.append(Sample(target.names.cache, float(mem.cache), target.labels))
-            ratio = self._throttled(target)
+                append(Sample(names.memory, float(mem.used), lbl))
+                append(Sample(names.cache, float(mem.cache), lbl))
+            ratio = self._throttled(target, cpu_stat)
             if ratio is not None:
-                out.append(Sample(target.names.throttled, ratio, target.labels))
-            if target.names is _POD:
+                append(Sample(names.throttled, ratio, lbl))
+            if names is _POD:
                 if cpu is not None:
                     pod_cpu[target.owner] = cpu
                 if mem is not None:
                     pod_mem[target.owner] = float(mem.used)
-        uids = {p.uid for p in pods}
         self._latest = PodUsage(pod_cpu, pod_mem, set(pod_cpu) == uids, set(pod_mem) == uids)
         return out
 
-    def _cpu_usage(self, target: _Target) -> float | None:
-        before = self._clock()
+    def _resolve(self, pods: Sequence[PodView]) -> list[_Target]:
+        """This tick's targets; paths and labels come from the cache, which keeps only
+        the targets of the current pod list."""
+        cache = self._targets
+        fresh: dict[tuple[str, str, str], _Target] = {}
+        out: list[_Target] = []
+        for pod in pods:
+            key = (pod.uid, "", pod.cgroup_dir)
+            t = cache.get(key) or self._target(key, pod_labels(pod), _POD)
+            fresh[key] = t
+            out.append(t)
+            for c in pod.containers:
+                key = (pod.uid, c.id, c.cgroup_dir)
+                t = cache.get(key) or self._target(key, container_labels(pod, c), _CONTAINER)
+                fresh[key] = t
+                out.append(t)
+        self._targets = fresh
+        return out
+
+    def _target(self, key: tuple[str, str, str], lbl: Labels, names: _Names) -> _Target:
+        uid, cid, rel = key
+        reader = self.reader
+        usage_file = "cpu.stat" if reader.version == 2 else "cpuacct.usage"
+        return _Target((uid, cid), uid, rel, lbl, names,
+                       f"{reader.cpuacct_dir(rel)}/{usage_file}",
+                       f"{reader.memory_dir(rel)}/memory.stat",
+                       f"{reader.cpu_dir(rel)}/cpu.stat")
+
+    def _cpu_usage(self, target: _Target, v2: bool) -> tuple[float | None, bytes | None]:
+        """(cores or None, the cpu.stat bytes when v2 read them for the usage)."""
+        clock = self._clock
+        before = clock()
         try:
-            usage = self.reader.cpu_usage_ns(target.rel)
+            data = read_bytes(target.usage_path)
+            at = (before + clock()) / 2
+            usage = _usage_usec_ns(data, target.usage_path) if v2 else _cpuacct_ns(data, target.usage_path)
         except ReadError as exc:
             self._once.skipped(target.owner, exc)
-            return None
-        at = (before + self._clock()) / 2
+            return None, None
         prev = self._cpu.get(target.key)
         self._cpu[target.key] = (usage, at)
+        stat = data if v2 else None
         if prev is None:
-            return None
+            return None, stat
         d_ns, d_t = usage - prev[0], at - prev[1]
         if d_ns < 0:
             log.debug("cpu_counter_reset", cgroup=target.rel)
-            return None
+            return None, stat
         if d_t <= 0:
-            return None
-        return d_ns / (d_t * 1e9)
+            return None, stat
+        return d_ns / (d_t * 1e9), stat
 
     def _memory(self, target: _Target) -> MemoryUsage | None:
         try:
-            return read_memory(self.reader.memory_dir(target.rel), self.reader.version)
+            return _memory_usage(read_bytes(target.memory_path), target.memory_path, self.reader.version)
         except ReadError as exc:
             self._once.skipped(target.owner, exc)
             return None
 
-    def _throttled(self, target: _Target) -> float | None:
+    def _throttled(self, target: _Target, cpu_stat: bytes | None) -> float | None:
         try:
-            periods, throttled = read_throttling(self.reader.cpu_dir(target.rel))
+            data = read_bytes(target.cpu_stat_path) if cpu_stat is None else cpu_stat
+            periods, throttled = _throttling(data, target.cpu_stat_path)
         except ReadError as exc:
             self._once.skipped(target.owner, exc)
             return None
@@ -311,12 +382,3 @@ class PodCollector:
         if d_periods <= 0 or d_throttled < 0:
             return None  # no CFS period elapsed (no quota, idle) or a counter reset
         return min(d_throttled / d_periods, 1.0)
-
-
-def _targets(pods: Sequence[PodView]) -> list[_Target]:
-    out: list[_Target] = []
-    for pod in pods:
-        out.append(_Target((pod.uid, ""), pod.uid, pod.cgroup_dir, pod_labels(pod), _POD))
-        for c in pod.containers:
-            out.append(_Target((pod.uid, c.id), pod.uid, c.cgroup_dir, container_labels(pod, c), _CONTAINER))
-    return out

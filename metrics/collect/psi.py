@@ -20,7 +20,7 @@ from typing import Final
 
 import structlog
 
-from metrics.collect.base import OnceLog, ReadError, container_labels, pod_labels, read_file
+from metrics.collect.base import OnceLog, ReadError, container_labels, pod_labels, read_bytes
 from metrics.collect.cgroupfs import CgroupReader
 from metrics.model import (
     CONTAINER_PSI,
@@ -57,25 +57,40 @@ class Pressure:
     total_us: int
 
 
-def parse_pressure(text: str, path: Path) -> dict[str, Pressure]:
+def parse_pressure(text: str | bytes, path: Path | str) -> dict[str, Pressure]:
     """kind ("some"/"full") -> Pressure; a missing ``full`` line is simply absent."""
-    out: dict[str, Pressure] = {}
-    for line in text.splitlines():
-        fields = line.split()
-        if not fields:
+    data = text.encode("ascii", "replace") if isinstance(text, str) else text
+    return {kind.decode(): Pressure(*values) for kind, values in _parse(data, str(path))}
+
+
+_Values = tuple[float, float, float, int]  # avg10, avg60, avg300, total_us
+
+
+def _parse(data: bytes, path: str) -> list[tuple[bytes, _Values]]:
+    """The lines of a pressure file as (kind, values); the usual
+    ``avg10= avg60= avg300= total=`` order is parsed by position, any other order by name."""
+    out: dict[bytes, _Values] = {}
+    for line in data.splitlines():
+        f = line.split()
+        if not f:
             continue
-        kind = fields[0]
-        if kind not in _KINDS:
-            raise ReadError(path, f"unknown line {line[:40]!r}")
-        values = dict(f.partition("=")[::2] for f in fields[1:])
+        kind = f[0]
+        if kind != b"some" and kind != b"full":
+            raise ReadError(Path(path), f"unknown line {line.decode('ascii', 'replace')[:40]!r}")
         try:
-            out[kind] = Pressure(float(values["avg10"]), float(values["avg60"]), float(values["avg300"]),
-                                 int(values["total"]))
+            if (len(f) == 5 and f[1][:6] == b"avg10=" and f[2][:6] == b"avg60=" and f[3][:7] == b"avg300="
+                    and f[4][:6] == b"total="):
+                out[kind] = (float(f[1][6:]), float(f[2][6:]), float(f[3][7:]), int(f[4][6:]))
+            else:
+                values = dict(x.partition(b"=")[::2] for x in f[1:])
+                out[kind] = (float(values[b"avg10"]), float(values[b"avg60"]), float(values[b"avg300"]),
+                             int(values[b"total"]))
         except (KeyError, ValueError):
-            raise ReadError(path, f"malformed {kind} line {line[:60]!r}") from None
-    if "some" not in out:
-        raise ReadError(path, "no 'some' line")
-    return out
+            text = line.decode("ascii", "replace")
+            raise ReadError(Path(path), f"malformed {kind.decode()} line {text[:60]!r}") from None
+    if b"some" not in out:
+        raise ReadError(Path(path), "no 'some' line")
+    return list(out.items())
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +118,35 @@ def pressure_samples(
     return out
 
 
+_SeriesLabels = tuple[Labels, Labels, Labels, Labels]  # avg10, avg60, avg300 (percent); total
+
+
+@dataclass(frozen=True, slots=True)
+class _File:
+    """One pressure file and the label tuples of its series, built once."""
+
+    owner: str
+    path: str
+    names: _Names
+    kinds: Mapping[bytes, _SeriesLabels]  # b"some" / b"full" -> labels
+
+
+def _file(owner: str, path: str, resource: str, names: _Names, base: Labels, *, skip_full: bool = False) -> _File:
+    kinds: dict[bytes, _SeriesLabels] = {}
+    for kind in _KINDS:
+        if skip_full and kind == "full":
+            continue
+        kind_labels = {**dict(base), KIND: kind, RESOURCE: resource}
+        windows = [labels(**kind_labels, **{WINDOW: w}) for w in WINDOWS]
+        kinds[kind.encode()] = (windows[0], windows[1], windows[2], labels(**kind_labels))
+    return _File(owner, path, names, kinds)
+
+
 class PSICollector:
-    """PSI averages and stall totals from /proc/pressure and v2 (or hybrid unified) cgroups."""
+    """PSI averages and stall totals from /proc/pressure and v2 (or hybrid unified) cgroups.
+
+    The files of each pod / container and their label tuples are built once (cached by
+    pod, container and cgroup dir) and read as bytes with one os.read."""
 
     name = "psi"
 
@@ -115,37 +157,62 @@ class PSICollector:
         self._once = OnceLog(log)
         if self.reader.unified_dir("") is None:
             log.info("cgroup_psi_unavailable", reason="no cgroup v2 tree (pure v1 host): node PSI only")
+        self._node = [_file("node", str(self._proc / "pressure" / r), r, _NODE, NO_LABELS, skip_full=r == "cpu")
+                      for r in RESOURCES]
+        self._files: dict[tuple[str, str, str], list[_File]] = {}
 
     def close(self) -> None:
-        return None
+        self._files.clear()
 
     def collect(self, now: float, pods: Sequence[PodView]) -> list[Sample]:
         self._once.keep_owners(["node", *(p.uid for p in pods)])
         out: list[Sample] = []
-        for resource in RESOURCES:
-            kinds = self._read("node", self._proc / "pressure" / resource)
-            if kinds is not None:
-                out += pressure_samples(resource, kinds, _NODE, NO_LABELS, skip_full=resource == "cpu")
-        for pod in pods:
-            out += self._cgroup(pod.uid, pod.cgroup_dir, _POD, pod_labels(pod))
-            for c in pod.containers:
-                out += self._cgroup(pod.uid, c.cgroup_dir, _CONTAINER, container_labels(pod, c))
+        for f in self._node:
+            self._read(f, out)
+        for f in self._resolve(pods):
+            self._read(f, out)
         return out
 
-    def _cgroup(self, owner: str, rel: str, names: _Names, base: Labels) -> list[Sample]:
+    def _resolve(self, pods: Sequence[PodView]) -> list[_File]:
+        cache = self._files
+        fresh: dict[tuple[str, str, str], list[_File]] = {}
+        out: list[_File] = []
+        for pod in pods:
+            key = (pod.uid, "", pod.cgroup_dir)
+            files = cache.get(key)
+            if files is None:
+                files = self._cgroup_files(pod.uid, pod.cgroup_dir, _POD, pod_labels(pod))
+            fresh[key] = files
+            out += files
+            for c in pod.containers:
+                key = (pod.uid, c.id, c.cgroup_dir)
+                files = cache.get(key)
+                if files is None:
+                    files = self._cgroup_files(pod.uid, c.cgroup_dir, _CONTAINER, container_labels(pod, c))
+                fresh[key] = files
+                out += files
+        self._files = fresh
+        return out
+
+    def _cgroup_files(self, owner: str, rel: str, names: _Names, base: Labels) -> list[_File]:
         directory = self.reader.pressure_dir(rel)
         if directory is None:
             return []
-        out: list[Sample] = []
-        for resource in RESOURCES:
-            kinds = self._read(owner, directory / f"{resource}.pressure")
-            if kinds is not None:
-                out += pressure_samples(resource, kinds, names, base)
-        return out
+        return [_file(owner, f"{directory}/{r}.pressure", r, names, base) for r in RESOURCES]
 
-    def _read(self, owner: str, path: Path) -> dict[str, Pressure] | None:
+    def _read(self, f: _File, out: list[Sample]) -> None:
         try:
-            return parse_pressure(read_file(path), path)
+            parsed = _parse(read_bytes(f.path), f.path)
         except ReadError as exc:
-            self._once.skipped(owner, exc)
-            return None
+            self._once.skipped(f.owner, exc)
+            return
+        percent, total = f.names.percent, f.names.total
+        append = out.append
+        for kind, (avg10, avg60, avg300, total_us) in parsed:
+            series = f.kinds.get(kind)
+            if series is None:
+                continue  # node cpu "full"
+            append(Sample(percent, avg10, series[0]))
+            append(Sample(percent, avg60, series[1]))
+            append(Sample(percent, avg300, series[2]))
+            append(Sample(total, total_us / 1e6, series[3]))
