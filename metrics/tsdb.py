@@ -6,32 +6,41 @@ the batch in one transaction. The owner calls ``flush()`` about every second, an
 bounded when the owner is late. Queries (``aggregate``, ``aggregate_all``, ``points``,
 ``series``) see flushed data only. ``last()`` also sees the newest unflushed sample of
 each series, because the QoS manager needs values younger than the flush period.
-Flushed rows land in a time-ordered table that is compacted into the per-series one
-every ``compact_rows`` rows (see ``metrics.tsdbquery`` for why); both are always read.
+Flushed rows land in a time-ordered table that is packed into per-series chunks every
+``compact_rows`` rows (see ``metrics.tsdbquery`` for why and how); both are always read.
+
+Two tiers: raw samples younger than ``raw_retention`` (35 min), and per-series
+buckets (count, sum, min, max, last) of 60 s, 5 min past 2 h, kept until ``retention``
+(12 h). Queries reaching into the rolled-up past combine both; what stays exact and
+what is approximated (percentiles) is in ``metrics.tsdbrollup``. Windows within the
+raw tier are exact.
 
 Threads: collectors write from worker threads while the QoS manager, reporters and
 ``top`` read from others. One writer connection is guarded by a lock. Each reading
 thread has its own read-only connection, so a read never waits for the writer (WAL):
-it sees the last committed state, and since every query is one statement, never a torn
-one.
+every query runs in one read transaction, so it sees one committed state, never a torn
+flush, compaction or fold.
 
-Retention: the owner calls ``gc()`` periodically (default every 5 min). It deletes
-points older than ``retention`` and series left without points. Then, while the file
-(db + wal) is larger than ``max_bytes``, it drops the oldest tenth of the stored time
-range. Freed pages go back to the filesystem (``auto_vacuum=INCREMENTAL``) and the WAL
-is checkpointed and truncated. The cap is enforced at GC, so between two GCs the file
-may grow past it by one interval's worth of samples.
+Retention: the owner calls ``gc()`` periodically (default every 5 min). It folds raw
+samples older than ``raw_retention`` into buckets, deletes what is older than
+``retention`` and series left empty. Then, while the file (db + wal) is larger than
+``max_bytes``, it drops the oldest tenth of the rollups' time range, and once there are
+none, of the raw tier's. Freed pages go back to the filesystem
+(``auto_vacuum=INCREMENTAL``) and the WAL is checkpointed and truncated. The cap is
+enforced at GC, so between two GCs the file may grow past it by one interval's worth.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -40,50 +49,45 @@ from typing import Any, Final, Self
 import structlog
 
 from metrics import tsdbquery as q
+from metrics import tsdbrollup as r
 from metrics.model import Aggregate, Labels, Sample
+from metrics.tsdbquery import CorruptStore, TSDBError, wrap
+
+__all__ = ["TSDB", "CorruptStore", "GCResult", "TSDBError"]
 
 log = structlog.get_logger("metrics.tsdb")
 
 DEFAULT_RETENTION: Final = 12 * 3600.0
+#: Longer than the longest NodeMetric window (30 min), which needs every sample.
+DEFAULT_RAW_RETENTION: Final = 35 * 60.0
+DEFAULT_ROLLUP_STEP: Final = 60.0
+DEFAULT_COARSE_STEP: Final = 300.0
+DEFAULT_COARSE_AFTER: Final = 2 * 3600.0
 DEFAULT_MAX_BYTES: Final = 100 * 2**20
 #: About five seconds of the agent's full write rate (110 pods x 3 containers x 6 metrics).
 DEFAULT_MAX_BATCH: Final = 10_000
-#: Rows flushed before they are moved to the per-series table: about a minute at the
-#: agent's rate. It bounds what a one-series read scans in the time-ordered table.
+#: Rows flushed before they are packed into chunks: about a minute at the agent's rate.
+#: It bounds what a one-series read scans in the time-ordered table.
 DEFAULT_COMPACT_ROWS: Final = 150_000
 _BUSY_TIMEOUT: Final = 5.0
 _WAL_LIMIT: Final = 4 * 2**20
-_CORRUPT_CODES: Final = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
 
 SeriesKey = tuple[str, Labels]
 
 
-class TSDBError(Exception):
-    """The store cannot do what was asked; the message names the file."""
-
-    def __init__(self, path: Path, reason: str) -> None:
-        super().__init__(f"metrics store {path}: {reason}")
-        self.path = path
-
-
-class CorruptStore(TSDBError):
-    """The file is not a database, is damaged, or holds a schema this version does not know."""
-
-
 @dataclass(frozen=True)
 class GCResult:
+    #: Raw samples dropped (past the retention, or to honour ``max_bytes``).
     points_deleted: int
     series_deleted: int
     size_before: int
     size_after: int
-    #: True when points younger than the retention were dropped to honour ``max_bytes``.
+    #: True when data younger than the retention was dropped to honour ``max_bytes``.
     capped: bool
-
-
-def _wrap(path: Path, what: str, exc: sqlite3.Error) -> TSDBError:
-    code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
-    cls = CorruptStore if code in _CORRUPT_CODES else TSDBError
-    return cls(path, f"{what}: {exc}")
+    #: Raw samples folded into buckets.
+    points_folded: int
+    #: Buckets dropped (past the retention, or to honour ``max_bytes``).
+    buckets_deleted: int
 
 
 class TSDB:
@@ -94,14 +98,25 @@ class TSDB:
         path: Path,
         *,
         retention: float = DEFAULT_RETENTION,
+        raw_retention: float = DEFAULT_RAW_RETENTION,
+        rollup_step: float = DEFAULT_ROLLUP_STEP,
+        coarse_step: float = DEFAULT_COARSE_STEP,
+        coarse_after: float = DEFAULT_COARSE_AFTER,
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_batch: int = DEFAULT_MAX_BATCH,
         compact_rows: int = DEFAULT_COMPACT_ROWS,
         clock: Callable[[], float] = time.time,
         readonly: bool = False,
     ) -> None:
+        """``coarse_step`` is a multiple of ``rollup_step`` (equal: no coarse buckets);
+        ``raw_retention >= retention`` keeps every sample raw (no rollup tier)."""
         self.path = Path(path)
         self.retention = retention
+        self.raw_retention = raw_retention
+        self.rollup_step = rollup_step
+        self.coarse_step = coarse_step
+        self.coarse_after = coarse_after
+        self._tiers()  # refuse bad settings before touching the file
         self.max_bytes = max_bytes
         self.readonly = readonly
         self._max_batch = max_batch
@@ -115,6 +130,8 @@ class TSDB:
         self._latest: dict[SeriesKey, tuple[int, float]] = {}
         #: Series ids known to the writer; only touched under ``_write_lock``.
         self._ids: dict[SeriesKey, int] = {}
+        #: Buckets before this (ms) are coarse already; 0: look at all of them once.
+        self._coarsened = 0
         self._skipped: set[str] = set()
         self._readers = q.ReaderConnections(self.path, _BUSY_TIMEOUT)
         self._closed = False
@@ -123,12 +140,22 @@ class TSDB:
             if not self.path.is_file():
                 raise TSDBError(self.path, "no such file")
             try:
-                self._check_schema(self._reader())
+                q.schema_version(self.path, self._reader(), readonly=True)
             except TSDBError:
                 self._readers.close_all()
                 raise
         else:
-            self._writer = self._open_writer()
+            self._writer, self._recent_rows = q.open_writer(self.path, _BUSY_TIMEOUT, _WAL_LIMIT)
+
+    def _tiers(self) -> r.Tiers:
+        step, coarse = q.to_ms(self.rollup_step), q.to_ms(self.coarse_step)
+        if step < 1 or coarse < step or coarse % step or self.raw_retention <= 0:
+            raise ValueError(
+                f"bad tiers: raw_retention={self.raw_retention} (> 0), rollup_step={self.rollup_step}"
+                f" (>= 0.001 s), coarse_step={self.coarse_step} (a multiple of rollup_step)"
+            )
+        return r.Tiers(q.to_ms(self.retention), q.to_ms(self.raw_retention), step, coarse,
+                       q.to_ms(self.coarse_after))
 
     # --- opening ------------------------------------------------------------------
 
@@ -143,6 +170,10 @@ class TSDB:
         path: Path,
         *,
         retention: float = DEFAULT_RETENTION,
+        raw_retention: float = DEFAULT_RAW_RETENTION,
+        rollup_step: float = DEFAULT_ROLLUP_STEP,
+        coarse_step: float = DEFAULT_COARSE_STEP,
+        coarse_after: float = DEFAULT_COARSE_AFTER,
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_batch: int = DEFAULT_MAX_BATCH,
         compact_rows: int = DEFAULT_COMPACT_ROWS,
@@ -150,9 +181,13 @@ class TSDB:
     ) -> Self:
         """Open ``path``; a corrupt or foreign file is renamed to ``<path>.corrupt-<ts>``
         (with its -wal/-shm) and a fresh store is started in its place."""
+        open_ = functools.partial(
+            cls, path, retention=retention, raw_retention=raw_retention, rollup_step=rollup_step,
+            coarse_step=coarse_step, coarse_after=coarse_after, max_bytes=max_bytes, max_batch=max_batch,
+            compact_rows=compact_rows, clock=clock,
+        )
         try:
-            return cls(path, retention=retention, max_bytes=max_bytes, max_batch=max_batch,
-                       compact_rows=compact_rows, clock=clock)
+            return open_()
         except CorruptStore as exc:
             aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
             for suffix in ("", "-wal", "-shm"):
@@ -160,60 +195,7 @@ class TSDB:
                 if src.exists():
                     os.replace(src, f"{aside}{suffix}")
             log.warning("tsdb.reset_corrupt", path=str(path), moved_to=str(aside), error=str(exc))
-            return cls(path, retention=retention, max_bytes=max_bytes, max_batch=max_batch,
-                       compact_rows=compact_rows, clock=clock)
-
-    def _open_writer(self) -> sqlite3.Connection:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise TSDBError(self.path, f"cannot create its directory: {exc}") from exc
-        try:
-            conn = sqlite3.connect(self.path, timeout=_BUSY_TIMEOUT, isolation_level=None, check_same_thread=False)
-        except sqlite3.Error as exc:
-            raise _wrap(self.path, "cannot open", exc) from exc
-        try:
-            # Before anything writes page 1 (journal_mode does), or it has no effect.
-            conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
-            conn.execute("PRAGMA journal_mode = WAL").fetchone()
-            # NORMAL in WAL mode: a power loss may lose the last commits, never corrupt the file.
-            conn.execute("PRAGMA synchronous = NORMAL")
-            # Room for a compaction's pages, so none is spilled and rewritten mid-transaction.
-            conn.execute("PRAGMA cache_size = -32768")
-            conn.execute("PRAGMA temp_store = MEMORY")  # the compaction's sort: no temp file
-            # Checkpoints keep the WAL from growing, but it keeps its high-water size
-            # on disk unless told to shrink back (GC truncates it fully).
-            conn.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT}").fetchone()
-            if not self._check_schema(conn):
-                self._create_schema(conn)
-            self._recent_rows = conn.execute(q.COUNT_RECENT).fetchone()[0]
-        except sqlite3.Error as exc:
-            conn.close()
-            raise _wrap(self.path, "cannot open", exc) from exc
-        except TSDBError:
-            conn.close()
-            raise
-        return conn
-
-    def _check_schema(self, conn: sqlite3.Connection) -> bool:
-        """True when the file holds our schema, False when it is empty; else CorruptStore."""
-        try:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
-        except sqlite3.Error as exc:
-            raise _wrap(self.path, "cannot read", exc) from exc
-        if version == q.SCHEMA_VERSION:
-            return True
-        if version == 0 and tables == 0 and not self.readonly:
-            return False
-        raise CorruptStore(self.path, f"not a metrics store of schema {q.SCHEMA_VERSION} (user_version={version})")
-
-    @staticmethod
-    def _create_schema(conn: sqlite3.Connection) -> None:
-        conn.execute("BEGIN IMMEDIATE")
-        for statement in q.CREATE_SCHEMA:
-            conn.execute(statement)
-        conn.execute("COMMIT")
+            return open_()
 
     def _reader(self) -> sqlite3.Connection:
         if self._closed:
@@ -221,13 +203,28 @@ class TSDB:
         try:
             return self._readers.connection()
         except sqlite3.Error as exc:
-            raise _wrap(self.path, "cannot open for reading", exc) from exc
+            raise wrap(self.path, "cannot open for reading", exc) from exc
 
     def _read(self, sql: str, params: Sequence[object]) -> list[Any]:
         try:
             return self._reader().execute(sql, params).fetchall()
         except sqlite3.Error as exc:
-            raise _wrap(self.path, "query failed", exc) from exc
+            raise wrap(self.path, "query failed", exc) from exc
+
+    @contextmanager
+    def _snapshot(self) -> Iterator[sqlite3.Connection]:
+        """A read transaction: its statements all see the same committed state."""
+        conn = self._reader()
+        try:
+            conn.execute("BEGIN")
+            yield conn
+        except sqlite3.Error as exc:
+            raise wrap(self.path, "query failed", exc) from exc
+        except q.DamagedChunk as exc:
+            raise CorruptStore(self.path, f"query failed: {exc}") from exc
+        finally:
+            if conn.in_transaction:
+                conn.execute("COMMIT")
 
     def _writable(self) -> sqlite3.Connection:
         if self._closed:
@@ -283,7 +280,7 @@ class TSDB:
             except sqlite3.Error as exc:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
-                raise _wrap(self.path, f"flush of {len(batch)} samples failed, samples dropped", exc) from exc
+                raise wrap(self.path, f"flush of {len(batch)} samples failed, samples dropped", exc) from exc
             # Only after COMMIT: ids from a rolled-back transaction would point nowhere.
             self._ids.update(new_ids)
             self._recent_rows += len(batch)
@@ -292,20 +289,17 @@ class TSDB:
             return len(batch)
 
     def compact(self) -> None:
-        """Move flushed rows to the per-series table now (GC and ``flush`` do it too)."""
+        """Pack flushed rows into chunks now (GC and ``flush`` do it too)."""
         with self._write_lock:
             self._compact(self._writable())
 
     def _compact(self, conn: sqlite3.Connection) -> None:
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            for statement in q.COMPACT:
-                conn.execute(statement)
-            conn.execute("COMMIT")
+            q.in_transaction(conn, lambda: q.compact(conn))
         except sqlite3.Error as exc:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise _wrap(self.path, "compaction failed (flushed samples kept)", exc) from exc
+            raise wrap(self.path, "compaction failed (flushed samples kept)", exc) from exc
+        except q.DamagedChunk as exc:
+            raise CorruptStore(self.path, f"compaction failed (flushed samples kept): {exc}") from exc
         self._recent_rows = 0
 
     def _resolve_ids(self, conn: sqlite3.Connection, keys: set[SeriesKey]) -> dict[SeriesKey, int]:
@@ -328,7 +322,7 @@ class TSDB:
             try:
                 conn.execute(q.PUT_KV, (key, text, self._clock()))
             except sqlite3.Error as exc:
-                raise _wrap(self.path, f"put_kv {key!r} failed", exc) from exc
+                raise wrap(self.path, f"put_kv {key!r} failed", exc) from exc
 
     # --- reading ------------------------------------------------------------------
 
@@ -342,27 +336,50 @@ class TSDB:
         except ValueError as exc:
             raise TSDBError(self.path, f"kv record {key!r} is not valid JSON: {exc}") from exc
 
+    @staticmethod
+    def _series_id(conn: sqlite3.Connection, metric: str, labels: Labels) -> int | None:
+        row = conn.execute(q.SELECT_SERIES_ID, (metric, q.encode_labels(q.canonical(labels)))).fetchone()
+        return None if row is None else int(row[0])
+
+    def _window(self, metric: str, labels: Labels, start: float, end: float) -> tuple[list[q.Point], list[r.Bucket]]:
+        """One series' raw samples and buckets in ``[start, end]``, from one snapshot."""
+        lo, hi = q.to_ms(start), q.to_ms(end)
+        with self._snapshot() as conn:
+            series_id = self._series_id(conn, metric, labels)
+            if series_id is None:
+                return [], []
+            return q.raw_window(conn, series_id, lo, hi), r.buckets_window(conn, series_id, lo, hi)
+
     def aggregate(self, metric: str, labels: Labels, start: float, end: float) -> Aggregate | None:
-        """The series over ``[start, end]`` (flushed samples); None without samples."""
-        params = (metric, q.encode_labels(q.canonical(labels)), q.to_ms(start), q.to_ms(end))
-        return q.summarize([(int(ms), float(v)) for ms, v in self._read(q.WINDOW_ONE, params)])
+        """The series over ``[start, end]`` (flushed samples); None without samples.
+        Rolled-up buckets count when wholly inside the window; percentiles over them
+        are approximated (``metrics.tsdbrollup``)."""
+        return r.combine(*self._window(metric, labels, start, end))
 
     def aggregate_all(self, metric: str, start: float, end: float) -> Mapping[Labels, Aggregate]:
         """Every series of ``metric`` with flushed samples in ``[start, end]``."""
-        rows = self._read(q.WINDOW_ALL, (metric, q.to_ms(start), q.to_ms(end)))
-        return q.summarize_all(rows)
+        lo, hi = q.to_ms(start), q.to_ms(end)
+        with self._snapshot() as conn:
+            raw = q.raw_window_all(conn, metric, lo, hi)
+            buckets = r.buckets_window_all(conn, metric, lo, hi)
+        return r.combine_all(raw, buckets)
 
     def last(self, metric: str, labels: Labels, max_age: float, now: float) -> Sample | None:
-        """Newest sample in ``[now - max_age, now]``, flushed or still in the batch."""
+        """Newest sample in ``[now - max_age, now]``, flushed, still in the batch, or
+        the last one of a bucket (a bucket straddling ``now`` is not looked into)."""
         canon = q.canonical(labels)
         lo, hi = q.to_ms(now - max_age), q.to_ms(now)
-        candidates: list[tuple[int, float]] = []
+        candidates: list[q.Point] = []
         with self._batch_lock:
             pending = self._latest.get((metric, canon))
         if pending is not None and lo <= pending[0] <= hi:
             candidates.append(pending)
-        for ms, value in self._read(q.LAST_ONE, (metric, q.encode_labels(canon), lo, hi)):
-            candidates.append((int(ms), float(value)))
+        with self._snapshot() as conn:
+            series_id = self._series_id(conn, metric, canon)
+            if series_id is not None:
+                candidates += q.raw_last(conn, series_id, lo, hi)
+                bucket = (series_id, lo, hi, q.to_ms(self.coarse_step))
+                candidates += ((int(t), float(v)) for t, v in conn.execute(r.LAST_BUCKET, bucket))
         if not candidates:
             return None
         ms, value = max(candidates)
@@ -373,9 +390,15 @@ class TSDB:
         return [q.decode_labels(str(text)) for (text,) in self._read(q.SERIES_OF, (metric,))]
 
     def points(self, metric: str, labels: Labels, start: float, end: float) -> list[tuple[float, float]]:
-        """``(ts, value)`` of one series over ``[start, end]``, ascending."""
-        params = (metric, q.encode_labels(q.canonical(labels)), q.to_ms(start), q.to_ms(end))
-        return [(q.from_ms(int(ms)), float(v)) for ms, v in sorted(self._read(q.WINDOW_ONE, params))]
+        """``(ts, value)`` of one series over ``[start, end]``, ascending; a bucket
+        wholly inside the window is one point: ``(its start, its mean)``."""
+        rows, buckets = self._window(metric, labels, start, end)
+        rows += ((b.start_ms, b.mean) for b in buckets)
+        return [(q.from_ms(ms), v) for ms, v in sorted(rows)]
+
+    def rollups(self, metric: str, labels: Labels, start: float, end: float) -> list[r.Bucket]:
+        """The buckets of one series wholly inside ``[start, end]``, ascending."""
+        return self._window(metric, labels, start, end)[1]
 
     def latest_ts(self, metric: str) -> float | None:
         """Time of the newest flushed sample of any series of ``metric``."""
@@ -395,26 +418,33 @@ class TSDB:
     # --- retention ----------------------------------------------------------------
 
     def gc(self, now: float | None = None) -> GCResult:
-        """Apply retention and the size cap, give freed space back, truncate the WAL."""
+        """Fold raw samples past ``raw_retention``, apply the retention and the size cap,
+        give freed space back, truncate the WAL."""
         now = self._clock() if now is None else now
-        cutoff = q.to_ms(now - self.retention)
+        tiers, now_ms = self._tiers(), q.to_ms(now)
         with self._write_lock:
             conn = self._writable()
             before = self.size_bytes()
             self._compact(conn)
             try:
-                points, series, capped = q.collect_garbage(conn, cutoff, self.max_bytes, self.size_bytes)
-                result = GCResult(points, series, before, self.size_bytes(), capped)
+                counts = r.collect_garbage(conn, tiers, now_ms, self.max_bytes, self.size_bytes, self._coarsened)
             except sqlite3.Error as exc:
+                raise wrap(self.path, "gc failed", exc) from exc
+            except q.DamagedChunk as exc:
+                raise CorruptStore(self.path, f"gc failed: {exc}") from exc
+            finally:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
-                raise _wrap(self.path, "gc failed", exc) from exc
-            finally:
                 # Dropped series must get fresh ids if their metric comes back.
                 self._ids.clear()
+            self._coarsened = max(self._coarsened, tiers.cuts(now_ms)[2])
+            result = GCResult(counts.points_deleted, counts.series_deleted, before, self.size_bytes(),
+                              counts.capped, counts.points_folded, counts.buckets_deleted)
+        cutoff = now_ms - tiers.retention
         with self._batch_lock:
             self._latest = {k: v for k, v in self._latest.items() if v[0] >= cutoff}
         log.info("tsdb.gc", path=str(self.path), points_deleted=result.points_deleted,
+                 points_folded=result.points_folded, buckets_deleted=result.buckets_deleted,
                  series_deleted=result.series_deleted, size_before=result.size_before,
                  size_after=result.size_after, capped=result.capped)
         return result
