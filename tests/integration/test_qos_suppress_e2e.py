@@ -87,7 +87,10 @@ def test_ls_load_shrinks_be_quota_and_release_restores_it(proxy: Any, pods: Any,
     time.sleep(2)  # let it settle (growth is capped at 10 % of capacity a round)
     wide = _quota(cgroup_prefix)
 
-    burner = pods.create(rt, ls_sid, ls_pod, pods.container("burn", command=SPIN2))
+    # Weighted like a latency-sensitive service against batch work, so the LS load
+    # really takes the CPUs (and the suppress formula sees it) on a busy CI machine.
+    burner = pods.create(rt, ls_sid, ls_pod, pods.container(
+        "burn", command=SPIN2, resources=cri.LinuxContainerResources(cpu_shares=10240)))
     pods.start(rt, burner)
     took = _wait_for("the BE quota to shrink", lambda: _quota(cgroup_prefix) <= wide // 2, timeout=10)
     narrowed = _quota(cgroup_prefix)
