@@ -395,6 +395,7 @@ class PodKit:
         self.busybox = busybox
         self._sandboxes: list[str] = []
         self._containers: list[str] = []
+        self._pod_parents: list[str] = []
 
     def sandbox(
         self, name: str, *, qos: QoSClass = "burstable", namespace: str = "krp-test", uid: str | None = None,
@@ -415,6 +416,7 @@ class PodKit:
                                 envs=envs, annotations=annotations)
 
     def run(self, rt: Any, pod: cri_v1_pb2.PodSandboxConfig) -> str:
+        self._pod_parents.append(pod.linux.cgroup_parent)
         sid: str = rt.RunPodSandbox(cri_v1_pb2.RunPodSandboxRequest(config=pod), timeout=60).pod_sandbox_id
         self._sandboxes.append(sid)
         return sid
@@ -452,6 +454,14 @@ class PodKit:
                 cri_v1_pb2.StopPodSandboxRequest(pod_sandbox_id=s), timeout=60))
             _quietly(lambda s=sid: self.direct.RemovePodSandbox(
                 cri_v1_pb2.RemovePodSandboxRequest(pod_sandbox_id=s), timeout=60))
+        # kubelet removes a pod's cgroup once the pod is gone; do the same, so a stale pod
+        # dir (with its CFS quota) does not constrain later tests' parent cgroups.
+        for parent in reversed(self._pod_parents):
+            if parent.strip("/"):
+                try:
+                    remove_cgroup_tree(parent, timeout=2.0)
+                except (OSError, ValueError):
+                    pass
         shutil.rmtree(self.log_root, ignore_errors=True)
 
 
