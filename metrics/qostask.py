@@ -113,6 +113,8 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
         finally:
             if triggers is not None:
                 triggers.close()
+            # Not in a thread: a cancelled task may not await; these are a few small writes.
+            manager.release()
 
     return run
 

@@ -37,6 +37,7 @@ from metrics.qos import burst, evict, suppress
 from metrics.qos.inputs import BECPUWindow, NodeInputs, build_be_cpu_window, build_node_inputs
 from metrics.qos.plan import Action, AddTasks, Evict, LeveledWrite, Plan, Rejected, SetCgroup, SetSchemata, arbitrate
 from metrics.qos.resctrlsync import ResctrlSync, apply_resctrl
+from metrics.qos.suppress import NAME as SUPPRESS_NAME
 from metrics.qos.suppress import BEState, CPULike, SuppressConfig, SuppressStrategy
 from runtimeproxy.hookapi import PodInfo
 
@@ -208,6 +209,18 @@ class QoSManager:
             log.debug("qos_action_rejected", **item.describe())
         self._record(result)
         return result
+
+    def release(self) -> list[Outcome]:
+        """Give BE its CPUs back (quota -1, cpuset = recovery set): called when the task
+        stops. A suppressed limit that nobody revises any more would throttle BE for
+        good, and on cgroup v1 a parent quota below a new BE container's own quota
+        makes runc fail to create that container. Skipped in dry-run."""
+        if self.cfg.dry_run:
+            return []
+        actions = self.suppress.recover(list(self._pods()), cpuset=True, quota=True, why="QoS manager stopped")
+        outcomes = self._write_all(SUPPRESS_NAME, actions)
+        log.info("be_limits_released", results=[o.result for o in outcomes])
+        return outcomes
 
     def _write_all(self, strategy: str, actions: Sequence[Action]) -> list[Outcome]:
         return [self._write(strategy, a) for a in actions]

@@ -92,7 +92,12 @@ def test_ls_load_shrinks_be_quota_and_release_restores_it(proxy: Any, pods: Any,
     burner = pods.create(rt, ls_sid, ls_pod, pods.container(
         "burn", command=SPIN2, resources=cri.LinuxContainerResources(cpu_shares=10240)))
     pods.start(rt, burner)
-    took = _wait_for("the BE quota to shrink", lambda: _quota(cgroup_prefix) <= wide // 2, timeout=10)
+    try:
+        took = _wait_for("the BE quota to shrink", lambda: _quota(cgroup_prefix) <= wide // 2, timeout=10)
+    except AssertionError as exc:
+        detail = {"wide": wide, "now": _quota(cgroup_prefix), "failed_writes": proxy.events("qos_write_failed")[-3:],
+                  "explain": _explain(proxy)["tasks"].get("qos")}
+        raise AssertionError(f"{exc}: {json.dumps(detail, default=str)[:3000]}") from None
     narrowed = _quota(cgroup_prefix)
     assert narrowed >= 2000  # never below the floor
     plans = _explain(proxy)["tasks"]["qos"]["strategies"]

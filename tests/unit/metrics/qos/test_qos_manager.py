@@ -208,3 +208,25 @@ async def test_run_loop_wakes_early(env_factory: Any) -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+@pytest.mark.asyncio
+async def test_release_on_stop_gives_be_its_cpus_back(env_factory: Any) -> None:
+    env = env_factory({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"}})
+    env.usage()
+    await env.manager.run_once()
+    suppressed = env.read("cpu", BE_DIR, "cpu.cfs_quota_us")
+    assert suppressed != "-1"
+    outcomes = env.manager.release()
+    assert {o.result for o in outcomes} <= {"written", "unchanged"}
+    assert env.read("cpu", BE_DIR, "cpu.cfs_quota_us") == "-1"
+    assert env.read("cpuset", BE_DIR, "cpuset.cpus") == "0-7"
+
+
+@pytest.mark.asyncio
+async def test_release_in_dry_run_writes_nothing(env_factory: Any) -> None:
+    env = env_factory({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"}}, dry_run=True)
+    env.usage()
+    before = tree(env.root)
+    assert env.manager.release() == []
+    assert tree(env.root) == before
