@@ -11,27 +11,17 @@ and its RSS. The difference is what the agent costs. Prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-import yaml
+from benchlib import BenchNode, cpu_seconds
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy import devpods, embedded
-from runtimeproxy.demo import free_port, wait_healthy
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime (fields 14, 15)
 
 
 def _status_kib(pid: int, key: str) -> int:
@@ -41,23 +31,11 @@ def _status_kib(pid: int, key: str) -> int:
     return 0
 
 
-def _start(base: Path, name: str, backend: Path, tasks: dict[str, Any]) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    doc = {"listen": str(base / f"{name}.sock"), "backend": {"runtime_endpoint": str(backend)},
-           "metrics": {"listen": f"127.0.0.1:{port}"}, "hookserver_dir": "", "log": {"level": "warning"},
-           "hooks": [], "tasks": tasks}
-    cfg = base / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump(doc))
-    proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg)])
-    wait_healthy(port, proc)
-    return proc, port
-
-
 def _measure(proc: subprocess.Popen[bytes], warmup: float, window: float) -> dict[str, float]:
     time.sleep(warmup)
-    c0, t0 = _cpu_seconds(proc.pid), time.monotonic()
+    c0, t0 = cpu_seconds(proc.pid), time.monotonic()
     time.sleep(window)
-    c1, t1 = _cpu_seconds(proc.pid), time.monotonic()
+    c1, t1 = cpu_seconds(proc.pid), time.monotonic()
     return {"cpu_pct": 100.0 * (c1 - c0) / (t1 - t0), "rss_mib": _status_kib(proc.pid, "VmRSS") / 1024,
             "hwm_mib": _status_kib(proc.pid, "VmHWM") / 1024}
 
@@ -81,45 +59,28 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=20.0)
     ap.add_argument("--window", type=float, default=60.0)
     args = ap.parse_args()
-    base = Path(tempfile.mkdtemp(prefix="krpm-", dir="/tmp"))
-    ctd = embedded.EmbeddedContainerd(base / "ctd")
-    prefix = embedded.unique_test_parent()
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        ctd.start()
-        ctd.import_image(embedded.build_busybox_image(base))
-        ctd.import_image(embedded.build_pause_image(base))
-        rt = embedded.runtime_stub(embedded.unix_channel(ctd.socket))
+    with BenchNode("m") as node:
+        rt = node.runtime()
         t = time.monotonic()
-        _run_pods(rt, prefix, base / "logs", args.pods)
+        _run_pods(rt, node.prefix, node.base / "logs", args.pods)
         print(f"{args.pods} pods running after {time.monotonic() - t:.0f} s", file=sys.stderr)
         rows = []
-        for name, tasks in (("no tasks", {}), ("metrics (defaults)", {"metrics": {"db": str(base / "m.db")}})):
-            proc, _port = _start(base, name.split()[0], ctd.socket, tasks)
-            procs.append(proc)
+        for name, tasks in (("no tasks", {}), ("metrics (defaults)", {"metrics": {"db": str(node.base / "m.db")}})):
+            proc, _sock, _port = node.proxy(name.split()[0], {"tasks": tasks})
             rows.append((name, _measure(proc, args.warmup, args.window)))
-            proc.terminate()
-            proc.wait(30)
-        db_size = sum(p.stat().st_size for p in base.glob("m.db*"))
-        print(f"\n### Metrics agent cost, {args.pods} pods x 1 container, window {args.window:.0f} s "
-              f"after {args.warmup:.0f} s warm-up\n")
-        print("| proxy | CPU % of a core | RSS MiB | peak RSS MiB |")
-        print("|---|---:|---:|---:|")
-        for name, r in rows:
-            print(f"| {name} | {r['cpu_pct']:.2f} | {r['rss_mib']:.1f} | {r['hwm_mib']:.1f} |")
-        base_row, agent_row = rows[0][1], rows[1][1]
-        print(f"| agent alone (difference) | {agent_row['cpu_pct'] - base_row['cpu_pct']:.2f} | "
-              f"{agent_row['rss_mib'] - base_row['rss_mib']:.1f} | |")
-        print(f"\nstore after the run: {db_size / 2**20:.1f} MiB")
-        return 0
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(30)
-        ctd.stop()
-        embedded.remove_cgroup_tree(prefix)
-
+            node.stop(proc)
+        db_size = sum(p.stat().st_size for p in node.base.glob("m.db*"))
+    print(f"\n### Metrics agent cost, {args.pods} pods x 1 container, window {args.window:.0f} s "
+          f"after {args.warmup:.0f} s warm-up\n")
+    print("| proxy | CPU % of a core | RSS MiB | peak RSS MiB |")
+    print("|---|---:|---:|---:|")
+    for name, r in rows:
+        print(f"| {name} | {r['cpu_pct']:.2f} | {r['rss_mib']:.1f} | {r['hwm_mib']:.1f} |")
+    base_row, agent_row = rows[0][1], rows[1][1]
+    print(f"| agent alone (difference) | {agent_row['cpu_pct'] - base_row['cpu_pct']:.2f} | "
+          f"{agent_row['rss_mib'] - base_row['rss_mib']:.1f} | |")
+    print(f"\nstore after the run: {db_size / 2**20:.1f} MiB")
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,60 +13,31 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
+from benchlib import BenchNode, percentile
+
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy import devpods, embedded
-from runtimeproxy.demo import DEFAULT_CONFIG, free_port, kubelet_creates_pod_cgroup, wait_healthy
+from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 
-CONFIG = """
-listen: {sock}
-backend: {{runtime_endpoint: {backend}}}
-metrics: {{listen: "127.0.0.1:{port}"}}
-hookserver_dir: ""
-log: {{level: warning}}
-hooks:
-{hooks}
-"""
 BATCH = ('{"containers": {"c": {"requests": {"kubernetes.io/batch-cpu": "500", "kubernetes.io/batch-memory": '
          '"268435456"}, "limits": {"kubernetes.io/batch-cpu": "1000", "kubernetes.io/batch-memory": "268435456"}}}}')
-CHAIN = """  - {{name: shares-{i}, plugin: example-cpu-shares, failure_policy: Ignore, args: {{cpu_shares: {s}}}}}"""
 
 
-def _pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * p))]
-
-
-def _shipped_chain() -> str:
-    """The default config's hooks and rules, as YAML lines to append."""
-    import yaml
-
-    shipped = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    return yaml.safe_dump({"hooks": shipped["hooks"], "rules": shipped["rules"]})
-
-
-def _start_proxy(base: Path, backend: Path, hooks: int) -> tuple[subprocess.Popen[bytes], Path]:
-    port = free_port()
-    sock = base / "proxy.sock"
-    chain = "\n".join(CHAIN.format(i=i, s=512 + i) for i in range(hooks))
-    text = CONFIG.format(sock=sock, backend=backend, port=port, hooks=chain)
-    if hooks < 0:  # the shipped QoS chain
-        text = text.replace("hooks:\n", "") + _shipped_chain()
-    elif hooks == 0:
-        text = text.replace("hooks:\n", "hooks: []\n")
-    cfg = base / "bench.yaml"
-    cfg.write_text(text)
-    proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg)])
-    wait_healthy(port, proc)
-    return proc, sock
+def _chain(hooks: int) -> dict[str, Any]:
+    """``hooks`` example hooks, or (-1) the shipped QoS chain and rules of systemd/config.yaml."""
+    if hooks < 0:
+        shipped = yaml.safe_load(DEFAULT_CONFIG.read_text())
+        return {"hooks": shipped["hooks"], "rules": shipped["rules"]}
+    return {"hooks": [{"name": f"shares-{i}", "plugin": "example-cpu-shares", "failure_policy": "Ignore",
+                       "args": {"cpu_shares": 512 + i}} for i in range(hooks)]}
 
 
 def _lat(fn: Callable[[], Any]) -> float:
@@ -90,7 +61,7 @@ def passthrough(direct: Any, proxied: Any, cid: str, n: int) -> list[tuple[str, 
         for _ in range(n):
             d.append(_lat(lambda: call(direct)))  # noqa: B023 - used immediately
             p.append(_lat(lambda: call(proxied)))  # noqa: B023
-        rows.append((name, _pct(d, 0.5), _pct(p, 0.5), _pct(d, 0.99), _pct(p, 0.99)))
+        rows.append((name, percentile(d, 0.5), percentile(p, 0.5), percentile(d, 0.99), percentile(p, 0.99)))
     return rows
 
 
@@ -123,17 +94,11 @@ def main() -> int:
     ap.add_argument("--hooks", type=int, default=-1,
                     help="example hooks in the chain; -1 (default) = the shipped QoS chain of systemd/config.yaml")
     args = ap.parse_args()
-    base = Path(tempfile.mkdtemp(prefix="krpb-", dir="/tmp"))
-    ctd = embedded.EmbeddedContainerd(base / "ctd")
-    prefix = embedded.unique_test_parent()
-    proc = None
-    try:
-        ctd.start()
-        ctd.import_image(embedded.build_busybox_image(base))
-        ctd.import_image(embedded.build_pause_image(base))
-        proc, sock = _start_proxy(base, ctd.socket, args.hooks)
-        direct = embedded.runtime_stub(embedded.unix_channel(ctd.socket))
-        proxied = embedded.runtime_stub(embedded.unix_channel(sock))
+    with BenchNode("b") as node:
+        base, prefix = node.base, node.prefix
+        _proc, sock, _port = node.proxy("proxy", _chain(args.hooks))
+        direct = node.runtime()
+        proxied = node.runtime(sock)
         # A running pod so ContainerStatus / List* return real data.
         uid = str(uuid.uuid4())
         sb = devpods.sandbox_config(name="idle", namespace="bench", uid=uid, log_dir=str(base / "logs"),
@@ -161,13 +126,7 @@ def main() -> int:
         print(f"| direct | {dm:.3f} | {min(d_times):.3f} | {max(d_times):.3f} |")
         print(f"| proxy + hooks | {pm:.3f} | {min(p_times):.3f} | {max(p_times):.3f} |")
         print(f"\nratio proxy/direct (medians): **{pm / dm:.3f}**")
-        return 0
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
-        ctd.stop()
-        embedded.remove_cgroup_tree(prefix)
+    return 0
 
 
 if __name__ == "__main__":

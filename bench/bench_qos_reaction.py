@@ -15,41 +15,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-import yaml
+from benchlib import BenchNode, cpu_seconds, percentile
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy import devpods, embedded
-from runtimeproxy.demo import free_port, kubelet_creates_pod_cgroup, wait_healthy
+from runtimeproxy.demo import kubelet_creates_pod_cgroup
 
 SPIN2 = ["sh", "-c", "while :; do :; done & while :; do :; done"]
-TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def _pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * p))]
-
-
-def _proxy(base: Path, name: str, backend: Path, prefix: str, fast: bool, interval: str) -> subprocess.Popen[bytes]:
-    port = free_port()
-    doc = {
-        "listen": str(base / f"{name}.sock"), "backend": {"runtime_endpoint": str(backend)},
-        "metrics": {"listen": f"127.0.0.1:{port}"}, "hookserver_dir": "", "log": {"level": "warning"},
+def _doc(name: str, base: Path, prefix: str, fast: bool, interval: str) -> dict[str, Any]:
+    return {
         "hooks": [{"name": "batch", "plugin": "batch-resource", "failure_policy": "Ignore"}],
         "rules": {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 65,
                                                   "cpuSuppressPolicy": "cfsQuota"}},
@@ -57,14 +41,9 @@ def _proxy(base: Path, name: str, backend: Path, prefix: str, fast: bool, interv
                   "qos-manager": {"besteffort_dir": f"{prefix.strip('/')}/kubepods/besteffort", "fast_path": fast,
                                   "fast_interval": interval, "psi_trigger": False}},
     }
-    cfg = base / f"{name}.yaml"
-    cfg.write_text(yaml.safe_dump(doc))
-    proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg)])
-    wait_healthy(port, proc)
-    return proc
 
 
-class Node:
+class Pods:
     def __init__(self, rt: Any, prefix: str, logs: Path) -> None:
         self.rt, self.prefix, self.logs = rt, prefix, logs
         self.quota_file = Path("/sys/fs/cgroup/cpu") / prefix.strip("/") / "kubepods/besteffort/cpu.cfs_quota_us"
@@ -96,7 +75,7 @@ class Node:
         return None
 
 
-def _runs(node: Node, ls: tuple[Any, str], runs: int) -> list[float]:
+def _runs(node: Pods, ls: tuple[Any, str], runs: int) -> list[float]:
     assert node.wait(lambda q: q >= 70_000, 30) is not None, "BE quota never widened"
     out = []
     for i in range(runs):
@@ -114,9 +93,9 @@ def _runs(node: Node, ls: tuple[Any, str], runs: int) -> list[float]:
 
 
 def _idle_cpu(proc: subprocess.Popen[bytes], seconds: float) -> float:
-    c0, t0 = _cpu_seconds(proc.pid), time.monotonic()
+    c0, t0 = cpu_seconds(proc.pid), time.monotonic()
     time.sleep(seconds)
-    return 100.0 * (_cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0)
+    return 100.0 * (cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0)
 
 
 def main() -> int:
@@ -126,20 +105,14 @@ def main() -> int:
     ap.add_argument("--fast-interval", default="200ms")
     ap.add_argument("--skip-slow", action="store_true", help="only the fast path (no 1 s loop baseline)")
     args = ap.parse_args()
-    base = Path(tempfile.mkdtemp(prefix="krpq-", dir="/tmp"))
-    ctd = embedded.EmbeddedContainerd(base / "ctd")
-    prefix = embedded.unique_test_parent()
-    proc: subprocess.Popen[bytes] | None = None
     results: dict[str, Any] = {}
-    try:
-        ctd.start()
-        ctd.import_image(embedded.build_busybox_image(base))
-        ctd.import_image(embedded.build_pause_image(base))
+    with BenchNode("q") as bench:
         modes = [("1 s loop (fast path off)", False), (f"fast path {args.fast_interval}", True)]
         for mode, fast in modes[1:] if args.skip_slow else modes:
-            proc = _proxy(base, "fast" if fast else "slow", ctd.socket, prefix, fast, args.fast_interval)
-            rt = embedded.runtime_stub(embedded.unix_channel(base / ("fast.sock" if fast else "slow.sock")))
-            node = Node(rt, prefix, base / "logs")
+            name = "fast" if fast else "slow"
+            proc, sock, _port = bench.proxy(name, _doc(name, bench.base, bench.prefix, fast, args.fast_interval))
+            rt = bench.runtime(sock)
+            node = Pods(rt, bench.prefix, bench.base / "logs")
             batch = json.dumps({"containers": {"be": {"requests": {"kubernetes.io/batch-cpu": "1000"}}}})
             be = node.pod(f"be-{mode[:4]}", "besteffort", {"koordinator.sh/qosClass": "BE"},
                           {"node.koordinator.sh/extended-resource-spec": batch})
@@ -152,28 +125,19 @@ def main() -> int:
             for sid in (be[1], ls[1]):
                 rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sid), timeout=60)
                 rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sid), timeout=60)
-            proc.terminate()
-            proc.wait(30)
-            proc = None
-        print(f"\n### BE suppression reaction time (LS burner started -> besteffort quota halved), "
-              f"{args.runs} runs per mode\n")
-        print("| mode | runs seen | p50 ms | p99 ms | max ms | proxy CPU % idle (metrics + QoS) |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for mode, (times, idle) in results.items():
-            ms = [t * 1000 for t in times]
-            print(f"| {mode} | {len(ms)} | {statistics.median(ms):.0f} | {_pct(ms, 0.99):.0f} | {max(ms):.0f} |"
-                  f" {idle:.2f} |")
-        if len(results) == 2:
-            slow_idle, fast_idle = (r[1] for r in results.values())
-            print(f"\nfast path's own cost (idle CPU difference): {fast_idle - slow_idle:+.2f} % of a core")
-        return 0
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
-        ctd.stop()
-        embedded.remove_cgroup_tree(prefix)
-
+            bench.stop(proc)
+    print(f"\n### BE suppression reaction time (LS burner started -> besteffort quota halved), "
+          f"{args.runs} runs per mode\n")
+    print("| mode | runs seen | p50 ms | p99 ms | max ms | proxy CPU % idle (metrics + QoS) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for mode, (times, idle) in results.items():
+        ms = [t * 1000 for t in times]
+        print(f"| {mode} | {len(ms)} | {statistics.median(ms):.0f} | {percentile(ms, 0.99):.0f} | {max(ms):.0f} |"
+              f" {idle:.2f} |")
+    if len(results) == 2:
+        slow_idle, fast_idle = (r[1] for r in results.values())
+        print(f"\nfast path's own cost (idle CPU difference): {fast_idle - slow_idle:+.2f} % of a core")
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

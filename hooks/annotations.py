@@ -18,14 +18,16 @@ import json
 import math
 import re
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Final
+from typing import Final, TypeVar
 
 from hooks.cpusets import CpuListError, parse_cpu_list
 from hooks.qos import pod_name
 from runtimeproxy.hookapi import HookError, PodInfo
+
+T = TypeVar("T")
 
 RESOURCE_STATUS: Final = "scheduling.koordinator.sh/resource-status"
 EXTENDED_RESOURCE_SPEC: Final = "node.koordinator.sh/extended-resource-spec"
@@ -94,7 +96,8 @@ def _fail(pod: PodInfo, key: str, raw: str, reason: str) -> HookError:
     return HookError(f"pod {pod_name(pod)}: annotation {key}={_shown(raw)}: {reason}")
 
 
-def _load_object(raw: str) -> dict[str, object]:
+def load_object(raw: str) -> dict[str, object]:
+    """An annotation value that must be a JSON object. Raises AnnotationError."""
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -130,7 +133,7 @@ class ResourceStatus:
 def parse_resource_status(raw: str) -> ResourceStatus:
     """Parse the annotation value (syntax only; check CPUs against the node with
     ``hooks.cpusets.check_on_node``). Raises AnnotationError."""
-    data = _load_object(raw)
+    data = load_object(raw)
     cpuset = data.get("cpuset", "")
     if not isinstance(cpuset, str):
         raise AnnotationError(f"cpuset: expected a string like \"2-3\", got {type(cpuset).__name__} {cpuset!r}")
@@ -156,13 +159,19 @@ def parse_resource_status(raw: str) -> ResourceStatus:
 
 def resource_status(pod: PodInfo) -> ResourceStatus | None:
     """The pod's resource status, ``None`` without the annotation; HookError when bad."""
-    raw = pod.annotations.get(RESOURCE_STATUS)
+    return _parsed(pod, RESOURCE_STATUS, parse_resource_status)
+
+
+def _parsed(pod: PodInfo, key: str, parse: Callable[[str], T]) -> T | None:
+    """``parse`` of the pod's annotation ``key``; None when absent; a HookError naming
+    the pod, the key and the value when it does not parse."""
+    raw = pod.annotations.get(key)
     if raw is None:
         return None
     try:
-        return parse_resource_status(raw)
+        return parse(raw)
     except AnnotationError as exc:
-        raise _fail(pod, RESOURCE_STATUS, raw, str(exc)) from exc
+        raise _fail(pod, key, raw, str(exc)) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +202,7 @@ class ExtendedResourceSpec:
 
 def parse_extended_resource_spec(raw: str) -> ExtendedResourceSpec:
     """Parse the annotation value. Raises AnnotationError."""
-    data = _load_object(raw)
+    data = load_object(raw)
     containers = data.get("containers", {})
     if not isinstance(containers, dict):
         kind = type(containers).__name__
@@ -215,10 +224,4 @@ def parse_extended_resource_spec(raw: str) -> ExtendedResourceSpec:
 
 def extended_resource_spec(pod: PodInfo) -> ExtendedResourceSpec | None:
     """The pod's extended resource spec, ``None`` without the annotation; HookError when bad."""
-    raw = pod.annotations.get(EXTENDED_RESOURCE_SPEC)
-    if raw is None:
-        return None
-    try:
-        return parse_extended_resource_spec(raw)
-    except AnnotationError as exc:
-        raise _fail(pod, EXTENDED_RESOURCE_SPEC, raw, str(exc)) from exc
+    return _parsed(pod, EXTENDED_RESOURCE_SPEC, parse_extended_resource_spec)

@@ -39,7 +39,6 @@ systemd), ``cgroup_version`` (auto | 1 | 2).
 from __future__ import annotations
 
 import enum
-import json
 import threading
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -47,6 +46,7 @@ from typing import Any, Final
 
 import structlog
 
+from hooks.annotations import load_object
 from hooks.cgroups import (
     CPU_BVT_WARP_NS,
     CPU_IDLE,
@@ -93,12 +93,7 @@ class Detection:
 
 def parse_cpu_qos(raw: str) -> tuple[bool, int | None]:
     """``koordinator.sh/cpuQOS`` → (enable, groupIdentity or None). Raises ValueError."""
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"invalid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    data = load_object(raw)  # AnnotationError is a ValueError
     unknown = set(data) - _ANNOTATION_KEYS
     if unknown:
         raise ValueError(f"unknown key {sorted(unknown)[0]!r} (known: {', '.join(sorted(_ANNOTATION_KEYS))})")

@@ -71,6 +71,7 @@ class MetricsAgent:
         self._pods: list[PodView] = []
         self._views_key: object = None
         self._views_at = 0.0
+        self._meta_dirty = False
         self.latest = LatestValues()
         iv = settings.intervals
         self.node = NodeCollector(init.host, interval=iv.node)
@@ -124,7 +125,7 @@ class MetricsAgent:
         if key != self._views_key or now - self._views_at > _VIEWS_MAX_AGE:
             self._pods = self.views.current()
             self._views_key, self._views_at = key, now
-            self.tsdb.put_kv(m.KV_POD_META, pod_meta_record(self._pods))
+            self._meta_dirty = True  # written by the pod tick, in its worker thread
             self.latest.forget({p.uid for p in self._pods})
         return self._pods
 
@@ -158,18 +159,9 @@ class MetricsAgent:
     async def _collect_loop(self, collector: Collector) -> None:
         next_at = time.monotonic()
         while True:
-            now = time.time()
+            # The store snapshot is read on the loop (the store is mutated there).
             pods = self.refresh_pods() if collector is self.pod_collector else self._pods
-            samples = await self._collect(collector, now, pods)
-            if collector is self.pod_collector:
-                samples += self._derived(pods)
-            stamped = [s if s.ts else Sample(s.metric, s.value, s.labels, now) for s in samples]
-            self.tsdb.write(stamped)
-            self.latest.update(stamped)
-            if collector is self.topology:
-                record = self.topology.as_record()
-                if record is not None:
-                    self.tsdb.put_kv(m.KV_NODE_CPU_INFO, record)
+            await asyncio.to_thread(self._tick, collector, time.time(), pods)
             self.ticks[collector.name] += 1
             next_at += collector.interval
             delay = next_at - time.monotonic()
@@ -177,9 +169,27 @@ class MetricsAgent:
                 next_at, delay = time.monotonic(), 0.0
             await asyncio.sleep(delay)
 
-    async def _collect(self, collector: Collector, now: float, pods: Sequence[PodView]) -> list[Sample]:
+    def _tick(self, collector: Collector, now: float, pods: Sequence[PodView]) -> None:
+        """One collection, in a worker thread: the reads, the derived series and the
+        store's batch (which flushes itself when full, and may wait on a compaction)
+        stay off the loop that serves kubelet."""
+        samples = self._collect(collector, now, pods)
+        if collector is self.pod_collector:
+            samples += self._derived(pods)
+            if self._meta_dirty:
+                self._meta_dirty = False
+                self.tsdb.put_kv(m.KV_POD_META, pod_meta_record(pods))
+        stamped = [s if s.ts else Sample(s.metric, s.value, s.labels, now) for s in samples]
+        self.tsdb.write(stamped)
+        self.latest.update(stamped)
+        if collector is self.topology:
+            record = self.topology.as_record()
+            if record is not None:
+                self.tsdb.put_kv(m.KV_NODE_CPU_INFO, record)
+
+    def _collect(self, collector: Collector, now: float, pods: Sequence[PodView]) -> list[Sample]:
         try:
-            return await asyncio.to_thread(collector.collect, now, pods)
+            return collector.collect(now, pods)
         except Exception as exc:
             key = f"{collector.name}:{type(exc).__name__}"
             if key not in self._errors:

@@ -165,27 +165,11 @@ class TSDB:
         return cls(path, readonly=True)
 
     @classmethod
-    def open_or_reset(
-        cls,
-        path: Path,
-        *,
-        retention: float = DEFAULT_RETENTION,
-        raw_retention: float = DEFAULT_RAW_RETENTION,
-        rollup_step: float = DEFAULT_ROLLUP_STEP,
-        coarse_step: float = DEFAULT_COARSE_STEP,
-        coarse_after: float = DEFAULT_COARSE_AFTER,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        max_batch: int = DEFAULT_MAX_BATCH,
-        compact_rows: int = DEFAULT_COMPACT_ROWS,
-        clock: Callable[[], float] = time.time,
-    ) -> Self:
-        """Open ``path``; a corrupt or foreign file is renamed to ``<path>.corrupt-<ts>``
-        (with its -wal/-shm) and a fresh store is started in its place."""
-        open_ = functools.partial(
-            cls, path, retention=retention, raw_retention=raw_retention, rollup_step=rollup_step,
-            coarse_step=coarse_step, coarse_after=coarse_after, max_bytes=max_bytes, max_batch=max_batch,
-            compact_rows=compact_rows, clock=clock,
-        )
+    def open_or_reset(cls, path: Path, **options: Any) -> Self:
+        """Open ``path`` with the constructor's keyword ``options``; a corrupt or foreign
+        file is renamed to ``<path>.corrupt-<ts>`` (with its -wal/-shm) and a fresh
+        store is started in its place."""
+        open_ = functools.partial(cls, path, **options)
         try:
             return open_()
         except CorruptStore as exc:

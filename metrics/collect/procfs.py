@@ -10,7 +10,6 @@ host; ``guest``/``guest_nice`` are already inside user/nice and are left out of 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +17,9 @@ from typing import Final
 
 import structlog
 
-from hooks.cpusets import CpuListError, parse_cpu_list, read_online_cpus
+from hooks.cpusets import CpuListError, read_online_cpus
 from metrics.collect.base import OnceLog, ReadError, os_error, parse_int, read_file
+from metrics.collect.topology import NODE_DIR, numa_nodes
 from metrics.model import (
     NODE_CPU_CAPACITY,
     NODE_CPU_USAGE,
@@ -36,8 +36,6 @@ from runtimeproxy.hookapi import HostRoots
 
 log = structlog.get_logger("metrics.procfs")
 
-_NODE_DIR: Final = Path("devices/system/node")
-_NODE_NAME: Final = re.compile(r"node([0-9]+)")
 _USER, _NICE, _SYSTEM, _IDLE, _IOWAIT, _IRQ, _SOFTIRQ, _STEAL = range(8)
 _OWNER: Final = "node"
 
@@ -247,27 +245,8 @@ class NodeCollector:
         return float(max(total - (free + active_file + inactive_file + reclaimable), 0))
 
     def _numa_nodes(self) -> list[NumaNode]:
-        base = self._sys / _NODE_DIR
-        try:
-            entries = sorted(base.iterdir())
-        except OSError:
-            return []  # no NUMA sysfs (CONFIG_NUMA off): nothing to split
-        nodes: list[NumaNode] = []
-        for entry in entries:
-            match = _NODE_NAME.fullmatch(entry.name)
-            if match is None:
-                continue
-            path = entry / "cpulist"
-            try:
-                cpus = parse_cpu_list(read_file(path))
-            except ReadError as exc:
-                self._once.skipped(_OWNER, exc)
-                continue
-            except CpuListError as exc:
-                self._once.skipped(_OWNER, ReadError(path, str(exc)))
-                continue
-            nodes.append(NumaNode(int(match.group(1)), cpus, entry / "meminfo"))
-        return nodes
+        return [NumaNode(node, cpus, self._sys / NODE_DIR / f"node{node}" / "meminfo")
+                for node, cpus in numa_nodes(self._sys, self._once, _OWNER).items()]
 
 
 def _numa_cpu(cpus: frozenset[int], prev: CpuStat, cur: CpuStat) -> float | None:

@@ -23,7 +23,7 @@ from runtimeproxy.hookapi import HostRoots
 log = structlog.get_logger("metrics.topology")
 
 _CPU_DIR: Final = Path("devices/system/cpu")
-_NODE_DIR: Final = Path("devices/system/node")
+NODE_DIR: Final = Path("devices/system/node")
 _CPU_NAME: Final = re.compile(r"cpu([0-9]+)")
 _NODE_NAME: Final = re.compile(r"node([0-9]+)")
 _OWNER: Final = "node"
@@ -124,25 +124,27 @@ def _cpu_dirs(base: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _numa_of(sys_root: Path, once: OnceLog) -> dict[int, int]:
+def numa_nodes(sys_root: Path, once: OnceLog, owner: str) -> dict[int, frozenset[int]]:
+    """NUMA node id -> its CPUs (``node*/cpulist``); {} without NUMA sysfs. A node
+    whose list is unreadable or garbled is left out, logged once for ``owner``."""
     try:
-        entries = list((sys_root / _NODE_DIR).iterdir())
+        entries = sorted((sys_root / NODE_DIR).iterdir())
     except OSError:
-        return {}
-    out: dict[int, int] = {}
+        return {}  # CONFIG_NUMA off
+    out: dict[int, frozenset[int]] = {}
     for entry in entries:
         match = _NODE_NAME.fullmatch(entry.name)
         if match is None:
             continue
         path = entry / "cpulist"
         try:
-            cpus = parse_cpu_list(read_file(path))
+            out[int(match.group(1))] = parse_cpu_list(read_file(path))
         except ReadError as exc:
-            once.skipped(_OWNER, exc)
-            continue
+            once.skipped(owner, exc)
         except CpuListError as exc:
-            once.skipped(_OWNER, ReadError(path, str(exc)))
-            continue
-        for cpu in cpus:
-            out[cpu] = int(match.group(1))
+            once.skipped(owner, ReadError(path, str(exc)))
     return out
+
+
+def _numa_of(sys_root: Path, once: OnceLog) -> dict[int, int]:
+    return {cpu: node for node, cpus in numa_nodes(sys_root, once, _OWNER).items() for cpu in cpus}

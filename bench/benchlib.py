@@ -1,0 +1,79 @@
+"""What the benchmarks share: a private containerd with the offline images, proxies
+started from a config mapping (stopped with the node), per-process CPU time and
+percentiles. The scripts run as ``python bench/<name>.py``, so this module is
+imported by its plain name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import yaml
+
+from runtimeproxy import embedded
+from runtimeproxy.demo import free_port, wait_healthy
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (fields 14 and 15 of /proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * p))]
+
+
+class BenchNode:
+    """``with BenchNode("q") as node``: a private containerd with busybox and pause
+    imported, a unique cgroup parent, and every proxy started through it stopped
+    (SIGTERM, by pid) on the way out, containerd last."""
+
+    def __init__(self, tag: str) -> None:
+        self.base = Path(tempfile.mkdtemp(prefix=f"krp{tag}-", dir="/tmp"))  # short: socket paths
+        self.ctd = embedded.EmbeddedContainerd(self.base / "ctd")
+        self.prefix = embedded.unique_test_parent()
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> BenchNode:
+        self.ctd.start()
+        self.ctd.import_image(embedded.build_busybox_image(self.base))
+        self.ctd.import_image(embedded.build_pause_image(self.base))
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        for proc in self._procs:
+            self.stop(proc)
+        self.ctd.stop()
+        embedded.remove_cgroup_tree(self.prefix)
+
+    def runtime(self, socket: Path | None = None) -> Any:
+        return embedded.runtime_stub(embedded.unix_channel(socket or self.ctd.socket))
+
+    def proxy(self, name: str, doc: dict[str, Any]) -> tuple[subprocess.Popen[bytes], Path, int]:
+        """Start ``koord-runtime-proxy run`` on ``doc`` (listen, backend, metrics port, no
+        hookserver.d and warning logs filled in) and wait until it is healthy."""
+        port, sock = free_port(), self.base / f"{name}.sock"
+        full = {"listen": str(sock), "backend": {"runtime_endpoint": str(self.ctd.socket)},
+                "metrics": {"listen": f"127.0.0.1:{port}"}, "hookserver_dir": "", "log": {"level": "warning"},
+                "hooks": [], **doc}
+        cfg = self.base / f"{name}.yaml"
+        cfg.write_text(yaml.safe_dump(full, sort_keys=False))
+        proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg)])
+        self._procs.append(proc)
+        wait_healthy(port, proc)
+        return proc, sock, port
+
+    @staticmethod
+    def stop(proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(30)
