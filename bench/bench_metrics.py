@@ -65,8 +65,12 @@ def main() -> int:
         _run_pods(rt, node.prefix, node.base / "logs", args.pods)
         print(f"{args.pods} pods running after {time.monotonic() - t:.0f} s", file=sys.stderr)
         rows = []
-        for name, tasks in (("no tasks", {}), ("metrics (defaults)", {"metrics": {"db": str(node.base / "m.db")}})):
-            proc, _sock, _port = node.proxy(name.split()[0], {"tasks": tasks})
+        variants = (("no tasks", {}),
+                    ("metrics (defaults)", {"metrics": {"db": str(node.base / "m.db")}}),
+                    ("metrics, schedlat from schedstat",
+                     {"metrics": {"db": str(node.base / "s.db"), "schedlat_source": "schedstat"}}))
+        for i, (name, tasks) in enumerate(variants):
+            proc, _sock, _port = node.proxy(f"v{i}", {"tasks": tasks})
             rows.append((name, _measure(proc, args.warmup, args.window)))
             node.stop(proc)
         db_size = sum(p.stat().st_size for p in node.base.glob("m.db*"))
@@ -77,7 +81,7 @@ def main() -> int:
     for name, r in rows:
         print(f"| {name} | {r['cpu_pct']:.2f} | {r['rss_mib']:.1f} | {r['hwm_mib']:.1f} |")
     base_row, agent_row = rows[0][1], rows[1][1]
-    print(f"| agent alone (difference) | {agent_row['cpu_pct'] - base_row['cpu_pct']:.2f} | "
+    print(f"| agent alone (defaults minus no tasks) | {agent_row['cpu_pct'] - base_row['cpu_pct']:.2f} | "
           f"{agent_row['rss_mib'] - base_row['rss_mib']:.1f} | |")
     print(f"\nstore after the run: {db_size / 2**20:.1f} MiB")
     return 0

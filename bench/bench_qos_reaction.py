@@ -102,7 +102,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--idle", type=float, default=30.0, help="seconds of idle CPU measurement per mode")
-    ap.add_argument("--fast-interval", default="200ms")
+    ap.add_argument("--fast-interval", default="100ms")
     ap.add_argument("--skip-slow", action="store_true", help="only the fast path (no 1 s loop baseline)")
     args = ap.parse_args()
     results: dict[str, Any] = {}

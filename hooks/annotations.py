@@ -60,6 +60,11 @@ class AnnotationError(ValueError):
 def parse_quantity(raw: object, where: str = "quantity") -> int:
     """A Kubernetes quantity (JSON int, float or string like "500m", "1Gi", "2e3")
     → its integer value, rounded up. Negative values, booleans and other types raise."""
+    return math.ceil(quantity_value(raw, where))
+
+
+def quantity_value(raw: object, where: str = "quantity") -> Fraction:
+    """A Kubernetes quantity's exact value ("500m" is 1/2); raises as ``parse_quantity``."""
     if isinstance(raw, bool) or not isinstance(raw, int | float | str):
         raise AnnotationError(f"{where}: expected a quantity (number or string), got {type(raw).__name__} {raw!r}")
     if isinstance(raw, float) and not math.isfinite(raw):
@@ -85,7 +90,7 @@ def parse_quantity(raw: object, where: str = "quantity") -> int:
         raise AnnotationError(f"{where}: quantity {raw!r} is negative")
     if value > 2**63 - 1:
         raise AnnotationError(f"{where}: quantity {raw!r} is out of range")
-    return math.ceil(value)
+    return value
 
 
 def _shown(value: str) -> str:

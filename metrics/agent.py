@@ -17,7 +17,7 @@ import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
@@ -33,7 +33,7 @@ from metrics.collect.psi import PSICollector
 from metrics.collect.schedlat import SchedLatencyCollector
 from metrics.collect.topology import TopologyCollector
 from metrics.informer import KubeletPods, StatesInformer
-from metrics.kubeclient import KubeClient, KubeSettings, KubeUnavailable
+from metrics.kubetypes import KubeSettings, KubeUnavailable
 from metrics.model import PodView, Sample
 from metrics.pods import PodViews
 from metrics.promexport import LatestValues, register_exporter
@@ -42,6 +42,9 @@ from metrics.settings import MetricsSettings, parse_metrics
 from metrics.topcmd import pod_meta_record
 from metrics.tsdb import TSDB, TSDBError
 from runtimeproxy.hookapi import HookConfigError, PodInfo, TaskInit
+
+if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
+    from metrics.kubeclient import KubeClient
 
 log = structlog.get_logger("metrics.agent")
 
@@ -179,9 +182,8 @@ class MetricsAgent:
             if self._meta_dirty:
                 self._meta_dirty = False
                 self.tsdb.put_kv(m.KV_POD_META, pod_meta_record(pods))
-        stamped = [s if s.ts else Sample(s.metric, s.value, s.labels, now) for s in samples]
-        self.tsdb.write(stamped)
-        self.latest.update(stamped)
+        self.tsdb.write(samples, now)
+        self.latest.update(samples, now)
         if collector is self.topology:
             record = self.topology.as_record()
             if record is not None:
@@ -234,6 +236,8 @@ class MetricsAgent:
 def _connect(settings: MetricsSettings) -> KubeClient | None:
     if not settings.kube:
         return None
+    from metrics.kubeclient import KubeClient  # ~20 MiB of client: only when asked for
+
     kube_settings = KubeSettings(node_name=settings.node_name,
                                  kubeconfig=Path(settings.kubeconfig) if settings.kubeconfig else None)
     try:

@@ -21,13 +21,16 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
-from kubernetes.utils import parse_quantity as _parse_quantity
 
+from hooks.annotations import quantity_value
 from hooks.cpusets import CpuListError, parse_cpu_list
-from metrics.kubeclient import Kind, KubeClient
+from metrics.kubetypes import Kind
+
+if TYPE_CHECKING:  # the client (and ``kubernetes``) is imported only when configured
+    from metrics.kubeclient import KubeClient
 
 log = structlog.get_logger("metrics.informer")
 
@@ -47,9 +50,8 @@ class KubeletPod:
 
 
 def _quantity(raw: object) -> float:
-    """A Kubernetes quantity as a float; ValueError/TypeError/ArithmeticError when bad."""
-    parse: Any = _parse_quantity  # untyped in the client
-    return float(parse(raw))
+    """A Kubernetes quantity as a float; ValueError (AnnotationError) when bad."""
+    return float(quantity_value(raw))
 
 
 def _str(value: object) -> str:

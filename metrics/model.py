@@ -9,7 +9,7 @@ seconds), never milli, so no consumer has to guess.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
@@ -124,6 +124,10 @@ class MetricReader(Protocol):
     def aggregate_all(self, metric: str, start: float, end: float) -> Mapping[Labels, Aggregate]:
         """Every series of ``metric`` with samples in ``[start, end]``."""
 
+    def aggregate_many(self, series: Iterable[tuple[str, Labels]], start: float, end: float
+                       ) -> Mapping[tuple[str, Labels], Aggregate]:
+        """Several series at once (cheaper than one ``aggregate`` each); absent: no samples."""
+
     def last(self, metric: str, labels: Labels, max_age: float, now: float) -> Sample | None:
         """The newest sample not older than ``max_age`` seconds before ``now``."""
 
@@ -132,8 +136,8 @@ class MetricReader(Protocol):
 
 
 class MetricWriter(Protocol):
-    def write(self, samples: Sequence[Sample]) -> None:
-        """Append samples (one transaction)."""
+    def write(self, samples: Sequence[Sample], now: float | None = None) -> None:
+        """Append samples; ``ts == 0`` means ``now`` (default: the writer's clock)."""
 
     def put_kv(self, key: str, value: object) -> None:
         """Replace a static record (JSON-encodable)."""

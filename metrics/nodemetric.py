@@ -188,13 +188,17 @@ def _resources(cpu: _Usage | None, memory: _Usage | None, stat: str) -> dict[str
 class _Window:
     """Reads over ``[now - duration, now]`` with the policy's memory rule."""
 
-    def __init__(self, reader: MetricReader, policy: CollectPolicy, pods: Sequence[PodView], now: float, span: float):
+    def __init__(self, reader: MetricReader, policy: CollectPolicy, pods: Sequence[PodView], now: float, span: float,
+                 series: Sequence[tuple[str, Labels]]):
+        """``series``: everything ``one`` will be asked for, read in one pass (a read per
+        series would scan the store's newest rows once per pod)."""
         self.reader, self.policy, self.pods = reader, policy, pods
         self.start, self.end = now - span, now
         self._caches: Mapping[Labels, Aggregate] | None = None
+        self._aggs = reader.aggregate_many(series, self.start, self.end)
 
     def one(self, metric: str, series: Labels = NO_LABELS) -> _Usage | None:
-        agg = self.reader.aggregate(metric, series, self.start, self.end)
+        agg = self._aggs.get((metric, series))
         return None if agg is None or agg.count == 0 else _Usage((agg,))
 
     def pod_caches(self) -> Mapping[Labels, Aggregate]:
@@ -229,7 +233,7 @@ def _aggregated(
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for duration in policy.durations:
-        window = _Window(reader, policy, pods, now, duration)
+        window = _Window(reader, policy, pods, now, duration, [(cpu_metric, NO_LABELS), (mem_metric, NO_LABELS)])
         cpu = window.one(cpu_metric)
         memory = window.node_memory() if mem_metric == NODE_MEMORY_USED else window.one(mem_metric)
         if cpu is None or memory is None or _cold(cpu, duration) or _cold(memory, duration):
@@ -264,7 +268,9 @@ def rfc3339(ts: float) -> str:
 def build_status(reader: MetricReader, pods: Sequence[PodView], policy: CollectPolicy, now: float) -> dict[str, Any]:
     """The NodeMetric ``status``: usage averaged over ``aggregate_duration``, the
     aggregated windows (dropped while cold), and every pod with samples."""
-    window = _Window(reader, policy, pods, now, policy.aggregate_duration)
+    series = [(m, NO_LABELS) for m in (NODE_CPU_USAGE, NODE_MEMORY_USED, SYSTEM_CPU_USAGE, SYSTEM_MEMORY_USED)]
+    series += [(m, labels(**{POD_UID: p.uid})) for p in pods for m in (POD_CPU_USAGE, POD_MEMORY_USED)]
+    window = _Window(reader, policy, pods, now, policy.aggregate_duration, series)
     node_usage = _resources(window.one(NODE_CPU_USAGE), window.node_memory(), "avg")
     system_usage = _resources(window.one(SYSTEM_CPU_USAGE), window.one(SYSTEM_MEMORY_USED), "avg")
     pods_metric = [e for e in (_pod_entry(window, p) for p in pods) if e is not None]

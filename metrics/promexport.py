@@ -140,9 +140,10 @@ class LatestValues:
             self._values: dict[tuple[str, Labels], tuple[float, float]] = {}
             self._clock = clock
 
-    def update(self, samples: Iterable[Sample]) -> None:
-            """Keep each series' newest sample; non-finite values and series we do not export are dropped."""
-            now = self._clock()
+    def update(self, samples: Iterable[Sample], now: float | None = None) -> None:
+            """Keep each series' newest sample (``ts == 0``: ``now``, default the clock);
+            non-finite values and series we do not export are dropped."""
+            now = self._clock() if now is None else now
             with self._lock:
                 for s in samples:
                     if s.metric not in _BY_METRIC or not math.isfinite(s.value):

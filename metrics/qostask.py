@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -19,7 +20,7 @@ from hooks.executor import CgroupExecutor
 from hooks.resctrlfs import ResctrlFS
 from metrics.agent import MetricsAgent, shared_agent
 from metrics.collect.cgroupfs import CgroupReader
-from metrics.kubeclient import EvictionRefused, KubeClient, KubeError
+from metrics.kubetypes import EvictionRefused, KubeError
 from metrics.model import PodView
 from metrics.qos.evict import CriEvictor, EvictionError, Evictor
 from metrics.qos.fastpath import FastPath, FastPathConfig
@@ -29,6 +30,9 @@ from metrics.qos.resctrlsync import ResctrlSync
 from metrics.qos.suppress import SuppressConfig
 from metrics.settings import QoSSettings, parse_qos
 from runtimeproxy.hookapi import HookConfigError, TaskInit
+
+if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
+    from metrics.kubeclient import KubeClient
 
 log = structlog.get_logger("metrics.qostask")
 

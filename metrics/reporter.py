@@ -15,14 +15,17 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from metrics.informer import StatesInformer
-from metrics.kubeclient import KubeClient, KubeError
+from metrics.kubetypes import KubeError
 from metrics.model import MetricReader, PodView
 from metrics.nodemetric import WITH_HOT_PAGE_CACHE, CollectPolicy, build_status
+
+if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
+    from metrics.kubeclient import KubeClient
 
 log = structlog.get_logger("metrics.reporter")
 

@@ -71,7 +71,7 @@ class QoSSettings:
     interval: float = 1.0
     dry_run: bool = False
     fast_path: bool = True
-    fast_interval: float = 0.2
+    fast_interval: float = 0.1
     psi_trigger: bool = True
     evict_mode: EvictMode = "cri"
     cpu_evict_cool_down: float = 20.0

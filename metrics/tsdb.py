@@ -39,7 +39,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +70,7 @@ DEFAULT_MAX_BATCH: Final = 10_000
 #: It bounds what a one-series read scans in the time-ordered table.
 DEFAULT_COMPACT_ROWS: Final = 150_000
 _BUSY_TIMEOUT: Final = 5.0
+_CANON_MAX: Final = 100_000
 _WAL_LIMIT: Final = 4 * 2**20
 
 SeriesKey = tuple[str, Labels]
@@ -128,6 +129,9 @@ class TSDB:
         self._batch: list[tuple[SeriesKey, int, float]] = []
         #: Newest sample written per series (flushed or not), for ``last()``.
         self._latest: dict[SeriesKey, tuple[int, float]] = {}
+        #: Labels as given -> canonical: collectors hand the same tuples every tick,
+        #: so sorting each sample's labels again is avoidable work on the hot path.
+        self._canon: dict[Labels, Labels] = {}
         #: Series ids known to the writer; only touched under ``_write_lock``.
         self._ids: dict[SeriesKey, int] = {}
         #: Buckets before this (ms) are coarse already; 0: look at all of them once.
@@ -219,17 +223,27 @@ class TSDB:
 
     # --- writing ------------------------------------------------------------------
 
-    def write(self, samples: Sequence[Sample]) -> None:
-        """Append to the batch (``ts == 0`` is stamped now). Non-finite values are
-        skipped, logged once per metric: a NaN stored would become a wrong number."""
+    def write(self, samples: Sequence[Sample], now: float | None = None) -> None:
+        """Append to the batch (``ts == 0`` is stamped ``now``, default the clock).
+        Non-finite values are skipped, logged once per metric: a NaN stored would
+        become a wrong number."""
         self._writable()
-        now = self._clock()
+        default_ms = q.to_ms(self._clock() if now is None else now)
+        canon = self._canon
+        if len(canon) > _CANON_MAX:  # label sets of pods long gone
+            canon.clear()
         rows: list[tuple[SeriesKey, int, float]] = []
+        append, isfinite = rows.append, math.isfinite
         for s in samples:
-            if not math.isfinite(s.value):
-                self._skip_once(s.metric, s.value)
+            value = s.value
+            if not isfinite(value):
+                self._skip_once(s.metric, value)
                 continue
-            rows.append(((s.metric, q.canonical(s.labels)), q.to_ms(s.ts or now), float(s.value)))
+            lbl = s.labels
+            sorted_lbl = canon.get(lbl)
+            if sorted_lbl is None:
+                sorted_lbl = canon[lbl] = q.canonical(lbl)
+            append(((s.metric, sorted_lbl), q.to_ms(s.ts) if s.ts else default_ms, float(value)))
         with self._batch_lock:
             self._batch.extend(rows)
             for key, ms, value in rows:
@@ -255,10 +269,11 @@ class TSDB:
                 batch, self._batch = self._batch, []
             if not batch:
                 return 0
+            known = self._ids
             try:
                 conn.execute("BEGIN IMMEDIATE")
-                new_ids = self._resolve_ids(conn, {key for key, _, _ in batch})
-                ids = self._ids | new_ids
+                new_ids = self._resolve_ids(conn, {key for key, _, _ in batch if key not in known})
+                ids = known | new_ids if new_ids else known
                 conn.executemany(q.INSERT_RECENT, [(ms, ids[key], value) for key, ms, value in batch])
                 conn.execute("COMMIT")
             except sqlite3.Error as exc:
@@ -288,7 +303,7 @@ class TSDB:
 
     def _resolve_ids(self, conn: sqlite3.Connection, keys: set[SeriesKey]) -> dict[SeriesKey, int]:
         out: dict[SeriesKey, int] = {}
-        for key in keys - self._ids.keys():
+        for key in keys:
             metric, labels = key
             encoded = q.encode_labels(labels)
             conn.execute(q.INSERT_SERIES, (metric, encoded))
@@ -348,6 +363,25 @@ class TSDB:
             buckets = r.buckets_window_all(conn, metric, lo, hi)
         return r.combine_all(raw, buckets)
 
+    def aggregate_many(self, series: Iterable[tuple[str, Labels]], start: float, end: float
+                       ) -> dict[tuple[str, Labels], Aggregate]:
+        """Several series over ``[start, end]`` from one snapshot and one scan of the
+        newest rows; series without samples are absent. Keys are as given."""
+        lo, hi = q.to_ms(start), q.to_ms(end)
+        wanted = list(dict.fromkeys(series))
+        out: dict[tuple[str, Labels], Aggregate] = {}
+        with self._snapshot() as conn:
+            ids = {key: self._series_id(conn, key[0], key[1]) for key in wanted}
+            known = [i for i in ids.values() if i is not None]
+            raw = q.raw_window_many(conn, known, lo, hi)
+            buckets = {i: r.buckets_window(conn, i, lo, hi) for i in known}
+        for key, series_id in ids.items():
+            if series_id is not None:
+                agg = r.combine(raw[series_id], buckets[series_id])
+                if agg is not None:
+                    out[key] = agg
+        return out
+
     def last(self, metric: str, labels: Labels, max_age: float, now: float) -> Sample | None:
         """Newest sample in ``[now - max_age, now]``, flushed, still in the batch, or
         the last one of a bucket (a bucket straddling ``now`` is not looked into)."""
@@ -356,8 +390,11 @@ class TSDB:
         candidates: list[q.Point] = []
         with self._batch_lock:
             pending = self._latest.get((metric, canon))
-        if pending is not None and lo <= pending[0] <= hi:
-            candidates.append(pending)
+        if pending is not None and pending[0] <= hi:
+            # The newest sample this writer has written for the series: nothing in the
+            # file is newer (unless the clock went back across a restart), so no query
+            # (per-series reads of the time-ordered rows scan every series).
+            return Sample(metric, pending[1], canon, q.from_ms(pending[0])) if lo <= pending[0] else None
         with self._snapshot() as conn:
             series_id = self._series_id(conn, metric, canon)
             if series_id is not None:

@@ -44,6 +44,9 @@ import structlog
 from metrics.model import Aggregate, Labels
 
 SCHEMA_VERSION: Final = 2
+#: SQLite page caches (KiB): resident memory once filled, so sized to the work.
+WRITER_CACHE_KIB: Final = 8192
+READER_CACHE_KIB: Final = 512
 
 #: Samples per chunk: 2 minutes at 1 Hz; at most ~1.2 kB, so a row never overflows a page.
 CHUNK_MAX: Final = 120
@@ -182,8 +185,9 @@ def open_writer(path: Path, busy_timeout: float, wal_limit: int) -> tuple[sqlite
         conn.execute("PRAGMA journal_mode = WAL").fetchone()
         # NORMAL in WAL mode: a power loss may lose the last commits, never corrupt the file.
         conn.execute("PRAGMA synchronous = NORMAL")
-        # Room for a compaction's pages, so none is spilled and rewritten mid-transaction.
-        conn.execute("PRAGMA cache_size = -32768")
+        # Room for a compaction's pages (150k rows of ``recent`` are ~5 MiB), so none is
+        # spilled and rewritten mid-transaction; no more: the cache stays resident.
+        conn.execute(f"PRAGMA cache_size = -{WRITER_CACHE_KIB}")
         conn.execute("PRAGMA temp_store = MEMORY")  # the compaction's sort: no temp file
         # Checkpoints keep the WAL from growing, but it keeps its high-water size
         # on disk unless told to shrink back (GC truncates it fully).
@@ -427,6 +431,28 @@ def raw_window(conn: sqlite3.Connection, series_id: int, start: int, end: int) -
     return rows
 
 
+# ?1 first ms, ?2 last ms; the ids follow (plain ``?`` numbers on from 3).
+_RECENT_MANY: Final = "SELECT series_id, ts, value FROM recent WHERE ts BETWEEN ?1 AND ?2 AND series_id IN "
+#: Ids per statement of ``raw_window_many`` (well under SQLite's variable limit).
+_MANY: Final = 500
+
+
+def raw_window_many(conn: sqlite3.Connection, ids: Sequence[int], start: int, end: int) -> dict[int, list[Point]]:
+    """Raw samples in ``[start, end]`` of several series by id. ``recent`` is ordered by
+    time, so a per-series read scans every series' rows in the window: here the window
+    is scanned once per ``_MANY`` series instead of once per series."""
+    out: dict[int, list[Point]] = {i: [] for i in ids}
+    for i in ids:
+        for lo, hi, n, data in conn.execute(CHUNKS_ONE, (i, start, end)):
+            out[i] += chunk_points(lo, hi, n, data, start, end)
+    for k in range(0, len(ids), _MANY):
+        part = ids[k:k + _MANY]
+        sql = f"{_RECENT_MANY}({','.join('?' * len(part))})"
+        for series_id, t, v in conn.execute(sql, (start, end, *part)):
+            out[series_id].append((int(t), float(v)))
+    return out
+
+
 def raw_window_all(conn: sqlite3.Connection, metric: str, start: int, end: int) -> dict[str, list[Point]]:
     """Raw samples in ``[start, end]`` of every series of ``metric``, by labels JSON."""
     params = (metric, start, end)
@@ -465,6 +491,9 @@ class ReaderConnections:
         conn = sqlite3.connect(
             self._uri, uri=True, timeout=self._timeout, isolation_level=None, check_same_thread=False
         )
+        # Readers scan windows once; their pages are in the OS cache anyway, and a
+        # 2 MiB cache per worker thread would stay resident for nothing.
+        conn.execute(f"PRAGMA cache_size = -{READER_CACHE_KIB}")
         self._local.conn = conn
         with self._lock:
             # Threads come and go (executor workers): close what dead threads left behind.

@@ -15,81 +15,38 @@ running kernel, and a wrong offset would read garbage silently.
 Per cgroup the kernel keeps a log2 histogram (for p99) and a sum / count (for the
 mean). User space drains both each interval with lookup-and-delete, so no interval is
 counted twice. The cgroup id is the inode number of the cgroup's v2 directory.
+
+The program (``metrics.collect.ebpfload.PROGRAM``) is compiled and attached by a child
+process, which hands over the descriptors and exits, so LLVM's memory never stays in
+the agent; the maps are then read with plain ``bpf()`` calls (``metrics.collect.bpfmap``).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import platform
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Final
 
 import structlog
 
+from metrics.collect import bpfmap
 from metrics.collect.base import LatencyStat, OnceLog, SourceUnavailable, os_error
+from metrics.collect.bpfmap import BpfError, BpfMap
 from metrics.collect.cgroupfs import CgroupReader
 from metrics.model import ContainerView, PodView
 from runtimeproxy.hookapi import HostRoots
 
 log = structlog.get_logger("metrics.ebpf")
-
-# prev_state is the task state reported by the tracepoint: 0 = running, 0x100
-# (TASK_REPORT_MAX) = preempted; anything in the low byte is a sleep or stop state.
-PROGRAM: Final = r"""
-#define SLEEP_STATE_MASK 0xff
-
-struct hist_key { u64 cgid; u64 slot; };
-struct total { u64 sum_ns; u64 count; };
-
-BPF_TABLE("lru_hash", u32, u64, queued_at, 65536);
-BPF_TABLE("lru_hash", u32, u64, cgid_of, 65536);
-BPF_HASH(hist, struct hist_key, u64, 16384);
-BPF_HASH(totals, u64, struct total, 4096);
-
-static __always_inline int mark_queued(u32 pid) {
-    if (pid == 0)
-        return 0;
-    u64 ts = bpf_ktime_get_ns();
-    queued_at.update(&pid, &ts);
-    return 0;
-}
-
-TRACEPOINT_PROBE(sched, sched_wakeup) { return mark_queued(args->pid); }
-TRACEPOINT_PROBE(sched, sched_wakeup_new) { return mark_queued(args->pid); }
-
-TRACEPOINT_PROBE(sched, sched_switch) {
-    u32 prev = args->prev_pid;
-    u32 next = args->next_pid;
-    if (prev != 0) {
-        u64 cg = bpf_get_current_cgroup_id();
-        cgid_of.update(&prev, &cg);
-        if ((args->prev_state & SLEEP_STATE_MASK) == 0)
-            mark_queued(prev);
-    }
-    if (next == 0)
-        return 0;
-    u64 *tsp = queued_at.lookup(&next);
-    if (tsp == 0)
-        return 0;
-    u64 delta = bpf_ktime_get_ns() - *tsp;
-    queued_at.delete(&next);
-    u64 *cgp = cgid_of.lookup(&next);
-    if (cgp == 0)
-        return 0;
-    u64 cgid = *cgp;
-    struct hist_key key = {};
-    key.cgid = cgid;
-    key.slot = bpf_log2l(delta);
-    hist.increment(key);
-    struct total zero = {};
-    struct total *t = totals.lookup_or_try_init(&cgid, &zero);
-    if (t) {
-        __sync_fetch_and_add(&t->sum_ns, delta);
-        __sync_fetch_and_add(&t->count, 1);
-    }
-    return 0;
-}
-"""
 
 _TRACEFS: Final = ("kernel/tracing", "kernel/debug/tracing")
 
@@ -109,29 +66,35 @@ def log2_percentile(slots: Mapping[int, int], q: float) -> float | None:
     return float(2 ** max(slots)) / 1e9
 
 
-def _int(value: Any) -> int:
-    return int(getattr(value, "value", value))
+_HIST_KEY: Final = struct.Struct("=QQ")  # struct hist_key { u64 cgid; u64 slot; }
+_U64: Final = struct.Struct("=Q")
+_TOTAL: Final = struct.Struct("=QQ")  # struct total { u64 sum_ns; u64 count; }
+#: Seconds the loader may take (clang on a busy 2-CPU node takes a few).
+LOAD_TIMEOUT: Final = 120.0
 
 
 class EbpfSource:
-    """Compiles and attaches in ``start()`` (bcc takes up to seconds); drains in ``sample()``."""
+    """Loads in ``start()`` (through the child: seconds); drains in ``sample()``."""
 
     name = "ebpf"
 
-    def __init__(self, host: HostRoots, reader: CgroupReader | None = None) -> None:
+    def __init__(self, host: HostRoots, reader: CgroupReader | None = None, *,
+                 load_timeout: float = LOAD_TIMEOUT) -> None:
         self._sys = host.sys
         self._reader = reader if reader is not None else CgroupReader(host.cgroup)
-        self._bpf: Any = None
+        self._timeout = load_timeout
+        self._maps: dict[str, BpfMap] = {}
+        self._events: list[int] = []
         self._once = OnceLog(log)
 
     def start(self) -> None:
         """Raises ``SourceUnavailable`` naming the first thing missing."""
-        if self._bpf is not None:
+        if self._maps:
             return
-        try:
-            import bcc
-        except ImportError as exc:
-            raise SourceUnavailable(f"bcc is not importable ({exc}); install python3-bpfcc") from exc
+        if importlib.util.find_spec("bcc") is None:
+            raise SourceUnavailable("bcc is not importable; install python3-bpfcc")
+        if bpfmap.syscall_number() is None:
+            raise SourceUnavailable(f"no bpf() system call number known for {platform.machine()}")
         if self._reader.unified_dir("") is None:
             raise SourceUnavailable("no cgroup v2 tree: bpf_get_current_cgroup_id() needs cgroup v2 (or hybrid)")
         if not any((self._sys / t / "events/sched/sched_switch").is_dir() for t in _TRACEFS):
@@ -139,26 +102,36 @@ class EbpfSource:
                 f"tracefs is not mounted ({self._sys}/kernel/tracing has no events/sched); "
                 "mount -t tracefs nodev /sys/kernel/tracing"
             )
+        header, fds = _run_loader(self._timeout)
         try:
-            # bytes, not str: bcc warns (DeprecationWarning) on str and converts
-            self._bpf = bcc.BPF(text=PROGRAM.encode(), cflags=["-w"])
-        except Exception as exc:  # bcc raises bare Exception for compile and attach failures
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise SourceUnavailable(f"bcc could not compile or attach the program: {reason}") from exc
+            self._maps = {name: BpfMap(fds[spec["index"]], spec["key_size"], spec["value_size"], spec["max_entries"])
+                          for name, spec in header["maps"].items()}
+            self._events = [fds[i] for i in header["events"]]
+        except (KeyError, IndexError, TypeError) as exc:
+            for fd in fds:
+                os.close(fd)
+            raise SourceUnavailable(f"the eBPF loader answered an unexpected header: {exc!r}") from exc
+        log.debug("ebpf_loaded", maps=sorted(self._maps), events=len(self._events))
 
     def close(self) -> None:
-        if self._bpf is not None:
-            self._bpf.cleanup()
-            self._bpf = None
+        for bmap in self._maps.values():
+            bmap.close()
+        for fd in self._events:  # the last reference: the kernel detaches the program
+            os.close(fd)
+        self._maps, self._events = {}, []
 
     def sample(self, containers: Sequence[tuple[PodView, ContainerView]]) -> dict[str, LatencyStat]:
         """Container id -> waits since the previous call (the first: since ``start``)."""
-        if self._bpf is None:
+        if not self._maps:
             raise SourceUnavailable("EbpfSource.sample() before start()")
-        totals = {_int(k): (v.sum_ns, v.count) for k, v in _drain(self._bpf[b"totals"])}
-        hists: dict[int, dict[int, int]] = {}
-        for key, count in _drain(self._bpf[b"hist"]):
-            hists.setdefault(key.cgid, {})[key.slot] = _int(count)
+        try:
+            totals = {_U64.unpack(k)[0]: _TOTAL.unpack(v) for k, v in self._maps["totals"].drain()}
+            hists: dict[int, dict[int, int]] = {}
+            for k, v in self._maps["hist"].drain():
+                cgid, slot = _HIST_KEY.unpack(k)
+                hists.setdefault(cgid, {})[slot] = _U64.unpack(v)[0]
+        except (BpfError, struct.error) as exc:  # one failed read must not kill the collector
+            raise SourceUnavailable(f"cannot read BPF map: {exc}") from exc
         self._once.keep_owners(pod.uid for pod, _ in containers)
         out: dict[str, LatencyStat] = {}
         for pod, container in containers:
@@ -181,16 +154,64 @@ class EbpfSource:
             return None
 
 
-def _drain(table: Any) -> Iterable[tuple[Any, Any]]:
-    """Atomically read and delete every entry; older kernels lack batch ops, so fall back
-    to read-then-clear (which loses the few events between the two)."""
+def _loader_env() -> dict[str, str]:
+    """The child must import this package and bcc exactly as we do, whatever the
+    entry point (installed venv, source tree, test runner)."""
+    here = str(Path(__file__).resolve().parents[2])
+    spec = importlib.util.find_spec("bcc")
+    paths = [here] + ([str(Path(spec.origin).parents[1])] if spec is not None and spec.origin else [])
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+LOADER: Final = "metrics.collect.ebpfload"
+
+
+def _run_loader(timeout: float, module: str = LOADER) -> tuple[dict[str, Any], list[int]]:
+    """Start the loader ``module`` and take its header and descriptors."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    errors = tempfile.TemporaryFile()  # not a pipe: clang may write more than a pipe holds
+    with ours, errors:
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())],
+                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=errors, env=_loader_env())
+        except OSError as exc:
+            raise SourceUnavailable(f"cannot start the eBPF loader: {exc}") from exc
+        finally:
+            theirs.close()
+        ours.settimeout(timeout)
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(ours, 65536, 16)
+        except TimeoutError as exc:
+            proc.kill()
+            raise SourceUnavailable(f"the eBPF loader did not answer within {timeout:.0f}s") from exc
+        finally:
+            _reap(proc)
+        if not msg:
+            errors.seek(0)
+            tail = errors.read().decode(errors="replace").strip().splitlines()[-1:]
+            raise SourceUnavailable(f"the eBPF loader exited {proc.returncode} without an answer: {' '.join(tail)}")
     try:
-        return list(table.items_lookup_and_delete_batch())
-    except Exception:  # noqa: BLE001 - bcc raises bare Exception when the kernel lacks batch ops
-        pass
+        header: dict[str, Any] = json.loads(msg)
+    except ValueError as exc:
+        _close(fds)
+        raise SourceUnavailable(f"the eBPF loader answered garbage: {msg[:80]!r}") from exc
+    if "error" in header:
+        _close(fds)
+        raise SourceUnavailable(f"bcc could not compile or attach the program: {header['error']}")
+    return header, fds
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
     try:
-        rows = list(table.items())
-        table.clear()
-    except Exception as exc:  # as above; one failed read must not kill the collector
-        raise SourceUnavailable(f"cannot read BPF map: {exc}") from exc
-    return rows
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _close(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)

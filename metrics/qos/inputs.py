@@ -17,6 +17,15 @@ from metrics.model import Labels, MetricReader, PodView
 
 
 @dataclass(frozen=True, slots=True)
+class TierUsage:
+    """CPU (cores) of all pods and of the BE pods, read from the kubepods and
+    besteffort tier cgroups' counters instead of summing every pod's."""
+
+    pods: float
+    be: float
+
+
+@dataclass(frozen=True, slots=True)
 class NodeInputs:
     """A plain value: strategies are pure functions of it (tests build it directly)."""
 
@@ -40,10 +49,14 @@ class NodeInputs:
     missing: tuple[str, ...] = ()
     #: Where the numbers came from ("tsdb" or "fastpath"), for explain.
     source: str = "tsdb"
+    #: When set, the suppress formula uses these sums and ignores ``pod_cpu_used``.
+    tiers: TierUsage | None = None
 
     def missing_for(self, *pods: PodView) -> list[str]:
         """The missing inputs among the node CPU usage and these pods' CPU usage."""
         out = [] if self.node_cpu_used is not None else [model.NODE_CPU_USAGE]
+        if self.tiers is not None:
+            return out
         out += [f"{model.POD_CPU_USAGE}{{{p.key}}}" for p in pods if p.containers and p.uid not in self.pod_cpu_used]
         return out
 
@@ -139,6 +152,9 @@ def build_node_inputs(
     )
 
 
+BE_CPU_SERIES = (model.BE_CPU_USAGE, model.BE_CPU_REQUEST, model.BE_CPU_LIMIT)
+
+
 @dataclass(frozen=True, slots=True)
 class BECPUWindow:
     """The ``node_be`` CPU series over the eviction window (averages and last values, cores)."""
@@ -155,9 +171,8 @@ class BECPUWindow:
 
 def build_be_cpu_window(reader: MetricReader, *, now: float, window: float) -> BECPUWindow | None:
     """None when any of the three BE series has no sample in the window."""
-    aggs = [reader.aggregate(m, model.NO_LABELS, now - window, now)
-            for m in (model.BE_CPU_USAGE, model.BE_CPU_REQUEST, model.BE_CPU_LIMIT)]
-    usage, request, limit = aggs
+    found = reader.aggregate_many([(m, model.NO_LABELS) for m in BE_CPU_SERIES], now - window, now)
+    usage, request, limit = (found.get((m, model.NO_LABELS)) for m in BE_CPU_SERIES)
     if usage is None or request is None or limit is None:
         return None
     return BECPUWindow(

@@ -118,11 +118,16 @@ class SuppressFormula:
 
 
 def suppress_cores(inputs: NodeInputs, threshold: ResourceThresholdStrategy) -> SuppressFormula:
-    """The formula of §4.1. Pods with metrics but no PodView count as non-BE."""
+    """The formula of §4.1. Pods with metrics but no PodView count as non-BE; with
+    tier sums (fast path), non-BE = all pods minus the besteffort tier."""
     assert inputs.node_cpu_used is not None
-    be_uids = {p.uid for p in inputs.pods if is_be(p)}
-    pods_used = sum(inputs.pod_cpu_used.values())
-    non_be = sum(v for uid, v in inputs.pod_cpu_used.items() if uid not in be_uids)
+    if inputs.tiers is not None:
+        pods_used = inputs.tiers.pods
+        non_be = max(inputs.tiers.pods - inputs.tiers.be, 0.0)
+    else:
+        be_uids = {p.uid for p in inputs.pods if is_be(p)}
+        pods_used = sum(inputs.pod_cpu_used.values())
+        non_be = sum(v for uid, v in inputs.pod_cpu_used.items() if uid not in be_uids)
     system = max(max(inputs.node_cpu_used - pods_used, 0.0), inputs.reserved_cores)
     value = inputs.capacity_cores * threshold.cpu_suppress_threshold_percent / 100 - non_be - system
     floor = None

@@ -147,3 +147,5 @@ def test_ebpf_latency_rises_under_contention(measured: dict[str, Result]) -> Non
     _assert_rises(result)
     assert result.busy_p99 is not None and result.busy is not None
     assert result.busy_p99 >= result.busy, result
+    # Compiled by the loader child: LLVM never entered this process.
+    assert "bcc" not in sys.modules

@@ -3,6 +3,7 @@ and the log2-histogram percentile of the eBPF source."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from structlog.testing import capture_logs
 from hooks.qos import QoSClass
 from metrics import model as m
 from metrics.collect.base import SourceUnavailable
+from metrics.collect import ebpf
 from metrics.collect.ebpf import EbpfSource, log2_percentile
 from metrics.collect.schedlat import SchedLatencyCollector
 from metrics.collect.schedstat import SchedstatSource, mean_wait
@@ -192,3 +194,29 @@ def test_log2_percentile_returns_the_slot_upper_bound() -> None:
     assert log2_percentile(hist, 0.99) == 2**20 / 1e9  # the 99th of 100 is in slot 20
     assert log2_percentile(hist, 0.5) == 2**10 / 1e9
     assert log2_percentile({10: 989, 25: 11}, 0.99) == 2**25 / 1e9
+
+
+LOADERS = {
+    "silent": "import sys\nsys.stderr.write('clang: fatal error: no headers\\n')\nsys.exit(3)\n",
+    "refuses": "import json, socket, sys\nsocket.socket(fileno=int(sys.argv[1])).sendall("
+               "json.dumps({'error': 'Failed to compile BPF module'}).encode())\n",
+    "garbage": "import socket, sys\nsocket.socket(fileno=int(sys.argv[1])).sendall(b'not json')\n",
+    "hangs": "import time\ntime.sleep(60)\n",
+}
+
+
+@pytest.mark.parametrize(("name", "reason"), [
+    ("silent", "exited 3 without an answer: clang: fatal error: no headers"),
+    ("refuses", "bcc could not compile or attach the program: Failed to compile BPF module"),
+    ("garbage", "answered garbage: b'not json'"),
+    ("hangs", "did not answer within 1s"),
+])
+def test_a_failing_loader_child_is_a_reason_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        name: str, reason: str) -> None:
+    (tmp_path / f"fake_loader_{name}.py").write_text(LOADERS[name])
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(SourceUnavailable) as info:
+        ebpf._run_loader(1.0, module=f"fake_loader_{name}")
+    assert reason in info.value.reason
+    assert time.monotonic() - started < 10  # the hanging child was killed, not waited for

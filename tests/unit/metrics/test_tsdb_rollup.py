@@ -140,6 +140,33 @@ def test_last_reads_the_newest_tier_that_has_the_series(db: TSDB) -> None:
     assert db.last(CPU, A, 300, T0 + 400) is None
     assert db.last(CPU, B, 5, T0 + 399) == Sample(CPU, 399.0, B, T0 + 399)
     assert db.latest_ts(CPU) == T0 + 399
+    db.close()
+    # A new process knows nothing in memory: the same answers come from the tiers.
+    with _store(db.path) as again:
+        assert again.last(CPU, A, 500, T0 + 400) == Sample(CPU, 3.0, A, T0 + 2)
+        assert again.last(CPU, A, 300, T0 + 400) is None
+        assert again.last(CPU, B, 5, T0 + 399) == Sample(CPU, 399.0, B, T0 + 399)
+        assert again.last(CPU, B, 5, T0 + 300) == Sample(CPU, 300.0, B, T0 + 300)
+
+
+def test_aggregate_many_equals_one_aggregate_per_series_over_every_tier(path: Path) -> None:
+    with _store(path, compact_rows=5000) as db:
+        many = [labels(pod_uid=f"p{i:03d}", container_id="c") for i in range(600)]  # > one statement's ids
+        for t in range(200):
+            db.write([Sample(CPU, float((i + t) % 13), lb, T0 + t) for i, lb in enumerate(many[:3])])
+            db.write([Sample(MEM, float(i), lb, T0 + t) for i, lb in enumerate(many) if t % 50 == 0])
+        db.flush()
+        db.gc(now=T0 + 200)  # the first minute folds; some rows are chunks, some still recent
+        keys = [(CPU, lb) for lb in many[:3]] + [(MEM, lb) for lb in many] + [(CPU, labels(pod_uid="none"))]
+        for start, end in ((T0, T0 + 199), (T0 + 30, T0 + 150), (T0 + 190, T0 + 199)):
+            got = db.aggregate_many(keys, start, end)
+            want = {k: a for k in keys if (a := db.aggregate(k[0], k[1], start, end)) is not None}
+            assert got == want and (CPU, labels(pod_uid="none")) not in got
+        assert len(db.aggregate_many(keys, T0, T0 + 199)) == 603
+        # Keys come back as given, whatever the label order.
+        flipped = (("container_id", "c"), ("pod_uid", "p000"))
+        one = db.aggregate(CPU, many[0], T0, T0 + 199)
+        assert db.aggregate_many([(CPU, flipped)], T0, T0 + 199) == {(CPU, flipped): one}
 
 
 def test_coarse_buckets_past_coarse_after_and_late_samples_merge_into_them(path: Path) -> None:

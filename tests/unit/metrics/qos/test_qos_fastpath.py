@@ -18,6 +18,7 @@ from metrics.model import ContainerView, PodView, Sample, labels
 from metrics.qos.evict import CriEvictor
 from metrics.qos.fastpath import FastPath, FastPathConfig
 from metrics.qos.manager import ManagerConfig, QoSManager
+from metrics.qos.suppress import suppress_cores
 from metrics.tsdb import TSDB
 
 NOW = 5_000.0
@@ -53,6 +54,7 @@ class Host:
             (self.cgroup / "cpuset" / d / "cpuset.cpus").write_text("0-7\n")
             (self.cgroup / "cpuacct" / d).mkdir(parents=True, exist_ok=True)
         self.used, self.total, self.ns = 0, 0, {"a": 0, "c": 0}
+        self.tier_extra = 0
         self.write()
 
     def advance(self, seconds: float, node: float, ls: float, be: float) -> None:
@@ -68,6 +70,11 @@ class Host:
         (self.proc / "stat").write_text(f"cpu  {self.used} 0 0 {idle} 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0\n")
         for pod in (LS, BE):
             (self.cgroup / "cpuacct" / pod.cgroup_dir / "cpuacct.usage").write_text(f"{self.ns[pod.uid]}\n")
+        # As the kernel does: a tier's counter includes every descendant (plus a
+        # little of its own, which the fast path must count as pods, not system).
+        tiers = {"kubepods": self.ns["a"] + self.ns["c"] + self.tier_extra, BE_DIR: self.ns["c"]}
+        for d, ns in tiers.items():
+            (self.cgroup / "cpuacct" / d / "cpuacct.usage").write_text(f"{ns}\n")
 
 
 @pytest.fixture
@@ -85,8 +92,9 @@ def store(tmp_path: Path) -> Iterator[TSDB]:
     db.close()
 
 
-async def setup(host: Host, store: TSDB) -> tuple[QoSManager, FastPath, list[float]]:
-    manager = QoSManager(reader=store, pods=lambda: [LS, BE], topology=TOPOLOGY,
+async def setup(host: Host, store: TSDB, pods: tuple[PodView, ...] = (LS, BE)
+                ) -> tuple[QoSManager, FastPath, list[float]]:
+    manager = QoSManager(reader=store, pods=lambda: list(pods), topology=TOPOLOGY,
                          executor=CgroupExecutor(CgroupLayout(host.cgroup)), evictor=CriEvictor(_no_runtime),
                          rules=lambda: RULES, config=ManagerConfig(reserved_cores=0.5), clock=lambda: NOW)
     await manager.run_once()  # the regular round: BE gets 3 CPUs
@@ -105,7 +113,9 @@ async def test_an_ls_burst_shrinks_be_within_a_tick(host: Host, store: TSDB) -> 
     clock[0] = 0.2
     inputs = fast.sample()
     assert inputs is not None
-    assert inputs.node_cpu_used == pytest.approx(7.0) and inputs.pod_cpu_used["a"] == pytest.approx(6.0)
+    assert fast.mode == "tier" and inputs.tiers is not None
+    assert inputs.node_cpu_used == pytest.approx(7.0)
+    assert (inputs.tiers.pods, inputs.tiers.be) == (pytest.approx(6.5), pytest.approx(0.5))
     # 5.2 - 6.0 - max(7.0 - 6.5, 0.5) = -1.3 -> 2 CPUs < 3 in force: re-plan now
     assert "headroom dropped" in (fast.decide(inputs) or "")
     host.advance(0.2, node=7.0, ls=6.0, be=0.5)
@@ -132,12 +142,74 @@ async def test_stall_and_counter_reset_make_no_decision(host: Host, store: TSDB)
     clock[0] = 1.0  # 5 intervals later: the sampler stalled
     assert fast.sample() is None
     host.advance(0.2, node=7.0, ls=6.0, be=0.5)
-    host.ns["a"] = 0  # the LS pod's counter went back (cgroup recreated)
+    host.ns["a"] = 0  # the kubepods counter goes back (tier recreated)
     host.write()
     clock[0] = 1.2
+    assert fast.sample() is None
+    host.advance(0.2, node=7.0, ls=6.0, be=0.5)
+    clock[0] = 1.4
+    assert fast.sample() is not None  # the next tick has a baseline again
+
+
+@pytest.mark.asyncio
+async def test_tier_mode_counts_the_tier_s_own_time_as_pods(host: Host, store: TSDB) -> None:
+    _, fast, clock = await setup(host, store)
+    await fast.tick()
+    host.tier_extra += round(0.5 * 0.2 * 1e9)  # 0.5 cores charged to kubepods itself
+    host.advance(0.2, node=4.0, ls=2.0, be=1.0)
+    clock[0] = 0.2
+    inputs = fast.sample()
+    assert inputs is not None and inputs.tiers is not None
+    assert inputs.tiers.pods == pytest.approx(3.5) and inputs.tiers.be == pytest.approx(1.0)
+    formula = suppress_cores(inputs, RULES.resource_used_threshold_with_be)
+    # non-BE = 3.5 - 1.0; system = max(4.0 - 3.5, reserved 0.5)
+    assert (formula.non_be_used, formula.system_used) == (pytest.approx(2.5), pytest.approx(0.5))
+
+
+MISPLACED_BE = make_pod("d", QoSClass.BE, "burstable")  # koord BE label, burstable tier
+
+
+@pytest.mark.asyncio
+async def test_pod_mode_when_a_tier_mixes_be_and_ls(host: Host, store: TSDB,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    for d in (MISPLACED_BE.cgroup_dir, MISPLACED_BE.containers[0].cgroup_dir):
+        for ctl in ("cpu", "cpuset", "cpuacct"):
+            (host.cgroup / ctl / d).mkdir(parents=True, exist_ok=True)
+        (host.cgroup / "cpuset" / d / "cpuset.cpus").write_text("0-7\n")
+    (host.cgroup / "cpuacct" / MISPLACED_BE.cgroup_dir / "cpuacct.usage").write_text("0\n")
+    _, fast, clock = await setup(host, store, pods=(LS, BE, MISPLACED_BE))
+    await fast.tick()
+    out = capsys.readouterr().out
+    assert fast.mode == "pods" and "fastpath_mode" in out and "ns/d" in out
+    host.advance(0.2, node=7.0, ls=6.0, be=0.5)
+    (host.cgroup / "cpuacct" / MISPLACED_BE.cgroup_dir / "cpuacct.usage").write_text(f"{round(0.3 * 0.2e9)}\n")
+    clock[0] = 0.2
+    inputs = fast.sample()
+    assert inputs is not None and inputs.tiers is None
+    assert inputs.pod_cpu_used == {"a": pytest.approx(6.0), "c": pytest.approx(0.5), "d": pytest.approx(0.3)}
+    # the misplaced BE pod's 0.3 cores count as BE, not as LS usage
+    assert suppress_cores(inputs, RULES.resource_used_threshold_with_be).non_be_used == pytest.approx(6.0)
+    host.advance(0.2, node=7.0, ls=6.0, be=0.5)
+    host.ns["a"] = 0  # the LS pod's counter went back (cgroup recreated)
+    host.write()
+    clock[0] = 0.4
     inputs = fast.sample()
     assert inputs is not None and inputs.missing == ("pod_cpu{ns/a}",)
     assert fast.decide(inputs) is None
+
+
+@pytest.mark.asyncio
+async def test_missing_tier_counter_is_no_decision(host: Host, store: TSDB,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    _, fast, clock = await setup(host, store)
+    await fast.tick()
+    (host.cgroup / "cpuacct" / BE_DIR / "cpuacct.usage").unlink()
+    for i in range(1, 4):
+        host.advance(0.2, node=7.0, ls=6.0, be=0.5)
+        (host.cgroup / "cpuacct" / BE_DIR / "cpuacct.usage").unlink()
+        clock[0] = 0.2 * i
+        assert fast.sample() is None
+    assert capsys.readouterr().out.count("fastpath_sample_failed") == 1
 
 
 @pytest.mark.asyncio
