@@ -94,7 +94,7 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
         ),
         resctrl=_resctrl(init, layout), registry=init.registry,
     )
-    fast = FastPath(manager, proc_root=init.host.proc, cgroups=CgroupReader(init.host.cgroup), rules=agent.rules,
+    fast = FastPath(manager, cgroups=CgroupReader(init.host.cgroup), rules=agent.rules,
                     config=FastPathConfig(interval=settings.fast_interval,
                                                  min_gap=settings.fast_interval)) if settings.fast_path else None
     init.add_explainer("qos", manager.explain)

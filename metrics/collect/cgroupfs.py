@@ -30,6 +30,7 @@ from metrics.collect.base import (
     read_bytes,
     relative,
 )
+from metrics.collect.openfiles import OpenFiles
 from metrics.model import (
     CONTAINER_CPU_THROTTLED,
     CONTAINER_CPU_USAGE,
@@ -248,9 +249,9 @@ class PodCollector:
     """Per pod and container: CPU cores, memory used / cache, CFS throttling ratio.
 
     Each target's file paths and labels are built once (plain ``str``, cached by pod /
-    container and cgroup dir) and files are read as bytes with one os.read; only the
-    needed keys of memory.stat / cpu.stat are parsed: this runs every second for every
-    pod and container."""
+    container and cgroup dir) and its files stay open (``OpenFiles``: one pread per
+    file and tick); only the needed keys of memory.stat / cpu.stat are parsed: this
+    runs every second for every pod and container."""
 
     name = "pods"
 
@@ -263,6 +264,7 @@ class PodCollector:
         self._once = OnceLog(log)
         self._latest = PodUsage({}, {})
         self._targets: dict[tuple[str, str, str], _Target] = {}
+        self._files = OpenFiles()
 
     def latest(self) -> PodUsage:
         return self._latest
@@ -271,6 +273,7 @@ class PodCollector:
         self._cpu.clear()
         self._throttle.clear()
         self._targets.clear()
+        self._files.close()
 
     def collect(self, now: float, pods: Sequence[PodView]) -> list[Sample]:
         targets = self._resolve(pods)
@@ -324,6 +327,8 @@ class PodCollector:
                 t = cache.get(key) or self._target(key, container_labels(pod, c), _CONTAINER)
                 fresh[key] = t
                 out.append(t)
+        if fresh.keys() != cache.keys():
+            self._files.retain(path for t in out for path in (t.usage_path, t.memory_path, t.cpu_stat_path))
         self._targets = fresh
         return out
 
@@ -341,7 +346,7 @@ class PodCollector:
         clock = self._clock
         before = clock()
         try:
-            data = read_bytes(target.usage_path)
+            data = self._files.read(target.usage_path)
             at = (before + clock()) / 2
             usage = _usage_usec_ns(data, target.usage_path) if v2 else _cpuacct_ns(data, target.usage_path)
         except ReadError as exc:
@@ -362,14 +367,14 @@ class PodCollector:
 
     def _memory(self, target: _Target) -> MemoryUsage | None:
         try:
-            return _memory_usage(read_bytes(target.memory_path), target.memory_path, self.reader.version)
+            return _memory_usage(self._files.read(target.memory_path), target.memory_path, self.reader.version)
         except ReadError as exc:
             self._once.skipped(target.owner, exc)
             return None
 
     def _throttled(self, target: _Target, cpu_stat: bytes | None) -> float | None:
         try:
-            data = read_bytes(target.cpu_stat_path) if cpu_stat is None else cpu_stat
+            data = self._files.read(target.cpu_stat_path) if cpu_stat is None else cpu_stat
             periods, throttled = _throttling(data, target.cpu_stat_path)
         except ReadError as exc:
             self._once.skipped(target.owner, exc)

@@ -11,13 +11,20 @@ is left to the regular round (it is capped per round anyway).
 
 What it reads, cheapest first:
 
-* **tier mode** — the aggregate line of ``/proc/stat`` and two cumulative
-  counters, the kubepods tier and the besteffort tier (the kernel charges every
-  descendant to them), so a tick costs three reads whatever the pod count. Used
-  while the tiers tell BE from non-BE exactly: every pod lives under kubepods,
-  and a pod is under besteffort exactly when it is BE.
+* the node: the root cgroup's cumulative CPU counter (``cpuacct.usage`` /
+  ``cpu.stat``), in nanoseconds. Not ``/proc/stat``: it counts in 10 ms jiffies,
+  so over 100 ms on 2 CPUs it moves in steps of 0.1 core — noise as large as the
+  drops the fast path must see, which made it re-plan on nothing. (The root
+  counter leaves out IRQ time, which the regular round's /proc/stat includes.)
+* **tier mode** — plus two counters, the kubepods tier and the besteffort tier
+  (the kernel charges every descendant to them), so a tick costs three reads
+  whatever the pod count. Used while the tiers tell BE from non-BE exactly: every
+  pod lives under kubepods, and a pod is under besteffort exactly when it is BE.
 * **pod mode** — otherwise (e.g. a pod labelled BE but placed in the burstable
-  tier, or a pod outside kubepods): ``/proc/stat`` plus each pod's counter.
+  tier, or a pod outside kubepods): the root counter plus each pod's.
+
+Over 100 ms, real usage still wobbles (a kubelet housekeeping burst is 0.05 core
+for a moment), so a drop must exceed ``noise_cores`` as well as the dead band.
 
 The mode is re-derived whenever the pod list changes and logged when it does.
 Paths are computed once per pod list; no parsing beyond one int per file. The
@@ -42,7 +49,6 @@ import structlog
 from hooks.rules import Rules
 from metrics.collect.base import ReadError
 from metrics.collect.cgroupfs import CgroupReader, read_cpu_usage_ns
-from metrics.collect.procfs import read_cpu_ticks
 from metrics.model import PodView
 from metrics.qos.inputs import NodeInputs, TierUsage
 from metrics.qos.manager import QoSManager
@@ -64,6 +70,8 @@ class FastPathConfig:
     stale_after: float = 3.0
     #: Dead band, as a share of capacity: smaller drops wait for the regular round.
     dead_band: float = 0.01
+    #: ... and in cores: a 100 ms sample of an idle node wobbles by this much.
+    noise_cores: float = 0.1
     #: Least time between two fast re-plans: one tick, so a re-plan made from a
     #: partial burst (the load began mid-tick) is completed at the next tick; a
     #: failing write is retried at most at the tick rate.
@@ -73,8 +81,8 @@ class FastPathConfig:
 @dataclass(frozen=True, slots=True)
 class _Tick:
     ts: float
-    used: int
-    total: int
+    #: The root cgroup's cumulative CPU (ns).
+    node: int
     pods: Mapping[str, int]
 
 
@@ -83,7 +91,6 @@ class FastPath:
         self,
         manager: QoSManager,
         *,
-        proc_root: Path,
         cgroups: CgroupReader,
         rules: Callable[[], Rules],
         config: FastPathConfig = FastPathConfig(),
@@ -92,17 +99,16 @@ class FastPath:
     ) -> None:
         self.cfg = config
         self._manager = manager
-        self._proc = proc_root
+        self._root = cgroups.cpuacct_dir("")
         self._cgroups = cgroups
         self._rules = rules
         self._clock = clock
         self._wall = wall
-        self._ncpus = len(manager.suppress.topology) or 1
         self._prev: _Tick | None = None
         self._pods: tuple[PodView, ...] = ()
         self._paths: dict[str, Path] = {}
         self._last_trigger = -math.inf
-        self._wake = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
         self._warned: set[str] = set()
         self.triggers = 0
         #: "tier" or "pods" (see the module doc); "" before the first tick.
@@ -110,15 +116,19 @@ class FastPath:
 
     def wake(self) -> None:
         """Sample now (a PSI trigger fired)."""
-        self._wake.set()
+        _release(self._waiter)
 
     async def run(self) -> None:
+        # A future and a timer per tick, not ``wait_for`` (a task per tick): at ten
+        # ticks a second the waiting costs more than the reads.
+        loop = asyncio.get_running_loop()
         while True:
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(self.cfg.interval, _release, waiter)
             try:
-                await asyncio.wait_for(self._wake.wait(), self.cfg.interval)
-            except TimeoutError:
-                pass
-            self._wake.clear()
+                await waiter
+            finally:
+                timer.cancel()
             await self.tick()
 
     async def tick(self) -> bool:
@@ -172,22 +182,23 @@ class FastPath:
         return True, f"all pods under {kube_dir}, BE exactly under {be_dir}"
 
     def _read(self) -> _Tick | None:
+        version = self._cgroups.version
         try:
-            used, total = read_cpu_ticks(self._proc)
+            node = read_cpu_usage_ns(self._root, version)
         except ReadError as exc:
-            self._warn("proc_stat", "fastpath_sample_failed", str(exc))
+            self._warn("root", "fastpath_sample_failed", str(exc))
             return None
         counters: dict[str, int] = {}
         for key, path in self._paths.items():
             try:
-                counters[key] = read_cpu_usage_ns(path, self._cgroups.version)
+                counters[key] = read_cpu_usage_ns(path, version)
             except ReadError as exc:
                 # A vanished pod simply drops out; a tier must be there, and anything
                 # else is unknown.
                 if not exc.gone or self.mode == "tier":
                     self._warn(key, "fastpath_sample_failed", str(exc))
                     return None
-        return _Tick(self._clock(), used, total, counters)
+        return _Tick(self._clock(), node, counters)
 
     def _warn(self, key: str, event: str, reason: str) -> None:
         if key not in self._warned:
@@ -202,8 +213,8 @@ class FastPath:
         prev, self._prev = self._prev, tick
         if tick is None or prev is None:
             return None
-        dt, d_total = tick.ts - prev.ts, tick.total - prev.total
-        if dt <= 0 or dt > self.cfg.stale_after * self.cfg.interval or d_total <= 0 or tick.used < prev.used:
+        dt = tick.ts - prev.ts
+        if dt <= 0 or dt > self.cfg.stale_after * self.cfg.interval or tick.node < prev.node:
             return None
         rates: dict[str, float] = {}
         for key, ns in tick.pods.items():
@@ -211,7 +222,7 @@ class FastPath:
             if before is None or ns < before:
                 continue  # new or reset counter: no rate this tick
             rates[key] = (ns - before) / NS / dt
-        node_used = (tick.used - prev.used) / d_total * self._ncpus
+        node_used = (tick.node - prev.node) / NS / dt
         base = NodeInputs(now=self._wall(), capacity_cores=self._manager.capacity,
                           reserved_cores=self._manager.cfg.reserved_cores, pods=self._pods,
                           node_cpu_used=node_used, source="fastpath")
@@ -242,6 +253,11 @@ class FastPath:
             target = float(max(math.ceil(value), MIN_CPUSET))
         else:
             target = max(value * period, MIN_QUOTA) / period
-        if target < current - capacity * self.cfg.dead_band:
+        if target < current - max(capacity * self.cfg.dead_band, self.cfg.noise_cores):
             return f"headroom dropped: BE target {target:.2f} < limit {current:.2f} cores"
         return None
+
+
+def _release(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)

@@ -11,8 +11,8 @@ from structlog.testing import capture_logs
 
 from hooks.qos import QoSClass
 from metrics import model as m
-from metrics.collect.base import SourceUnavailable
 from metrics.collect import ebpf
+from metrics.collect.base import SourceUnavailable
 from metrics.collect.ebpf import EbpfSource, log2_percentile
 from metrics.collect.schedlat import SchedLatencyCollector
 from metrics.collect.schedstat import SchedstatSource, mean_wait

@@ -10,7 +10,7 @@ import pytest
 from hooks.cgroups import CgroupLayout
 from hooks.executor import CgroupExecutor
 from hooks.qos import QoSClass
-from hooks.rules import parse_rules
+from hooks.rules import Rules, parse_rules
 from metrics import model
 from metrics.collect.cgroupfs import CgroupReader
 from metrics.collect.topology import CPUInfo
@@ -53,21 +53,19 @@ class Host:
             (self.cgroup / "cpuset" / d).mkdir(parents=True, exist_ok=True)
             (self.cgroup / "cpuset" / d / "cpuset.cpus").write_text("0-7\n")
             (self.cgroup / "cpuacct" / d).mkdir(parents=True, exist_ok=True)
-        self.used, self.total, self.ns = 0, 0, {"a": 0, "c": 0}
+        self.node_ns, self.ns = 0, {"a": 0, "c": 0}
         self.tier_extra = 0
         self.write()
 
     def advance(self, seconds: float, node: float, ls: float, be: float) -> None:
-        """Move the counters as if the node used ``node`` cores for ``seconds`` (HZ = 100)."""
-        self.total += round(8 * seconds * 100)
-        self.used += round(node * seconds * 100)
+        """Move the counters as if the node used ``node`` cores for ``seconds``."""
+        self.node_ns += round(node * seconds * 1e9)
         self.ns["a"] += round(ls * seconds * 1e9)
         self.ns["c"] += round(be * seconds * 1e9)
         self.write()
 
     def write(self) -> None:
-        idle = self.total - self.used
-        (self.proc / "stat").write_text(f"cpu  {self.used} 0 0 {idle} 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0\n")
+        (self.cgroup / "cpuacct" / "cpuacct.usage").write_text(f"{self.node_ns}\n")
         for pod in (LS, BE):
             (self.cgroup / "cpuacct" / pod.cgroup_dir / "cpuacct.usage").write_text(f"{self.ns[pod.uid]}\n")
         # As the kernel does: a tier's counter includes every descendant (plus a
@@ -92,15 +90,16 @@ def store(tmp_path: Path) -> Iterator[TSDB]:
     db.close()
 
 
-async def setup(host: Host, store: TSDB, pods: tuple[PodView, ...] = (LS, BE)
+async def setup(host: Host, store: TSDB, pods: tuple[PodView, ...] = (LS, BE), rules: Rules = RULES
                 ) -> tuple[QoSManager, FastPath, list[float]]:
     manager = QoSManager(reader=store, pods=lambda: list(pods), topology=TOPOLOGY,
                          executor=CgroupExecutor(CgroupLayout(host.cgroup)), evictor=CriEvictor(_no_runtime),
-                         rules=lambda: RULES, config=ManagerConfig(reserved_cores=0.5), clock=lambda: NOW)
-    await manager.run_once()  # the regular round: BE gets 3 CPUs
-    assert (host.cgroup / "cpuset" / BE_DIR / "cpuset.cpus").read_text().strip() == "0,2,4"
+                         rules=lambda: rules, config=ManagerConfig(reserved_cores=0.5), clock=lambda: NOW)
+    await manager.run_once()  # the regular round: BE gets 3 CPUs, or 2.2 cores of quota
+    if rules is RULES:
+        assert (host.cgroup / "cpuset" / BE_DIR / "cpuset.cpus").read_text().strip() == "0,2,4"
     clock = [0.0]
-    fast = FastPath(manager, proc_root=host.proc, cgroups=CgroupReader(host.cgroup), rules=lambda: RULES,
+    fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: rules,
                     config=FastPathConfig(interval=0.2), clock=lambda: clock[0], wall=lambda: NOW)
     return manager, fast, clock
 
@@ -213,11 +212,32 @@ async def test_missing_tier_counter_is_no_decision(host: Host, store: TSDB,
 
 
 @pytest.mark.asyncio
-async def test_garbled_proc_stat_is_skipped_with_one_warning(host: Host, store: TSDB,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+async def test_garbled_root_counter_is_skipped_with_one_warning(host: Host, store: TSDB,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
     _, fast, clock = await setup(host, store)
-    (host.proc / "stat").write_text("intr 1 2 3\n")
+    (host.cgroup / "cpuacct" / "cpuacct.usage").write_text("garbage\n")
     for i in range(3):
         clock[0] = 0.2 * i
         assert fast.sample() is None
     assert capsys.readouterr().out.count("fastpath_sample_failed") == 1
+
+
+QUOTA_RULES = parse_rules({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"}})
+
+
+@pytest.mark.asyncio
+async def test_a_drop_within_the_sampling_noise_waits_for_the_regular_round(host: Host, store: TSDB) -> None:
+    _, fast, clock = await setup(host, store, rules=QUOTA_RULES)
+    assert (host.cgroup / "cpu" / BE_DIR / "cpu.cfs_quota_us").read_text().strip() == "220000"  # 2.2 cores
+    await fast.tick()
+    # 5.2 - 2.09 - 1.0 = 2.11 cores: 0.09 below the limit, past the 1 % dead band (0.08)
+    # but within the 0.1-core noise of a 100 ms sample: no re-plan.
+    host.advance(0.2, node=4.09, ls=2.09, be=1.0)
+    clock[0] = 0.2
+    assert not await fast.tick()
+    host.advance(0.2, node=4.3, ls=2.3, be=1.0)  # 1.9 cores: a real drop
+    clock[0] = 0.4
+    assert await fast.tick()
+    assert (host.cgroup / "cpu" / BE_DIR / "cpu.cfs_quota_us").read_text().strip() == "190000"
+
+
