@@ -20,7 +20,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Final
 
 import structlog
 import urllib3
@@ -29,19 +29,12 @@ from kubernetes import config as _k8s_config
 from kubernetes.client.exceptions import ApiException
 
 from metrics.kubetypes import (
-    GROUP,
-    MERGE_PATCH,
-    NODEMETRICS,
-    NODESLOS,
-    VERSION,
     EvictionRefused,
     Kind,
     KubeApiError,
     KubeError,
     KubeSettings,
     KubeUnavailable,
-    WatchHandler,
-    _Expired,
 )
 
 __all__ = ["EvictionRefused", "Kind", "KubeApiError", "KubeClient", "KubeError", "KubeSettings", "KubeUnavailable"]
@@ -49,6 +42,20 @@ __all__ = ["EvictionRefused", "Kind", "KubeApiError", "KubeClient", "KubeError",
 log = structlog.get_logger("metrics.kubeclient")
 # The config helpers are untyped; one Any-typed handle instead of an ignore per call.
 k8s_config: Any = _k8s_config
+
+GROUP: Final = "slo.koordinator.sh"
+VERSION: Final = "v1alpha1"
+NODESLOS: Final = "nodeslos"
+NODEMETRICS: Final = "nodemetrics"
+MERGE_PATCH: Final = "application/merge-patch+json"
+
+#: ``on_event(type, object)``: type is ADDED / MODIFIED / DELETED from the stream, or
+#: SYNC after a (re)list with the object or None when it does not exist.
+WatchHandler = Callable[[str, "dict[str, Any] | None"], None]
+
+
+class _Expired(Exception):
+    """The watch's resourceVersion is too old (410 Gone): list again."""
 
 
 class _RateLimiter:

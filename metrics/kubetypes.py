@@ -7,20 +7,8 @@ importing it: the kinds watched, the error taxonomy and the connection settings.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
-
-GROUP: Final = "slo.koordinator.sh"
-VERSION: Final = "v1alpha1"
-NODESLOS: Final = "nodeslos"
-NODEMETRICS: Final = "nodemetrics"
-MERGE_PATCH: Final = "application/merge-patch+json"
-
-#: ``on_event(type, object)``: type is ADDED / MODIFIED / DELETED from the stream, or
-#: SYNC after a (re)list with the object or None when it does not exist.
-WatchHandler = Callable[[str, "dict[str, Any] | None"], None]
 
 
 class Kind(enum.Enum):
@@ -53,10 +41,6 @@ class KubeApiError(KubeError):
 
 class EvictionRefused(KubeError):
     """The eviction was refused (429: a PodDisruptionBudget forbids it right now)."""
-
-
-class _Expired(Exception):
-    """The watch's resourceVersion is too old (410 Gone): list again."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -423,11 +423,15 @@ def chunk_points(lo: int, hi: int, n: int, data: bytes, start: int, end: int) ->
 
 def raw_window(conn: sqlite3.Connection, series_id: int, start: int, end: int) -> list[Point]:
     """One series' raw samples in ``[start, end]`` (ms), chunks then ``recent``."""
-    params = (series_id, start, end)
+    rows = _chunks_window(conn, series_id, start, end)
+    rows += ((int(t), float(v)) for t, v in conn.execute(RECENT_ONE, (series_id, start, end)))
+    return rows
+
+
+def _chunks_window(conn: sqlite3.Connection, series_id: int, start: int, end: int) -> list[Point]:
     rows: list[Point] = []
-    for lo, hi, n, data in conn.execute(CHUNKS_ONE, params):
+    for lo, hi, n, data in conn.execute(CHUNKS_ONE, (series_id, start, end)):
         rows += chunk_points(lo, hi, n, data, start, end)
-    rows += ((int(t), float(v)) for t, v in conn.execute(RECENT_ONE, params))
     return rows
 
 
@@ -441,10 +445,7 @@ def raw_window_many(conn: sqlite3.Connection, ids: Sequence[int], start: int, en
     """Raw samples in ``[start, end]`` of several series by id. ``recent`` is ordered by
     time, so a per-series read scans every series' rows in the window: here the window
     is scanned once per ``_MANY`` series instead of once per series."""
-    out: dict[int, list[Point]] = {i: [] for i in ids}
-    for i in ids:
-        for lo, hi, n, data in conn.execute(CHUNKS_ONE, (i, start, end)):
-            out[i] += chunk_points(lo, hi, n, data, start, end)
+    out = {i: _chunks_window(conn, i, start, end) for i in ids}
     for k in range(0, len(ids), _MANY):
         part = ids[k:k + _MANY]
         sql = f"{_RECENT_MANY}({','.join('?' * len(part))})"

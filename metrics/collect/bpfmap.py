@@ -113,15 +113,17 @@ class BpfMap:
         """Keys first, then lookup + delete each: an event landing between the two is lost."""
         keys: list[bytes] = []
         key = ctypes.create_string_buffer(self.key_size)
-        attr = _ElemAttr(map_fd=self.fd, key=0, value=ctypes.addressof(key))
+        prev: ctypes.Array[ctypes.c_char] | None = None  # NULL: start at the first key
         while True:
+            attr = _ElemAttr(map_fd=self.fd, key=0 if prev is None else ctypes.addressof(prev),
+                             value=ctypes.addressof(key))
             ret, err = _bpf(_MAP_GET_NEXT_KEY, attr)
             if ret < 0:
                 if err == errno.ENOENT:
                     break
                 raise BpfError("BPF_MAP_GET_NEXT_KEY", err)
             keys.append(key.raw)
-            attr.key = ctypes.addressof(self._next_key(key.raw))
+            prev = ctypes.create_string_buffer(key.raw, self.key_size)
         out: list[tuple[bytes, bytes]] = []
         value = ctypes.create_string_buffer(self.value_size)
         for raw in keys:
@@ -134,10 +136,6 @@ class BpfMap:
             elif err != errno.ENOENT:
                 raise BpfError("BPF_MAP_LOOKUP_ELEM", err)
         return out
-
-    def _next_key(self, raw: bytes) -> ctypes.Array[ctypes.c_char]:
-        self._prev_key = ctypes.create_string_buffer(raw, self.key_size)  # kept alive across the call
-        return self._prev_key
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -104,13 +104,13 @@ class EbpfSource:
             )
         header, fds = _run_loader(self._timeout)
         try:
-            self._maps = {name: BpfMap(fds[spec["index"]], spec["key_size"], spec["value_size"], spec["max_entries"])
-                          for name, spec in header["maps"].items()}
-            self._events = [fds[i] for i in header["events"]]
+            maps = {name: BpfMap(fds[spec["index"]], spec["key_size"], spec["value_size"], spec["max_entries"])
+                    for name, spec in header["maps"].items()}
+            events = [fds[i] for i in header["events"]]
         except (KeyError, IndexError, TypeError) as exc:
-            for fd in fds:
-                os.close(fd)
+            _close(fds)
             raise SourceUnavailable(f"the eBPF loader answered an unexpected header: {exc!r}") from exc
+        self._maps, self._events = maps, events
         log.debug("ebpf_loaded", maps=sorted(self._maps), events=len(self._events))
 
     def close(self) -> None:

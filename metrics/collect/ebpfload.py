@@ -117,7 +117,6 @@ def main(argv: list[str]) -> int:
         sock.sendall(json.dumps({"error": reason}).encode())
         os._exit(0)
     socket.send_fds(sock, [json.dumps(header).encode()], fds)
-    sys.stdout.flush()
     os._exit(0)  # no bcc cleanup: it would disable the perf events the agent now holds
 
 

@@ -83,7 +83,8 @@ class _Tick:
     ts: float
     #: The root cgroup's cumulative CPU (ns).
     node: int
-    pods: Mapping[str, int]
+    #: Cumulative CPU (ns) by pod uid, or by tier key in tier mode.
+    counters: Mapping[str, int]
 
 
 class FastPath:
@@ -217,8 +218,8 @@ class FastPath:
         if dt <= 0 or dt > self.cfg.stale_after * self.cfg.interval or tick.node < prev.node:
             return None
         rates: dict[str, float] = {}
-        for key, ns in tick.pods.items():
-            before = prev.pods.get(key)
+        for key, ns in tick.counters.items():
+            before = prev.counters.get(key)
             if before is None or ns < before:
                 continue  # new or reset counter: no rate this tick
             rates[key] = (ns - before) / NS / dt
@@ -226,11 +227,11 @@ class FastPath:
         base = NodeInputs(now=self._wall(), capacity_cores=self._manager.capacity,
                           reserved_cores=self._manager.cfg.reserved_cores, pods=self._pods,
                           node_cpu_used=node_used, source="fastpath")
-        if _PODS in tick.pods:
+        if _PODS in tick.counters:
             if _PODS not in rates or _BE not in rates:
                 return None
             return replace(base, tiers=TierUsage(rates[_PODS], rates[_BE]))
-        live = tuple(p for p in self._pods if p.uid in tick.pods)  # vanished pods use no CPU
+        live = tuple(p for p in self._pods if p.uid in tick.counters)  # vanished pods use no CPU
         missing = tuple(f"pod_cpu{{{p.key}}}" for p in live if p.uid not in rates)
         return replace(base, pods=live, pod_cpu_used=rates, missing=missing)
 
