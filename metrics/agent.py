@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import structlog
 
@@ -49,6 +51,7 @@ if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
 log = structlog.get_logger("metrics.agent")
 
 SHARED_KEY: Final = "metrics.agent"
+_T = TypeVar("_T")
 #: Pod views are rebuilt when the set of pods/containers changes, and at least this often
 #: (priorities from kubelet and rule changes arrive without a CRI call).
 _VIEWS_MAX_AGE: Final = 10.0
@@ -94,6 +97,11 @@ class MetricsAgent:
         init.add_route("/apis/nodemetric", self.reporter.route)
         init.add_explainer("metrics", self.explain)
         self.ticks: dict[str, int] = {c.name: 0 for c in self.collectors}
+        #: CPU seconds spent per part (a collector's name, "store", "flush", "gc"), measured
+        #: with the worker thread's clock: what the agent costs the node, and where.
+        self.cpu_seconds: dict[str, float] = dict.fromkeys([*self.ticks, "store", "flush", "gc"], 0.0)
+        self._cost_lock = threading.Lock()
+        self._flushed_at = 0.0
         self._errors: set[str] = set()
 
     # --- views -------------------------------------------------------------------
@@ -135,16 +143,23 @@ class MetricsAgent:
     # --- loops -------------------------------------------------------------------
 
     async def run(self) -> None:
+        # One worker thread for every collector tick and flush: a tick wakes the same
+        # (warm) thread, ticks never overlap, and the store sees one writer thread.
+        worker = ThreadPoolExecutor(1, thread_name_prefix="metrics")
         try:
             async with asyncio.TaskGroup() as group:
-                for collector in self.collectors:
-                    group.create_task(self._collect_loop(collector), name=f"collect:{collector.name}")
-                group.create_task(self._every(self.settings.flush_interval, self._flush), name="tsdb:flush")
+                for interval, collectors in _by_interval(self.collectors).items():
+                    names = "+".join(c.name for c in collectors)
+                    group.create_task(self._collect_loop(interval, collectors, worker), name=f"collect:{names}")
                 group.create_task(self._every(self.settings.gc_interval, self._gc), name="tsdb:gc")
-                group.create_task(self._guarded("nodemetric", self.reporter.run), name="nodemetric")
+                if self.kube is not None:
+                    # Without a cluster nobody is sent the document: the loopback route
+                    # builds it on request instead of every report interval.
+                    group.create_task(self._guarded("nodemetric", self.reporter.run), name="nodemetric")
                 if self.informer is not None:
                     group.create_task(self._guarded("informer", self.informer.run), name="informer")
         finally:
+            worker.shutdown(wait=False, cancel_futures=True)
             # Cancelled (shutdown) or crashed: keep what was measured.
             await asyncio.to_thread(self.tsdb.flush)
 
@@ -159,35 +174,60 @@ class MetricsAgent:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 60.0)
 
-    async def _collect_loop(self, collector: Collector) -> None:
+    async def _collect_loop(self, interval: float, collectors: Sequence[Collector], worker: Executor) -> None:
+        """The collectors sharing ``interval``, one after the other in one worker job:
+        node before pods, so the derived series use the same tick's figures."""
+        loop = asyncio.get_running_loop()
         next_at = time.monotonic()
         while True:
             # The store snapshot is read on the loop (the store is mutated there).
-            pods = self.refresh_pods() if collector is self.pod_collector else self._pods
-            await asyncio.to_thread(self._tick, collector, time.time(), pods)
-            self.ticks[collector.name] += 1
-            next_at += collector.interval
+            pods = self.refresh_pods() if self.pod_collector in collectors else self._pods
+            await loop.run_in_executor(worker, self._tick, collectors, time.time(), pods)
+            next_at += interval
             delay = next_at - time.monotonic()
             if delay < 0:  # fell behind (slow disk, suspended VM): skip, do not burst
                 next_at, delay = time.monotonic(), 0.0
             await asyncio.sleep(delay)
 
-    def _tick(self, collector: Collector, now: float, pods: Sequence[PodView]) -> None:
-        """One collection, in a worker thread: the reads, the derived series and the
-        store's batch (which flushes itself when full, and may wait on a compaction)
-        stay off the loop that serves kubelet."""
-        samples = self._collect(collector, now, pods)
-        if collector is self.pod_collector:
-            samples += self._derived(pods)
-            if self._meta_dirty:
-                self._meta_dirty = False
-                self.tsdb.put_kv(m.KV_POD_META, pod_meta_record(pods))
+    def _tick(self, collectors: Sequence[Collector], now: float, pods: Sequence[PodView]) -> None:
+        """One collection, in the worker thread: the reads, the derived series and the
+        store's batch and flush (which may wait on a compaction) stay off the loop
+        that serves kubelet."""
+        samples: list[Sample] = []
+        for collector in collectors:
+            started = time.thread_time()
+            samples += self._collect(collector, now, pods)
+            if collector is self.pod_collector:
+                samples += self._derived(pods)
+            self._account(collector.name, time.thread_time() - started)
+            self.ticks[collector.name] += 1
+        started = time.thread_time()
+        if self.pod_collector in collectors and self._meta_dirty:
+            self._meta_dirty = False
+            self.tsdb.put_kv(m.KV_POD_META, pod_meta_record(pods))
         self.tsdb.write(samples, now)
         self.latest.update(samples, now)
-        if collector is self.topology:
+        if self.topology in collectors:
             record = self.topology.as_record()
             if record is not None:
                 self.tsdb.put_kv(m.KV_NODE_CPU_INFO, record)
+        self._account("store", time.thread_time() - started)
+        # Ticks jitter by a few ms: 0.9 keeps a 1 s flush on every 1 s tick.
+        if time.monotonic() - self._flushed_at >= 0.9 * self.settings.flush_interval:
+            self._flushed_at = time.monotonic()
+            self._timed("flush", self.tsdb.flush)
+
+    def _account(self, part: str, seconds: float) -> None:
+        with self._cost_lock:  # the collector worker and GC's thread both add
+            self.cpu_seconds[part] += seconds
+
+    def _timed(self, part: str, job: Callable[[], _T]) -> _T:
+        """``job`` in this (worker) thread, its CPU time added to ``part``."""
+        started = time.thread_time()
+        try:
+            return job()
+        finally:
+            self._account(part, time.thread_time() - started)
 
     def _collect(self, collector: Collector, now: float, pods: Sequence[PodView]) -> list[Sample]:
         try:
@@ -207,11 +247,8 @@ class MetricsAgent:
             await asyncio.sleep(interval)
             await job()
 
-    async def _flush(self) -> None:
-        await asyncio.to_thread(self.tsdb.flush)
-
     async def _gc(self) -> None:
-        result = await asyncio.to_thread(self.tsdb.gc)
+        result = await asyncio.to_thread(self._timed, "gc", self.tsdb.gc)
         log.info("tsdb_gc", **dataclasses.asdict(result))
 
     # --- explain -----------------------------------------------------------------
@@ -219,7 +256,8 @@ class MetricsAgent:
     def explain(self, pod: PodInfo | None) -> Mapping[str, Any]:
         now = time.time()
         if pod is None:
-            out: dict[str, Any] = {"db": str(self.settings.db), "ticks": dict(self.ticks), "pods": len(self._pods)}
+            out: dict[str, Any] = {"db": str(self.settings.db), "ticks": dict(self.ticks), "pods": len(self._pods),
+                                   "cpu_seconds": {k: round(v, 3) for k, v in self.cpu_seconds.items()}}
             for metric in (m.NODE_CPU_USAGE, m.NODE_MEMORY_USED, m.SYSTEM_CPU_USAGE, m.BE_CPU_USAGE,
                            m.BE_CPU_LIMIT):
                 last = self.tsdb.last(metric, m.NO_LABELS, max_age=60, now=now)
@@ -231,6 +269,14 @@ class MetricsAgent:
             last = self.tsdb.last(metric, labels, max_age=60, now=now)
             view[metric] = None if last is None else round(last.value, 4)
         return view
+
+
+def _by_interval(collectors: Sequence[Collector]) -> dict[float, list[Collector]]:
+    """Collectors grouped by interval, each group in the given order."""
+    groups: dict[float, list[Collector]] = {}
+    for collector in collectors:
+        groups.setdefault(collector.interval, []).append(collector)
+    return groups
 
 
 def _connect(settings: MetricsSettings) -> KubeClient | None:

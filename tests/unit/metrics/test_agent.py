@@ -1,0 +1,116 @@
+"""The metrics task's loops: ticks grouped by interval in one worker thread, the store
+flushed by the tick, its own CPU cost accounted, NodeMetric built on request without a
+cluster. Against fixture /proc, /sys and cgroup trees."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from metrics import model as m
+from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
+from metrics.model import PodView, Sample
+from metrics.tsdb import TSDB
+from runtimeproxy.hookapi import HostRoots, TaskInit
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> HostRoots:
+    h = HostRoots(cgroup=tmp_path / "cgroup", proc=tmp_path / "proc", sys=tmp_path / "sys", resctrl=tmp_path / "r")
+    _write(h.proc / "stat", "cpu  100 0 50 800 0 0 0 0 0 0\ncpu0 100 0 50 800 0 0 0 0 0 0\n")
+    _write(h.proc / "meminfo", "MemTotal:        8000 kB\nMemFree:         1000 kB\nMemAvailable:    3000 kB\n")
+    _write(h.sys / "devices/system/cpu/online", "0\n")
+    for controller in ("cpu", "cpuacct", "memory", "cpuset"):
+        (h.cgroup / controller).mkdir(parents=True)
+    return h
+
+
+def _agent(host: HostRoots, tmp_path: Path) -> tuple[MetricsAgent, Any]:
+    routes: dict[str, Any] = {}
+    init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host,
+                    add_route=routes.__setitem__, add_explainer=lambda _name, _explainer: None,
+                    args={"db": str(tmp_path / "m.db"), "schedlat_source": "off", "cpi": False,
+                          "flush_interval": "100ms",
+                          "intervals": {"node": "100ms", "pods": "100ms", "psi": "300ms", "topology": "1h"}})
+    run = metrics_task(init)
+    agent = init.shared[SHARED_KEY]
+    assert isinstance(agent, MetricsAgent)
+    return agent, run
+
+
+def _record(agent: MetricsAgent, calls: list[tuple[str, str]]) -> None:
+    """Wrap each collector's collect to note (collector, thread) per call."""
+    for collector in agent.collectors:
+        original = collector.collect
+
+        def collect(now: float, pods: Sequence[PodView], _c: Any = collector, _o: Any = original) -> list[Sample]:
+            calls.append((_c.name, threading.current_thread().name))
+            result: list[Sample] = _o(now, pods)
+            return result
+
+        collector.collect = collect  # type: ignore[method-assign]
+
+
+async def _run_until(agent: MetricsAgent, run: Any, node_ticks: int) -> None:
+    task = asyncio.create_task(run())
+    try:
+        for _ in range(500):
+            if agent.ticks["node"] >= node_ticks and agent.ticks["psi"] >= 2:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.asyncio
+async def test_ticks_of_one_interval_run_together_in_one_worker_thread(host: HostRoots, tmp_path: Path) -> None:
+    agent, run = _agent(host, tmp_path)
+    calls: list[tuple[str, str]] = []
+    _record(agent, calls)
+    await _run_until(agent, run, node_ticks=5)
+    assert {thread for _, thread in calls} == {"metrics_0"}
+    # node then pods, in the same job, every tick: the derived series mix no two ticks.
+    fast = [name for name, _ in calls if name in ("node", "pods")]
+    assert len(fast) >= 10
+    assert fast[: len(fast) // 2 * 2] == ["node", "pods"] * (len(fast) // 2)
+    assert agent.ticks["psi"] >= 2 and agent.ticks["node"] >= 5
+
+
+@pytest.mark.asyncio
+async def test_the_tick_flushes_and_its_cost_is_accounted(host: HostRoots, tmp_path: Path) -> None:
+    agent, run = _agent(host, tmp_path)
+    await _run_until(agent, run, node_ticks=4)
+    before_close = TSDB.open_readonly(tmp_path / "m.db")
+    try:
+        # Visible to another reader without a flush loop: the ticks flushed.
+        assert before_close.series(m.NODE_MEMORY_USED) == [m.NO_LABELS]
+    finally:
+        before_close.close()
+    cost = agent.cpu_seconds
+    assert set(cost) == {"node", "pods", "topology", "psi", "store", "flush", "gc"}
+    assert cost["node"] > 0 and cost["pods"] > 0 and cost["store"] > 0 and cost["flush"] > 0
+    view = agent.explain(None)
+    assert view["cpu_seconds"]["node"] == round(cost["node"], 3)
+
+
+@pytest.mark.asyncio
+async def test_without_a_cluster_nodemetric_is_built_on_request_only(host: HostRoots, tmp_path: Path) -> None:
+    agent, run = _agent(host, tmp_path)
+    await _run_until(agent, run, node_ticks=3)
+    assert agent.kube is None and agent.reporter.latest() is None  # no periodic build
+    status, _type, body = await agent.reporter.route({})
+    assert status == 200 and b"nodeMetric" in body
+    assert agent.reporter.latest() is not None
