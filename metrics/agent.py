@@ -77,6 +77,7 @@ class MetricsAgent:
         self._pods: list[PodView] = []
         self._views_key: object = None
         self._views_at = 0.0
+        self._forgot_for: set[str] = set()
         self._meta_dirty = False
         self.latest = LatestValues()
         iv = settings.intervals
@@ -137,7 +138,10 @@ class MetricsAgent:
             self._pods = self.views.current()
             self._views_key, self._views_at = key, now
             self._meta_dirty = True  # written by the pod tick, in its worker thread
-            self.latest.forget({p.uid for p in self._pods})
+            uids = {p.uid for p in self._pods}
+            if uids != self._forgot_for:  # views are also rebuilt with the same pods
+                self._forgot_for = uids
+                self.latest.forget(uids)
         return self._pods
 
     # --- loops -------------------------------------------------------------------

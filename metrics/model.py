@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Final, NamedTuple, Protocol
 
 from hooks.qos import QoSClass
 
@@ -73,8 +73,10 @@ KV_NODE_CPU_INFO: Final = "node_cpu_info"
 KV_POD_META: Final = "pod_meta"
 
 
-@dataclass(frozen=True, slots=True)
-class Sample:
+class Sample(NamedTuple):
+    """A tuple, not a dataclass: about a thousand are made every second, and a
+    tuple is built (and unpacked by the store) at half the cost."""
+
     metric: str
     value: float
     labels: Labels = NO_LABELS

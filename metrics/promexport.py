@@ -145,13 +145,14 @@ class LatestValues:
             non-finite values and series we do not export are dropped."""
             now = self._clock() if now is None else now
             with self._lock:
-                for s in samples:
-                    if s.metric not in _BY_METRIC or not math.isfinite(s.value):
+                values, exported, isfinite = self._values, _BY_METRIC, math.isfinite
+                for metric, value, lbls, ts in samples:
+                    if metric not in exported or not isfinite(value):
                         continue
-                    key, ts = (s.metric, s.labels), s.ts or now
-                    old = self._values.get(key)
+                    key, ts = (metric, lbls), ts or now
+                    old = values.get(key)
                     if old is None or old[1] <= ts:
-                        self._values[key] = (s.value, ts)
+                        values[key] = (value, ts)
 
     def forget(self, pod_uids_alive: set[str]) -> None:
             """Drop the series of pods (and their containers) that are gone."""

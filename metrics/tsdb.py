@@ -234,16 +234,14 @@ class TSDB:
             canon.clear()
         rows: list[tuple[SeriesKey, int, float]] = []
         append, isfinite = rows.append, math.isfinite
-        for s in samples:
-            value = s.value
+        for metric, value, lbl, ts in samples:
             if not isfinite(value):
-                self._skip_once(s.metric, value)
+                self._skip_once(metric, value)
                 continue
-            lbl = s.labels
             sorted_lbl = canon.get(lbl)
             if sorted_lbl is None:
                 sorted_lbl = canon[lbl] = q.canonical(lbl)
-            append(((s.metric, sorted_lbl), q.to_ms(s.ts) if s.ts else default_ms, float(value)))
+            append(((metric, sorted_lbl), q.to_ms(ts) if ts else default_ms, float(value)))
         with self._batch_lock:
             self._batch.extend(rows)
             for key, ms, value in rows:
@@ -272,9 +270,14 @@ class TSDB:
             known = self._ids
             try:
                 conn.execute("BEGIN IMMEDIATE")
-                new_ids = self._resolve_ids(conn, {key for key, _, _ in batch if key not in known})
-                ids = known | new_ids if new_ids else known
-                conn.executemany(q.INSERT_RECENT, [(ms, ids[key], value) for key, ms, value in batch])
+                new_ids: dict[SeriesKey, int] = {}
+                try:
+                    rows = [(ms, known[key], value) for key, ms, value in batch]
+                except KeyError:  # a series new to this writer: find or make its id
+                    new_ids = self._resolve_ids(conn, {key for key, _, _ in batch if key not in known})
+                    ids = known | new_ids
+                    rows = [(ms, ids[key], value) for key, ms, value in batch]
+                conn.executemany(q.INSERT_RECENT, rows)
                 conn.execute("COMMIT")
             except sqlite3.Error as exc:
                 if conn.in_transaction:

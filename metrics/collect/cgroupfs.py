@@ -168,30 +168,48 @@ def read_memory(path: Path, version: Version) -> MemoryUsage:
     """From ``memory.stat`` of the cgroup dir ``path``. v1 prefers the hierarchical
     ``total_*`` counters (they include child cgroups, which a pod dir needs)."""
     stat_path = str(path) + "/memory.stat"
-    return _memory_usage(read_bytes(stat_path), stat_path, version)
+    return MemoryUsage(*_memory_usage(read_bytes(stat_path), stat_path, version))
 
 
-def _memory_usage(data: bytes, path: str, version: Version) -> MemoryUsage:
-    """Only the needed keys of memory.stat bytes are looked up and parsed."""
+def _field(data: bytes, nl_key: bytes, path: str) -> int | None:
+    """The value of the line ``<name> <int>`` of ``data``, ``nl_key`` being
+    ``b"\\n<name> "`` (the newline anchors it to a line start; the first line is
+    checked apart). None without the line; ``ReadError`` for a non-integer."""
+    i = data.find(nl_key)
+    if i >= 0:
+        start = i + len(nl_key)
+    elif data.startswith(nl_key[1:]):
+        start = len(nl_key) - 1
+    else:
+        return None
+    end = data.find(b"\n", start)
+    try:
+        return int(data[start:end] if end >= 0 else data[start:])
+    except ValueError:
+        text = data[start:end].decode("ascii", "replace").strip()
+        raise ReadError(Path(path), f"{nl_key.decode().strip()}: {text[:40]!r} is not an integer") from None
 
-    def pick(*names: bytes) -> int:
-        for name in names:
-            value = bytes_field(data, name, path)
+
+def _memory_usage(data: bytes, path: str, version: Version) -> tuple[int, int]:
+    """(anon + unevictable, page cache) from memory.stat bytes; only those keys are parsed."""
+
+    def pick(*keys: bytes) -> int:
+        for key in keys:
+            value = _field(data, key, path)
             if value is not None:
                 return value
-        raise ReadError(Path(path), f"none of {', '.join(n.decode().strip() for n in names)}")
+        raise ReadError(Path(path), f"none of {', '.join(k.decode().strip() for k in keys)}")
 
     if version == 2:
-        return MemoryUsage(pick(b"anon ") + pick(b"unevictable "), pick(b"file "))
-    totals = [bytes_field(data, k, path) for k in _V1_TOTALS]
-    if None in totals:
-        used = pick(b"inactive_anon ") + pick(b"active_anon ") + pick(b"unevictable ")
+        return pick(b"\nanon ") + pick(b"\nunevictable "), pick(b"\nfile ")
+    inactive = _field(data, b"\ntotal_inactive_anon ", path)
+    active = _field(data, b"\ntotal_active_anon ", path)
+    unevictable = _field(data, b"\ntotal_unevictable ", path)
+    if inactive is None or active is None or unevictable is None:
+        used = pick(b"\ninactive_anon ") + pick(b"\nactive_anon ") + pick(b"\nunevictable ")
     else:
-        used = sum(t for t in totals if t is not None)
-    return MemoryUsage(used, pick(b"total_cache ", b"cache "))
-
-
-_V1_TOTALS: Final = (b"total_inactive_anon ", b"total_active_anon ", b"total_unevictable ")
+        used = inactive + active + unevictable
+    return used, pick(b"\ntotal_cache ", b"\ncache ")
 
 
 def read_throttling(path: Path) -> tuple[int, int]:
@@ -201,8 +219,12 @@ def read_throttling(path: Path) -> tuple[int, int]:
 
 
 def _throttling(data: bytes, path: str) -> tuple[int, int]:
-    periods = bytes_field(data, b"nr_periods ", path)
-    throttled = bytes_field(data, b"nr_throttled ", path)
+    head = data.split(None, 4)  # v1 starts "nr_periods N\nnr_throttled M": one split
+    if len(head) >= 4 and head[0] == b"nr_periods" and head[2] == b"nr_throttled" and head[1].isdigit() \
+            and head[3].isdigit():
+        return int(head[1]), int(head[3])
+    periods = _field(data, b"\nnr_periods ", path)
+    throttled = _field(data, b"\nnr_throttled ", path)
     if periods is None or throttled is None:
         raise ReadError(Path(path), "no nr_periods / nr_throttled (cpu controller not enabled?)")
     return periods, throttled
@@ -265,6 +287,7 @@ class PodCollector:
         self._latest = PodUsage({}, {})
         self._targets: dict[tuple[str, str, str], _Target] = {}
         self._files = OpenFiles()
+        self._v2 = self.reader.version == 2
 
     def latest(self) -> PodUsage:
         return self._latest
@@ -285,29 +308,17 @@ class PodCollector:
             self._throttle = {k: v for k, v in self._throttle.items() if k in live}
         uids = {p.uid for p in pods}
         self._once.keep_owners(uids)
-        v2 = self.reader.version == 2
         out: list[Sample] = []
-        append = out.append
         pod_cpu: dict[str, float] = {}
         pod_mem: dict[str, float] = {}
+        one = self._one
         for target in targets:
-            names = target.names
-            lbl = target.labels
-            cpu, cpu_stat = self._cpu_usage(target, v2)
-            if cpu is not None:
-                append(Sample(names.cpu, cpu, lbl))
-            mem = self._memory(target)
-            if mem is not None:
-                append(Sample(names.memory, float(mem.used), lbl))
-                append(Sample(names.cache, float(mem.cache), lbl))
-            ratio = self._throttled(target, cpu_stat)
-            if ratio is not None:
-                append(Sample(names.throttled, ratio, lbl))
-            if names is _POD:
+            cpu, used = one(target, out)
+            if target.names is _POD:
                 if cpu is not None:
                     pod_cpu[target.owner] = cpu
-                if mem is not None:
-                    pod_mem[target.owner] = float(mem.used)
+                if used is not None:
+                    pod_mem[target.owner] = used
         self._latest = PodUsage(pod_cpu, pod_mem, set(pod_cpu) == uids, set(pod_mem) == uids)
         return out
 
@@ -341,46 +352,65 @@ class PodCollector:
                        f"{reader.memory_dir(rel)}/memory.stat",
                        f"{reader.cpu_dir(rel)}/cpu.stat")
 
-    def _cpu_usage(self, target: _Target, v2: bool) -> tuple[float | None, bytes | None]:
-        """(cores or None, the cpu.stat bytes when v2 read them for the usage)."""
+    def _one(self, t: _Target, out: list[Sample]) -> tuple[float | None, float | None]:
+        """One target's samples, appended to ``out``; returns (cores, memory used) for
+        the pod sums. A file that fails costs its own samples only. One function for
+        the three files: it runs for every pod and container every second."""
+        read, names, lbl = self._files.read, t.names, t.labels
+        cpu = used = None
+        stat: bytes | None = None
         clock = self._clock
         before = clock()
         try:
-            data = self._files.read(target.usage_path)
+            data = read(t.usage_path)
             at = (before + clock()) / 2
-            usage = _usage_usec_ns(data, target.usage_path) if v2 else _cpuacct_ns(data, target.usage_path)
+            if self._v2:
+                stat = data
+                usage = _usage_usec_ns(data, t.usage_path)
+            else:
+                usage = _cpuacct_ns(data, t.usage_path)
         except ReadError as exc:
-            self._once.skipped(target.owner, exc)
-            return None, None
-        prev = self._cpu.get(target.key)
-        self._cpu[target.key] = (usage, at)
-        stat = data if v2 else None
+            self._once.skipped(t.owner, exc)
+        else:
+            cpu = self._rate(t, usage, at)
+            if cpu is not None:
+                out.append(Sample(names.cpu, cpu, lbl))
+        try:
+            used_bytes, cache = _memory_usage(read(t.memory_path), t.memory_path, self.reader.version)
+        except ReadError as exc:
+            self._once.skipped(t.owner, exc)
+        else:
+            used = float(used_bytes)
+            out.append(Sample(names.memory, used, lbl))
+            out.append(Sample(names.cache, float(cache), lbl))
+        try:
+            periods, throttled = _throttling(read(t.cpu_stat_path) if stat is None else stat, t.cpu_stat_path)
+        except ReadError as exc:
+            self._once.skipped(t.owner, exc)
+        else:
+            ratio = self._ratio(t.key, periods, throttled)
+            if ratio is not None:
+                out.append(Sample(names.throttled, ratio, lbl))
+        return cpu, used
+
+    def _rate(self, t: _Target, usage: int, at: float) -> float | None:
+        """Cores since the previous read of this target; None on the first read or a reset."""
+        prev = self._cpu.get(t.key)
+        self._cpu[t.key] = (usage, at)
         if prev is None:
-            return None, stat
+            return None
         d_ns, d_t = usage - prev[0], at - prev[1]
         if d_ns < 0:
-            log.debug("cpu_counter_reset", cgroup=target.rel)
-            return None, stat
+            log.debug("cpu_counter_reset", cgroup=t.rel)
+            return None
         if d_t <= 0:
-            return None, stat
-        return d_ns / (d_t * 1e9), stat
-
-    def _memory(self, target: _Target) -> MemoryUsage | None:
-        try:
-            return _memory_usage(self._files.read(target.memory_path), target.memory_path, self.reader.version)
-        except ReadError as exc:
-            self._once.skipped(target.owner, exc)
             return None
+        return d_ns / (d_t * 1e9)
 
-    def _throttled(self, target: _Target, cpu_stat: bytes | None) -> float | None:
-        try:
-            data = self._files.read(target.cpu_stat_path) if cpu_stat is None else cpu_stat
-            periods, throttled = _throttling(data, target.cpu_stat_path)
-        except ReadError as exc:
-            self._once.skipped(target.owner, exc)
-            return None
-        prev = self._throttle.get(target.key)
-        self._throttle[target.key] = (periods, throttled)
+    def _ratio(self, key: tuple[str, str], periods: int, throttled: int) -> float | None:
+        """Throttled share of the CFS periods since the previous read."""
+        prev = self._throttle.get(key)
+        self._throttle[key] = (periods, throttled)
         if prev is None:
             return None
         d_periods, d_throttled = periods - prev[0], throttled - prev[1]

@@ -11,7 +11,14 @@ from structlog.testing import capture_logs
 from hooks.qos import QoSClass
 from metrics import model as m
 from metrics.collect.base import ReadError
-from metrics.collect.cgroupfs import CgroupReader, PodCollector, read_cpu_usage_ns
+from metrics.collect.cgroupfs import (
+    CgroupReader,
+    MemoryUsage,
+    PodCollector,
+    read_cpu_usage_ns,
+    read_memory,
+    read_throttling,
+)
 from runtimeproxy.hookapi import HostRoots
 
 POD_DIR = "kubepods/burstable/podu1"
@@ -292,3 +299,24 @@ def test_hybrid_unified_tree_usage_works_for_the_v1_reader(tmp_path: Path) -> No
     unified = reader.unified_dir(C1_DIR)
     assert unified is not None
     assert read_cpu_usage_ns(unified) == 2_500_000
+
+
+def test_memory_and_throttling_parsers_on_both_layouts_and_bad_values(tmp_path: Path) -> None:
+    # v1 without hierarchical totals: the local keys, "cache" being the first line.
+    write(tmp_path / "flat/memory.stat", "cache 7\nrss 1\ninactive_anon 2\nactive_anon 3\nunevictable 4\n")
+    assert read_memory(tmp_path / "flat", 1) == MemoryUsage(used=9, cache=7)
+    # v2: "anon" is the first line; "file" is the cache.
+    write(tmp_path / "v2/memory.stat", "anon 100\nfile 50\nkernel 3\nunevictable 1\nfile_mapped 9\n")
+    assert read_memory(tmp_path / "v2", 2) == MemoryUsage(used=101, cache=50)
+    write(tmp_path / "bad/memory.stat", "cache 1\ntotal_inactive_anon 1\ntotal_active_anon 2\n"
+                                        "total_unevictable 0\ntotal_cache 12x\n")
+    with pytest.raises(ReadError, match=r"total_cache: '12x' is not an integer"):
+        read_memory(tmp_path / "bad", 1)
+    # v1 cpu.stat starts with the CFS counters; a v2 one has them after the usage lines.
+    write(tmp_path / "v1/cpu.stat", "nr_periods 40\nnr_throttled 4\nthrottled_time 9\n")
+    assert read_throttling(tmp_path / "v1") == (40, 4)
+    write(tmp_path / "v2/cpu.stat", "usage_usec 9\nuser_usec 5\nsystem_usec 4\nnr_periods 30\nnr_throttled 3\n")
+    assert read_throttling(tmp_path / "v2") == (30, 3)
+    write(tmp_path / "bad/cpu.stat", "nr_periods 4O\nnr_throttled 3\n")
+    with pytest.raises(ReadError, match=r"nr_periods: '4O' is not an integer"):
+        read_throttling(tmp_path / "bad")
