@@ -266,6 +266,10 @@ class KubeClient:
         with self._streams_lock:
             self._streams.add(resp)
         try:
+            # Stopped while the request was being made: interrupt_watches may have run
+            # before this stream was registered, and nothing would wake the read.
+            if stop.is_set():
+                return rv
             for line in _lines(resp):
                 if stop.is_set():
                     break

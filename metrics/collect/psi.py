@@ -20,8 +20,9 @@ from typing import Final
 
 import structlog
 
-from metrics.collect.base import OnceLog, ReadError, container_labels, pod_labels, read_bytes
+from metrics.collect.base import OnceLog, ReadError, container_labels, pod_labels
 from metrics.collect.cgroupfs import CgroupReader
+from metrics.collect.openfiles import OpenFiles
 from metrics.model import (
     CONTAINER_PSI,
     CONTAINER_PSI_TOTAL,
@@ -146,7 +147,8 @@ class PSICollector:
     """PSI averages and stall totals from /proc/pressure and v2 (or hybrid unified) cgroups.
 
     The files of each pod / container and their label tuples are built once (cached by
-    pod, container and cgroup dir) and read as bytes with one os.read."""
+    pod, container and cgroup dir); the files stay open and are re-read with one pread
+    (``OpenFiles``): opening a cgroupfs path costs more than generating its two lines."""
 
     name = "psi"
 
@@ -160,9 +162,11 @@ class PSICollector:
         self._node = [_file("node", str(self._proc / "pressure" / r), r, _NODE, NO_LABELS, skip_full=r == "cpu")
                       for r in RESOURCES]
         self._files: dict[tuple[str, str, str], list[_File]] = {}
+        self._open = OpenFiles()
 
     def close(self) -> None:
         self._files.clear()
+        self._open.close()
 
     def collect(self, now: float, pods: Sequence[PodView]) -> list[Sample]:
         self._once.keep_owners(["node", *(p.uid for p in pods)])
@@ -191,6 +195,8 @@ class PSICollector:
                     files = self._cgroup_files(pod.uid, c.cgroup_dir, _CONTAINER, container_labels(pod, c))
                 fresh[key] = files
                 out += files
+        if fresh.keys() != cache.keys():
+            self._open.retain([f.path for f in self._node] + [f.path for f in out])
         self._files = fresh
         return out
 
@@ -202,7 +208,7 @@ class PSICollector:
 
     def _read(self, f: _File, out: list[Sample]) -> None:
         try:
-            parsed = _parse(read_bytes(f.path), f.path)
+            parsed = _parse(self._open.read(f.path), f.path)
         except ReadError as exc:
             self._once.skipped(f.owner, exc)
             return

@@ -61,6 +61,8 @@ class FakeApiServer:
         self.watch_scripts: dict[str, list[list[object]]] = {}
         self.requests: list[Request] = []
         self.release = threading.Event()
+        #: When set to an Event, a watch's response waits for it (a request in flight).
+        self.before_watch: threading.Event | None = None
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -99,6 +101,8 @@ class FakeApiServer:
     def stream(self, handler: BaseHTTPRequestHandler, req: Request) -> None:
         scripts = self.watch_scripts.get(req.path, [])
         script = scripts.pop(0) if scripts else [HOLD]
+        if self.before_watch is not None:
+            self.before_watch.wait(10)
         handler.send_response(200)
         handler.send_header("Content-Type", "application/json")
         handler.send_header("Transfer-Encoding", "chunked")
@@ -291,6 +295,23 @@ def test_watch_lists_then_streams_and_relists_on_410(api: FakeApiServer, kube: K
     # Watch from the list's version, then resume from the last event (the bookmark counts too).
     assert [w.query.get("resourceVersion") for w in watches[:2]] == [["100"], ["160"]]
     assert watches[0].query["allowWatchBookmarks"][0].lower() == "true"
+
+
+def test_a_watch_stopped_while_its_request_is_in_flight_ends_at_once(api: FakeApiServer, kube: KubeClient) -> None:
+    path = f"{CRD}/nodeslos"
+    api.routes[("GET", path)] = (200, {"kind": "NodeSLOList", "metadata": {"resourceVersion": "1"}, "items": []})
+    api.watch_scripts[path] = [[HOLD]]
+    api.before_watch = gate = threading.Event()
+    stop = threading.Event()
+    thread = threading.Thread(target=kube.watch, args=(Kind.NODESLO, lambda _t, _o: None, stop), daemon=True)
+    thread.start()
+    wait_for(lambda: any("watch" in r.query for r in api.seen("GET", path)))
+    # Stopped and interrupted before the stream exists: nothing to shut down yet.
+    stop.set()
+    kube.interrupt_watches()
+    gate.set()  # the response arrives; the server then holds the stream open for 10 s
+    thread.join(3)
+    assert not thread.is_alive()
 
 
 def test_watch_backs_off_while_the_crd_is_missing(api: FakeApiServer, kube: KubeClient) -> None:
