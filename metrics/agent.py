@@ -79,6 +79,7 @@ class MetricsAgent:
         self._views_at = 0.0
         self._forgot_for: set[str] = set()
         self._meta_dirty = False
+        self._meta_written: object = None
         self.latest = LatestValues()
         iv = settings.intervals
         self.node = NodeCollector(init.host, interval=iv.node)
@@ -208,7 +209,10 @@ class MetricsAgent:
         started = time.thread_time()
         if self.pod_collector in collectors and self._meta_dirty:
             self._meta_dirty = False
-            self.tsdb.put_kv(m.KV_POD_META, pod_meta_record(pods))
+            meta = pod_meta_record(pods)
+            if meta != self._meta_written:  # views are rebuilt every 10 s, mostly unchanged
+                self.tsdb.put_kv(m.KV_POD_META, meta)
+                self._meta_written = meta
         self.tsdb.write(samples, now)
         self.latest.update(samples, now)
         if self.topology in collectors:
