@@ -1,10 +1,12 @@
 """The metrics task (entry point ``metrics`` in ``koord_runtime_proxy.tasks``).
 
-One supervised coroutine owns the node's measurements: a loop per collector (each on
-its own interval, the blocking read in a worker thread), the store's flush and GC,
-the states informer and the NodeMetric reporter. Derived series (system usage, the
-best-effort aggregate) are computed right after the pod collector's tick, from the
-same tick's figures, so they never mix samples of different seconds.
+One supervised coroutine owns the node's measurements: a loop per collection
+interval (the collectors sharing it run one after the other in one dedicated worker
+thread, which also writes the batch and flushes the store at ``flush_interval``), the
+store's GC, the states informer and, with a cluster, the NodeMetric reporter. Derived
+series (system usage, the best-effort aggregate) are computed right after the pod
+collector, in the same job as the node collector, so they never mix samples of
+different seconds.
 
 The agent is also put in ``TaskInit.shared`` so the QoS manager task reads the same
 store and pod views instead of measuring everything a second time.

@@ -91,6 +91,11 @@ class GCResult:
     buckets_deleted: int
 
 
+def _rows(batch: list[tuple[SeriesKey, int, float]], ids: Mapping[SeriesKey, int]) -> list[tuple[int, int, float]]:
+    """The ``recent`` rows of a batch; KeyError for a series without an id."""
+    return [(ms, ids[key], value) for key, ms, value in batch]
+
+
 class TSDB:
     """Implements ``MetricReader`` and ``MetricWriter`` (``metrics.model``)."""
 
@@ -272,11 +277,10 @@ class TSDB:
                 conn.execute("BEGIN IMMEDIATE")
                 new_ids: dict[SeriesKey, int] = {}
                 try:
-                    rows = [(ms, known[key], value) for key, ms, value in batch]
+                    rows = _rows(batch, known)
                 except KeyError:  # a series new to this writer: find or make its id
                     new_ids = self._resolve_ids(conn, {key for key, _, _ in batch if key not in known})
-                    ids = known | new_ids
-                    rows = [(ms, ids[key], value) for key, ms, value in batch]
+                    rows = _rows(batch, known | new_ids)
                 conn.executemany(q.INSERT_RECENT, rows)
                 conn.execute("COMMIT")
             except sqlite3.Error as exc:

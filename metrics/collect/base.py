@@ -97,13 +97,16 @@ def read_bytes(path: str) -> bytes:
 def bytes_field(data: bytes, key: bytes, path: str) -> int | None:
     """The integer value of the ``key value`` line of ``data`` (memory.stat, cpu.stat)
     without parsing the other lines; ``key`` includes the separating space
-    (``b"anon "``). None when there is no such line; ``ReadError`` for a non-integer."""
-    i = data.find(key)
-    while i > 0 and data[i - 1] != 0x0A:  # not at a line start: a longer key ends with it
-        i = data.find(key, i + 1)
-    if i < 0:
-        return None
-    start = i + len(key)
+    (``b"anon "``). The search is anchored at a line start (a preceding newline, or the
+    first line), so ``b"cache "`` never matches ``total_cache``. None when there is no
+    such line; ``ReadError`` for a non-integer."""
+    if data.startswith(key):
+        start = len(key)
+    else:
+        i = data.find(b"\n" + key)
+        if i < 0:
+            return None
+        start = i + 1 + len(key)
     end = data.find(b"\n", start)
     raw = data[start:] if end < 0 else data[start:end]
     try:

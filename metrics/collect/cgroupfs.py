@@ -171,45 +171,26 @@ def read_memory(path: Path, version: Version) -> MemoryUsage:
     return MemoryUsage(*_memory_usage(read_bytes(stat_path), stat_path, version))
 
 
-def _field(data: bytes, nl_key: bytes, path: str) -> int | None:
-    """The value of the line ``<name> <int>`` of ``data``, ``nl_key`` being
-    ``b"\\n<name> "`` (the newline anchors it to a line start; the first line is
-    checked apart). None without the line; ``ReadError`` for a non-integer."""
-    i = data.find(nl_key)
-    if i >= 0:
-        start = i + len(nl_key)
-    elif data.startswith(nl_key[1:]):
-        start = len(nl_key) - 1
-    else:
-        return None
-    end = data.find(b"\n", start)
-    try:
-        return int(data[start:end] if end >= 0 else data[start:])
-    except ValueError:
-        text = data[start:end].decode("ascii", "replace").strip()
-        raise ReadError(Path(path), f"{nl_key.decode().strip()}: {text[:40]!r} is not an integer") from None
-
-
 def _memory_usage(data: bytes, path: str, version: Version) -> tuple[int, int]:
     """(anon + unevictable, page cache) from memory.stat bytes; only those keys are parsed."""
 
     def pick(*keys: bytes) -> int:
         for key in keys:
-            value = _field(data, key, path)
+            value = bytes_field(data, key, path)
             if value is not None:
                 return value
         raise ReadError(Path(path), f"none of {', '.join(k.decode().strip() for k in keys)}")
 
     if version == 2:
-        return pick(b"\nanon ") + pick(b"\nunevictable "), pick(b"\nfile ")
-    inactive = _field(data, b"\ntotal_inactive_anon ", path)
-    active = _field(data, b"\ntotal_active_anon ", path)
-    unevictable = _field(data, b"\ntotal_unevictable ", path)
+        return pick(b"anon ") + pick(b"unevictable "), pick(b"file ")
+    inactive = bytes_field(data, b"total_inactive_anon ", path)
+    active = bytes_field(data, b"total_active_anon ", path)
+    unevictable = bytes_field(data, b"total_unevictable ", path)
     if inactive is None or active is None or unevictable is None:
-        used = pick(b"\ninactive_anon ") + pick(b"\nactive_anon ") + pick(b"\nunevictable ")
+        used = pick(b"inactive_anon ") + pick(b"active_anon ") + pick(b"unevictable ")
     else:
         used = inactive + active + unevictable
-    return used, pick(b"\ntotal_cache ", b"\ncache ")
+    return used, pick(b"total_cache ", b"cache ")
 
 
 def read_throttling(path: Path) -> tuple[int, int]:
@@ -219,12 +200,8 @@ def read_throttling(path: Path) -> tuple[int, int]:
 
 
 def _throttling(data: bytes, path: str) -> tuple[int, int]:
-    head = data.split(None, 4)  # v1 starts "nr_periods N\nnr_throttled M": one split
-    if len(head) >= 4 and head[0] == b"nr_periods" and head[2] == b"nr_throttled" and head[1].isdigit() \
-            and head[3].isdigit():
-        return int(head[1]), int(head[3])
-    periods = _field(data, b"\nnr_periods ", path)
-    throttled = _field(data, b"\nnr_throttled ", path)
+    periods = bytes_field(data, b"nr_periods ", path)
+    throttled = bytes_field(data, b"nr_throttled ", path)
     if periods is None or throttled is None:
         raise ReadError(Path(path), "no nr_periods / nr_throttled (cpu controller not enabled?)")
     return periods, throttled
