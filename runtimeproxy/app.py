@@ -126,6 +126,8 @@ class App:
 
     async def shutdown(self) -> int:
         sdnotify.notify("STOPPING=1")
+        # Unlisten before the "stopping" line: whoever sees it can rely on new connects failing.
+        self.server.unlisten()
         log.info("stopping", grace_seconds=self.settings.shutdown_grace)
         await self.server.stop(self.settings.shutdown_grace)
         await self.supervisor.stop(timeout=5.0)

@@ -225,8 +225,17 @@ class ProxyServer:
         os.chmod(self._listen, self._mode)
         log.info("listening", socket=str(self._listen), mode=oct(self._mode))
 
-    async def stop(self, grace: float) -> None:
-        """Refuse new calls, let in-flight ones finish within ``grace``."""
-        await self._server.stop(grace)
+    def unlisten(self) -> None:
+        """Remove the socket path: from here on a fresh connect fails with ENOENT (UNAVAILABLE).
+
+        grpc core closes its listener asynchronously after shutdown begins, so a connect
+        racing the shutdown can still be accepted and its call then cancelled (CANCELLED,
+        not the UNAVAILABLE kubelet retries on). Removing the path first closes that window.
+        """
         with contextlib.suppress(FileNotFoundError):
             self._listen.unlink()
+
+    async def stop(self, grace: float) -> None:
+        """Refuse new calls, let in-flight ones finish within ``grace``."""
+        self.unlisten()
+        await self._server.stop(grace)
