@@ -6,8 +6,10 @@ the batch in one transaction. The owner calls ``flush()`` about every second, an
 bounded when the owner is late. Queries (``aggregate``, ``aggregate_all``, ``points``,
 ``series``) see flushed data only. ``last()`` also sees the newest unflushed sample of
 each series, because the QoS manager needs values younger than the flush period.
-Flushed rows land in a time-ordered table that is packed into per-series chunks every
-``compact_rows`` rows (see ``metrics.tsdbquery`` for why and how); both are always read.
+A flush stores each ``write()`` call's samples as one row of arrays (a frame, see
+``metrics.tsdbframes``); frames are packed into per-series chunks
+(``metrics.tsdbquery``): a layout's once there are enough for full chunks, all of
+them before a GC or once they hold ``compact_rows`` samples. Both are always read.
 
 Two tiers: raw samples younger than ``raw_retention`` (35 min), and per-series
 buckets (count, sum, min, max, last) of 60 s, 5 min past 2 h, kept until ``retention``
@@ -48,6 +50,7 @@ from typing import Any, Final, Self
 
 import structlog
 
+from metrics import tsdbframes as f
 from metrics import tsdbquery as q
 from metrics import tsdbrollup as r
 from metrics.model import Aggregate, Labels, Sample
@@ -66,14 +69,19 @@ DEFAULT_COARSE_AFTER: Final = 2 * 3600.0
 DEFAULT_MAX_BYTES: Final = 100 * 2**20
 #: About five seconds of the agent's full write rate (110 pods x 3 containers x 6 metrics).
 DEFAULT_MAX_BATCH: Final = 10_000
-#: Rows flushed before they are packed into chunks: about a minute at the agent's rate.
-#: It bounds what a one-series read scans in the time-ordered table.
-DEFAULT_COMPACT_ROWS: Final = 150_000
+#: Samples in frames that force a full compaction: about eight minutes at the agent's
+#: rate, past the GC's five, which compacts everything first. It bounds what a read
+#: decodes from the frames when nobody runs the GC.
+DEFAULT_COMPACT_ROWS: Final = 600_000
 _BUSY_TIMEOUT: Final = 5.0
 _CANON_MAX: Final = 100_000
 _WAL_LIMIT: Final = 4 * 2**20
 
-SeriesKey = tuple[str, Labels]
+#: ``metric + "\n" + labels JSON``: a str caches its hash, so the several dict lookups
+#: a sample goes through do not rehash a tuple of label pairs each time.
+SeriesKey = str
+#: One ``write()`` call's samples: series keys, times (ms), values.
+_Frame = tuple[list[SeriesKey], list[int], list[float]]
 
 
 @dataclass(frozen=True)
@@ -91,9 +99,10 @@ class GCResult:
     buckets_deleted: int
 
 
-def _rows(batch: list[tuple[SeriesKey, int, float]], ids: Mapping[SeriesKey, int]) -> list[tuple[int, int, float]]:
-    """The ``recent`` rows of a batch; KeyError for a series without an id."""
-    return [(ms, ids[key], value) for key, ms, value in batch]
+
+
+def series_key(metric: str, canonical: Labels) -> SeriesKey:
+    return f"{metric}\n{q.encode_labels(canonical)}"
 
 
 class TSDB:
@@ -127,16 +136,26 @@ class TSDB:
         self.readonly = readonly
         self._max_batch = max_batch
         self._compact_rows = compact_rows
-        self._recent_rows = 0
+        self._frame_samples = 0
         self._clock = clock
         self._write_lock = threading.Lock()
         self._batch_lock = threading.Lock()
-        self._batch: list[tuple[SeriesKey, int, float]] = []
+        self._batch: list[_Frame] = []
+        self._batch_len = 0
+        #: A sample in the batch is not newer than its series' previous one: the flush
+        #: compacts at once, which orders it and lets a rewrite replace the first value.
+        self._unordered = False
+        #: Series id -> no chunk of it ends later (``tsdbquery.store_series``); None:
+        #: read from the file at the next compaction.
+        self._chunk_hi: dict[int, int] | None = None
+        #: Frames per layout (``tsdbframes``), to compact a layout once it fills chunks.
+        self._layouts: dict[int, int] = {}
         #: Newest sample written per series (flushed or not), for ``last()``.
         self._latest: dict[SeriesKey, tuple[int, float]] = {}
-        #: Labels as given -> canonical: collectors hand the same tuples every tick,
-        #: so sorting each sample's labels again is avoidable work on the hot path.
-        self._canon: dict[Labels, Labels] = {}
+        #: Metric -> labels as given -> series key: collectors hand the same tuples every
+        #: tick, so sorting and encoding each sample's labels again is avoidable work.
+        self._keys: dict[str, dict[Labels, SeriesKey]] = {}
+        self._key_count = 0
         #: Series ids known to the writer; only touched under ``_write_lock``.
         self._ids: dict[SeriesKey, int] = {}
         #: Buckets before this (ms) are coarse already; 0: look at all of them once.
@@ -154,7 +173,8 @@ class TSDB:
                 self._readers.close_all()
                 raise
         else:
-            self._writer, self._recent_rows = q.open_writer(self.path, _BUSY_TIMEOUT, _WAL_LIMIT)
+            self._writer, self._frame_samples = q.open_writer(self.path, _BUSY_TIMEOUT, _WAL_LIMIT)
+            self._layouts = f.layout_counts(self._writer)
 
     def _tiers(self) -> r.Tiers:
         step, coarse = q.to_ms(self.rollup_step), q.to_ms(self.coarse_step)
@@ -234,28 +254,50 @@ class TSDB:
         become a wrong number."""
         self._writable()
         default_ms = q.to_ms(self._clock() if now is None else now)
-        canon = self._canon
-        if len(canon) > _CANON_MAX:  # label sets of pods long gone
-            canon.clear()
-        rows: list[tuple[SeriesKey, int, float]] = []
-        append, isfinite = rows.append, math.isfinite
+        if self._key_count > _CANON_MAX:  # label sets of pods long gone
+            self._keys, self._key_count = {}, 0
+        by_metric = self._keys
+        keys: list[SeriesKey] = []
+        times: list[int] = []
+        values: list[float] = []
+        isfinite = math.isfinite
+        last_ts, last_ms = 0.0, default_ms
         for metric, value, lbl, ts in samples:
             if not isfinite(value):
                 self._skip_once(metric, value)
                 continue
-            sorted_lbl = canon.get(lbl)
-            if sorted_lbl is None:
-                sorted_lbl = canon[lbl] = q.canonical(lbl)
-            append(((metric, sorted_lbl), q.to_ms(ts) if ts else default_ms, float(value)))
+            try:
+                key = by_metric[metric][lbl]
+            except KeyError:
+                key = self._new_key(metric, lbl)
+            keys.append(key)
+            if ts != last_ts:  # a tick stamps its samples alike: convert once
+                last_ts, last_ms = ts, q.to_ms(ts) if ts else default_ms
+            times.append(last_ms)
+            values.append(float(value))
+        if not keys:
+            return
         with self._batch_lock:
-            self._batch.extend(rows)
-            for key, ms, value in rows:
-                newest = self._latest.get(key)
-                if newest is None or ms >= newest[0]:
-                    self._latest[key] = (ms, value)
-            full = len(self._batch) >= self._max_batch
+            self._batch.append((keys, times, values))
+            self._batch_len += len(keys)
+            latest = self._latest
+            for key, ms, value in zip(keys, times, values, strict=True):
+                newest = latest.get(key)
+                if newest is None or ms > newest[0]:
+                    latest[key] = (ms, value)
+                else:
+                    self._unordered = True
+                    if ms == newest[0]:
+                        latest[key] = (ms, value)
+            full = self._batch_len >= self._max_batch
         if full:
             self.flush()
+
+    def _new_key(self, metric: str, lbl: Labels) -> SeriesKey:
+        key = series_key(metric, q.canonical(lbl))
+        self._keys.setdefault(metric, {})[lbl] = key
+        self._key_count += 1
+        return key
 
     def _skip_once(self, metric: str, value: float) -> None:
         if metric not in self._skipped:
@@ -263,56 +305,105 @@ class TSDB:
             log.warning("tsdb.sample_skipped", metric=metric, value=str(value), reason="not a finite number")
 
     def flush(self) -> int:
-        """Write the batch in one transaction; returns the number of rows written.
+        """Write the batch in one transaction; returns the number of samples written.
         On failure the batch is dropped (bounded memory) and TSDBError says how many.
-        Compacts afterwards once enough rows have accumulated."""
+        Compacts afterwards once enough samples have accumulated (in the same
+        transaction when the batch holds a sample out of time order)."""
         with self._write_lock:
             conn = self._writable()
             with self._batch_lock:
-                batch, self._batch = self._batch, []
+                batch, count, unordered = self._batch, self._batch_len, self._unordered
+                self._batch, self._batch_len, self._unordered = [], 0, False
             if not batch:
                 return 0
-            known = self._ids
             try:
                 conn.execute("BEGIN IMMEDIATE")
-                new_ids: dict[SeriesKey, int] = {}
-                try:
-                    rows = _rows(batch, known)
-                except KeyError:  # a series new to this writer: find or make its id
-                    new_ids = self._resolve_ids(conn, {key for key, _, _ in batch if key not in known})
-                    rows = _rows(batch, known | new_ids)
-                conn.executemany(q.INSERT_RECENT, rows)
+                new_ids, layouts = self._insert_frames(conn, batch)
+                if unordered:
+                    f.compact(conn, self._chunk_bounds(conn))
                 conn.execute("COMMIT")
-            except sqlite3.Error as exc:
+            except (sqlite3.Error, q.DamagedChunk) as exc:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
-                raise wrap(self.path, f"flush of {len(batch)} samples failed, samples dropped", exc) from exc
+                self._chunk_hi = None  # may hold chunks of the rolled-back compaction
+                what = f"flush of {count} samples failed, samples dropped"
+                if isinstance(exc, q.DamagedChunk):
+                    raise CorruptStore(self.path, f"{what}: {exc}") from exc
+                raise wrap(self.path, what, exc) from exc
             # Only after COMMIT: ids from a rolled-back transaction would point nowhere.
             self._ids.update(new_ids)
-            self._recent_rows += len(batch)
-            if self._recent_rows >= self._compact_rows:
+            if unordered:
+                self._frame_samples, self._layouts = 0, {}
+            else:
+                self._frame_samples += count
+                for layout in layouts:
+                    self._layouts[layout] = self._layouts.get(layout, 0) + 1
+            if self._frame_samples >= self._compact_rows:
                 self._compact(conn)
-            return len(batch)
+            else:
+                ripe = {k: n - n % q.CHUNK_MAX for k, n in self._layouts.items() if n >= q.CHUNK_MAX}
+                if ripe:
+                    self._compact(conn, ripe)
+            return count
+
+    def _insert_frames(self, conn: sqlite3.Connection, batch: list[_Frame]) -> tuple[dict[SeriesKey, int], list[int]]:
+        """One ``frames`` row per written batch; returns the ids made for new series and
+        the frames' layouts."""
+        known = self._ids
+        new_ids: dict[SeriesKey, int] = {}
+        layouts: list[int] = []
+        for keys, times, values in batch:
+            try:
+                ids = [known[key] for key in keys]
+            except KeyError:  # a series new to this writer: find or make its id
+                new_ids |= self._resolve_ids(conn, {k for k in keys if k not in known and k not in new_ids})
+                ids = [known[key] if key in known else new_ids[key] for key in keys]
+            row = f.frame_row(ids, times, values)
+            conn.execute(f.INSERT_FRAME, row)
+            layouts.append(row[0])
+        return new_ids, layouts
 
     def compact(self) -> None:
         """Pack flushed rows into chunks now (GC and ``flush`` do it too)."""
         with self._write_lock:
             self._compact(self._writable())
 
-    def _compact(self, conn: sqlite3.Connection) -> None:
+    def _compact(self, conn: sqlite3.Connection, only: dict[int, int] | None = None) -> None:
+        """All frames, or ``only`` the oldest ``count`` of each ``layout: count``."""
+        moved = 0
+
+        def work() -> None:
+            nonlocal moved
+            moved = f.compact(conn, self._chunk_bounds(conn), only)
+
         try:
-            q.in_transaction(conn, lambda: q.compact(conn))
-        except sqlite3.Error as exc:
-            raise wrap(self.path, "compaction failed (flushed samples kept)", exc) from exc
-        except q.DamagedChunk as exc:
-            raise CorruptStore(self.path, f"compaction failed (flushed samples kept): {exc}") from exc
-        self._recent_rows = 0
+            q.in_transaction(conn, work)
+        except (sqlite3.Error, q.DamagedChunk) as exc:
+            self._chunk_hi = None
+            what = "compaction failed (flushed samples kept)"
+            if isinstance(exc, q.DamagedChunk):
+                raise CorruptStore(self.path, f"{what}: {exc}") from exc
+            raise wrap(self.path, what, exc) from exc
+        if only is None:
+            self._frame_samples, self._layouts = 0, {}
+            return
+        self._frame_samples = max(self._frame_samples - moved, 0)
+        for layout, count in only.items():
+            left = self._layouts.get(layout, 0) - count
+            if left > 0:
+                self._layouts[layout] = left
+            else:
+                self._layouts.pop(layout, None)
+
+    def _chunk_bounds(self, conn: sqlite3.Connection) -> dict[int, int]:
+        if self._chunk_hi is None:
+            self._chunk_hi = {int(sid): int(hi) for sid, hi in conn.execute(q.CHUNK_HI)}
+        return self._chunk_hi
 
     def _resolve_ids(self, conn: sqlite3.Connection, keys: set[SeriesKey]) -> dict[SeriesKey, int]:
         out: dict[SeriesKey, int] = {}
         for key in keys:
-            metric, labels = key
-            encoded = q.encode_labels(labels)
+            metric, encoded = key.split("\n", 1)
             conn.execute(q.INSERT_SERIES, (metric, encoded))
             out[key] = conn.execute(q.SELECT_SERIES_ID, (metric, encoded)).fetchone()[0]
         return out
@@ -354,7 +445,7 @@ class TSDB:
             series_id = self._series_id(conn, metric, labels)
             if series_id is None:
                 return [], []
-            return q.raw_window(conn, series_id, lo, hi), r.buckets_window(conn, series_id, lo, hi)
+            return f.raw_window(conn, series_id, lo, hi), r.buckets_window(conn, series_id, lo, hi)
 
     def aggregate(self, metric: str, labels: Labels, start: float, end: float) -> Aggregate | None:
         """The series over ``[start, end]`` (flushed samples); None without samples.
@@ -366,7 +457,7 @@ class TSDB:
         """Every series of ``metric`` with flushed samples in ``[start, end]``."""
         lo, hi = q.to_ms(start), q.to_ms(end)
         with self._snapshot() as conn:
-            raw = q.raw_window_all(conn, metric, lo, hi)
+            raw = f.raw_window_all(conn, metric, lo, hi)
             buckets = r.buckets_window_all(conn, metric, lo, hi)
         return r.combine_all(raw, buckets)
 
@@ -380,7 +471,7 @@ class TSDB:
         with self._snapshot() as conn:
             ids = {key: self._series_id(conn, key[0], key[1]) for key in wanted}
             known = [i for i in ids.values() if i is not None]
-            raw = q.raw_window_many(conn, known, lo, hi)
+            raw = f.raw_window_many(conn, known, lo, hi)
             buckets = {i: r.buckets_window(conn, i, lo, hi) for i in known}
         for key, series_id in ids.items():
             if series_id is not None:
@@ -396,7 +487,7 @@ class TSDB:
         lo, hi = q.to_ms(now - max_age), q.to_ms(now)
         candidates: list[q.Point] = []
         with self._batch_lock:
-            pending = self._latest.get((metric, canon))
+            pending = self._latest.get(series_key(metric, canon))
         if pending is not None and pending[0] <= hi:
             # The newest sample this writer has written for the series: nothing in the
             # file is newer (unless the clock went back across a restart), so no query
@@ -405,7 +496,7 @@ class TSDB:
         with self._snapshot() as conn:
             series_id = self._series_id(conn, metric, canon)
             if series_id is not None:
-                candidates += q.raw_last(conn, series_id, lo, hi)
+                candidates += f.raw_last(conn, series_id, lo, hi)
                 bucket = (series_id, lo, hi, q.to_ms(self.coarse_step))
                 candidates += ((int(t), float(v)) for t, v in conn.execute(r.LAST_BUCKET, bucket))
         if not candidates:
@@ -430,8 +521,11 @@ class TSDB:
 
     def latest_ts(self, metric: str) -> float | None:
         """Time of the newest flushed sample of any series of ``metric``."""
-        rows = self._read(q.LATEST_TS, (metric,))
-        return None if not rows or rows[0][0] is None else q.from_ms(int(rows[0][0]))
+        with self._snapshot() as conn:
+            stored = conn.execute(q.LATEST_TS, (metric,)).fetchone()[0]
+            pending = f.latest_ms(conn, metric)
+        newest = max((int(ms) for ms in (stored, pending) if ms is not None), default=None)
+        return None if newest is None else q.from_ms(newest)
 
     def size_bytes(self) -> int:
         """The database file plus its write-ahead log."""
@@ -465,6 +559,7 @@ class TSDB:
                     conn.execute("ROLLBACK")
                 # Dropped series must get fresh ids if their metric comes back.
                 self._ids.clear()
+                self._chunk_hi = None  # re-read at the next compaction: drops dropped series
             self._coarsened = max(self._coarsened, tiers.cuts(now_ms)[2])
             result = GCResult(counts.points_deleted, counts.series_deleted, before, self.size_bytes(),
                               counts.capped, counts.points_folded, counts.buckets_deleted)

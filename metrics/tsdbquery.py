@@ -1,18 +1,19 @@
 """SQL, the raw tier's storage, reader connections and the pure functions behind
 ``metrics.tsdb.TSDB`` (the rollup tier is in ``metrics.tsdbrollup``).
 
-Flushes append to ``recent``, keyed by time first, so a flush of one sample for each
-of thousands of series dirties a handful of pages at the end of one b-tree. Keyed by
-series first, it would dirty one page per series, and SQLite writes whole pages: about
-9 MB of disk writes per flush at the agent's 2200 series. ``recent`` is packed into
-``chunks`` in bulk when it holds enough rows.
+Flushes append one row per written batch to ``frames`` (``metrics.tsdbframes``), so a
+flush of one sample for each of thousands of series writes a handful of pages at the
+end of one b-tree. Keyed by series, it would dirty one page per series, and SQLite
+writes whole pages: about 9 MB of disk writes per flush at the agent's 2200 series.
+``frames`` are packed into ``chunks`` in bulk when they hold enough samples.
 
 A chunk is up to ``CHUNK_MAX`` consecutive samples of one series in one blob: the time
 deltas as 16-bit milliseconds, then the values as float64; deflated, with each value
-XORed with its predecessor first, when that is shorter (memory bytes, zero ratios and
-other integral or flat series shrink to 1-3 bytes a sample; noisy fractions barely
-do). A row per sample cost 21-24 bytes; chunks cost about 7.5 per sample on the
-agent's mix, and the encoding is lossless, so reads give exactly the stored numbers.
+XORed with its predecessor first, when that leaves enough zero bytes to pay and is
+shorter (memory bytes, zero ratios and other integral or flat series shrink to 1-3
+bytes a sample; noisy fractions stay plain, 10 bytes). A row per sample cost 21-24
+bytes; chunks cost about 7.5 per sample on the agent's mix, and the encoding is
+lossless, so reads give exactly the stored numbers.
 Chunks are appended (rowid order), which packs pages full; ``chunks_by_series`` finds
 them. A series' chunks never overlap in time: compaction merges late samples into the
 chunks they belong to, a sample written twice replacing the first, as before.
@@ -43,7 +44,7 @@ import structlog
 
 from metrics.model import Aggregate, Labels
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 #: SQLite page caches (KiB): resident memory once filled, so sized to the work.
 WRITER_CACHE_KIB: Final = 8192
 READER_CACHE_KIB: Final = 512
@@ -54,9 +55,16 @@ CHUNK_MAX: Final = 120
 CHUNK_SPAN: Final = 300_000
 _MAX_DELTA: Final = 0xFFFF  # what a 16-bit delta holds; a longer gap starts a new chunk
 _PLAIN, _DEFLATED = 0, 1
+#: Deflate a chunk only when at least 1/3 of its XORed value bytes are zero.
+_MIN_ZERO_SHARE: Final = 3
 _WBITS: Final = -12  # raw deflate, 4 KiB window: a chunk fits, and no header bytes
 _SWAP: Final = sys.byteorder == "big"  # blobs are little-endian on every host
 
+CREATE_FRAMES: Final = (
+    "CREATE TABLE frames (id INTEGER PRIMARY KEY, layout INTEGER NOT NULL, lo INTEGER NOT NULL,"
+    " hi INTEGER NOT NULL, n INTEGER NOT NULL, ids BLOB NOT NULL, vals BLOB NOT NULL, ts BLOB)"
+)
+COUNT_FRAME_SAMPLES: Final = "SELECT coalesce(sum(n), 0) FROM frames"
 _CHUNKS: Final = (
     "CREATE TABLE chunks (id INTEGER PRIMARY KEY, series_id INTEGER NOT NULL, lo INTEGER NOT NULL,"
     " hi INTEGER NOT NULL, n INTEGER NOT NULL, data BLOB NOT NULL)",
@@ -72,22 +80,22 @@ CREATE_SCHEMA: Final = (
     # resolved a moment ago can never point at another series.
     "CREATE TABLE series (id INTEGER PRIMARY KEY AUTOINCREMENT, metric TEXT NOT NULL,"
     " labels TEXT NOT NULL, UNIQUE (metric, labels))",
-    "CREATE TABLE recent (ts INTEGER NOT NULL, series_id INTEGER NOT NULL, value REAL NOT NULL,"
-    " PRIMARY KEY (ts, series_id)) WITHOUT ROWID",
+    CREATE_FRAMES,
     *_CHUNKS,
     "CREATE TABLE kv (key TEXT PRIMARY KEY, value TEXT NOT NULL, updated REAL NOT NULL)",
     f"PRAGMA user_version = {SCHEMA_VERSION}",
 )
-#: Schema 1 kept one row per sample in ``points (series_id, ts, value)``.
-MIGRATE_FROM_1: Final = (*_CHUNKS, "SELECT series_id, ts, value FROM points ORDER BY series_id, ts")
-MIGRATE_FROM_1_DONE: Final = ("DROP TABLE points", f"PRAGMA user_version = {SCHEMA_VERSION}")
+#: Schema 1 kept one row per sample in ``points (series_id, ts, value)``, schema 2 the
+#: newest samples in ``recent (ts, series_id, value)`` (schema 1 had it too): upgrades
+#: pack those rows into chunks. Per version: tables to create, the rows, tables to drop.
+MIGRATIONS: Final = {
+    1: ((*_CHUNKS, CREATE_FRAMES), "SELECT series_id, ts, value FROM points UNION ALL"
+        " SELECT series_id, ts, value FROM recent ORDER BY 1, 2", ("points", "recent")),
+    2: ((CREATE_FRAMES,), "SELECT series_id, ts, value FROM recent ORDER BY series_id, ts", ("recent",)),
+}
 
 SELECT_SERIES_ID: Final = "SELECT id FROM series WHERE metric = ? AND labels = ?"
 INSERT_SERIES: Final = "INSERT OR IGNORE INTO series (metric, labels) VALUES (?, ?)"
-INSERT_RECENT: Final = "INSERT OR REPLACE INTO recent (ts, series_id, value) VALUES (?, ?, ?)"
-COUNT_RECENT: Final = "SELECT count(*) FROM recent"
-RECENT_IN_TIME_ORDER: Final = "SELECT series_id, ts, value FROM recent"
-DELETE_RECENT: Final = "DELETE FROM recent"
 INSERT_CHUNK: Final = "INSERT INTO chunks (series_id, lo, hi, n, data) VALUES (?, ?, ?, ?, ?)"
 DELETE_CHUNK: Final = "DELETE FROM chunks WHERE id = ?"
 _OVERLAPS: Final = f"lo BETWEEN ?2 - {CHUNK_SPAN} AND ?3 AND hi >= ?2"
@@ -95,30 +103,20 @@ _OVERLAPS: Final = f"lo BETWEEN ?2 - {CHUNK_SPAN} AND ?3 AND hi >= ?2"
 OVERLAPPING: Final = f"SELECT id, lo, hi, n, data FROM chunks WHERE series_id = ?1 AND {_OVERLAPS}"
 CHUNKS_BEFORE: Final = "SELECT id, lo, hi, n, data FROM chunks WHERE series_id = ? AND lo < ? ORDER BY lo"
 CHUNKS_ONE: Final = f"SELECT lo, hi, n, data FROM chunks WHERE series_id = ?1 AND {_OVERLAPS}"
-RECENT_ONE: Final = "SELECT ts, value FROM recent WHERE ts BETWEEN ?2 AND ?3 AND series_id = ?1"
-# ?1 metric, ?2 first ms, ?3 last ms. CROSS JOIN makes SQLite scan the time range of
-# ``recent`` once; the other join order would rescan it for every series of the metric.
+# ?1 metric, ?2 first ms, ?3 last ms.
 CHUNKS_ALL: Final = (
     "SELECT s.labels, c.lo, c.hi, c.n, c.data FROM series s JOIN chunks c ON c.series_id = s.id"
     f" WHERE s.metric = ?1 AND c.lo BETWEEN ?2 - {CHUNK_SPAN} AND ?3 AND c.hi >= ?2"
-)
-RECENT_ALL: Final = (
-    "SELECT s.labels, r.ts, r.value FROM recent r CROSS JOIN series s ON s.id = r.series_id"
-    " WHERE r.ts BETWEEN ?2 AND ?3 AND s.metric = ?1"
 )
 # Chunks do not overlap: the newest one starting by ?3 holds the newest sample by ?3.
 LAST_CHUNK: Final = (
     "SELECT lo, hi, n, data FROM chunks WHERE series_id = ?1 AND lo <= ?3 AND hi >= ?2 ORDER BY lo DESC LIMIT 1"
 )
-LAST_RECENT: Final = (
-    "SELECT ts, value FROM recent WHERE ts BETWEEN ?2 AND ?3 AND series_id = ?1 ORDER BY ts DESC LIMIT 1"
-)
 SERIES_OF: Final = "SELECT labels FROM series WHERE metric = ? ORDER BY labels"
 LATEST_TS: Final = (
     "SELECT max(ts) FROM (SELECT (SELECT hi FROM chunks WHERE series_id = s.id ORDER BY lo DESC LIMIT 1) AS ts"
     " FROM series s WHERE s.metric = ?1 UNION ALL SELECT (SELECT start + last_off FROM rollups"
-    " WHERE series_id = s.id ORDER BY start DESC LIMIT 1) FROM series s WHERE s.metric = ?1"
-    " UNION ALL SELECT max(r.ts) FROM recent r CROSS JOIN series s ON s.id = r.series_id WHERE s.metric = ?1)"
+    " WHERE series_id = s.id ORDER BY start DESC LIMIT 1) FROM series s WHERE s.metric = ?1)"
 )
 PUT_KV: Final = "INSERT OR REPLACE INTO kv (key, value, updated) VALUES (?, ?, ?)"
 GET_KV: Final = "SELECT value FROM kv WHERE key = ?"
@@ -170,7 +168,7 @@ def in_transaction(conn: sqlite3.Connection, work: Callable[[], object]) -> None
 
 def open_writer(path: Path, busy_timeout: float, wal_limit: int) -> tuple[sqlite3.Connection, int]:
     """The writer's connection to a file with our schema (created or upgraded here),
-    and the number of rows in ``recent``."""
+    and the number of samples in ``frames``."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -195,9 +193,9 @@ def open_writer(path: Path, busy_timeout: float, wal_limit: int) -> tuple[sqlite
         version = schema_version(path, conn, readonly=False)
         if version == 0:
             in_transaction(conn, lambda: [conn.execute(sql) for sql in CREATE_SCHEMA])
-        elif version == 1:
-            _migrate_from_1(path, conn)
-        return conn, int(conn.execute(COUNT_RECENT).fetchone()[0])
+        elif version in MIGRATIONS:
+            _migrate(path, conn, version)
+        return conn, int(conn.execute(COUNT_FRAME_SAMPLES).fetchone()[0])
     except sqlite3.Error as exc:
         conn.close()
         raise wrap(path, "cannot open", exc) from exc
@@ -207,32 +205,33 @@ def open_writer(path: Path, busy_timeout: float, wal_limit: int) -> tuple[sqlite
 
 
 def schema_version(path: Path, conn: sqlite3.Connection, *, readonly: bool) -> int:
-    """Ours, 1 (the writer upgrades it) or 0 for an empty file; else CorruptStore."""
+    """Ours, an older one (the writer upgrades it) or 0 for an empty file; else CorruptStore."""
     try:
         version = int(conn.execute("PRAGMA user_version").fetchone()[0])
         tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
     except sqlite3.Error as exc:
         raise wrap(path, "cannot read", exc) from exc
-    if version == SCHEMA_VERSION or (version == 1 and not readonly):
+    if version == SCHEMA_VERSION or (version in MIGRATIONS and not readonly):
         return version
     if version == 0 and tables == 0 and not readonly:
         return 0
-    if version == 1:
-        raise TSDBError(path, "schema 1: the agent upgrades it when it opens the store")
+    if version in MIGRATIONS:
+        raise TSDBError(path, f"schema {version}: the agent upgrades it when it opens the store")
     raise CorruptStore(path, f"not a metrics store of schema {SCHEMA_VERSION} (user_version={version})")
 
 
-def _migrate_from_1(path: Path, conn: sqlite3.Connection) -> None:
-    """Schema 1 kept a row per sample: pack them into chunks, in one transaction."""
+def _migrate(path: Path, conn: sqlite3.Connection, version: int) -> None:
+    """Older schemas kept a row per sample: pack them into chunks, in one transaction."""
 
     def migrate() -> None:
-        *create, select = MIGRATE_FROM_1
+        create, select, drop = MIGRATIONS[version]
         for sql in create:
             conn.execute(sql)
         moved = store_series(conn, _by_series(conn.execute(select)))
-        for sql in MIGRATE_FROM_1_DONE:
-            conn.execute(sql)
-        log.info("tsdb.migrated", path=str(path), from_schema=1, to_schema=SCHEMA_VERSION, samples=moved)
+        for table in drop:
+            conn.execute(f"DROP TABLE {table}")
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        log.info("tsdb.migrated", path=str(path), from_schema=version, to_schema=SCHEMA_VERSION, samples=moved)
 
     in_transaction(conn, migrate)
 
@@ -310,7 +309,12 @@ def encode_chunk(ts: Sequence[int], values: Sequence[float]) -> bytes:
     bits = array.array("Q", floats.tobytes())  # the same 8 bytes, as integers to XOR
     bits = array.array("Q", map(operator.xor, bits, itertools.chain((0,), bits)))
     plain = bytes((_PLAIN,)) + deltas + _le(floats)
-    packed = bytes((_DEFLATED,)) + zlib.compress(deltas + _le(bits), 1, _WBITS)
+    xored = _le(bits)
+    # Deflate pays off through runs of zero bytes (equal neighbours, integral values);
+    # a noisy fraction leaves few, and deflating it costs ~40 µs per chunk to save ~20 %.
+    if xored.count(0) * _MIN_ZERO_SHARE < len(xored):
+        return plain
+    packed = bytes((_DEFLATED,)) + zlib.compress(deltas + xored, 1, _WBITS)
     return packed if len(packed) < len(plain) else plain
 
 
@@ -357,11 +361,14 @@ def pack(ts: Sequence[int], values: Sequence[float]) -> Iterator[tuple[int, int,
 
 
 def _merge(
-    conn: sqlite3.Connection, series_id: int, ts: list[int], values: list[float]
+    conn: sqlite3.Connection, series_id: int, ts: Sequence[int], values: Sequence[float], after: int | None
 ) -> Iterator[tuple[int, int, int, int, bytes]]:
     """Chunk rows for ascending samples of one series, merged with the stored chunks
-    they overlap (deleted here); a sample at a time already stored replaces it."""
-    old = conn.execute(OVERLAPPING, (series_id, ts[0], ts[-1])).fetchall()
+    they overlap (deleted here); a sample at a time already stored replaces it.
+    ``after``: no stored chunk of the series reaches past it (None: unknown)."""
+    old: list[tuple[int, int, int, int, bytes]] = []
+    if after is None or ts[0] <= after:
+        old = conn.execute(OVERLAPPING, (series_id, ts[0], ts[-1])).fetchall()
     if old:
         merged: dict[int, float] = {}
         for _, lo, _, n, data in old:
@@ -373,12 +380,29 @@ def _merge(
     return ((series_id, *chunk) for chunk in pack(ts, values))
 
 
-def store_series(conn: sqlite3.Connection, series: Iterable[tuple[int, list[int], list[float]]]) -> int:
-    """``(series_id, ascending ts_ms, values)`` into ``chunks``; returns the sample count."""
+NO_CHUNKS: Final = -(2**63)
+CHUNK_HI: Final = "SELECT series_id, max(hi) FROM chunks GROUP BY series_id"
+
+
+def store_series(
+    conn: sqlite3.Connection,
+    series: Iterable[tuple[int, Sequence[int], Sequence[float]]],
+    chunk_hi: dict[int, int] | None = None,
+) -> int:
+    """``(series_id, strictly ascending ts_ms, values)`` into ``chunks``; returns the
+    sample count. ``chunk_hi``, when given, bounds every series' chunks: series id ->
+    no chunk ends later (a series missing has none; ``CHUNK_HI`` fills it, this keeps
+    it up to date). It spares the overlap query for samples past the bound."""
     count = 0
     chunks: list[tuple[int, int, int, int, bytes]] = []
     for series_id, ts, values in series:
-        chunks += _merge(conn, series_id, ts, values)
+        if chunk_hi is None:
+            rows = list(_merge(conn, series_id, ts, values, None))
+        else:
+            after = chunk_hi.get(series_id, NO_CHUNKS)
+            rows = list(_merge(conn, series_id, ts, values, after))
+            chunk_hi[series_id] = max(after, *(row[2] for row in rows))
+        chunks += rows
         count += len(ts)
     # In time order, so rowids follow time and the oldest data fills the first pages:
     # deleting it frees whole pages, even after a compaction of many minutes.
@@ -387,26 +411,16 @@ def store_series(conn: sqlite3.Connection, series: Iterable[tuple[int, list[int]
     return count
 
 
-def compact(conn: sqlite3.Connection) -> None:
-    """Move ``recent`` into ``chunks`` (the caller's transaction)."""
-    groups: dict[int, tuple[list[int], list[float]]] = {}
-    # In key order (time, then series): no sort, and each series' samples come ascending.
-    for series_id, t, v in conn.execute(RECENT_IN_TIME_ORDER):
-        group = groups.get(series_id)
-        if group is None:
-            group = groups[series_id] = ([], [])
-        group[0].append(t)
-        group[1].append(v)
-    store_series(conn, ((series_id, ts, values) for series_id, (ts, values) in groups.items()))
-    conn.execute(DELETE_RECENT)
-
-
 def _by_series(rows: Iterable[tuple[int, int, float]]) -> Iterator[tuple[int, list[int], list[float]]]:
-    """Rows sorted by series then time, one series at a time (bounded memory)."""
+    """Rows sorted by series then time, one series at a time (bounded memory); of two
+    rows for one time, the second."""
     for series_id, group in itertools.groupby(rows, key=operator.itemgetter(0)):
         ts: list[int] = []
         values: list[float] = []
         for _, t, v in group:
+            if ts and ts[-1] == t:
+                values[-1] = v
+                continue
             ts.append(t)
             values.append(v)
         yield series_id, ts, values
@@ -421,56 +435,27 @@ def chunk_points(lo: int, hi: int, n: int, data: bytes, start: int, end: int) ->
     return list(zip(ts[i:j], values[i:j], strict=True))
 
 
-def raw_window(conn: sqlite3.Connection, series_id: int, start: int, end: int) -> list[Point]:
-    """One series' raw samples in ``[start, end]`` (ms), chunks then ``recent``."""
-    rows = _chunks_window(conn, series_id, start, end)
-    rows += ((int(t), float(v)) for t, v in conn.execute(RECENT_ONE, (series_id, start, end)))
-    return rows
-
-
-def _chunks_window(conn: sqlite3.Connection, series_id: int, start: int, end: int) -> list[Point]:
+def chunks_window(conn: sqlite3.Connection, series_id: int, start: int, end: int) -> list[Point]:
+    """One series' chunked samples in ``[start, end]`` (ms)."""
     rows: list[Point] = []
     for lo, hi, n, data in conn.execute(CHUNKS_ONE, (series_id, start, end)):
         rows += chunk_points(lo, hi, n, data, start, end)
     return rows
 
 
-# ?1 first ms, ?2 last ms; the ids follow (plain ``?`` numbers on from 3).
-_RECENT_MANY: Final = "SELECT series_id, ts, value FROM recent WHERE ts BETWEEN ?1 AND ?2 AND series_id IN "
-#: Ids per statement of ``raw_window_many`` (well under SQLite's variable limit).
-_MANY: Final = 500
-
-
-def raw_window_many(conn: sqlite3.Connection, ids: Sequence[int], start: int, end: int) -> dict[int, list[Point]]:
-    """Raw samples in ``[start, end]`` of several series by id. ``recent`` is ordered by
-    time, so a per-series read scans every series' rows in the window: here the window
-    is scanned once per ``_MANY`` series instead of once per series."""
-    out = {i: _chunks_window(conn, i, start, end) for i in ids}
-    for k in range(0, len(ids), _MANY):
-        part = ids[k:k + _MANY]
-        sql = f"{_RECENT_MANY}({','.join('?' * len(part))})"
-        for series_id, t, v in conn.execute(sql, (start, end, *part)):
-            out[series_id].append((int(t), float(v)))
-    return out
-
-
-def raw_window_all(conn: sqlite3.Connection, metric: str, start: int, end: int) -> dict[str, list[Point]]:
-    """Raw samples in ``[start, end]`` of every series of ``metric``, by labels JSON."""
-    params = (metric, start, end)
+def chunks_window_all(conn: sqlite3.Connection, metric: str, start: int, end: int) -> dict[str, list[Point]]:
+    """Chunked samples in ``[start, end]`` of every series of ``metric``, by labels JSON."""
     out: dict[str, list[Point]] = {}
-    for text, lo, hi, n, data in conn.execute(CHUNKS_ALL, params):
+    for text, lo, hi, n, data in conn.execute(CHUNKS_ALL, (metric, start, end)):
         out.setdefault(text, []).extend(chunk_points(lo, hi, n, data, start, end))
-    for text, t, v in conn.execute(RECENT_ALL, params):
-        out.setdefault(text, []).append((int(t), float(v)))
     return out
 
 
-def raw_last(conn: sqlite3.Connection, series_id: int, lo: int, hi: int) -> list[Point]:
-    """Candidates for the newest raw sample in ``[lo, hi]``: at most one per table."""
+def chunk_last(conn: sqlite3.Connection, series_id: int, lo: int, hi: int) -> list[Point]:
+    """The newest chunked sample in ``[lo, hi]``, if any."""
     out: list[Point] = []
     for c_lo, c_hi, n, data in conn.execute(LAST_CHUNK, (series_id, lo, hi)):
         out += chunk_points(c_lo, c_hi, n, data, lo, hi)[-1:]
-    out += ((int(t), float(v)) for t, v in conn.execute(LAST_RECENT, (series_id, lo, hi)))
     return out
 
 

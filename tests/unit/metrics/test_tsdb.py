@@ -242,7 +242,7 @@ def test_rows_not_yet_compacted_survive_a_restart_and_are_compacted_later(path: 
         db.write([Sample(CPU, 4.0, A, T0 + 3)])
         db.flush()  # 3 rows left from before + 1: compacts
         assert db.points(CPU, A, T0, T0 + 10)[-1] == (T0 + 3, 4.0)
-        recent = sqlite3.connect(path).execute("SELECT count(*) FROM recent").fetchone()[0]
+        recent = sqlite3.connect(path).execute("SELECT count(*) FROM frames").fetchone()[0]
         assert recent == 0
 
 

@@ -335,8 +335,8 @@ def test_schema_1_files_are_upgraded_in_place(path: Path) -> None:
     with TSDB(path, clock=Clock()) as db:
         assert db.points(CPU, A, T0, T0 + 300) == [(T0 + i, i / 4) for i in range(200)] + [(T0 + 200, 50.0)]
     check = sqlite3.connect(path)
-    assert check.execute("PRAGMA user_version").fetchone()[0] == 2
-    assert check.execute("SELECT count(*) FROM sqlite_master WHERE name = 'points'").fetchone()[0] == 0
+    assert check.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert check.execute("SELECT count(*) FROM sqlite_master WHERE name IN ('points', 'recent')").fetchone()[0] == 0
 
 
 def test_a_damaged_chunk_is_a_clear_error_naming_the_file(db: TSDB) -> None:

@@ -1,0 +1,274 @@
+"""The raw tier's newest part: one row per written batch ("frame"), packed into chunks
+in bulk (``compact``).
+
+A frame is what one ``TSDB.write()`` call handed over, as three little-endian arrays:
+series ids (int64), values (float64), and times (int64 ms), the times left out (NULL)
+when every sample of the frame has the same one, which is the rule for a collector
+tick. A row per sample cost ~1 µs to insert and ~0.9 µs to read back at compaction;
+a frame of 2200 samples is one insert of ~35 kB.
+
+A collector writes its series in the same order every tick, so consecutive frames
+share a layout (byte-identical id arrays; ``layout`` is their CRC-32). Compaction
+concatenates the value arrays of the frames of one layout and takes series ``j``'s
+samples as the slice ``[j::n]``, in C, instead of grouping rows one by one in Python.
+A series whose samples come from several layouts, or out of time order, or twice for
+one time, is merged sample by sample, the later write winning, as a rewritten sample
+always did.
+
+What a compaction costs is mostly per series and chunk (encoding, ~20 µs), not per
+sample. So the writer compacts a layout once it holds ``CHUNK_MAX`` frames, which
+makes full chunks, and leaves slower layouts (PSI every 10 s: thousands of series)
+to the full compaction before each GC, instead of packing every series whenever the
+table holds enough samples.
+
+Readers decode frames per query: the positions of the wanted series are looked up
+once per layout, then each frame is indexed at those positions.
+"""
+
+from __future__ import annotations
+
+import array
+import operator
+import sqlite3
+import sys
+import zlib
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Final, NamedTuple
+
+from metrics import tsdbquery as q
+
+_SWAP: Final = sys.byteorder == "big"  # blobs are little-endian on every host
+
+INSERT_FRAME: Final = "INSERT INTO frames (layout, lo, hi, n, ids, vals, ts) VALUES (?, ?, ?, ?, ?, ?, ?)"
+LAYOUT_COUNTS: Final = "SELECT layout, count(*) FROM frames GROUP BY layout"
+ALL_FRAMES: Final = "SELECT id, lo, hi, n, ids, vals, ts FROM frames ORDER BY id"
+OLDEST_OF_LAYOUT: Final = "SELECT id, lo, hi, n, ids, vals, ts FROM frames WHERE layout = ? ORDER BY id LIMIT ?"
+DELETE_FRAME: Final = "DELETE FROM frames WHERE id = ?"
+# ?1 first ms, ?2 last ms. Few rows (a couple of minutes of writes): no index needed.
+FRAMES_WINDOW: Final = "SELECT id, lo, hi, n, ids, vals, ts FROM frames WHERE hi >= ?1 AND lo <= ?2 ORDER BY id"
+DELETE_FRAMES: Final = "DELETE FROM frames"
+SERIES_IDS_OF: Final = "SELECT id, labels FROM series WHERE metric = ?"
+
+
+class Frame(NamedTuple):
+    id: int
+    lo: int
+    hi: int
+    n: int
+    ids: bytes
+    vals: bytes
+    ts: bytes | None
+
+
+def _blob(a: array.array[int] | array.array[float]) -> bytes:
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def _ints(raw: bytes) -> array.array[int]:
+    a: array.array[int] = array.array("q")
+    _load(a, raw)
+    return a
+
+
+def _floats(raw: bytes) -> array.array[float]:
+    a: array.array[float] = array.array("d")
+    _load(a, raw)
+    return a
+
+
+def _load(a: array.array[int] | array.array[float], raw: bytes) -> None:
+    try:
+        a.frombytes(raw)
+    except (TypeError, ValueError) as exc:  # not a blob, or cut short
+        raise q.DamagedChunk(f"damaged frame: {exc}") from exc
+    if _SWAP:
+        a.byteswap()
+
+
+def frame_row(ids: Sequence[int], ts: Sequence[int], values: Sequence[float]) -> tuple[int, int, int, int, bytes,
+                                                                                       bytes, bytes | None]:
+    """The ``frames`` row (for ``INSERT_FRAME``) of one non-empty batch; it starts with
+    the layout."""
+    lo, hi = min(ts), max(ts)
+    times = None if lo == hi else _blob(array.array("q", ts))
+    layout = _blob(array.array("q", ids))
+    return zlib.crc32(layout), lo, hi, len(ids), layout, _blob(array.array("d", values)), times
+
+
+def _decode(frame: Frame) -> tuple[array.array[float], array.array[int] | None]:
+    vals = _floats(frame.vals)
+    ts = None if frame.ts is None else _ints(frame.ts)
+    if len(vals) != frame.n or (ts is not None and len(ts) != frame.n):
+        raise q.DamagedChunk(f"damaged frame {frame.id}: {len(vals)} values for {frame.n} samples")
+    return vals, ts
+
+
+class _Layouts:
+    """Positions of the wanted series per layout (id array), computed once each."""
+
+    def __init__(self, wanted: Collection[int] | None) -> None:
+        self._wanted = wanted
+        self._seen: dict[bytes, list[tuple[int, int]]] = {}
+
+    def positions(self, frame: Frame) -> list[tuple[int, int]]:
+        """``(position, series id)`` of the wanted series in ``frame``."""
+        found = self._seen.get(frame.ids)
+        if found is None:
+            ids = _ints(frame.ids)
+            if len(ids) != frame.n:
+                raise q.DamagedChunk(f"damaged frame {frame.id}: {len(ids)} ids for {frame.n} samples")
+            wanted = self._wanted
+            found = [(j, sid) for j, sid in enumerate(ids) if wanted is None or sid in wanted]
+            self._seen[frame.ids] = found
+        return found
+
+
+def _frames_in(conn: sqlite3.Connection, start: int, end: int) -> list[Frame]:
+    return [Frame(*row) for row in conn.execute(FRAMES_WINDOW, (start, end))]
+
+
+def _points(frames: Iterable[Frame], wanted: Collection[int] | None, start: int, end: int) -> dict[int, list[q.Point]]:
+    """The samples in ``[start, end]`` of the ``wanted`` series (None: all), by id."""
+    layouts = _Layouts(wanted)
+    out: dict[int, list[q.Point]] = {}
+    for frame in frames:
+        found = layouts.positions(frame)
+        if not found:
+            continue
+        vals, ts = _decode(frame)
+        if ts is None:
+            if start <= frame.lo <= end:
+                t = frame.lo
+                for j, sid in found:
+                    out.setdefault(sid, []).append((t, vals[j]))
+            continue
+        for j, sid in found:
+            if start <= ts[j] <= end:
+                out.setdefault(sid, []).append((ts[j], vals[j]))
+    return out
+
+
+def raw_window(conn: sqlite3.Connection, series_id: int, start: int, end: int) -> list[q.Point]:
+    """One series' raw samples in ``[start, end]`` (ms): chunks, then frames."""
+    rows = q.chunks_window(conn, series_id, start, end)
+    rows += _points(_frames_in(conn, start, end), (series_id,), start, end).get(series_id, [])
+    return rows
+
+
+def raw_window_many(conn: sqlite3.Connection, ids: Sequence[int], start: int, end: int) -> dict[int, list[q.Point]]:
+    """Raw samples in ``[start, end]`` of several series by id (each frame decoded once)."""
+    out = {i: q.chunks_window(conn, i, start, end) for i in ids}
+    for sid, rows in _points(_frames_in(conn, start, end), set(ids), start, end).items():
+        out[sid] += rows
+    return out
+
+
+def raw_window_all(conn: sqlite3.Connection, metric: str, start: int, end: int) -> dict[str, list[q.Point]]:
+    """Raw samples in ``[start, end]`` of every series of ``metric``, by labels JSON."""
+    out = q.chunks_window_all(conn, metric, start, end)
+    labels = {int(i): str(text) for i, text in conn.execute(SERIES_IDS_OF, (metric,))}
+    for sid, rows in _points(_frames_in(conn, start, end), labels, start, end).items():
+        out.setdefault(labels[sid], []).extend(rows)
+    return out
+
+
+def raw_last(conn: sqlite3.Connection, series_id: int, lo: int, hi: int) -> list[q.Point]:
+    """Candidates for the newest raw sample in ``[lo, hi]``: at most one per tier part."""
+    out = q.chunk_last(conn, series_id, lo, hi)
+    found = _points(_frames_in(conn, lo, hi), (series_id,), lo, hi).get(series_id)
+    if found:
+        out.append(max(found))
+    return out
+
+
+def latest_ms(conn: sqlite3.Connection, metric: str) -> int | None:
+    """Time of the newest sample of ``metric`` in the frames."""
+    ids = {int(i) for i, _ in conn.execute(SERIES_IDS_OF, (metric,))}
+    found = _points(_frames_in(conn, -(2**63), 2**63 - 1), ids, -(2**63), 2**63 - 1)
+    return max((max(rows)[0] for rows in found.values()), default=None)
+
+
+# --- compaction -------------------------------------------------------------------
+
+
+class _Piece(NamedTuple):
+    """Samples of one series from one layout: times, values, and the frame ids (write
+    order) when the series needs a merge."""
+
+    ts: Sequence[int]
+    vals: Sequence[float]
+    order: Sequence[int]
+
+
+def _ascending(ts: Sequence[int]) -> bool:
+    return all(map(operator.lt, ts, ts[1:]))
+
+
+def _pieces(frames: list[Frame]) -> Iterator[tuple[int, _Piece]]:
+    """``(series id, piece)`` for every position of every layout."""
+    by_layout: dict[bytes, list[Frame]] = {}
+    for frame in frames:
+        by_layout.setdefault(frame.ids, []).append(frame)
+    for group in by_layout.values():
+        ids = _ints(group[0].ids)
+        n = len(ids)
+        if n != group[0].n:
+            raise q.DamagedChunk(f"damaged frame {group[0].id}: {n} ids for {group[0].n} samples")
+        vals: array.array[float] = array.array("d")
+        for frame in group:
+            vals += _decode(frame)[0]
+        order = [f.id for f in group]
+        if all(f.ts is None for f in group):
+            times: Sequence[int] = [f.lo for f in group]
+            for j, sid in enumerate(ids):
+                yield sid, _Piece(times, vals[j::n], order)
+            continue
+        stamps: array.array[int] = array.array("q")
+        for frame in group:
+            stamps += _ints(frame.ts) if frame.ts is not None else array.array("q", [frame.lo]) * n
+        for j, sid in enumerate(ids):
+            yield sid, _Piece(stamps[j::n], vals[j::n], order)
+
+
+def _merged(pieces: list[_Piece]) -> tuple[list[int], list[float]]:
+    """Samples of several pieces in time order; for a time written twice, the later write."""
+    triples = sorted((t, fid, v) for p in pieces for t, fid, v in zip(p.ts, p.order, p.vals, strict=True))
+    merged = {t: v for t, _, v in triples}
+    return list(merged), list(merged.values())
+
+
+def series_samples(frames: list[Frame]) -> Iterator[tuple[int, Sequence[int], Sequence[float]]]:
+    """``(series id, strictly ascending ms, values)`` of every series in ``frames``."""
+    by_series: dict[int, list[_Piece]] = {}
+    for sid, piece in _pieces(frames):
+        by_series.setdefault(sid, []).append(piece)
+    for sid, pieces in by_series.items():
+        if len(pieces) == 1 and _ascending(pieces[0].ts):
+            yield sid, pieces[0].ts, pieces[0].vals
+        else:
+            yield sid, *_merged(pieces)
+
+
+def layout_counts(conn: sqlite3.Connection) -> dict[int, int]:
+    """Frames per layout."""
+    return {int(layout): int(n) for layout, n in conn.execute(LAYOUT_COUNTS)}
+
+
+def compact(conn: sqlite3.Connection, chunk_hi: dict[int, int] | None, only: Mapping[int, int] | None = None) -> int:
+    """Move frames into ``chunks`` (the caller's transaction): all of them, or ``only``
+    the oldest ``count`` frames of each ``layout: count``. Returns the samples moved.
+    ``chunk_hi``: see ``tsdbquery.store_series``."""
+    if only is None:
+        frames = [Frame(*row) for row in conn.execute(ALL_FRAMES)]
+    else:
+        frames = [Frame(*row) for layout, count in only.items()
+                  for row in conn.execute(OLDEST_OF_LAYOUT, (layout, count))]
+        frames.sort(key=operator.attrgetter("id"))
+    moved = q.store_series(conn, series_samples(frames), chunk_hi)
+    if only is None:
+        conn.execute(DELETE_FRAMES)
+    else:
+        conn.executemany(DELETE_FRAME, [(frame.id,) for frame in frames])
+    return moved

@@ -1,0 +1,199 @@
+"""The raw tier's frames (one row per ``write()``): reads before and after compaction,
+layouts that change between ticks, rewrites and out-of-order samples, older schemas,
+damaged frames."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from metrics.model import Labels, Sample, labels
+from metrics.tsdb import TSDB, CorruptStore
+
+CPU = "pod_cpu_usage_cores"
+MEM = "pod_memory_used_bytes"
+T0 = 1_700_000_000.0
+PODS = [labels(pod_uid=f"p{i}") for i in range(6)]
+
+
+class Clock:
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _frames(path: Path) -> int:
+    return int(sqlite3.connect(path).execute("SELECT count(*) FROM frames").fetchone()[0])
+
+
+def _tick(db: TSDB, now: float, pods: list[Labels], expected: dict[tuple[str, Labels], list[tuple[float, float]]],
+          rng: random.Random) -> None:
+    """One collector tick: every pod's CPU and memory at ``now`` (ts 0: stamped ``now``)."""
+    samples = []
+    for lb in pods:
+        for metric in (CPU, MEM):
+            value = rng.random() if metric == CPU else float(rng.randrange(1 << 30))
+            samples.append(Sample(metric, value, lb, 0.0))
+            expected.setdefault((metric, lb), []).append((now, value))
+    db.write(samples, now)
+    db.flush()
+
+
+def test_changing_layouts_read_the_same_before_and_after_compaction(tmp_path: Path) -> None:
+    """Pods come and go between ticks, so frames have several layouts; every series
+    reads back exactly, from frames, then from chunks."""
+    rng = random.Random(7)
+    expected: dict[tuple[str, Labels], list[tuple[float, float]]] = {}
+    path = tmp_path / "m.db"
+    with TSDB(path, clock=Clock(), compact_rows=10**9) as db:
+        for t in range(40):
+            pods = PODS[:4] if t < 15 else PODS[2:] if t < 30 else PODS  # three layouts
+            if t % 7 == 3:
+                pods = pods[::-1]  # same series, another order: a fourth layout
+            _tick(db, T0 + t, pods, expected, rng)
+        assert _frames(path) == 40
+        before = {key: db.points(*key, T0, T0 + 100) for key in expected}
+        many = db.aggregate_many(list(expected), T0 + 5, T0 + 35)
+        every = db.aggregate_all(CPU, T0 + 5, T0 + 35)
+        last = db.last(CPU, PODS[0], 100, T0 + 100)
+        latest = db.latest_ts(MEM)
+        db.compact()
+        assert _frames(path) == 0
+        for key, points in expected.items():
+            assert before[key] == points
+            assert db.points(*key, T0, T0 + 100) == points
+        assert db.aggregate_many(list(expected), T0 + 5, T0 + 35) == many
+        assert db.aggregate_all(CPU, T0 + 5, T0 + 35) == every
+        assert every[PODS[5]].count == 21 and every[PODS[0]].count == 16  # t 15..35; 5..14 and 30..35
+        assert db.last(CPU, PODS[0], 100, T0 + 100) == last == Sample(CPU, expected[(CPU, PODS[0])][-1][1], PODS[0],
+                                                                        T0 + 39)
+        assert db.latest_ts(MEM) == latest == T0 + 39
+
+
+def test_a_fresh_reader_sees_frames_of_another_process(tmp_path: Path) -> None:
+    path = tmp_path / "m.db"
+    with TSDB(path, clock=Clock()) as db:
+        db.write([Sample(CPU, 0.5, PODS[0], T0), Sample(CPU, 0.25, PODS[1], T0 + 0.5)])
+        db.flush()
+        reader = TSDB.open_readonly(path)
+        assert reader.points(CPU, PODS[1], T0, T0 + 1) == [(T0 + 0.5, 0.25)]  # per-sample times kept
+        assert reader.latest_ts(CPU) == T0 + 0.5
+        reader.close()
+
+
+def test_a_rewrite_and_an_older_sample_compact_at_once_and_the_later_write_wins(tmp_path: Path) -> None:
+    path = tmp_path / "m.db"
+    with TSDB(path, clock=Clock(), compact_rows=10**9) as db:
+        db.write([Sample(CPU, float(i), PODS[0], T0 + i) for i in range(10)])
+        db.flush()
+        assert _frames(path) == 1  # in order: stays a frame
+        db.write([Sample(CPU, 50.0, PODS[0], T0 + 4), Sample(CPU, 0.5, PODS[0], T0 - 1)])
+        db.flush()
+        assert _frames(path) == 0, "out of order: compacted in the flush's transaction"
+        want = [(T0 - 1, 0.5)] + [(T0 + i, 50.0 if i == 4 else float(i)) for i in range(10)]
+        assert db.points(CPU, PODS[0], T0 - 10, T0 + 10) == want
+        # The same time twice in one write: the second value.
+        db.write([Sample(CPU, 1.0, PODS[1], T0), Sample(CPU, 2.0, PODS[1], T0)])
+        db.flush()
+        assert db.points(CPU, PODS[1], T0 - 10, T0 + 10) == [(T0, 2.0)]
+        # Past the newest chunk again: merged with it, nothing lost.
+        db.write([Sample(CPU, 11.0, PODS[0], T0 + 11)])
+        db.flush()
+        db.compact()
+        assert db.points(CPU, PODS[0], T0 - 10, T0 + 20) == [*want, (T0 + 11, 11.0)]
+
+
+def test_a_restarted_writer_merges_frames_overlapping_older_chunks(tmp_path: Path) -> None:
+    """A new writer knows nothing of the chunks' times: it must look (clock went back)."""
+    path = tmp_path / "m.db"
+    with TSDB(path, clock=Clock()) as db:
+        db.write([Sample(CPU, float(i), PODS[0], T0 + i) for i in range(10)])
+        db.flush()
+        db.compact()
+    with TSDB(path, clock=Clock()) as db:
+        db.write([Sample(CPU, 99.0, PODS[0], T0 + 5), Sample(CPU, 98.0, PODS[0], T0 + 20)])
+        db.flush()
+        assert _frames(path) == 1, "in order as far as this writer knows"
+        db.compact()
+        db.write([Sample(CPU, 77.0, PODS[0], T0 + 7)])  # inside the merged chunk's span
+        db.flush()
+        got = db.points(CPU, PODS[0], T0, T0 + 30)
+    assert got == [(T0 + i, {5: 99.0, 7: 77.0}.get(i, float(i))) for i in range(10)] + [(T0 + 20, 98.0)]
+
+
+def test_schema_2_files_are_upgraded_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "m.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        "CREATE TABLE series (id INTEGER PRIMARY KEY AUTOINCREMENT, metric TEXT NOT NULL, labels TEXT NOT NULL,"
+        " UNIQUE (metric, labels));"
+        "CREATE TABLE recent (ts INTEGER NOT NULL, series_id INTEGER NOT NULL, value REAL NOT NULL,"
+        " PRIMARY KEY (ts, series_id)) WITHOUT ROWID;"
+        "CREATE TABLE chunks (id INTEGER PRIMARY KEY, series_id INTEGER NOT NULL, lo INTEGER NOT NULL,"
+        " hi INTEGER NOT NULL, n INTEGER NOT NULL, data BLOB NOT NULL);"
+        "CREATE INDEX chunks_by_series ON chunks (series_id, lo, hi);"
+        "CREATE TABLE rollups (series_id INTEGER NOT NULL, start INTEGER NOT NULL, n INTEGER NOT NULL,"
+        " total REAL NOT NULL, vmin REAL NOT NULL, vmax REAL NOT NULL, last REAL NOT NULL,"
+        " first_off INTEGER NOT NULL, last_off INTEGER NOT NULL, PRIMARY KEY (series_id, start)) WITHOUT ROWID;"
+        "CREATE TABLE kv (key TEXT PRIMARY KEY, value TEXT NOT NULL, updated REAL NOT NULL);"
+        """INSERT INTO series (metric, labels) VALUES ('pod_cpu_usage_cores', '{"pod_uid":"p0"}');"""
+        "PRAGMA user_version = 2;"
+    )
+    conn.executemany("INSERT INTO recent VALUES (?, 1, ?)", [(int(T0 * 1000) + 1000 * i, i / 8) for i in range(30)])
+    conn.commit()
+    conn.close()
+    with pytest.raises(Exception, match="schema 2: the agent upgrades it"):
+        TSDB.open_readonly(path)
+    with TSDB(path, clock=Clock()) as db:
+        assert db.points(CPU, PODS[0], T0, T0 + 60) == [(T0 + i, i / 8) for i in range(30)]
+        db.write([Sample(CPU, 7.0, PODS[0], T0 + 30)])
+    check = sqlite3.connect(path)
+    assert check.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert check.execute("SELECT count(*) FROM sqlite_master WHERE name = 'recent'").fetchone()[0] == 0
+    with TSDB.open_readonly(path) as db:
+        assert db.points(CPU, PODS[0], T0 + 29, T0 + 60) == [(T0 + 29, 29 / 8), (T0 + 30, 7.0)]
+
+
+def test_a_damaged_frame_is_a_clear_error_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "m.db"
+    with TSDB(path, clock=Clock()) as db:
+        db.write([Sample(CPU, 1.0, lb, T0) for lb in PODS])
+        db.flush()
+        conn = sqlite3.connect(path)
+        conn.execute("UPDATE frames SET vals = substr(vals, 1, 20)")
+        conn.commit()
+        with pytest.raises(CorruptStore, match=f"{path}.*damaged frame"):
+            db.points(CPU, PODS[0], T0, T0 + 1)
+        with pytest.raises(CorruptStore, match=f"{path}.*compaction failed.*damaged frame"):
+            db.compact()
+
+
+def test_a_layout_is_packed_once_it_fills_chunks_and_slower_ones_wait_for_the_gc(tmp_path: Path) -> None:
+    """Every second three series, every ten seconds two others: at 120 frames the fast
+    layout becomes full 120-sample chunks; the slow one stays in frames until the GC."""
+    rng = random.Random(3)
+    expected: dict[tuple[str, Labels], list[tuple[float, float]]] = {}
+    path = tmp_path / "m.db"
+    clock = Clock()
+    with TSDB(path, clock=clock, compact_rows=10**9, raw_retention=3600, retention=7200) as db:
+        for t in range(130):
+            clock.now = T0 + t
+            _tick(db, T0 + t, PODS[:1], expected, rng)  # 2 series: CPU and memory of pod 0
+            if t % 10 == 0:
+                _tick(db, T0 + t + 0.5, PODS[4:], expected, rng)  # 4 series, every 10 s
+        conn = sqlite3.connect(path)
+        chunks = conn.execute("SELECT n, count(*) FROM chunks GROUP BY n").fetchall()
+        assert chunks == [(120, 2)], "the fast layout's first 120 frames, as full chunks"
+        assert _frames(path) == 10 + 13  # the fast layout's last 10, the slow one's 13
+        for key, points in expected.items():
+            assert db.points(*key, T0, T0 + 200) == points
+        db.gc(now=T0 + 130)
+        assert _frames(path) == 0
+        assert conn.execute("SELECT sum(n) FROM chunks").fetchone()[0] == 2 * 130 + 4 * 13
+        for key, points in expected.items():
+            assert db.points(*key, T0, T0 + 200) == points
