@@ -50,6 +50,10 @@ log = structlog.get_logger("metrics.cgroupfs")
 
 Clock = Callable[[], float]
 _V1_CONTROLLERS: Final = ("cpu", "cpuacct", "cpuset", "memory", "perf_event")
+#: Seconds between reads of each target's CFS quota (v1). Without a quota the kernel
+#: runs no CFS periods (nr_periods stays put), so there is no throttling ratio to
+#: compute and the target's cpu.stat is not read: a new quota is seen within this.
+QUOTA_RECHECK: Final = 10.0
 
 
 def _usage_usec_ns(data: bytes, path: str) -> int:
@@ -242,6 +246,7 @@ class _Target:
     usage_path: str  # cpuacct.usage (v1) or cpu.stat (v2)
     memory_path: str  # memory.stat
     cpu_stat_path: str  # cpu.stat; the same file as usage_path on v2 (read once)
+    quota_path: str  # cpu.cfs_quota_us (v1 only)
 
 
 class PodCollector:
@@ -265,6 +270,9 @@ class PodCollector:
         self._targets: dict[tuple[str, str, str], _Target] = {}
         self._files = OpenFiles()
         self._v2 = self.reader.version == 2
+        #: Targets whose CFS quota was -1 at the last check (v1), and when that was.
+        self._unlimited: set[tuple[str, str]] = set()
+        self._quotas_at = -QUOTA_RECHECK
 
     def latest(self) -> PodUsage:
         return self._latest
@@ -273,6 +281,7 @@ class PodCollector:
         self._cpu.clear()
         self._throttle.clear()
         self._targets.clear()
+        self._unlimited.clear()
         self._files.close()
 
     def collect(self, now: float, pods: Sequence[PodView]) -> list[Sample]:
@@ -285,6 +294,8 @@ class PodCollector:
             self._throttle = {k: v for k, v in self._throttle.items() if k in live}
         uids = {p.uid for p in pods}
         self._once.keep_owners(uids)
+        if not self._v2 and self._clock() - self._quotas_at >= QUOTA_RECHECK:
+            self._check_quotas(targets)
         out: list[Sample] = []
         pod_cpu: dict[str, float] = {}
         pod_mem: dict[str, float] = {}
@@ -316,7 +327,9 @@ class PodCollector:
                 fresh[key] = t
                 out.append(t)
         if fresh.keys() != cache.keys():
-            self._files.retain(path for t in out for path in (t.usage_path, t.memory_path, t.cpu_stat_path))
+            self._files.retain(path for t in out for path in (t.usage_path, t.memory_path, t.cpu_stat_path,
+                                                               t.quota_path))
+            self._quotas_at = -QUOTA_RECHECK  # new targets: look at their quotas now
         self._targets = fresh
         return out
 
@@ -327,7 +340,22 @@ class PodCollector:
         return _Target((uid, cid), uid, rel, lbl, names,
                        f"{reader.cpuacct_dir(rel)}/{usage_file}",
                        f"{reader.memory_dir(rel)}/memory.stat",
-                       f"{reader.cpu_dir(rel)}/cpu.stat")
+                       f"{reader.cpu_dir(rel)}/cpu.stat",
+                       f"{reader.cpu_dir(rel)}/cpu.cfs_quota_us")
+
+    def _check_quotas(self, targets: Sequence[_Target]) -> None:
+        """Which targets run without a CFS quota (v1). A quota that cannot be read counts
+        as set: cpu.stat is read, as it would be without this check, and its own read
+        reports what is wrong."""
+        self._quotas_at = self._clock()
+        unlimited: set[tuple[str, str]] = set()
+        for t in targets:
+            try:
+                if int(self._files.read(t.quota_path)) < 0:
+                    unlimited.add(t.key)
+            except (ReadError, ValueError):
+                continue
+        self._unlimited = unlimited
 
     def _one(self, t: _Target, out: list[Sample]) -> tuple[float | None, float | None]:
         """One target's samples, appended to ``out``; returns (cores, memory used) for
@@ -360,6 +388,9 @@ class PodCollector:
             used = float(used_bytes)
             out.append(Sample(names.memory, used, lbl))
             out.append(Sample(names.cache, float(cache), lbl))
+        if stat is None and t.key in self._unlimited:
+            self._throttle.pop(t.key, None)  # a quota set later starts a fresh baseline
+            return cpu, used
         try:
             periods, throttled = _throttling(read(t.cpu_stat_path) if stat is None else stat, t.cpu_stat_path)
         except ReadError as exc:

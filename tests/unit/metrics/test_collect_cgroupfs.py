@@ -12,6 +12,7 @@ from hooks.qos import QoSClass
 from metrics import model as m
 from metrics.collect.base import ReadError
 from metrics.collect.cgroupfs import (
+    QUOTA_RECHECK,
     CgroupReader,
     MemoryUsage,
     PodCollector,
@@ -226,6 +227,34 @@ def test_throttled_ratio_needs_elapsed_periods(tree: Tree) -> None:
     assert by_key(pc.collect(1, [pod()]))[(m.POD_CPU_THROTTLED, POD)] == pytest.approx(20 / 50)
     # no period elapsed (no quota, or idle): no sample rather than a made-up 0
     assert (m.POD_CPU_THROTTLED, POD) not in by_key(pc.collect(2, [pod()]))
+
+
+def test_without_a_cfs_quota_cpu_stat_is_not_read_and_a_new_quota_is_seen_within_the_recheck(tmp_path: Path) -> None:
+    """v1: no quota, no CFS periods, so no ratio and no cpu.stat read. The fixture's
+    periods advance anyway, to show the file is not read; a quota set later is picked
+    up at the next check and the ratio follows one tick after."""
+    tree = Tree(tmp_path, 1)
+    tree.cgroup(POD_DIR, 0)
+    write(tree.d("cpu", POD_DIR) / "cpu.cfs_quota_us", "-1\n")
+    clock = Clock()
+    pc = collector(tree, clock)
+    for tick in range(3):
+        tree.throttle(POD_DIR, 100 * tick, 10 * tick)
+        assert (m.POD_CPU_THROTTLED, POD) not in by_key(pc.collect(tick, [pod()]))
+        clock.t += 1
+    write(tree.d("cpu", POD_DIR) / "cpu.cfs_quota_us", "50000\n")
+    tree.throttle(POD_DIR, 400, 40)
+    assert (m.POD_CPU_THROTTLED, POD) not in by_key(pc.collect(3, [pod()])), "not re-checked yet"
+    clock.t = 100 + QUOTA_RECHECK
+    assert (m.POD_CPU_THROTTLED, POD) not in by_key(pc.collect(4, [pod()])), "the first read is a baseline"
+    tree.throttle(POD_DIR, 500, 90)
+    clock.t += 1
+    assert by_key(pc.collect(5, [pod()]))[(m.POD_CPU_THROTTLED, POD)] == pytest.approx(50 / 100)
+    # A quota that cannot be read counts as set: cpu.stat is read as before.
+    write(tree.d("cpu", POD_DIR) / "cpu.cfs_quota_us", "garbage\n")
+    clock.t += QUOTA_RECHECK
+    tree.throttle(POD_DIR, 600, 100)
+    assert by_key(pc.collect(6, [pod()]))[(m.POD_CPU_THROTTLED, POD)] == pytest.approx(10 / 100)
 
 
 def test_cpu_counter_reset_starts_a_new_baseline(tree: Tree) -> None:
