@@ -10,7 +10,8 @@ host; ``guest``/``guest_nice`` are already inside user/nice and are left out of 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -18,7 +19,8 @@ from typing import Final
 import structlog
 
 from hooks.cpusets import CpuListError, read_online_cpus
-from metrics.collect.base import OnceLog, ReadError, os_error, parse_int, read_file
+from metrics.collect.base import OnceLog, ReadError, os_error, parse_int
+from metrics.collect.openfiles import OpenFiles
 from metrics.collect.topology import NODE_DIR, numa_nodes
 from metrics.model import (
     NODE_CPU_CAPACITY,
@@ -38,6 +40,9 @@ log = structlog.get_logger("metrics.procfs")
 
 _USER, _NICE, _SYSTEM, _IDLE, _IOWAIT, _IRQ, _SOFTIRQ, _STEAL = range(8)
 _OWNER: Final = "node"
+#: Seconds between re-reads of the online CPUs and the NUMA nodes' CPU lists, which
+#: only change on hotplug: every tick they cost more than the usage figures themselves.
+LAYOUT_REFRESH: Final = 10.0
 
 Ticks = tuple[int, int]  # (used, total) jiffies
 
@@ -93,27 +98,36 @@ def parse_stat(text: str, path: Path) -> CpuStat:
     return CpuStat(total, per_cpu)
 
 
-def parse_meminfo(text: str, path: Path) -> dict[str, int]:
-    """``/proc/meminfo`` or a node's meminfo (``Node 0 MemTotal: 123 kB``) -> bytes by key."""
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        key, sep, rest = line.partition(":")
-        if not sep:
-            continue
-        fields = rest.split()
-        if not fields:
-            continue
-        value = parse_int(fields[0], path, key.strip())
-        unit = fields[1] if len(fields) > 1 else ""
-        out[key.split()[-1]] = value * 1024 if unit == "kB" else value
+def meminfo_fields(data: bytes, keys: Sequence[bytes], path: Path) -> list[int]:
+    """Only ``keys`` (``b"MemTotal"``) of a meminfo file (``/proc/meminfo`` or a node's
+    ``Node 0 MemTotal: 123 kB``), in bytes, without parsing the other lines; ReadError
+    names what is missing or not a number."""
+    out: list[int] = []
+    missing: list[str] = []
+    for key in keys:
+        field = _meminfo_field(data, key, path)
+        if field is None:
+            missing.append(key.decode("ascii"))
+        else:
+            out.append(field)
+    if missing:
+        raise ReadError(path, f"missing {', '.join(missing)}")
     return out
 
 
-def _need(info: Mapping[str, int], keys: Sequence[str], path: Path) -> list[int]:
-    missing = [k for k in keys if k not in info]
-    if missing:
-        raise ReadError(path, f"missing {', '.join(missing)}")
-    return [info[k] for k in keys]
+def _meminfo_field(data: bytes, key: bytes, path: Path) -> int | None:
+    needle = key + b":"
+    at = data.find(needle)
+    while at > 0 and data[at - 1] not in b" \n":  # "Active(file)" inside "XActive(file)"
+        at = data.find(needle, at + 1)
+    if at < 0:
+        return None
+    end = data.find(b"\n", at)
+    fields = (data[at + len(needle):] if end < 0 else data[at + len(needle):end]).split()
+    if not fields:
+        return None
+    value = parse_int(fields[0].decode("ascii", "replace"), path, key.decode("ascii"))
+    return value * 1024 if fields[1:2] == [b"kB"] else value
 
 
 def _share(prev: Ticks, cur: Ticks) -> float | None:
@@ -145,21 +159,30 @@ class NodeCollector:
 
     name = "node"
 
-    def __init__(self, host: HostRoots, *, interval: float = 1.0) -> None:
+    def __init__(self, host: HostRoots, *, interval: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval = interval
         self._proc = host.proc
         self._sys = host.sys
         self._prev: CpuStat | None = None
         self._once = OnceLog(log)
         self._latest = NodeUsage()
+        self._clock = clock
+        self._files = OpenFiles()
+        #: Online CPU count and NUMA nodes, and when they were read (``LAYOUT_REFRESH``).
+        self._online: int | None = None
+        self._nodes: list[NumaNode] = []
+        self._layout_at = -LAYOUT_REFRESH
 
     def latest(self) -> NodeUsage:
         return self._latest
 
     def close(self) -> None:
         self._prev = None
+        self._files.close()
 
     def collect(self, now: float, pods: Sequence[PodView]) -> list[Sample]:
+        if self._clock() - self._layout_at >= LAYOUT_REFRESH:
+            self._read_layout()
         out: list[Sample] = []
         stat = self._read_stat()
         prev = self._prev
@@ -172,19 +195,32 @@ class NodeCollector:
         self._latest = NodeUsage(cpu=cpu, memory=memory, capacity=capacity)
         return out
 
+    def _read_layout(self) -> None:
+        self._layout_at = self._clock()
+        try:
+            self._online = len(read_online_cpus(self._sys))
+        except CpuListError as exc:
+            self._once.skipped(_OWNER, ReadError(self._sys / "devices/system/cpu/online", str(exc)))
+            self._online = None
+        self._nodes = [NumaNode(node, cpus, self._sys / NODE_DIR / f"node{node}" / "meminfo")
+                       for node, cpus in numa_nodes(self._sys, self._once, _OWNER).items()]
+        self._files.retain([str(self._proc / "stat"), str(self._proc / "meminfo"),
+                            *(str(n.meminfo) for n in self._nodes)])
+
+    def _read(self, path: Path) -> bytes:
+        return self._files.read(str(path))
+
     def _read_stat(self) -> CpuStat | None:
         path = self._proc / "stat"
         try:
-            return parse_stat(read_file(path), path)
+            return parse_stat(self._read(path).decode("ascii", "replace"), path)
         except ReadError as exc:
             self._once.skipped(_OWNER, exc)
             return None
 
     def _capacity(self, stat: CpuStat | None, out: list[Sample]) -> float | None:
-        try:
-            count = len(read_online_cpus(self._sys))
-        except CpuListError as exc:
-            self._once.skipped(_OWNER, ReadError(self._sys / "devices/system/cpu/online", str(exc)))
+        count = self._online
+        if count is None:
             if stat is None or not stat.per_cpu:
                 return None
             count = len(stat.per_cpu)
@@ -212,7 +248,7 @@ class NodeCollector:
     def _memory(self, out: list[Sample]) -> float | None:
         path = self._proc / "meminfo"
         try:
-            total, available = _need(parse_meminfo(read_file(path), path), ("MemTotal", "MemAvailable"), path)
+            total, available = meminfo_fields(self._read(path), (b"MemTotal", b"MemAvailable"), path)
         except ReadError as exc:
             self._once.skipped(_OWNER, exc)
             return None
@@ -222,7 +258,7 @@ class NodeCollector:
         return used
 
     def _numa(self, prev: CpuStat | None, stat: CpuStat | None, out: list[Sample]) -> None:
-        for node in self._numa_nodes():
+        for node in self._nodes:
             node_labels = labels(**{NUMA_NODE: str(node.id)})
             if prev is not None and stat is not None:
                 cpu = _numa_cpu(node.cpus, prev, stat)
@@ -235,18 +271,14 @@ class NodeCollector:
     def _numa_memory(self, node: NumaNode) -> float | None:
         """MemTotal - (MemFree + Active(file) + Inactive(file) + SReclaimable): page cache
         and reclaimable slab are not "used", as in koordlet."""
-        keys = ("MemTotal", "MemFree", "Active(file)", "Inactive(file)", "SReclaimable")
+        keys = (b"MemTotal", b"MemFree", b"Active(file)", b"Inactive(file)", b"SReclaimable")
         try:
-            info = parse_meminfo(read_file(node.meminfo), node.meminfo)
-            total, free, active_file, inactive_file, reclaimable = _need(info, keys, node.meminfo)
+            total, free, active_file, inactive_file, reclaimable = meminfo_fields(
+                self._read(node.meminfo), keys, node.meminfo)
         except ReadError as exc:
             self._once.skipped(_OWNER, exc)
             return None
         return float(max(total - (free + active_file + inactive_file + reclaimable), 0))
-
-    def _numa_nodes(self) -> list[NumaNode]:
-        return [NumaNode(node, cpus, self._sys / NODE_DIR / f"node{node}" / "meminfo")
-                for node, cpus in numa_nodes(self._sys, self._once, _OWNER).items()]
 
 
 def _numa_cpu(cpus: frozenset[int], prev: CpuStat, cur: CpuStat) -> float | None:

@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 
 from metrics import model as m
 from metrics.collect.base import ReadError
-from metrics.collect.procfs import NodeCollector, read_cpu_ticks
+from metrics.collect.procfs import LAYOUT_REFRESH, NodeCollector, meminfo_fields, read_cpu_ticks
 from runtimeproxy.hookapi import HostRoots
 
 # user nice system idle iowait irq softirq steal
@@ -203,3 +203,31 @@ def test_real_proc_usage_is_between_zero_and_capacity() -> None:
     assert capacity >= 1
     assert 0 <= samples[(m.NODE_CPU_USAGE, ())] <= capacity
     assert 0 < samples[(m.NODE_MEMORY_USED, ())] < samples[(m.NODE_MEMORY_TOTAL, ())]
+
+
+def test_meminfo_fields_reads_only_the_keys_on_both_layouts_and_names_bad_ones(tmp_path: Path) -> None:
+    path = tmp_path / "meminfo"
+    proc = b"MemTotal:       8000 kB\nMemFree:  1 kB\nMemAvailable:   3000 kB\nHugePages_Total:       4\n"
+    assert meminfo_fields(proc, (b"MemTotal", b"MemAvailable", b"HugePages_Total"), path) == [8000 * 1024,
+                                                                                             3000 * 1024, 4]
+    node = b"Node 1 Inactive(file):  30 kB\nNode 1 Active(file):  20 kB\nNode 1 MemTotal: 99 kB\n"
+    assert meminfo_fields(node, (b"Active(file)", b"MemTotal"), path) == [20 * 1024, 99 * 1024]
+    with pytest.raises(ReadError, match="missing MemAvailableX, SReclaimable"):
+        meminfo_fields(proc, (b"MemTotal", b"MemAvailableX", b"SReclaimable"), path)
+    with pytest.raises(ReadError, match=f"{path}.*MemTotal"):
+        meminfo_fields(b"MemTotal: lots kB\n", (b"MemTotal",), path)
+
+
+def test_online_cpus_and_numa_nodes_are_reread_every_layout_refresh(host: HostRoots) -> None:
+    numa(host)
+    clock = [0.0]
+    collector = NodeCollector(host, clock=lambda: clock[0])
+    assert by_key(collector.collect(0, []))[(m.NODE_CPU_CAPACITY, ())] == 2
+    write(host.sys / "devices/system/cpu/online", "0-3\n")
+    (host.sys / "devices/system/node/node1/cpulist").unlink()
+    clock[0] = LAYOUT_REFRESH - 1
+    samples = by_key(collector.collect(1, []))
+    assert samples[(m.NODE_CPU_CAPACITY, ())] == 2 and node1(m.NUMA_MEMORY_USED) in samples
+    clock[0] = LAYOUT_REFRESH
+    samples = by_key(collector.collect(2, []))
+    assert samples[(m.NODE_CPU_CAPACITY, ())] == 4 and node1(m.NUMA_MEMORY_USED) not in samples
