@@ -38,6 +38,12 @@ def _no_priority(_uid: str) -> int | None:
     return None
 
 
+def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    """The same records (identity: they are frozen) and the same class and priority."""
+    return (len(a) == len(b) and a[0] is b[0] and a[1] == b[1] and a[2] == b[2]
+            and all(x is y for x, y in zip(a[3:], b[3:], strict=True)))
+
+
 class PodViews:
     """Turns the store snapshot into PodViews; remembers which pods it warned about."""
 
@@ -54,6 +60,10 @@ class PodViews:
         self._guaranteed = guaranteed
         self._priority_of = priority_of
         self._warned: set[str] = set()
+        #: Sandbox id -> the inputs of its last view and the view. The store's records
+        #: are frozen and replaced on change, so the same objects mean the same view:
+        #: the agent asks every 10 s, and rebuilding 110 views cost ~5 ms each time.
+        self._memo: dict[str, tuple[tuple[object, ...], PodView | None]] = {}
 
     def current(self) -> list[PodView]:
         """Running pods with a sandbox id and a usable cgroup parent, sorted by namespace/name."""
@@ -62,10 +72,20 @@ class PodViews:
         for _cid, (pod_id, info) in containers.items():
             by_pod.setdefault(pod_id, []).append(info)
         out: list[PodView] = []
+        memo: dict[str, tuple[tuple[object, ...], PodView | None]] = {}
+        guaranteed = self._guaranteed()
         for sandbox_id, pod in pods.items():
-            view = self._view(sandbox_id, pod, by_pod.get(sandbox_id, []))
+            infos = by_pod.get(sandbox_id, [])
+            inputs = (pod, guaranteed, self._priority_of(pod.meta.uid), *infos)
+            old = self._memo.get(sandbox_id)
+            if old is not None and _same(old[0], inputs):
+                view = old[1]
+            else:
+                view = self._view(sandbox_id, pod, infos)
+            memo[sandbox_id] = (inputs, view)
             if view is not None:
                 out.append(view)
+        self._memo = memo
         live = {p.uid for p in out}
         self._warned &= live | {p.meta.uid for p in pods.values()}
         out.sort(key=lambda v: (v.namespace, v.name))

@@ -72,3 +72,28 @@ def test_systemd_driver_expands_slices() -> None:
     [view] = _views([pod], {CID: (pod.id, ctr)}, driver="systemd").current()
     assert view.cgroup_dir == "kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.slice"
     assert view.containers[0].cgroup_dir.endswith(f"/cri-containerd-{CID}.scope")
+
+
+def test_views_are_reused_until_a_record_the_class_or_the_priority_changes() -> None:
+    """The agent asks every 10 s: unchanged inputs give the very same view object."""
+    web, db = _pod("web", "/kubepods/burstable/poduid-web"), _pod("db", "/kubepods/poduid-db")
+    ctr = ContainerInfo(meta=ContainerMeta(name="c"), id=CID)
+    store = {"pods": {web.id: web, db.id: db}, "containers": {CID: (web.id, ctr)}}
+    prio, klass = {"uid-web": 100}, [QoSClass.LSR]
+    views = PodViews(lambda: (dict(store["pods"]), dict(store["containers"])),  # type: ignore[arg-type]
+                     guaranteed=lambda: klass[0], priority_of=prio.get)
+    first = {v.name: v for v in views.current()}
+    again = {v.name: v for v in views.current()}
+    assert all(again[n] is first[n] for n in first)
+    store["pods"][web.id] = _pod("web", "/kubepods/burstable/poduid-web", {"koordinator.sh/qosClass": "BE"})
+    changed = {v.name: v for v in views.current()}
+    assert changed["web"].qos is QoSClass.BE and changed["db"] is first["db"]
+    store["containers"][CID] = (web.id, ContainerInfo(meta=ContainerMeta(name="c"), id=CID,
+                                                      resources=Resources(cpu_quota=1000, cpu_period=100000)))
+    assert {v.name: v for v in views.current()}["web"].containers[0].cpu_quota == 1000
+    prio["uid-db"] = 9100
+    klass[0] = QoSClass.LS
+    last = {v.name: v for v in views.current()}
+    assert (last["db"].priority, last["db"].qos) == (9100, QoSClass.LS)
+    del store["pods"][db.id]
+    assert [v.name for v in views.current()] == ["web"]
