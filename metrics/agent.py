@@ -40,7 +40,7 @@ from metrics.informer import KubeletPods, StatesInformer
 from metrics.kubetypes import KubeSettings, KubeUnavailable
 from metrics.model import PodView, Sample
 from metrics.pods import PodViews
-from metrics.promexport import LatestValues, register_exporter
+from metrics.promexport import StoreValues, register_exporter
 from metrics.reporter import NodeMetricReporter
 from metrics.settings import MetricsSettings, parse_metrics
 from metrics.topcmd import pod_meta_record
@@ -79,10 +79,8 @@ class MetricsAgent:
         self._pods: list[PodView] = []
         self._views_key: object = None
         self._views_at = 0.0
-        self._forgot_for: set[str] = set()
         self._meta_dirty = False
         self._meta_written: object = None
-        self.latest = LatestValues()
         iv = settings.intervals
         self.node = NodeCollector(init.host, interval=iv.node)
         self.pod_collector = PodCollector(init.host, interval=iv.pods)
@@ -96,7 +94,7 @@ class MetricsAgent:
         if settings.cpi:
             self.collectors.append(CPICollector(init.host, interval=iv.cpi))
         if init.registry is not None:
-            register_exporter(init.registry, self.latest, self.pods, settings.node_name)
+            register_exporter(init.registry, StoreValues(self.tsdb.newest_values), self.pods, settings.node_name)
         self.reporter = NodeMetricReporter(self.tsdb, self.pods, self.informer, self.kube)
         init.add_route("/apis/nodemetric", self.reporter.route)
         init.add_explainer("metrics", self.explain)
@@ -141,10 +139,6 @@ class MetricsAgent:
             self._pods = self.views.current()
             self._views_key, self._views_at = key, now
             self._meta_dirty = True  # written by the pod tick, in its worker thread
-            uids = {p.uid for p in self._pods}
-            if uids != self._forgot_for:  # views are also rebuilt with the same pods
-                self._forgot_for = uids
-                self.latest.forget(uids)
         return self._pods
 
     # --- loops -------------------------------------------------------------------
@@ -166,9 +160,16 @@ class MetricsAgent:
                 if self.informer is not None:
                     group.create_task(self._guarded("informer", self.informer.run), name="informer")
         finally:
-            worker.shutdown(wait=False, cancel_futures=True)
-            # Cancelled (shutdown) or crashed: keep what was measured.
+            # Cancelled (shutdown) or crashed: let a running tick end, close the
+            # collectors' open files, keep what was measured.
+            await asyncio.to_thread(self._stop_worker, worker)
             await asyncio.to_thread(self.tsdb.flush)
+
+    def _stop_worker(self, worker: ThreadPoolExecutor) -> None:
+        worker.shutdown(wait=True, cancel_futures=True)
+        for collector in self.collectors:
+            collector.close()
+        self.be.close()
 
     async def _guarded(self, name: str, job: Callable[[], Awaitable[None]]) -> None:
         """Keep a side job (reporting, API watches) from taking the collectors down with it."""
@@ -216,7 +217,6 @@ class MetricsAgent:
                 self.tsdb.put_kv(m.KV_POD_META, meta)
                 self._meta_written = meta
         self.tsdb.write(samples, now)
-        self.latest.update(samples, now)
         if self.topology in collectors:
             record = self.topology.as_record()
             if record is not None:

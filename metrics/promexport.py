@@ -6,10 +6,13 @@ series (``koordlet_node_used_cpu_cores{node}``, ``koordlet_pod_psi{...}``,
 and labels; what koordlet lacks is exported as ``koord_runtime_proxy_*``. The table
 ``EXPORTS`` is the whole mapping (docs/metrics.md shows it).
 
-Collectors push their samples into ``LatestValues``; a custom collector turns the
-newest value of each series into gauges at scrape time, adding pod/container names
-from the current pod views (a pod no longer in them is not exported). The exporter
-is registered into the registry it is given, never the global one.
+The exporter reads the newest value of each series from a ``LatestSource`` at scrape
+time: the store's own record of newest samples in the agent (``StoreValues``: no
+per-sample work on the write path), or ``LatestValues`` that collectors push into. A
+custom collector turns them into gauges, adding pod/container names from the current
+pod views (a pod no longer in them is not exported; series of metrics not in
+``EXPORTS`` are left out). The exporter is registered into the registry it is given,
+never the global one.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -132,6 +135,20 @@ def exported_names() -> frozenset[str]:
     return frozenset(e.name for e in EXPORTS)
 
 
+class LatestSource(Protocol):
+    def snapshot(self) -> list[tuple[str, Labels, float]]: ...
+
+
+class StoreValues:
+    """The store's newest value per series (``TSDB.newest_values``) as a ``LatestSource``."""
+
+    def __init__(self, newest: Callable[[], list[tuple[str, Labels, float]]]) -> None:
+        self._newest = newest
+
+    def snapshot(self) -> list[tuple[str, Labels, float]]:
+        return [row for row in self._newest() if row[0] in _BY_METRIC and math.isfinite(row[2])]
+
+
 class LatestValues:
     """The newest value of every exported series; written by collectors' threads."""
 
@@ -175,7 +192,7 @@ def _container_name(pod: PodView, container_id: str) -> str:
 
 
 class _Exporter(Collector):
-    def __init__(self, latest: LatestValues, pods: Callable[[], Sequence[PodView]], node_name: str) -> None:
+    def __init__(self, latest: LatestSource, pods: Callable[[], Sequence[PodView]], node_name: str) -> None:
             self._latest = latest
             self._pods = pods
             self._node = node_name
@@ -236,7 +253,7 @@ def _owner(lbls: Mapping[str, str]) -> Labels:
 
 
 def register_exporter(
-    registry: CollectorRegistry, latest: LatestValues, pods: Callable[[], Sequence[PodView]], node_name: str,
+    registry: CollectorRegistry, latest: LatestSource, pods: Callable[[], Sequence[PodView]], node_name: str,
 ) -> Collector:
     """Register the exporter into ``registry``; returns it (to unregister)."""
     exporter = _Exporter(latest, pods, node_name)

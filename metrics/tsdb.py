@@ -74,6 +74,8 @@ DEFAULT_MAX_BATCH: Final = 10_000
 #: decodes from the frames when nobody runs the GC.
 DEFAULT_COMPACT_ROWS: Final = 600_000
 _BUSY_TIMEOUT: Final = 5.0
+#: Seconds a series' newest sample stays in memory after it was written (pruned at GC).
+LATEST_KEEP: Final = 600.0
 _CANON_MAX: Final = 100_000
 _WAL_LIMIT: Final = 4 * 2**20
 
@@ -156,6 +158,8 @@ class TSDB:
         #: tick, so sorting and encoding each sample's labels again is avoidable work.
         self._keys: dict[str, dict[Labels, SeriesKey]] = {}
         self._key_count = 0
+        #: Series key -> (metric, canonical labels), for ``newest_values``.
+        self._key_labels: dict[SeriesKey, tuple[str, Labels]] = {}
         #: Series ids known to the writer; only touched under ``_write_lock``.
         self._ids: dict[SeriesKey, int] = {}
         #: Buckets before this (ms) are coarse already; 0: look at all of them once.
@@ -255,7 +259,7 @@ class TSDB:
         self._writable()
         default_ms = q.to_ms(self._clock() if now is None else now)
         if self._key_count > _CANON_MAX:  # label sets of pods long gone
-            self._keys, self._key_count = {}, 0
+            self._keys, self._key_count, self._key_labels = {}, 0, {}
         by_metric = self._keys
         keys: list[SeriesKey] = []
         times: list[int] = []
@@ -294,8 +298,10 @@ class TSDB:
             self.flush()
 
     def _new_key(self, metric: str, lbl: Labels) -> SeriesKey:
-        key = series_key(metric, q.canonical(lbl))
+        canonical = q.canonical(lbl)
+        key = series_key(metric, canonical)
         self._keys.setdefault(metric, {})[lbl] = key
+        self._key_labels[key] = (metric, canonical)
         self._key_count += 1
         return key
 
@@ -504,6 +510,22 @@ class TSDB:
         ms, value = max(candidates)
         return Sample(metric, value, canon, q.from_ms(ms))
 
+    def newest_values(self) -> list[tuple[str, Labels, float]]:
+        """``(metric, labels, value)`` of the newest sample of every series this writer
+        wrote (flushed or not; until GC's retention cut), for the Prometheus exporter:
+        the write path keeps them anyway, so the exporter needs no copy of its own."""
+        with self._batch_lock:
+            items = list(self._latest.items())
+        names = self._key_labels
+        out: list[tuple[str, Labels, float]] = []
+        for key, (_ms, value) in items:
+            named = names.get(key)
+            if named is None:  # forgotten with the key cache: decode once more
+                metric, encoded = key.split("\n", 1)
+                named = names[key] = (metric, q.decode_labels(encoded))
+            out.append((*named, value))
+        return out
+
     def series(self, metric: str) -> list[Labels]:
         """Label sets of the flushed series of ``metric``, sorted."""
         return [q.decode_labels(str(text)) for (text,) in self._read(q.SERIES_OF, (metric,))]
@@ -563,7 +585,9 @@ class TSDB:
             self._coarsened = max(self._coarsened, tiers.cuts(now_ms)[2])
             result = GCResult(counts.points_deleted, counts.series_deleted, before, self.size_bytes(),
                               counts.capped, counts.points_folded, counts.buckets_deleted)
-        cutoff = now_ms - tiers.retention
+        # Series silent this long (pods gone) leave the newest-value record: ``last()``
+        # then asks the file, and the exporter stops showing them.
+        cutoff = now_ms - q.to_ms(min(self.retention, LATEST_KEEP))
         with self._batch_lock:
             self._latest = {k: v for k, v in self._latest.items() if v[0] >= cutoff}
         log.info("tsdb.gc", path=str(self.path), points_deleted=result.points_deleted,

@@ -23,8 +23,9 @@ import structlog
 
 from hooks.cpusets import CpuListError, parse_cpu_list
 from hooks.qos import QoSClass
-from metrics.collect.base import OnceLog, ReadError, parse_int, read_file
-from metrics.collect.cgroupfs import CgroupReader, Clock, PodUsage
+from metrics.collect.base import OnceLog, ReadError, parse_int
+from metrics.collect.cgroupfs import CgroupReader, Clock, PodUsage, parse_cpu_usage_ns
+from metrics.collect.openfiles import OpenFiles
 from metrics.collect.procfs import NodeUsage
 from metrics.model import (
     BE_CPU_LIMIT,
@@ -54,6 +55,20 @@ class BEAggregate:
         self._clock = clock
         self._prev: tuple[int, float] | None = None
         self._once = OnceLog(log)
+        # Every tick reads these four files: paths built once, descriptors kept open.
+        v1 = self.reader.version == 1
+        self._files = OpenFiles()
+        self._usage = self.reader.cpuacct_dir(besteffort_dir) / ("cpuacct.usage" if v1 else "cpu.stat")
+        self._cpuset = self.reader.cpuset_dir(besteffort_dir) / ("cpuset.cpus" if v1 else "cpuset.cpus.effective")
+        cpu_dir = self.reader.cpu_dir(besteffort_dir)
+        self._quota: tuple[Path, ...] = ((cpu_dir / "cpu.cfs_quota_us", cpu_dir / "cpu.cfs_period_us") if v1
+                                         else (cpu_dir / "cpu.max",))
+
+    def close(self) -> None:
+        self._files.close()
+
+    def _text(self, path: Path) -> str:
+        return self._files.read(str(path)).decode("ascii", "replace")
 
     def samples(self, node: NodeUsage, pod_usage: PodUsage, pods: Sequence[PodView]) -> list[Sample]:
         """BE usage / request / real limit and system usage for this tick. Call it right
@@ -84,7 +99,7 @@ class BEAggregate:
     def _tier_usage(self) -> float | None:
         before = self._clock()
         try:
-            usage = self.reader.cpu_usage_ns(self.be_dir)
+            usage = parse_cpu_usage_ns(self._files.read(str(self._usage)), str(self._usage), self.reader.version)
         except ReadError as exc:
             self._prev = None
             if not exc.gone:  # no tier dir is normal (no BE pods yet); garbage is not
@@ -102,10 +117,9 @@ class BEAggregate:
         return min(limits) if limits else None
 
     def _cpuset_cpus(self) -> float | None:
-        name = "cpuset.cpus" if self.reader.version == 1 else "cpuset.cpus.effective"
-        path = self.reader.cpuset_dir(self.be_dir) / name
+        path = self._cpuset
         try:
-            cpus = parse_cpu_list(read_file(path))
+            cpus = parse_cpu_list(self._text(path))
         except ReadError as exc:
             if not exc.gone:
                 self._once.skipped(_OWNER, exc)
@@ -116,9 +130,8 @@ class BEAggregate:
         return float(len(cpus)) if cpus else None
 
     def _quota_cores(self) -> float | None:
-        directory = self.reader.cpu_dir(self.be_dir)
         try:
-            quota, period = (_v1_quota(directory) if self.reader.version == 1 else _v2_quota(directory))
+            quota, period = (self._v1_quota() if self.reader.version == 1 else self._v2_quota())
         except ReadError as exc:
             if not exc.gone:
                 self._once.skipped(_OWNER, exc)
@@ -127,21 +140,19 @@ class BEAggregate:
             return None  # no quota: the cpuset (or nothing) limits BE
         return quota / period
 
+    def _v1_quota(self) -> tuple[int, int]:
+        quota_path, period_path = self._quota
+        quota = parse_int(self._text(quota_path).strip(), quota_path, "cfs_quota_us")
+        period = parse_int(self._text(period_path).strip(), period_path, "cfs_period_us")
+        return quota, period
 
-def _v1_quota(directory: Path) -> tuple[int, int]:
-    quota_path, period_path = directory / "cpu.cfs_quota_us", directory / "cpu.cfs_period_us"
-    quota = parse_int(read_file(quota_path).strip(), quota_path, "cfs_quota_us")
-    period = parse_int(read_file(period_path).strip(), period_path, "cfs_period_us")
-    return quota, period
-
-
-def _v2_quota(directory: Path) -> tuple[int, int]:
-    path = directory / "cpu.max"
-    fields = read_file(path).split()
-    if len(fields) != 2:
-        raise ReadError(path, f"expected 'quota period', got {' '.join(fields)[:40]!r}")
-    quota = -1 if fields[0] == "max" else parse_int(fields[0], path, "quota")
-    return quota, parse_int(fields[1], path, "period")
+    def _v2_quota(self) -> tuple[int, int]:
+        (path,) = self._quota
+        fields = self._text(path).split()
+        if len(fields) != 2:
+            raise ReadError(path, f"expected 'quota period', got {' '.join(fields)[:40]!r}")
+        quota = -1 if fields[0] == "max" else parse_int(fields[0], path, "quota")
+        return quota, parse_int(fields[1], path, "period")
 
 
 #: The name the agent imports.

@@ -71,6 +71,11 @@ def _cpuacct_ns(data: bytes, path: str) -> int:
         raise ReadError(Path(path), f"cpuacct.usage: {text[:40]!r} is not an integer") from None
 
 
+def parse_cpu_usage_ns(data: bytes, path: str, version: Version) -> int:
+    """Cumulative CPU ns from the bytes of ``cpuacct.usage`` (v1) or ``cpu.stat`` (v2)."""
+    return _usage_usec_ns(data, path) if version == 2 else _cpuacct_ns(data, path)
+
+
 def read_cpu_usage_ns(path: Path, version: Version | None = None) -> int:
     """Cumulative CPU time (ns) of the cgroup DIRECTORY ``path``: v1 reads
     ``cpuacct.usage`` (so pass a cpuacct-hierarchy dir, ``CgroupReader.cpuacct_dir``),

@@ -40,6 +40,7 @@ from metrics.promexport import (
     EXTERNAL_METRICS,
     SUPPRESS_TYPE,
     LatestValues,
+    StoreValues,
     exported_names,
     register_exporter,
 )
@@ -185,3 +186,27 @@ def test_docs_map_every_export() -> None:
     doc = (ROOT / "docs" / "metrics.md").read_text()
     for e in EXPORTS:
         assert f"`{e.metric}`" in doc and f"`{e.name}`" in doc, e.metric
+
+
+def test_the_store_as_source_scrapes_like_pushed_values(tmp_path: Path) -> None:
+    """The agent's exporter reads the store's newest values: the same scrape as values
+    pushed into LatestValues, without metrics the exporter does not know."""
+    from metrics.tsdb import TSDB
+
+    samples = [
+        Sample(NODE_CPU_USAGE, 9.0, ts=5), Sample(NODE_CPU_USAGE, 1.5, ts=10), Sample(NODE_MEMORY_USED, 2048.0, ts=10),
+        Sample(POD_CPU_USAGE, 0.75, labels(**{POD_UID: "u-web"}), ts=10),
+        Sample(CONTAINER_SCHED_LATENCY, 0.002, labels(**{POD_UID: "u-web", CONTAINER_ID: "c1", SOURCE: "ebpf"}), ts=10),
+        Sample("not_exported_anywhere", 1.0, ts=10),
+    ]
+    pushed, stored = CollectorRegistry(), CollectorRegistry()
+    latest = LatestValues(clock=lambda: 1000.0)
+    latest.update(samples)
+    register_exporter(pushed, latest, lambda: [WEB], "node-a")
+    with TSDB(tmp_path / "m.db", clock=lambda: 1000.0) as db:
+        db.write(samples)
+        register_exporter(stored, StoreValues(db.newest_values), lambda: [WEB], "node-a")
+        got = scrape(stored)
+        assert got == scrape(pushed)
+        assert got["koordlet_node_used_cpu_cores"] == [({"node": "node-a"}, 1.5)]
+        assert ("not_exported_anywhere", (), 1.0) in db.newest_values()

@@ -375,3 +375,17 @@ def test_a_closed_store_says_so(path: Path) -> None:
         db.aggregate(CPU, A, T0, T0)
     with pytest.raises(TSDBError, match="closed"):
         db.write([Sample(CPU, 1.0, A, T0)])
+
+
+def test_newest_values_are_kept_until_a_series_is_silent_for_latest_keep(path: Path) -> None:
+    from metrics.tsdb import LATEST_KEEP
+
+    clock = Clock()
+    with TSDB(path, clock=clock) as db:
+        db.write([Sample(CPU, 1.0, A, T0), Sample(CPU, 2.0, B, T0)])
+        db.write([Sample(CPU, 3.0, A, T0 + LATEST_KEEP)])
+        assert sorted(db.newest_values()) == [(CPU, A, 3.0), (CPU, B, 2.0)]
+        db.flush()
+        db.gc(now=T0 + LATEST_KEEP + 1)
+        assert db.newest_values() == [(CPU, A, 3.0)]
+        assert db.last(CPU, B, LATEST_KEEP * 2, T0 + LATEST_KEEP + 1) == Sample(CPU, 2.0, B, T0), "from the file"
