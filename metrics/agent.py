@@ -19,7 +19,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -184,13 +184,21 @@ class MetricsAgent:
 
     async def _collect_loop(self, interval: float, collectors: Sequence[Collector], worker: Executor) -> None:
         """The collectors sharing ``interval``, one after the other in one worker job:
-        node before pods, so the derived series use the same tick's figures."""
-        loop = asyncio.get_running_loop()
+        node before pods, so the derived series use the same tick's figures. The loop
+        hands the tick over and does not wait for it: being woken once more per tick
+        costs the loop ~0.2 ms of CPU on a VM. A tick that raised fails this task (the
+        supervisor restarts it) at the next interval; one still running then makes the
+        next tick skip rather than queue."""
         next_at = time.monotonic()
+        running: Future[None] | None = None
         while True:
-            # The store snapshot is read on the loop (the store is mutated there).
-            pods = self.refresh_pods() if self.pod_collector in collectors else self._pods
-            await loop.run_in_executor(worker, self._tick, collectors, time.time(), pods)
+            if running is not None and running.done():
+                running.result()  # a tick that raised: fail here, as if awaited
+                running = None
+            if running is None:
+                # The store snapshot is read on the loop (the store is mutated there).
+                pods = self.refresh_pods() if self.pod_collector in collectors else self._pods
+                running = worker.submit(self._tick, collectors, time.time(), pods)
             next_at += interval
             delay = next_at - time.monotonic()
             if delay < 0:  # fell behind (slow disk, suspended VM): skip, do not burst

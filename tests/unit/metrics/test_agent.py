@@ -16,7 +16,7 @@ import pytest
 from metrics import model as m
 from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
 from metrics.model import PodView, Sample
-from metrics.tsdb import TSDB
+from metrics.tsdb import TSDB, TSDBError
 from runtimeproxy.hookapi import HostRoots, TaskInit
 
 
@@ -114,3 +114,28 @@ async def test_without_a_cluster_nodemetric_is_built_on_request_only(host: HostR
     status, _type, body = await agent.reporter.route({})
     assert status == 200 and b"nodeMetric" in body
     assert agent.reporter.latest() is not None
+
+
+@pytest.mark.asyncio
+async def test_a_tick_that_raises_fails_the_task_and_a_slow_one_is_not_queued(host: HostRoots, tmp_path: Path) -> None:
+    """The loop does not wait for ticks, but a store failure still reaches the
+    supervisor (the task fails), and ticks never pile up behind a slow one."""
+    agent, run = _agent(host, tmp_path)
+    release = threading.Event()
+    flushes = 0
+
+    def slow_then_broken_flush() -> int:
+        nonlocal flushes
+        flushes += 1
+        if flushes == 1:
+            release.wait(5)  # the first tick hangs ~10 intervals
+            return 0
+        raise TSDBError(tmp_path / "m.db", "disk full")
+
+    agent.tsdb.flush = slow_then_broken_flush  # type: ignore[method-assign]
+    task = asyncio.create_task(run())
+    await asyncio.sleep(1.0)
+    assert not task.done() and flushes == 1 and agent.ticks["node"] == 1, "no tick queued behind the slow one"
+    release.set()
+    with pytest.raises(TSDBError, match="disk full"):
+        await asyncio.wait_for(task, 5)
