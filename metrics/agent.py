@@ -15,6 +15,7 @@ store and pod views instead of measuring everything a second time.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import threading
 import time
@@ -44,7 +45,7 @@ from metrics.promexport import StoreValues, register_exporter
 from metrics.reporter import NodeMetricReporter
 from metrics.settings import MetricsSettings, parse_metrics
 from metrics.topcmd import pod_meta_record
-from metrics.tsdb import TSDB, TSDBError
+from metrics.tsdb import TSDB, GCResult, TSDBError
 from runtimeproxy.hookapi import HookConfigError, PodInfo, TaskInit
 
 if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
@@ -54,6 +55,13 @@ log = structlog.get_logger("metrics.agent")
 
 SHARED_KEY: Final = "metrics.agent"
 _T = TypeVar("_T")
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 #: Pod views are rebuilt when the set of pods/containers changes, and at least this often
 #: (priorities from kubelet and rule changes arrive without a CRI call).
 _VIEWS_MAX_AGE: Final = 10.0
@@ -266,8 +274,15 @@ class MetricsAgent:
             await job()
 
     async def _gc(self) -> None:
-        result = await asyncio.to_thread(self._timed, "gc", self.tsdb.gc)
+        result = await asyncio.to_thread(self._timed, "gc", self._gc_and_trim)
         log.info("tsdb_gc", **dataclasses.asdict(result))
+
+    def _gc_and_trim(self) -> GCResult:
+        result = self.tsdb.gc()
+        # Compaction and GC allocate and free megabytes; glibc keeps freed heap pages
+        # unless asked to give them back (every 5 min: ~1 ms).
+        _malloc_trim()
+        return result
 
     # --- explain -----------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from metrics.model import Aggregate, Labels
 
 SCHEMA_VERSION: Final = 3
 #: SQLite page caches (KiB): resident memory once filled, so sized to the work.
-WRITER_CACHE_KIB: Final = 8192
+WRITER_CACHE_KIB: Final = 2048
 READER_CACHE_KIB: Final = 512
 
 #: Samples per chunk: 2 minutes at 1 Hz; at most ~1.2 kB, so a row never overflows a page.
@@ -183,8 +183,8 @@ def open_writer(path: Path, busy_timeout: float, wal_limit: int) -> tuple[sqlite
         conn.execute("PRAGMA journal_mode = WAL").fetchone()
         # NORMAL in WAL mode: a power loss may lose the last commits, never corrupt the file.
         conn.execute("PRAGMA synchronous = NORMAL")
-        # Room for a compaction's pages (150k rows of ``recent`` are ~5 MiB), so none is
-        # spilled and rewritten mid-transaction; no more: the cache stays resident.
+        # Room for a compaction's pages (a layout's 120 frames, ~1.3 MiB at 110 pods),
+        # so none is spilled mid-transaction; no more: the cache stays resident.
         conn.execute(f"PRAGMA cache_size = -{WRITER_CACHE_KIB}")
         conn.execute("PRAGMA temp_store = MEMORY")  # the compaction's sort: no temp file
         # Checkpoints keep the WAL from growing, but it keeps its high-water size

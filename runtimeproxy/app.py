@@ -9,6 +9,7 @@ in-flight ones within ``shutdown_grace``, stop background tasks, close channels.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import json
 import signal
@@ -267,8 +268,22 @@ class App:
         return 200, "application/json", json.dumps(body, indent=2, default=str).encode()
 
 
+#: glibc's mallopt parameter; every thread that allocates would otherwise get its own
+#: arena (up to 8 per core), each keeping freed memory: here ~10 MiB of RSS.
+_M_ARENA_MAX = -8
+
+
+def _limit_malloc_arenas(count: int = 2) -> None:
+    """Before any thread starts. Not glibc (musl): nothing to do."""
+    try:
+        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, count)
+    except (OSError, AttributeError):
+        pass
+
+
 def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, Any]) -> int:
     logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
+    _limit_malloc_arenas()
 
     async def main() -> int:
         app = App(settings, config_path=config_path, overrides=overrides)
