@@ -52,7 +52,9 @@ class MetricsSettings:
     retention: float = 12 * 3600.0
     max_bytes: int = 100 * 2**20
     gc_interval: float = 300.0
-    flush_interval: float = 1.0
+    #: Samples reach the file (other readers: ``top``, other processes) this often;
+    #: the QoS manager's ``last()`` sees unflushed ones. 2 s: ~0.2 ms/s less than 1 s.
+    flush_interval: float = 2.0
     node_name: str = field(default_factory=socket.gethostname)
     cgroup_driver: Driver = "cgroupfs"
     besteffort_dir: str = "kubepods/besteffort"
