@@ -1,7 +1,7 @@
 """The embedded time-series store: one SQLite file in WAL mode, no server.
 
 Writes are batched. ``write()`` only appends to an in-memory batch; ``flush()`` writes
-the batch in one transaction. The owner calls ``flush()`` about every second, and
+the batch in one transaction. The owner calls ``flush()`` every ``flush_interval`` (2 s), and
 ``write()`` flushes by itself once the batch holds ``max_batch`` rows, so memory stays
 bounded when the owner is late. Queries (``aggregate``, ``aggregate_all``, ``points``,
 ``series``) see flushed data only. ``last()`` also sees the newest unflushed sample of
@@ -99,8 +99,6 @@ class GCResult:
     points_folded: int
     #: Buckets dropped (past the retention, or to honour ``max_bytes``).
     buckets_deleted: int
-
-
 
 
 def series_key(metric: str, canonical: Labels) -> SeriesKey:
