@@ -30,14 +30,11 @@ from __future__ import annotations
 import array
 import operator
 import sqlite3
-import sys
 import zlib
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Final, NamedTuple
 
 from metrics import tsdbquery as q
-
-_SWAP: Final = sys.byteorder == "big"  # blobs are little-endian on every host
 
 INSERT_FRAME: Final = "INSERT INTO frames (layout, lo, hi, n, ids, vals, ts) VALUES (?, ?, ?, ?, ?, ?, ?)"
 LAYOUT_COUNTS: Final = "SELECT layout, count(*) FROM frames GROUP BY layout"
@@ -60,12 +57,6 @@ class Frame(NamedTuple):
     ts: bytes | None
 
 
-def _blob(a: array.array[int] | array.array[float]) -> bytes:
-    if _SWAP:
-        a.byteswap()
-    return a.tobytes()
-
-
 def _ints(raw: bytes) -> array.array[int]:
     a: array.array[int] = array.array("q")
     _load(a, raw)
@@ -80,11 +71,9 @@ def _floats(raw: bytes) -> array.array[float]:
 
 def _load(a: array.array[int] | array.array[float], raw: bytes) -> None:
     try:
-        a.frombytes(raw)
+        q.from_le(a, raw)
     except (TypeError, ValueError) as exc:  # not a blob, or cut short
         raise q.DamagedChunk(f"damaged frame: {exc}") from exc
-    if _SWAP:
-        a.byteswap()
 
 
 def frame_row(ids: Sequence[int], ts: Sequence[int], values: Sequence[float]) -> tuple[int, int, int, int, bytes,
@@ -92,9 +81,9 @@ def frame_row(ids: Sequence[int], ts: Sequence[int], values: Sequence[float]) ->
     """The ``frames`` row (for ``INSERT_FRAME``) of one non-empty batch; it starts with
     the layout."""
     lo, hi = min(ts), max(ts)
-    times = None if lo == hi else _blob(array.array("q", ts))
-    layout = _blob(array.array("q", ids))
-    return zlib.crc32(layout), lo, hi, len(ids), layout, _blob(array.array("d", values)), times
+    times = None if lo == hi else q.le_bytes(array.array("q", ts))
+    layout = q.le_bytes(array.array("q", ids))
+    return zlib.crc32(layout), lo, hi, len(ids), layout, q.le_bytes(array.array("d", values)), times
 
 
 def _decode(frame: Frame) -> tuple[array.array[float], array.array[int] | None]:

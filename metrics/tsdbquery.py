@@ -270,7 +270,7 @@ def summarize(rows: list[Point]) -> Aggregate | None:
     """One series' ``(ts_ms, value)`` rows (any order; sorted here) as an Aggregate."""
     if not rows:
         return None
-    rows.sort()  # runs (chunks, recent): a merge for timsort
+    rows.sort()  # runs (chunks, frames): a merge for timsort
     values = [v for _, v in rows]
     ordered = sorted(values)
     p50, p90, p95, p99 = (percentile(ordered, p) for p in PERCENTILES)
@@ -290,13 +290,15 @@ def summarize(rows: list[Point]) -> Aggregate | None:
 # --- chunks -----------------------------------------------------------------------
 
 
-def _le(a: array.array[int] | array.array[float]) -> bytes:
+def le_bytes(a: array.array[int] | array.array[float]) -> bytes:
+    """The array as little-endian bytes (swapped in place on a big-endian host)."""
     if _SWAP:
         a.byteswap()
     return a.tobytes()
 
 
-def _from_le(a: array.array[int] | array.array[float], raw: bytes) -> None:
+def from_le(a: array.array[int] | array.array[float], raw: bytes) -> None:
+    """Append little-endian ``raw`` to ``a``; ValueError when its length does not fit."""
     a.frombytes(raw)
     if _SWAP:
         a.byteswap()
@@ -304,12 +306,12 @@ def _from_le(a: array.array[int] | array.array[float], raw: bytes) -> None:
 
 def encode_chunk(ts: Sequence[int], values: Sequence[float]) -> bytes:
     """Strictly ascending ``ts`` (gaps up to 65.5 s) and their values as one blob."""
-    deltas = _le(array.array("H", map(operator.sub, ts[1:], ts)))
+    deltas = le_bytes(array.array("H", map(operator.sub, ts[1:], ts)))
     floats = array.array("d", values)
     bits = array.array("Q", floats.tobytes())  # the same 8 bytes, as integers to XOR
     bits = array.array("Q", map(operator.xor, bits, itertools.chain((0,), bits)))
-    plain = bytes((_PLAIN,)) + deltas + _le(floats)
-    xored = _le(bits)
+    plain = bytes((_PLAIN,)) + deltas + le_bytes(floats)
+    xored = le_bytes(bits)
     # Deflate pays off through runs of zero bytes (equal neighbours, integral values);
     # a noisy fraction leaves few, and deflating it costs ~40 µs per chunk to save ~20 %.
     if xored.count(0) * _MIN_ZERO_SHARE < len(xored):
@@ -328,14 +330,14 @@ def decode_chunk(lo: int, n: int, data: bytes) -> tuple[list[int], list[float]]:
             raise DamagedChunk(f"unknown chunk codec {codec}")
         cut = 2 * (n - 1)
         deltas: array.array[int] = array.array("H")
-        _from_le(deltas, body[:cut])
+        from_le(deltas, body[:cut])
         values: array.array[float] = array.array("d")
         if codec == _DEFLATED:
             bits: array.array[int] = array.array("Q")
-            _from_le(bits, body[cut:])
+            from_le(bits, body[cut:])
             values.frombytes(array.array("Q", itertools.accumulate(bits, operator.xor)).tobytes())
         else:
-            _from_le(values, body[cut:])
+            from_le(values, body[cut:])
     except (IndexError, zlib.error) as exc:
         raise DamagedChunk(f"damaged chunk: {exc}") from exc
     if len(deltas) != n - 1 or len(values) != n:

@@ -69,7 +69,7 @@ DELETE_EXPIRED: Final = "DELETE FROM rollups WHERE series_id = ?1 AND start < ?2
 # The size cap: the buckets that start before the cut.
 DELETE_STARTING_BEFORE: Final = "DELETE FROM rollups WHERE series_id = ? AND start < ?"
 ALL_SERIES_IDS: Final = "SELECT id FROM series"
-# GC compacts first: with ``recent`` empty, the two tiers alone say which series are empty.
+# GC compacts first: with ``frames`` empty, the two tiers alone say which series are empty.
 DELETE_EMPTY_SERIES: Final = (
     "DELETE FROM series WHERE NOT EXISTS (SELECT 1 FROM chunks WHERE series_id = series.id)"
     " AND NOT EXISTS (SELECT 1 FROM rollups WHERE series_id = series.id)"
@@ -341,7 +341,7 @@ def collect_garbage(
     conn: sqlite3.Connection, tiers: Tiers, now: int, max_bytes: int, size: Callable[[], int], coarse_from: int
 ) -> GCCounts:
     """Retention, folding, coarsening from ``coarse_from``, then the size cap: oldest
-    rollups first, then the oldest raw samples. On a compacted store (``recent`` empty)."""
+    rollups first, then the oldest raw samples. On a compacted store (``frames`` empty)."""
     counts = GCCounts()
 
     def retain() -> None:
