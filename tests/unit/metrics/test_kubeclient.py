@@ -355,7 +355,8 @@ async def test_informer_gets_nodeslo_and_node_through_watches(api: FakeApiServer
     informer = StatesInformer(kube, None, sync_interval=0.05)
     task = asyncio.create_task(informer.run())
     deadline = time.monotonic() + 10
-    while informer.nodeslo_rules() is None or informer.node_capacity() is None:
+    # Three watch threads list independently; wait for all three, not the first two.
+    while informer.nodeslo_rules() is None or informer.node_capacity() is None or informer.nodemetric_spec() is None:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
     assert informer.nodeslo_rules() == nodeslo("2", 55)["spec"]
