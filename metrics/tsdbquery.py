@@ -101,7 +101,6 @@ DELETE_CHUNK: Final = "DELETE FROM chunks WHERE id = ?"
 _OVERLAPS: Final = f"lo BETWEEN ?2 - {CHUNK_SPAN} AND ?3 AND hi >= ?2"
 # ?1 series id, ?2 first ms, ?3 last ms.
 OVERLAPPING: Final = f"SELECT id, lo, hi, n, data FROM chunks WHERE series_id = ?1 AND {_OVERLAPS}"
-CHUNKS_BEFORE: Final = "SELECT id, lo, hi, n, data FROM chunks WHERE series_id = ? AND lo < ? ORDER BY lo"
 CHUNKS_ONE: Final = f"SELECT lo, hi, n, data FROM chunks WHERE series_id = ?1 AND {_OVERLAPS}"
 # ?1 metric, ?2 first ms, ?3 last ms.
 CHUNKS_ALL: Final = (

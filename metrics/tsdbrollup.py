@@ -8,11 +8,18 @@ Buckets are kept until ``retention`` (12 h). At 1 Hz that is 60-300 samples in o
 ~64-byte row. Measured at 2000 series x 1 Hz over 12 h: 30 MiB of raw chunks (35 min)
 and 25 MiB of buckets, 56 MiB in all under the 100 MiB default cap.
 
+A fold takes whole chunks: those ending before the raw cut, found in one index scan
+and deleted in one statement. The chunk straddling the cut stays raw (at most one per
+series, 2-5 minutes of it) and goes at a later fold; its samples are then added to
+the buckets that already hold the older part of their interval, as a sample written
+after its bucket was folded always is (a sample written twice is then counted twice:
+the replace-on-rewrite of the raw tier ends at the fold). Splitting that chunk instead
+would decode and re-encode one chunk per series at every fold. Series with fewer than
+``SPARSE`` samples per step (PSI every 10 s) fold straight into coarse buckets: a
+60 s bucket of 6 samples saves little over the samples, and PSI is most of the series.
+
 Fold, coarsening and retention run in one transaction, so a reader sees every sample
-exactly once, raw or folded. Bucket boundaries are aligned, so a bucket is complete
-when folded; a sample written after its bucket was folded is added to the bucket (a
-sample written twice is then counted twice: the replace-on-rewrite of the raw tier
-ends at the fold).
+exactly once, raw or folded.
 
 Queries combine the tiers. A bucket is part of a window ``[start, end]`` when all its
 samples are (``start <= bucket start`` and ``last sample <= end``): a bucket straddling
@@ -28,6 +35,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import itertools
+import operator
 import sqlite3
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -49,7 +58,7 @@ BUCKETS_ALL: Final = (
 # ?4: the longest step, so the scan is bounded below.
 LAST_BUCKET: Final = (
     "SELECT start + last_off, last FROM rollups WHERE series_id = ?1 AND start BETWEEN ?2 - ?4 AND ?3"
-    " AND start + last_off BETWEEN ?2 AND ?3 ORDER BY start DESC LIMIT 1"
+    " AND start + last_off BETWEEN ?2 AND ?3 ORDER BY start + last_off DESC LIMIT 1"
 )
 _INSERT: Final = f"INSERT INTO rollups (series_id, {_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 # A late sample's bucket may exist already: merge into it. SET sees the old row's values.
@@ -69,12 +78,20 @@ DELETE_EXPIRED: Final = "DELETE FROM rollups WHERE series_id = ?1 AND start < ?2
 # The size cap: the buckets that start before the cut.
 DELETE_STARTING_BEFORE: Final = "DELETE FROM rollups WHERE series_id = ? AND start < ?"
 ALL_SERIES_IDS: Final = "SELECT id FROM series"
+# Through the (series_id, lo, hi) index: in series then time order, tables rows read
+# only for the chunks that match.
+CHUNKS_ENDING_BEFORE: Final = "SELECT series_id, lo, n, data FROM chunks WHERE hi < ? ORDER BY series_id, lo"
+DELETE_ENDING_BEFORE: Final = "DELETE FROM chunks WHERE hi < ?"
+CHUNKS_STRADDLING: Final = "SELECT id, series_id, lo, n, data FROM chunks WHERE lo < ?1 AND hi >= ?1"
+COUNT_STARTING_BEFORE: Final = "SELECT coalesce(sum(n), 0) FROM chunks WHERE lo < ?"
+DELETE_CHUNKS_STARTING_BEFORE: Final = "DELETE FROM chunks WHERE lo < ?"
 # GC compacts first: with ``frames`` empty, the two tiers alone say which series are empty.
 DELETE_EMPTY_SERIES: Final = (
     "DELETE FROM series WHERE NOT EXISTS (SELECT 1 FROM chunks WHERE series_id = series.id)"
     " AND NOT EXISTS (SELECT 1 FROM rollups WHERE series_id = series.id)"
 )
 # Per-series min/max ride the keys; a global min over a tier would scan all of it.
+OLDEST_BUCKET: Final = "SELECT min((SELECT min(start) FROM rollups WHERE series_id = s.id)) FROM series s"
 ROLLUP_RANGE: Final = (
     "SELECT min(lo), max(hi) FROM (SELECT (SELECT min(start) FROM rollups WHERE series_id = s.id) AS lo,"
     " (SELECT max(start) FROM rollups WHERE series_id = s.id) AS hi FROM series s)"
@@ -84,9 +101,12 @@ RAW_RANGE: Final = (
     " (SELECT hi FROM chunks WHERE series_id = s.id ORDER BY lo DESC LIMIT 1) AS hi FROM series s)"
 )
 
+#: Samples per step below which a series folds straight into coarse buckets.
+SPARSE: Final = 10
 #: Fraction of a tier's time range dropped per round when the file is over the cap.
 CAP_FRACTION: Final = 0.1
 _CAP_ROUNDS: Final = 60
+_FIRST: Final = operator.itemgetter(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +168,8 @@ class Tiers:
 
     def cuts(self, now: int) -> tuple[int, int, int]:
         """(retention cut, raw cut, coarse cut): samples before the retention cut go;
-        raw ones before the raw cut are folded (it is step-aligned, so only complete
-        buckets are), into coarse buckets before the coarse cut."""
+        raw chunks ending before the raw cut are folded, into coarse buckets before the
+        coarse cut."""
         retention = now - self.retention
         raw = max(retention, _align(now - self.raw, self.step))
         return retention, raw, _align(now - self.coarse_after, self.coarse)
@@ -159,15 +179,19 @@ def _align(ms: int, step: int) -> int:
     return ms - ms % step
 
 
-def buckets_of(ts: Sequence[int], values: Sequence[float], step: int, coarse: int, coarse_cut: int) -> Iterator[Bucket]:
-    """Ascending samples of one series as buckets (coarse ones before ``coarse_cut``)."""
+def bucket_rows(series_id: int, ts: Sequence[int], values: Sequence[float], step: int, coarse: int,
+                coarse_cut: int) -> Iterator[tuple[int | float, ...]]:
+    """Ascending samples of one series as ``rollups`` rows (coarse buckets before
+    ``coarse_cut``); tuples rather than ``Bucket``s: a fold makes tens of thousands."""
+    # A step bucket of a few samples would save little over the samples themselves.
+    sparse = len(ts) > 1 and (len(ts) - 1) * step < SPARSE * (ts[-1] - ts[0])
     i = 0
     while i < len(ts):
-        size = coarse if ts[i] < coarse_cut else step
+        size = coarse if sparse or ts[i] < coarse_cut else step
         start = _align(ts[i], size)
         j = bisect.bisect_left(ts, start + size, i)
         part = values[i:j]
-        yield Bucket(start, j - i, sum(part), min(part), max(part), part[-1], ts[i], ts[j - 1])
+        yield series_id, start, j - i, sum(part), min(part), max(part), part[-1], ts[i] - start, ts[j - 1] - start
         i = j
 
 
@@ -245,38 +269,51 @@ class GCCounts:
     capped: bool = False
 
 
-def take_raw_before(conn: sqlite3.Connection, cut: int) -> Iterator[tuple[int, list[int], list[float]]]:
-    """Remove raw samples older than ``cut`` from ``chunks`` (splitting the chunk that
-    straddles it) and yield them per series: ``(series_id, ts, values)``."""
-    for (series_id,) in conn.execute(ALL_SERIES_IDS).fetchall():
-        rows = conn.execute(q.CHUNKS_BEFORE, (series_id, cut)).fetchall()
-        if not rows:
-            continue
+def take_chunks_before(conn: sqlite3.Connection, cut: int) -> Iterator[tuple[int, list[int], list[float]]]:
+    """Yield the samples of the chunks that end before ``cut``, per series in time
+    order: ``(series_id, ts, values)``; once exhausted, delete those chunks. The chunk
+    straddling the cut stays whole: its older samples go at a later fold."""
+    # One scan in C for all series; the delete after it, as a scan's table must not
+    # change under it.
+    for series_id, group in itertools.groupby(conn.execute(CHUNKS_ENDING_BEFORE, (cut,)), key=_FIRST):
         ts: list[int] = []
         values: list[float] = []
-        for _, lo, _, n, data in rows:
+        for _, lo, n, data in group:
             t, v = q.decode_chunk(lo, n, data)
-            k = bisect.bisect_left(t, cut)
-            ts += t[:k]
-            values += v[:k]
-            if k < n:
-                conn.executemany(q.INSERT_CHUNK, [(series_id, *c) for c in q.pack(t[k:], v[k:])])
-        conn.executemany(q.DELETE_CHUNK, [(row[0],) for row in rows])
+            ts += t
+            values += v
         yield series_id, ts, values
+    conn.execute(DELETE_ENDING_BEFORE, (cut,))
+
+
+def trim_chunks(conn: sqlite3.Connection, cut: int) -> int:
+    """Drop the samples older than ``cut`` from the chunks straddling it; returns how
+    many. Only a retention shorter than the raw one leaves such chunks."""
+    rows = conn.execute(CHUNKS_STRADDLING, (cut,)).fetchall()
+    dropped = 0
+    for chunk_id, series_id, lo, n, data in rows:
+        ts, values = q.decode_chunk(lo, n, data)
+        k = bisect.bisect_left(ts, cut)
+        dropped += k
+        conn.executemany(q.INSERT_CHUNK, [(series_id, *c) for c in q.pack(ts[k:], values[k:])])
+        conn.execute(q.DELETE_CHUNK, (chunk_id,))
+    return dropped
 
 
 def fold(conn: sqlite3.Connection, tiers: Tiers, now: int, counts: GCCounts) -> None:
     """Retention and folding (one transaction, the caller's)."""
     retention_cut, raw_cut, coarse_cut = tiers.cuts(now)
     upserts: list[tuple[int | float, ...]] = []
-    for series_id, ts, values in take_raw_before(conn, raw_cut):
+    for series_id, ts, values in take_chunks_before(conn, raw_cut):
         k = bisect.bisect_left(ts, retention_cut)
         counts.points_deleted += k
         counts.points_folded += len(ts) - k
-        for b in buckets_of(ts[k:], values[k:], tiers.step, tiers.coarse, coarse_cut):
-            upserts.append((series_id, *b.row()))
+        upserts += bucket_rows(series_id, ts[k:], values[k:], tiers.step, tiers.coarse, coarse_cut)
+    counts.points_deleted += trim_chunks(conn, retention_cut)
     conn.executemany(UPSERT, upserts)
-    counts.buckets_deleted += delete_buckets(conn, DELETE_EXPIRED, retention_cut)
+    oldest = conn.execute(OLDEST_BUCKET).fetchone()[0]
+    if oldest is not None and oldest < retention_cut:  # else one statement per series for nothing
+        counts.buckets_deleted += delete_buckets(conn, DELETE_EXPIRED, retention_cut)
 
 
 def coarsen(conn: sqlite3.Connection, lo: int, cut: int, coarse: int) -> None:
@@ -328,13 +365,12 @@ def cap_round(conn: sqlite3.Connection, counts: GCCounts) -> bool:
     raw_cut = cap_cutoff(lo, hi, CAP_FRACTION)
     if raw_cut is None:
         return False
-    before = counts.points_deleted
-
-    def drop_raw() -> None:
-        counts.points_deleted += sum(len(ts) for _, ts, _ in take_raw_before(conn, raw_cut))
-
-    q.in_transaction(conn, drop_raw)
-    return counts.points_deleted > before
+    # Whole chunks starting before the cut: over the cap, a little more is better than
+    # nothing (no chunk may end before a cut a tenth into the range).
+    dropped: int = conn.execute(COUNT_STARTING_BEFORE, (raw_cut,)).fetchone()[0]
+    q.in_transaction(conn, lambda: conn.execute(DELETE_CHUNKS_STARTING_BEFORE, (raw_cut,)))
+    counts.points_deleted += dropped
+    return dropped > 0
 
 
 def collect_garbage(

@@ -81,48 +81,90 @@ def test_a_rewritten_sample_replaces_the_stored_one_after_compaction(path: Path)
         assert db.points(CPU, A, T0, T0 + 10) == [(T0, 1.0), (T0 + 1, 20.0), (T0 + 2, 3.0)]
 
 
-def test_fold_matches_a_hand_computation(db: TSDB) -> None:
-    values = [float((i * 7) % 11) for i in range(300)]  # 5 minutes at 1 Hz
-    _write(db, A, values)
-    result = db.gc(now=T0 + 300)  # raw cut: T0 + 180, aligned
-    assert (result.points_folded, result.points_deleted) == (180, 0)
-    buckets = db.rollups(CPU, A, T0, T0 + 300)
-    assert [b.start for b in buckets] == [T0, T0 + 60, T0 + 120]
-    for b, minute in zip(buckets, _by_minute(values), strict=False):
-        assert (b.count, b.total, b.min, b.max, b.last) == (60, sum(minute), min(minute), max(minute), minute[-1])
-        assert (b.first_ts, b.last_ts) == (b.start, b.start + 59)
-    # The folded samples left the raw tier; the younger ones are still there.
-    assert db.points(CPU, A, T0 + 180, T0 + 300) == [(T0 + 180 + i, v) for i, v in enumerate(values[180:])]
-    assert sqlite3.connect(db.path).execute("SELECT min(lo) FROM chunks").fetchone()[0] == (T0 + 180) * 1000
+def test_fold_takes_whole_chunks_and_completes_a_bucket_split_between_folds(db: TSDB) -> None:
+    values = [float((i * 7) % 11) for i in range(330)]  # T0+30 .. T0+359: chunks of 120, 120, 90
+    _write(db, A, values, start=T0 + 30)
+    result = db.gc(now=T0 + 300)  # raw cut T0+180: the first chunk (to T0+149) folds
+    assert (result.points_folded, result.points_deleted) == (120, 0)
+    # The chunk straddling the cut stays raw, whole.
+    assert db.points(CPU, A, T0 + 150, T0 + 400) == [(T0 + 150 + i, v) for i, v in enumerate(values[120:])]
+    assert sqlite3.connect(db.path).execute("SELECT min(lo) FROM chunks").fetchone()[0] == (T0 + 150) * 1000
+    assert [(b.start - T0, b.count) for b in db.rollups(CPU, A, T0, T0 + 400)] == [(0, 30), (60, 60), (120, 30)]
+    assert db.gc(now=T0 + 420).points_folded == 120  # cut T0+300: the second chunk
+    assert db.gc(now=T0 + 600).points_folded == 90
+    by_minute: dict[int, list[float]] = {}
+    for i, v in enumerate(values):
+        by_minute.setdefault((30 + i) // 60 * 60, []).append(v)
+    buckets = db.rollups(CPU, A, T0, T0 + 400)
+    assert [int(b.start - T0) for b in buckets] == sorted(by_minute)
+    for b in buckets:
+        minute = by_minute[int(b.start - T0)]
+        first = max(b.start, T0 + 30)
+        assert (b.count, b.total, b.min, b.max, b.last) == (len(minute), sum(minute), min(minute), max(minute),
+                                                           minute[-1])
+        assert (b.first_ts, b.last_ts) == (first, first + len(minute) - 1)
+    assert sqlite3.connect(db.path).execute("SELECT count(*) FROM chunks").fetchone()[0] == 0
+
+
+def test_a_series_with_few_samples_per_step_folds_into_coarse_buckets(path: Path) -> None:
+    with _store(path, coarse_step=5 * MIN) as db:
+        sparse = [float(i) for i in range(60)]  # every 10 s for 10 minutes: 6 a step
+        db.write([Sample(CPU, v, A, T0 + 10 * i) for i, v in enumerate(sparse)])
+        _write(db, B, [1.0] * 600)  # every second: 60 a step
+        db.gc(now=T0 + 12 * MIN)  # raw cut T0+600: everything folds
+        coarse = db.rollups(CPU, A, T0, T0 + 600)
+        assert [(b.start - T0, b.count, b.total, b.last) for b in coarse] == [
+            (0, 30, sum(sparse[:30]), 29.0), (300, 30, sum(sparse[30:]), 59.0)]
+        assert [b.start - T0 for b in db.rollups(CPU, B, T0, T0 + 600)] == [60 * k for k in range(10)]
+        agg = db.aggregate(CPU, A, T0, T0 + 599)
+        assert agg is not None and (agg.count, agg.avg, agg.last, agg.last_ts) == (60, 29.5, 59.0, T0 + 590)
+
+
+def test_last_finds_the_newest_sample_when_a_coarse_bucket_overlaps_step_buckets(path: Path) -> None:
+    """A series that turns sparse folds into a coarse bucket, which merges into the step
+    bucket at the same start: the newest sample is then in a bucket that starts first."""
+    with _store(path, coarse_step=5 * MIN) as db:
+        _write(db, A, [1.0] * 180)  # dense, T0 .. T0+179
+        db.gc(now=T0 + 300)  # raw cut T0+180: step buckets T0, T0+60, T0+120
+        db.write([Sample(CPU, 2.0 + i, A, T0 + 180 + 10 * i) for i in range(12)])  # sparse, to T0+290
+        db.flush()
+        db.gc(now=T0 + 420)  # raw cut T0+300: one coarse bucket, merged into the one at T0
+        assert [(b.start - T0, b.count) for b in db.rollups(CPU, A, T0, T0 + 400)] == [(0, 72), (60, 60), (120, 60)]
+        agg = db.aggregate(CPU, A, T0, T0 + 400)
+        assert agg is not None and (agg.count, agg.last, agg.last_ts) == (192, 13.0, T0 + 290)
+    with _store(path) as again:  # nothing in memory: last() reads the buckets
+        assert again.last(CPU, A, 600, T0 + 420) == Sample(CPU, 13.0, A, T0 + 290)
 
 
 def test_queries_over_both_tiers(db: TSDB) -> None:
     values = [float(i % 10) for i in range(300)]
     _write(db, A, values)
-    raw_only = db.aggregate(CPU, A, T0 + 200, T0 + 299)
-    db.gc(now=T0 + 300)
+    raw_only = db.aggregate(CPU, A, T0 + 250, T0 + 299)
+    db.gc(now=T0 + 360)  # raw cut T0+240: the chunks of the first 240 samples fold
     agg = db.aggregate(CPU, A, T0, T0 + 299)
     assert agg is not None
     assert (agg.count, agg.avg, agg.last, agg.first_ts, agg.last_ts) == (300, 4.5, 9.0, T0, T0 + 299)
-    # Each bucket stands for 60 samples at its mean (4.5); the 120 raw ones count as themselves.
-    weighted = sorted([4.5] * 180 + values[180:])
+    # Each bucket stands for 60 samples at its mean (4.5); the 60 raw ones count as themselves.
+    weighted = sorted([4.5] * 240 + values[240:])
     assert (agg.p50, agg.p90, agg.p99) == (percentile(weighted, 0.5), percentile(weighted, 0.9), 9.0)
-    assert db.aggregate(CPU, A, T0 + 200, T0 + 299) == raw_only  # a raw window is untouched
+    assert db.aggregate(CPU, A, T0 + 250, T0 + 299) == raw_only  # a raw window is untouched
     # A bucket straddling the window's start is left out whole: [T0+30, ...) starts at the second one.
     part = db.aggregate(CPU, A, T0 + 30, T0 + 299)
     assert part is not None and (part.count, part.first_ts) == (240, T0 + 60)
     everything = db.aggregate_all(CPU, T0, T0 + 299)
     assert everything == {A: agg}
     pts = db.points(CPU, A, T0, T0 + 299)
-    assert pts[:3] == [(T0, 4.5), (T0 + 60, 4.5), (T0 + 120, 4.5)]
-    assert pts[3:] == [(T0 + 180 + i, v) for i, v in enumerate(values[180:])]
+    assert pts[:4] == [(T0, 4.5), (T0 + 60, 4.5), (T0 + 120, 4.5), (T0 + 180, 4.5)]
+    assert pts[4:] == [(T0 + 240 + i, v) for i, v in enumerate(values[240:])]
 
 
 def test_percentiles_are_exact_when_buckets_are_flat_and_weighted_means_otherwise(db: TSDB) -> None:
     flat = [float(m) for m in (3, 1, 4) for _ in range(60)]
     _write(db, A, flat + [9.0] * 60)
     ramp = [float(i) for i in range(60)] + [100.0] * 60  # bucket mean 29.5, then raw
-    _write(db, B, ramp, start=T0 + 60)
+    _write(db, B, ramp[:60], start=T0 + 60)
+    db.compact()  # a chunk of its own, which the cut below takes whole
+    _write(db, B, ramp[60:], start=T0 + 120)
     exact = db.aggregate(CPU, A, T0, T0 + 239)
     db.gc(now=T0 + 240)  # folds up to T0 + 120
     agg = db.aggregate(CPU, A, T0, T0 + 239)
@@ -215,7 +257,7 @@ def test_both_tiers_survive_a_restart(path: Path) -> None:
         buckets = db.rollups(CPU, A, T0, T0 + 299)
     with _store(path) as again:
         assert again.aggregate(CPU, A, T0, T0 + 299) == before
-        assert again.rollups(CPU, A, T0, T0 + 299) == buckets and len(buckets) == 3
+        assert again.rollups(CPU, A, T0, T0 + 299) == buckets and len(buckets) == 2  # the first chunk
     with TSDB.open_readonly(path) as ro:
         assert ro.aggregate(CPU, A, T0, T0 + 299) == before
 
