@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -128,13 +127,6 @@ PROXY_READY_TIMEOUT = 30.0
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
     """GET on the proxy's metrics endpoint; (0, b"") when nothing answers."""
     url = f"http://127.0.0.1:{port}{path}"
@@ -151,7 +143,8 @@ def proxy_config_doc(
     *, listen: Path, backend: Path | str, metrics_port: int, hooks: Sequence[Mapping[str, Any]] = (),
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The YAML document a test proxy runs with (JSON logs, no hookserver.d)."""
+    """The YAML document a test proxy runs with (JSON logs, no hookserver.d); metrics_port 0
+    lets the proxy pick a free port (see ``ProxyProcess.metrics_port``)."""
     doc: dict[str, Any] = {
         "listen": str(listen),
         "backend": {"runtime_endpoint": str(backend)},
@@ -165,15 +158,19 @@ def proxy_config_doc(
 
 
 class ProxyProcess:
-    """One ``koord-runtime-proxy run`` subprocess, its files and its channels."""
+    """One ``koord-runtime-proxy run`` subprocess, its files and its channels.
+
+    The metrics endpoint listens on port 0 (a port picked in advance could be taken by
+    anything on the machine before the proxy binds it); the port it got is read from
+    the proxy's ``http_listening`` log line.
+    """
 
     def __init__(
-        self, *, workdir: Path, socket_path: Path, metrics_port: int, config_path: Path,
-        env: Mapping[str, str],
+        self, *, workdir: Path, socket_path: Path, config_path: Path, env: Mapping[str, str],
     ) -> None:
         self.workdir = workdir
         self.socket = socket_path
-        self.metrics_port = metrics_port
+        self._metrics_port: int | None = None
         self.config_path = config_path
         self.log_path = workdir / "proxy.log"
         self.exit_code: int | None = None
@@ -192,6 +189,16 @@ class ProxyProcess:
     @property
     def running(self) -> bool:
         return self.proc.poll() is None
+
+    @property
+    def metrics_port(self) -> int:
+        """The port the metrics endpoint bound (AssertionError before it has)."""
+        if self._metrics_port is None:
+            listening = self.events("http_listening")
+            if not listening:
+                raise AssertionError(f"proxy {self.pid} has not logged http_listening yet:\n{self.log()}")
+            self._metrics_port = int(listening[-1]["port"])
+        return self._metrics_port
 
     @property
     def endpoint(self) -> str:
@@ -233,6 +240,9 @@ class ProxyProcess:
     # -- health ------------------------------------------------------------
 
     def healthz(self) -> int:
+        """The /healthz status; 0 while nothing answers (not listening yet, or gone)."""
+        if self._metrics_port is None and not self.events("http_listening"):
+            return 0
         return http_get(self.metrics_port, "/healthz")[0]
 
     def wait_healthy(self, timeout: float = PROXY_READY_TIMEOUT) -> None:
@@ -322,16 +332,14 @@ class ProxyLauncher:
     ) -> ProxyProcess:
         workdir = self.mkdtemp()
         listen = socket_path or workdir / "proxy.sock"
-        port = free_port()
         config_path = workdir / "config.yaml"
-        doc = proxy_config_doc(listen=listen, backend=backend or self.backend, metrics_port=port,
+        doc = proxy_config_doc(listen=listen, backend=backend or self.backend, metrics_port=0,
                                hooks=hooks, extra=extra)
         config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if pythonpath:
             env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), env.get("PYTHONPATH", "")]).rstrip(":")
-        proxy = ProxyProcess(workdir=workdir, socket_path=listen, metrics_port=port, config_path=config_path,
-                             env=env)
+        proxy = ProxyProcess(workdir=workdir, socket_path=listen, config_path=config_path, env=env)
         self.started.append(proxy)
         if wait_ready:
             proxy.wait_healthy()

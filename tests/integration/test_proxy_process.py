@@ -6,11 +6,13 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from typing import Any
 
 import grpc
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.embedded import EmbeddedContainerd, runtime_stub, unix_channel
@@ -95,6 +97,18 @@ def test_reload_rejects_bad_config_and_applies_good_one(proxy_factory: Any, pods
 # --- (c) graceful stop -----------------------------------------------------------------
 
 
+def _intercepted_calls(proxy: Any, method: str) -> float:
+    """The proxy's call counter for an intercepted method: counted as the call arrives."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    labels = {"method": f"/runtime.v1.RuntimeService/{method}", "path": "intercepted"}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "koord_runtime_proxy_cri_calls_total" and sample.labels == labels:
+                return float(sample.value)
+    return 0.0
+
+
 def test_sigterm_drains_in_flight_calls_and_refuses_new_ones(proxy_factory: Any, pods: Any) -> None:
     proxy = proxy_factory.start()
     rt = proxy.runtime()
@@ -106,7 +120,12 @@ def test_sigterm_drains_in_flight_calls_and_refuses_new_ones(proxy_factory: Any,
     # sleep is PID 1 and ignores SIGTERM: containerd waits the full 3 s, then SIGKILLs.
     started = time.monotonic()
     in_flight = rt.StopContainer.future(cri.StopContainerRequest(container_id=cid, timeout=3), timeout=30)
-    time.sleep(0.5)
+    # SIGTERM only once the proxy has the call (not after a fixed pause a loaded machine
+    # may outlast): the call is then in flight and must be drained, not refused.
+    deadline = time.monotonic() + 10
+    while _intercepted_calls(proxy, "StopContainer") < 1:
+        assert time.monotonic() < deadline, "StopContainer did not reach the proxy within 10 s"
+        time.sleep(0.02)
     proxy.send(signal.SIGTERM)
     proxy.wait_event("stopping", timeout=5)
     assert not in_flight.done()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +55,12 @@ def test_manual_writes_are_repaired(proxy: Any, pods: Any) -> None:
     pool = cpuset.read_text().strip()
 
     quota.write_text("50000")  # drift: someone halves the BE container's quota
+    # The write took, unless the 1 s reconciler already repaired it in between; either
+    # way the repair it must log for this very file (asserted below) proves the drift.
+    assert quota.read_text().strip() in ("50000", "100000")
     online = Path("/sys/devices/system/cpu/online").read_text().strip()
     narrowed = online.replace("-", ",").split(",")[0]
     cpuset.write_text(narrowed)  # drift: someone pins it to one CPU
-    assert quota.read_text().strip() == "50000"
 
     assert _wait_for(lambda: quota.read_text().strip(), "100000") == "100000"
     if pool != narrowed:
@@ -65,6 +68,13 @@ def test_manual_writes_are_repaired(proxy: Any, pods: Any) -> None:
     proxy.wait_event("reconcile_repaired", timeout=10)
     changes = [c for event in proxy.events("reconcile_repaired") for c in event["changes"]]
     assert f"batch-resource:host:{quota}=100000" in changes, changes
+    # And the repair found the drifted value: the manual write did take.
+    explain = f"http://127.0.0.1:{proxy.metrics_port}/debug/explain?pod=krp-test/drift-be"
+    with urllib.request.urlopen(explain, timeout=5) as resp:
+        recorded = json.loads(resp.read())["changes"]
+    repairs = [(c["old"], c["new"]) for c in recorded
+               if c["target"] == f"host:{quota}" and c["stage"] == "ReconcileContainer"]
+    assert ("50000", "100000") in repairs, recorded
     # No hook keeps failing on these pods (e.g. writing shares to an idle BE group).
     failures = [e for e in proxy.events("hook_failed") if e.get("pod_name") == "drift-be"]
     assert failures == [], failures

@@ -348,6 +348,19 @@ class Proxy:
 ProxyFactory = Callable[..., Awaitable[Proxy]]
 
 
+def _listening(app: App, socket: Path) -> bool:
+    """Both endpoints bound: the gRPC socket file appears before the metrics/health
+    endpoint is started, so the socket alone does not make ``http_get`` safe yet."""
+    if not socket.exists():
+        return False
+    if not app.settings.metrics_listen:
+        return True
+    try:
+        return app.http is not None and app.http.port > 0
+    except RuntimeError:  # constructed, not started yet
+        return False
+
+
 def proxy_settings(
     dir_: Path, backend_path: Path, hooks: Sequence[dict[str, Any]] = (), **extra: Any
 ) -> dict[str, Any]:
@@ -396,7 +409,7 @@ async def start_proxy(short_dir: Path) -> AsyncIterator[ProxyFactory]:
         channel = grpc.aio.insecure_channel(f"unix://{socket}", options=CHANNEL_OPTIONS)
         proxy = Proxy(app, task, channel, socket, fake, config_path)
         started.append(proxy)
-        ready = (lambda: app.ready or task.done()) if wait_ready else (lambda: socket.exists() or task.done())
+        ready = (lambda: app.ready or task.done()) if wait_ready else (lambda: _listening(app, socket) or task.done())
         await wait_for(ready, 10.0, "the proxy to start")
         if task.done():
             task.result()  # surface a start-up exception

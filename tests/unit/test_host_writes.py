@@ -43,7 +43,8 @@ class BadPost:
 
 
 def _chain(impl: object, stages: frozenset[Stage], policy: FailurePolicy = FailurePolicy.FAIL) -> HookChain:
-    return HookChain([BoundHook("w", impl, stages, policy, 1.0)], executor=ThreadPoolExecutor(1))
+    # 10 s: the sync hook waits for an executor thread; no test here is about timeouts.
+    return HookChain([BoundHook("w", impl, stages, policy, 10.0)], executor=ThreadPoolExecutor(1))
 
 
 @pytest.mark.asyncio

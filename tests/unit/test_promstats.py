@@ -75,7 +75,10 @@ async def endpoint(
         registry,
         healthy=health,
         routes={"/debug/explain": explain, "/debug/broken": broken},
-        read_timeout=0.2,
+        # Generous: a short read timeout would answer 408 to a well-formed request
+        # whenever the loop stalls between accept and the client's write (a loaded
+        # machine). The timeout itself is tested with its own endpoint below.
+        read_timeout=5.0,
     )
     await ep.start()
     yield ep
@@ -224,14 +227,19 @@ async def test_malformed_request_line_is_400(endpoint: HttpEndpoint) -> None:
 
 
 @pytest.mark.asyncio
-async def test_slow_client_times_out_with_408(endpoint: HttpEndpoint) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", endpoint.port)
-    writer.write(b"GET /metrics HTTP/1.1\r\n")  # never finishes the head
-    await writer.drain()
-    async with asyncio.timeout(5):
-        data = await reader.read()
-    writer.close()
-    await writer.wait_closed()
+async def test_slow_client_times_out_with_408(registry: CollectorRegistry) -> None:
+    endpoint = HttpEndpoint("127.0.0.1", 0, registry, healthy=lambda: True, read_timeout=0.2)
+    await endpoint.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", endpoint.port)
+        writer.write(b"GET /metrics HTTP/1.1\r\n")  # never finishes the head
+        await writer.drain()
+        async with asyncio.timeout(5):
+            data = await reader.read()
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        await endpoint.stop()
     assert data.startswith(b"HTTP/1.1 408 ")
 
 

@@ -81,7 +81,8 @@ def _reconciler(store: Store, *hooks: BoundHook, interval: float = 30.0) -> Reco
 def _bound(name: str, impl: object, policy: FailurePolicy = FailurePolicy.FAIL) -> BoundHook:
     stages = frozenset(s for s in (Stage.RECONCILE_POD_SANDBOX, Stage.RECONCILE_CONTAINER)
                        if callable(getattr(impl, s.method_name, None)))
-    return BoundHook(name, impl, stages, policy, 1.0)
+    # 10 s: sync hooks wait for an executor thread; no test here is about timeouts.
+    return BoundHook(name, impl, stages, policy, 10.0)
 
 
 @pytest.mark.asyncio
@@ -137,8 +138,11 @@ async def test_trigger_runs_a_pass_before_the_interval(tmp_path: Path) -> None:
     task = asyncio.create_task(rec.run_forever())
     try:
         async with asyncio.timeout(5):
-            while not (tmp_path / "c-web").exists():
+            # The first pass is over once its write is recorded (the file alone may exist
+            # while the hook, in its executor thread, is still writing it).
+            while not store.changes("u-web"):
                 await asyncio.sleep(0.01)
+            assert (tmp_path / "c-web").read_text() == "512"
             (tmp_path / "c-web").write_text("3")
             rec.trigger()
             while (tmp_path / "c-web").read_text() != "512":

@@ -64,7 +64,10 @@ async def test_crash_restarts_with_doubling_backoff() -> None:
 @pytest.mark.asyncio
 async def test_backoff_is_capped_and_reset_after_long_run() -> None:
     logger, capture = capturing_logger()
-    sup = Supervisor(backoff_initial=0.001, backoff_max=0.004, logger=logger)
+    # Runs 1-4 crash at once and must count as short (<= backoff_max): a cap of a few
+    # milliseconds would let one GC pause or preemption on a loaded machine make a
+    # crash look like a healthy run and reset the back-off early.
+    sup = Supervisor(backoff_initial=0.02, backoff_max=0.08, logger=logger)
     runs = 0
 
     async def flappy() -> None:
@@ -72,7 +75,7 @@ async def test_backoff_is_capped_and_reset_after_long_run() -> None:
         runs += 1
         if runs == 5:
             # Longer than backoff_max: counts as a healthy run.
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
         raise ValueError("flap")
 
     sup.add("flappy", flappy)
@@ -81,7 +84,7 @@ async def test_backoff_is_capped_and_reset_after_long_run() -> None:
     await sup.stop(timeout=1.0)
 
     delays = [c["next_delay"] for c in events(capture, "task_crashed")[:5]]
-    assert delays == [0.001, 0.002, 0.004, 0.004, 0.001]
+    assert delays == [0.02, 0.04, 0.08, 0.08, 0.02]
 
 
 @pytest.mark.asyncio

@@ -128,14 +128,21 @@ async def test_a_tick_that_raises_fails_the_task_and_a_slow_one_is_not_queued(ho
         nonlocal flushes
         flushes += 1
         if flushes == 1:
-            release.wait(5)  # the first tick hangs ~10 intervals
+            release.wait(30)  # the first tick hangs until released (~10 intervals after it began)
             return 0
         raise TSDBError(tmp_path / "m.db", "disk full")
 
     agent.tsdb.flush = slow_then_broken_flush  # type: ignore[method-assign]
     task = asyncio.create_task(run())
-    await asyncio.sleep(1.0)
-    assert not task.done() and flushes == 1 and agent.ticks["node"] == 1, "no tick queued behind the slow one"
-    release.set()
+    try:
+        # The first tick reaches its flush in the worker thread whenever that thread gets
+        # there (slow on a loaded machine): wait for it, then let ~10 intervals pass.
+        async with asyncio.timeout(10):
+            while flushes == 0:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(1.0)
+        assert not task.done() and flushes == 1 and agent.ticks["node"] == 1, "no tick queued behind the slow one"
+    finally:
+        release.set()
     with pytest.raises(TSDBError, match="disk full"):
         await asyncio.wait_for(task, 5)

@@ -113,13 +113,17 @@ async def test_informer_priority_from_kubelet(kubelet: Kubelet) -> None:
     informer = StatesInformer(None, KubeletPods(kubelet.url), sync_interval=0.05)
     assert informer.priority_of("u1") is None
     task = asyncio.create_task(informer.run())
-    for _ in range(200):
-        if informer.priority_of("u1") is not None:
-            break
-        await asyncio.sleep(0.01)
+    async with asyncio.timeout(10):
+        while informer.priority_of("u1") is None:
+            await asyncio.sleep(0.01)
     assert informer.priority_of("u1") == 9100
     kubelet.answer = (200, b'{"items": []}')  # a transient empty answer keeps what we had
-    await asyncio.sleep(0.2)
+    # Every request counted from here got the empty answer; syncs run one after the
+    # other, so once a second one has arrived the first has been fully handled.
+    asked = len(kubelet.paths)
+    async with asyncio.timeout(10):
+        while len(kubelet.paths) < asked + 2:
+            await asyncio.sleep(0.01)
     assert informer.priority_of("u1") == 9100
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
