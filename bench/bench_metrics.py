@@ -13,6 +13,12 @@ write, flush incl. compaction, GC).
 The store compacts about every two minutes and runs its GC every five; a window
 shorter than that leaves them out; the default window (300 s) includes both (the GC's fold of
 raw samples into rollups only starts once data is 35 minutes old).
+
+``--steady`` measures the steady state instead: one proxy at the defaults runs for 56
+minutes (a proxy without tasks beside it, idle, as the baseline); the table gives its CPU
+over minutes 1-6, over 36-46 (the GC folds), and over 46-56, during which a scraper
+fetches ``/metrics`` every 15 s and the NodeMetric document every 60 s (what Prometheus
+and, with a cluster, the reporter cost), with RSS at the end of each window and the peak.
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from benchlib import BenchNode, cpu_seconds
 
@@ -61,7 +68,7 @@ def _measure(proc: subprocess.Popen[bytes], port: int, warmup: float, window: fl
 def _run_pods(rt: Any, prefix: str, logs: Path, n: int) -> None:
     for i in range(n):
         uid = str(uuid.uuid4())
-        qos = ("besteffort", "burstable", "guaranteed")[i % 3]
+        qos: Literal["besteffort", "burstable", "guaranteed"] = ("besteffort", "burstable", "guaranteed")[i % 3]
         sb = devpods.sandbox_config(name=f"p{i:03d}", namespace="bench", uid=uid, log_dir=str(logs),
                                     cgroup_parent=devpods.kube_cgroup_parent(prefix, qos, uid))
         sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sb), timeout=120).pod_sandbox_id
@@ -71,19 +78,79 @@ def _run_pods(rt: Any, prefix: str, logs: Path, n: int) -> None:
         rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=120)
 
 
+#: --steady: (label, first minute, last minute, scraped) of each reported window.
+STEADY_WINDOWS = (("minutes 1-6", 1, 6, False), ("minutes 36-46 (GC folds)", 36, 46, False),
+                  ("minutes 46-56, scraped", 46, 56, True))
+
+
+def _get(port: int, path: str) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as resp:
+        return len(resp.read())
+
+
+def _scrape(port: int, start: float, stop: threading.Event) -> None:
+    """From ``start`` (monotonic) on: /metrics every 15 s, the NodeMetric document every 60 s."""
+    k = 0
+    while not stop.wait(max(start - time.monotonic(), 0) if k == 0 else 15):
+        _get(port, "/metrics")
+        if k % 4 == 0:
+            _get(port, "/apis/nodemetric")
+        k += 1
+
+
+def _steady(node: BenchNode) -> int:
+    base, _s, _p = node.proxy("base", {"tasks": {}})
+    proc, _sock, port = node.proxy("steady", {"tasks": {"metrics": {"db": str(node.base / "m.db")}}})
+    t0 = time.monotonic()
+    stop = threading.Event()
+    last = max(w[2] for w in STEADY_WINDOWS)
+    scrape_from = min(w[1] for w in STEADY_WINDOWS if w[3])
+    threading.Thread(target=_scrape, args=(port, t0 + 60 * scrape_from, stop), daemon=True).start()
+    marks: dict[int, tuple[float, float, dict[str, float], float, float]] = {}
+    base_cpu: dict[int, float] = {}
+    try:
+        for minute in range(1, last + 1):
+            time.sleep(max(t0 + 60 * minute - time.monotonic(), 0))
+            marks[minute] = (time.monotonic(), cpu_seconds(proc.pid), _parts(port),
+                             _status_kib(proc.pid, "VmRSS") / 1024, _status_kib(proc.pid, "VmHWM") / 1024)
+            base_cpu[minute] = cpu_seconds(base.pid)
+            print(f"minute {minute}: RSS {marks[minute][3]:.1f} MiB", file=sys.stderr)
+    finally:
+        stop.set()
+    base_rss = _status_kib(base.pid, "VmRSS") / 1024
+    node.stop(proc)
+    node.stop(base)
+    print("\n### Metrics agent, steady state (defaults; one proxy run through all windows)\n")
+    print("| window | CPU % of a core | no-tasks proxy CPU % | RSS MiB at its end | peak RSS MiB so far |")
+    print("|---|---:|---:|---:|---:|")
+    parts_rows = []
+    for label, a, b, _ in STEADY_WINDOWS:
+        (ta, ca, pa, _, _), (tb, cb, pb, rss, hwm) = marks[a], marks[b]
+        base_pct = 100 * (base_cpu[b] - base_cpu[a]) / (tb - ta)
+        print(f"| {label} | {100 * (cb - ca) / (tb - ta):.2f} | {base_pct:.2f} | {rss:.1f} | {hwm:.1f} |")
+        parts_rows.append((label, {k: 1000 * (pb[k] - pa.get(k, 0.0)) / (tb - ta) for k in pb}))
+    print(f"\nno-tasks proxy RSS at the end: {base_rss:.1f} MiB")
+    print("RSS by minute: " + ", ".join(f"{m}: {v[3]:.1f}" for m, v in marks.items()))
+    _print_parts([(label, {"parts": parts}) for label, parts in parts_rows])
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pods", type=int, default=110)
     ap.add_argument("--warmup", type=float, default=20.0)
     ap.add_argument("--window", type=float, default=300.0)
+    ap.add_argument("--steady", action="store_true", help="the 56-minute steady-state run (see the docstring)")
     args = ap.parse_args()
     with BenchNode("m") as node:
         rt = node.runtime()
         t = time.monotonic()
         _run_pods(rt, node.prefix, node.base / "logs", args.pods)
         print(f"{args.pods} pods running after {time.monotonic() - t:.0f} s", file=sys.stderr)
+        if args.steady:
+            return _steady(node)
         rows = []
-        variants = (("no tasks", {}),
+        variants: tuple[tuple[str, dict[str, Any]], ...] = (("no tasks", {}),
                     ("metrics (defaults)", {"metrics": {"db": str(node.base / "m.db")}}),
                     ("metrics, schedlat from schedstat",
                      {"metrics": {"db": str(node.base / "s.db"), "schedlat_source": "schedstat"}}))
