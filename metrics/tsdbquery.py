@@ -239,7 +239,11 @@ def _migrate(path: Path, conn: sqlite3.Connection, version: int) -> None:
 
 
 def canonical(labels: Labels) -> Labels:
-    """Sorted by key, one value per key: the form every series key uses."""
+    """Sorted by key, one value per key: the form every series key uses. Labels that
+    are canonical already (``model.labels`` makes them so) come back as they are: the
+    store keeps one per series, and a copy would double what the collectors hold."""
+    if all(a[0] < b[0] for a, b in itertools.pairwise(labels)):
+        return labels
     return tuple(sorted(dict(labels).items()))
 
 

@@ -7,10 +7,19 @@ Exit status: 0 clean stop, 1 runtime failure, 2 bad configuration or usage.
 
 from __future__ import annotations
 
+import sys
+
+# The process entry, before anything imports structlog: structlog imports ``rich``
+# whenever it is installed (a dev tool, import-linter, brings it into a dev venv) to
+# render tracebacks, which the agent never uses: ~4 MiB resident for nothing. Without
+# it, structlog renders them plainly. A process that already has structlog (a test
+# run importing this module) is left alone.
+if "structlog" not in sys.modules:
+    sys.modules.setdefault("rich", None)  # type: ignore[arg-type]  # None: "import rich" raises ImportError
+
 import argparse
 import importlib.metadata
 import json
-import sys
 import urllib.error
 import urllib.parse
 import urllib.request

@@ -39,7 +39,7 @@ if [[ ! -x .venv/bin/python ]]; then
   /usr/bin/python3 -m venv --system-site-packages .venv
 fi
 stamp=.venv/.krp-installed
-if [[ ! -f $stamp || requirements-dev.txt -nt $stamp || setup.cfg -nt $stamp ]]; then
+if [[ ! -f $stamp || requirements-dev.txt -nt $stamp || requirements.txt -nt $stamp || setup.cfg -nt $stamp ]]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
   .venv/bin/python -m pip install -q -r requirements-dev.txt
   .venv/bin/python -m pip install -q --no-deps -e .

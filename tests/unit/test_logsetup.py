@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -110,3 +112,24 @@ def test_scoped_restores_on_exception() -> None:
     with pytest.raises(KeyError), logsetup.scoped(container_id="abc"):
         raise KeyError("x")
     assert "container_id" not in structlog.contextvars.get_contextvars()
+
+
+def test_the_cli_process_renders_tracebacks_without_rich() -> None:
+    """The CLI keeps structlog from importing rich (installed in a dev venv, ~4 MiB
+    resident); console logs still carry the traceback, rendered plainly."""
+    code = (
+        "import sys\n"
+        "import runtimeproxy.cli\n"
+        "import structlog\n"
+        "from runtimeproxy import logsetup\n"
+        "assert sys.modules['rich'] is None, 'rich importable'\n"
+        "logsetup.configure(level='info', fmt='console')\n"
+        "try:\n"
+        "    1 / 0\n"
+        "except ZeroDivisionError:\n"
+        "    structlog.get_logger('t').exception('boom')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout + done.stderr
+    assert "boom" in out and "ZeroDivisionError: division by zero" in out and "Traceback" in out, out

@@ -12,6 +12,7 @@ import pytest
 
 from metrics.model import Aggregate, Labels, MetricReader, MetricWriter, Sample, labels
 from metrics.tsdb import TSDB, CorruptStore, TSDBError
+from metrics.tsdbquery import canonical
 
 CPU = "pod_cpu_usage_cores"
 MEM = "pod_memory_used_bytes"
@@ -117,6 +118,13 @@ def test_labels_are_canonical_whatever_their_order(db: TSDB) -> None:
     assert set(db.aggregate_all(CPU, T0, T0 + 1)) == {canonical}
     last = db.last(CPU, unsorted, 10, T0 + 1)
     assert last is not None and last.labels == canonical
+
+
+def test_canonical_labels_are_kept_as_given_and_others_sorted_once() -> None:
+    given = labels(pod_uid="a", container_id="c1")
+    assert canonical(given) is given  # the store keeps the collector's tuple, not a copy
+    assert canonical((("pod_uid", "a"), ("container_id", "c1"))) == given
+    assert canonical((("a", "1"), ("a", "2"))) == (("a", "2"),)  # one value per key: the last
 
 
 def test_queries_see_flushed_data_but_last_also_sees_the_batch(path: Path) -> None:
