@@ -78,7 +78,7 @@ DELETE_EXPIRED: Final = "DELETE FROM rollups WHERE series_id = ?1 AND start < ?2
 # The size cap: the buckets that start before the cut.
 DELETE_STARTING_BEFORE: Final = "DELETE FROM rollups WHERE series_id = ? AND start < ?"
 ALL_SERIES_IDS: Final = "SELECT id FROM series"
-# Through the (series_id, lo, hi) index: in series then time order, tables rows read
+# Through the (series_id, lo, hi) index: in series then time order, table rows read
 # only for the chunks that match.
 CHUNKS_ENDING_BEFORE: Final = "SELECT series_id, lo, n, data FROM chunks WHERE hi < ? ORDER BY series_id, lo"
 DELETE_ENDING_BEFORE: Final = "DELETE FROM chunks WHERE hi < ?"
@@ -91,7 +91,6 @@ DELETE_EMPTY_SERIES: Final = (
     " AND NOT EXISTS (SELECT 1 FROM rollups WHERE series_id = series.id)"
 )
 # Per-series min/max ride the keys; a global min over a tier would scan all of it.
-OLDEST_BUCKET: Final = "SELECT min((SELECT min(start) FROM rollups WHERE series_id = s.id)) FROM series s"
 ROLLUP_RANGE: Final = (
     "SELECT min(lo), max(hi) FROM (SELECT (SELECT min(start) FROM rollups WHERE series_id = s.id) AS lo,"
     " (SELECT max(start) FROM rollups WHERE series_id = s.id) AS hi FROM series s)"
@@ -311,7 +310,7 @@ def fold(conn: sqlite3.Connection, tiers: Tiers, now: int, counts: GCCounts) -> 
         upserts += bucket_rows(series_id, ts[k:], values[k:], tiers.step, tiers.coarse, coarse_cut)
     counts.points_deleted += trim_chunks(conn, retention_cut)
     conn.executemany(UPSERT, upserts)
-    oldest = conn.execute(OLDEST_BUCKET).fetchone()[0]
+    oldest, _ = conn.execute(ROLLUP_RANGE).fetchone()
     if oldest is not None and oldest < retention_cut:  # else one statement per series for nothing
         counts.buckets_deleted += delete_buckets(conn, DELETE_EXPIRED, retention_cut)
 
