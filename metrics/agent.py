@@ -15,7 +15,6 @@ store and pod views instead of measuring everything a second time.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import threading
 import time
@@ -46,6 +45,7 @@ from metrics.reporter import NodeMetricReporter
 from metrics.settings import MetricsSettings, parse_metrics
 from metrics.topcmd import pod_meta_record
 from metrics.tsdb import TSDB, GCResult, TSDBError
+from runtimeproxy import heap
 from runtimeproxy.hookapi import HookConfigError, PodInfo, TaskInit
 
 if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
@@ -57,11 +57,6 @@ SHARED_KEY: Final = "metrics.agent"
 _T = TypeVar("_T")
 
 
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 #: Pod views are rebuilt when the set of pods/containers changes, and at least this often
 #: (priorities from kubelet and rule changes arrive without a CRI call).
 _VIEWS_MAX_AGE: Final = 10.0
@@ -102,7 +97,9 @@ class MetricsAgent:
         if settings.cpi:
             self.collectors.append(CPICollector(init.host, interval=iv.cpi))
         if init.registry is not None:
-            register_exporter(init.registry, StoreValues(self.tsdb.newest_values), self.pods, settings.node_name)
+            exporter = register_exporter(init.registry, StoreValues(self.tsdb.newest_values), self.pods,
+                                         settings.node_name)
+            init.add_exposition(exporter.render)
         self.reporter = NodeMetricReporter(self.tsdb, self.pods, self.informer, self.kube)
         init.add_route("/apis/nodemetric", self.reporter.route)
         init.add_explainer("metrics", self.explain)
@@ -281,7 +278,7 @@ class MetricsAgent:
         result = self.tsdb.gc()
         # Compaction and GC allocate and free megabytes; glibc keeps freed heap pages
         # unless asked to give them back (every 5 min: ~1 ms).
-        _malloc_trim()
+        heap.trim()
         return result
 
     # --- explain -----------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Final, Literal, Protocol
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
 
 from metrics import model as m
 from metrics.model import CONTAINER_ID, KIND, NUMA_NODE, POD_UID, RESOURCE, SOURCE, WINDOW, Labels, PodView, Sample
@@ -49,6 +50,8 @@ SCOPE_LABELS: Final[Mapping[Scope, tuple[str, ...]]] = {
 PSI_LABELS: Final = ((RESOURCE, "psi_resource_type"), (WINDOW, "psi_precision"), (KIND, "psi_degree"))
 _PSI_RESOURCE_NAMES: Final = {"memory": "mem"}  # koordlet says "mem"
 _P = "koord_runtime_proxy_"
+#: prometheus_client's value formatting (Go's), typed.
+_go_float: Final[Callable[[float], str]] = floatToGoString
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,75 +190,114 @@ def _pod_uid(lbls: Labels) -> str:
     return next((v for k, v in lbls if k == POD_UID), "")
 
 
-def _container_name(pod: PodView, container_id: str) -> str:
-    return next((c.name for c in pod.containers if c.id == container_id), "")
+def _escape(value: str) -> str:
+    """A label value in the text format (backslash, newline and quote escaped)."""
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
 
 
-class _Exporter(Collector):
+def _header(name: str, help_text: str) -> bytes:
+    doc = help_text.replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {name} {doc}\n# TYPE {name} gauge\n".encode()
+
+
+def _template(e: Export) -> str:
+    """``name{label="{i}",...} `` for ``str.format`` with the values in ``label_names``
+    order; labels sorted by name, as prometheus_client writes them."""
+    pairs = sorted((n, i) for i, n in enumerate(e.label_names))
+    return e.name + "{{" + ",".join(f'{n}="{{{i}}}"' for n, i in pairs) + "}} "
+
+
+class Exporter:
+    """Renders the exported series as Prometheus text (``render``, for the core's
+    ``add_exposition``). Each line is one ``str.format`` of a per-export template with
+    the pod's label values, escaped once per scrape: 6000 series take ~10 ms instead of
+    ~90 ms through prometheus_client's per-sample objects and formatting (on the loop),
+    and nothing is kept between scrapes (a per-series cache of the label part cost
+    4.7 MiB for 6000 series for the same speed)."""
+
     def __init__(self, latest: LatestSource, pods: Callable[[], Sequence[PodView]], node_name: str) -> None:
-            self._latest = latest
-            self._pods = pods
-            self._node = node_name
+        self._latest = latest
+        self._pods = pods
+        self._node = _escape(node_name)
+        self._headers = {e.name: _header(e.name, e.help) for e in EXPORTS}
+        self._templates = {e.metric: _template(e) for e in EXPORTS}
 
-    def _families(self) -> dict[str, GaugeMetricFamily]:
-            families: dict[str, GaugeMetricFamily] = {}
-            for e in EXPORTS:
-                if e.name not in families:
-                    families[e.name] = GaugeMetricFamily(e.name, e.help, labels=e.label_names)
-            return families
+    def _scopes(self) -> tuple[dict[str, tuple[str, ...]], dict[tuple[str, str], tuple[str, ...]]]:
+        node = self._node
+        pods: dict[str, tuple[str, ...]] = {}
+        containers: dict[tuple[str, str], tuple[str, ...]] = {}
+        for p in self._pods():
+            uid, name, ns = _escape(p.uid), _escape(p.name), _escape(p.namespace)
+            pods[p.uid] = (node, uid, name, ns)
+            for c in p.containers:
+                containers[p.uid, c.id] = (node, _escape(c.id), _escape(c.name), uid, name, ns)
+        return pods, containers
 
-    def describe(self) -> Iterator[GaugeMetricFamily]:
-            # Names only, so the registry can refuse a clash with another collector's names.
-            yield from self._families().values()
-
-    def _scope_values(self, e: Export, lbls: Mapping[str, str], views: Mapping[str, PodView]) -> list[str] | None:
+    def render(self) -> bytes:
+        pods, containers = self._scopes()
+        snapshot = self._latest.snapshot()
+        # koordlet's cpu_full_supported: the kernel gives a "full" line for this owner.
+        full = {(metric, _owner(lbls)) for metric, lbls, _ in snapshot if (KIND, "full") in lbls}
+        node_scope = (self._node,)
+        # Bytes per line and one join: a scrape's transient memory is the lines plus the body.
+        lines: dict[str, list[bytes]] = {name: [head] for name, head in self._headers.items()}
+        for metric, lbls, value in snapshot:
+            e = _BY_METRIC[metric]
+            d = dict(lbls)
             if e.scope == "node":
-                return [self._node]
-            pod = views.get(lbls.get(POD_UID, ""))
-            if pod is None:
-                return None
-            if e.scope == "pod":
-                return [self._node, pod.uid, pod.name, pod.namespace]
-            cid = lbls.get(CONTAINER_ID, "")
-            return [self._node, cid, _container_name(pod, cid), pod.uid, pod.name, pod.namespace]
-
-    def _values(
-            self, e: Export, lbls: Mapping[str, str], views: Mapping[str, PodView], full: set[tuple[str, Labels]],
-    ) -> list[str] | None:
-            values = self._scope_values(e, lbls, views)
-            if values is None:
-                return None
+                scope: tuple[str, ...] | None = node_scope
+            elif e.scope == "pod":
+                scope = pods.get(d.get(POD_UID, ""))
+            else:
+                uid, cid = d.get(POD_UID, ""), d.get(CONTAINER_ID, "")
+                pod = pods.get(uid)
+                # A container the views do not list (yet) keeps its id, with an empty name.
+                scope = None if pod is None else containers.get((uid, cid)) or (pod[0], _escape(cid), "", *pod[1:])
+            if scope is None:  # a pod no longer running is not exported
+                continue
+            values = [*scope]
             for key, _name in e.extra:
-                raw = lbls.get(key, "")
-                values.append(_PSI_RESOURCE_NAMES.get(raw, raw) if e.psi and key == RESOURCE else raw)
+                raw = d.get(key, "")
+                values.append(_escape(_PSI_RESOURCE_NAMES.get(raw, raw) if e.psi and key == RESOURCE else raw))
             values.extend(v for _n, v in e.const)
             if e.psi:
-                values.append("true" if (e.metric, _owner(lbls)) in full else "false")
-            return values
+                values.append("true" if (metric, _owner(lbls)) in full else "false")
+            lines[e.name].append(f"{self._templates[metric].format(*values)}{_go_float(value)}\n".encode())
+        return b"".join(line for family in lines.values() for line in family)
+
+
+def _owner(lbls: Labels) -> tuple[str, str, str]:
+    """A PSI series' owner (pod, container) and resource, without window and degree."""
+    uid = cid = resource = ""
+    for k, v in lbls:
+        if k == POD_UID:
+            uid = v
+        elif k == CONTAINER_ID:
+            cid = v
+        elif k == RESOURCE:
+            resource = v
+    return uid, cid, resource
+
+
+class _Names(Collector):
+    """The exporter's names, reserved in the registry so another collector's clash is
+    refused there; the samples come from ``Exporter.render`` (the core appends it)."""
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        seen: set[str] = set()
+        for e in EXPORTS:
+            if e.name not in seen:
+                seen.add(e.name)
+                yield GaugeMetricFamily(e.name, e.help, labels=e.label_names)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-            views = {p.uid: p for p in self._pods()}
-            snapshot = self._latest.snapshot()
-            # koordlet's cpu_full_supported: the kernel reports a "full" line for this owner.
-            full = {(metric, _owner(dict(lbls))) for metric, lbls, _ in snapshot if dict(lbls).get(KIND) == "full"}
-            families = self._families()
-            for metric, lbls, value in snapshot:
-                e = _BY_METRIC[metric]
-                values = self._values(e, dict(lbls), views, full)
-                if values is not None:
-                    families[e.name].add_metric(values, value)
-            yield from families.values()
-
-
-def _owner(lbls: Mapping[str, str]) -> Labels:
-    """The series' owner (pod/container) and resource, without window and degree."""
-    return tuple(sorted((k, v) for k, v in lbls.items() if k in (POD_UID, CONTAINER_ID, RESOURCE)))
+        return iter(())
 
 
 def register_exporter(
     registry: CollectorRegistry, latest: LatestSource, pods: Callable[[], Sequence[PodView]], node_name: str,
-) -> Collector:
-    """Register the exporter into ``registry``; returns it (to unregister)."""
-    exporter = _Exporter(latest, pods, node_name)
-    registry.register(exporter)
-    return exporter
+) -> Exporter:
+    """Reserve the exported names in ``registry`` (ValueError on a clash) and return the
+    exporter, whose ``render`` the caller hands to the core's ``add_exposition``."""
+    registry.register(_Names())
+    return Exporter(latest, pods, node_name)

@@ -9,7 +9,6 @@ in-flight ones within ``shutdown_grace``, stop background tasks, close channels.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import gc
 import json
 import signal
@@ -22,13 +21,13 @@ import prometheus_client
 import structlog
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import __version__, logsetup, plugins, sdnotify
+from runtimeproxy import __version__, heap, logsetup, plugins, sdnotify
 from runtimeproxy.backend import CallError
 from runtimeproxy.chain import HookChain
 from runtimeproxy.config import ConfigError, Settings, load
 from runtimeproxy.grpcbackend import GrpcBackend
 from runtimeproxy.grpcserver import ProxyHandler, ProxyServer
-from runtimeproxy.hookapi import CriCallError, Explainer, PodInfo, Route, TaskInit
+from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, TaskInit
 from runtimeproxy.lifecycle import Lifecycle, SkipLabel
 from runtimeproxy.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.reconcile import Reconciler
@@ -72,10 +71,12 @@ class App:
         self.http: HttpEndpoint | None = None
         self._routes: dict[str, Route] = {"/debug/explain": self._explain_route}
         self._explainers: dict[str, Explainer] = {}
+        self._expositions: list[Exposition] = []
         base = TaskInit(
             name="", args={}, key_path="tasks", snapshot=self.store.snapshot,
             current_rules=lambda: self.settings.rules, registry=self.registry,
             add_route=self._add_route, add_explainer=self._add_explainer, cri=self._cri_call,
+            add_exposition=self._add_exposition,
         )
         for name, task in plugins.build_tasks(settings, base):
             self.supervisor.add(f"task:{name}", task)
@@ -146,7 +147,7 @@ class App:
         host, _, port = self.settings.metrics_listen.rpartition(":")
         self.http = HttpEndpoint(
             host.strip("[]"), int(port), self.registry, healthy=lambda: self._ready,
-            routes=self._routes,
+            routes=self._routes, expositions=self._expositions, after_scrape=heap.trim,
         )
         await self.http.start()
 
@@ -228,6 +229,11 @@ class App:
             raise ValueError(f"route {path!r} is already served")
         self._routes[path] = handler
 
+    def _add_exposition(self, render: Exposition) -> None:
+        if self.http is not None:
+            raise RuntimeError("exposition added after the HTTP endpoint started")
+        self._expositions.append(render)
+
     def _add_explainer(self, name: str, explainer: Explainer) -> None:
         if name in self._explainers:
             raise ValueError(f"explainer {name!r} is already registered")
@@ -268,24 +274,9 @@ class App:
         return 200, "application/json", json.dumps(body, indent=2, default=str).encode()
 
 
-#: glibc's mallopt parameter; every thread that allocates would otherwise get its own
-#: arena (up to 8 per core), each keeping freed memory: here ~10 MiB of RSS.
-_M_ARENA_MAX = -8
-
-
-def _limit_malloc_arenas(count: int = 2) -> None:
-    """Before any thread starts. Not glibc (musl): nothing to do. Measured and left
-    out: one arena and fixed mmap/trim thresholds (64/128 KiB) saved ~2 MiB but made
-    the store's flush and GC 40-70 % dearer (big blocks mmapped and faulted in anew)."""
-    try:
-        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, count)
-    except (OSError, AttributeError):
-        pass
-
-
 def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, Any]) -> int:
     logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
-    _limit_malloc_arenas()
+    heap.limit_arenas()
 
     async def main() -> int:
         app = App(settings, config_path=config_path, overrides=overrides)

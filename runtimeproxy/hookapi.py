@@ -259,6 +259,8 @@ PodSnapshot = Callable[[], tuple[Mapping[str, PodInfo], Mapping[str, tuple[str, 
 Route = Callable[[dict[str, str]], Awaitable[tuple[int, str, bytes]]]
 #: Contributes to ``explain``: given a pod (or None for the node view), a JSON-able mapping.
 Explainer = Callable[["PodInfo | None"], Mapping[str, Any]]
+#: Renders Prometheus text-format lines (HELP/TYPE and samples), appended to ``/metrics``.
+Exposition = Callable[[], bytes]
 #: A unary CRI call to the runtime behind the proxy: (full method, request bytes, timeout) ->
 #: response bytes. Raises ``CriCallError`` when the runtime answers with an error.
 CriCall = Callable[[str, bytes, float], Awaitable[bytes]]
@@ -286,6 +288,10 @@ def _no_explainer(name: str, explainer: Explainer) -> None:
     return None
 
 
+def _no_exposition(render: Exposition) -> None:
+    return None
+
+
 async def _no_cri(method: str, payload: bytes, timeout: float) -> bytes:
     raise CriCallError(method, "UNAVAILABLE", "no runtime connected")
 
@@ -305,6 +311,11 @@ class TaskInit:
     - ``registry``: the Prometheus registry served on ``/metrics`` (None when off);
     - ``add_route``/``add_explainer``: extend the loopback HTTP endpoint and ``explain``;
       only valid inside the factory (the endpoint starts after the tasks are built);
+    - ``add_exposition``: text appended to ``/metrics`` after ``registry``'s, for an
+      exporter of thousands of series that renders from a cache (prometheus_client
+      formats every sample anew, ~10 µs each, on the loop). Reserve its names in
+      ``registry`` (a collector whose ``describe`` yields them and ``collect`` nothing)
+      so a clash is still refused; same validity as ``add_route``;
     - ``cri``: unary calls to the runtime behind the proxy (not through the hook chain);
     - ``shared``: one mapping per process, for tasks of one plugin family to share an
       object (e.g. the metrics store) whatever their order in the YAML.
@@ -320,6 +331,7 @@ class TaskInit:
     registry: Any = None
     add_route: Callable[[str, Route], None] = _no_route
     add_explainer: Callable[[str, Explainer], None] = _no_explainer
+    add_exposition: Callable[[Exposition], None] = _no_exposition
     cri: CriCall = _no_cri
     shared: MutableMapping[str, Any] = field(default_factory=dict)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 from urllib.parse import parse_qsl, urlsplit
@@ -151,7 +151,8 @@ class ProxyMetrics:
         self.build_info.labels(version=version).set(1)
 
 
-Response = tuple[int, str, bytes]
+#: A body in parts (/metrics: the registry, then each exposition) is joined once, with the head.
+Response = tuple[int, str, bytes | Sequence[bytes]]
 RouteHandler = Callable[[dict[str, str]], Awaitable[Response]]
 
 MAX_HEAD_BYTES: Final = 8 * 1024
@@ -172,16 +173,19 @@ def _reason(status: int) -> str:
 
 
 def _encode_response(
-    status: int, content_type: str, body: bytes, extra: str = ""
+    status: int, content_type: str, body: bytes | Sequence[bytes], extra: str = ""
 ) -> bytes:
+    """The whole response; a body in parts is joined once, with the head (a scrape's
+    body is megabytes: every copy is RSS)."""
+    parts = [body] if isinstance(body, bytes) else body
     head = (
         f"HTTP/1.1 {status} {_reason(status)}\r\n"
         f"Content-Type: {content_type}\r\n"
-        f"Content-Length: {len(body)}\r\n"
+        f"Content-Length: {sum(len(p) for p in parts)}\r\n"
         f"{extra}"
         "Connection: close\r\n\r\n"
     )
-    return head.encode("latin-1") + body
+    return b"".join([head.encode("latin-1"), *parts])
 
 
 # Failures while reading the request head that get an error response (or, for
@@ -219,6 +223,11 @@ def _parse_request_line(head: bytes) -> tuple[str, str]:
 class HttpEndpoint:
     """Loopback HTTP/1.1 server: ``/metrics``, ``/healthz`` and injected routes.
 
+    ``/metrics`` is the registry's text format followed by each ``expositions``
+    renderer's (pre-rendered text of exporters too big for per-sample formatting);
+    ``after_scrape`` runs once such a response has been sent and its connection
+    closed (the app gives the scrape's freed megabytes back to the OS).
+
     One request per connection (``Connection: close``), GET only, request head
     capped at 8 KiB and read under a timeout.
     """
@@ -231,6 +240,8 @@ class HttpEndpoint:
         *,
         healthy: Callable[[], bool],
         routes: Mapping[str, RouteHandler] | None = None,
+        expositions: Sequence[Callable[[], bytes]] = (),
+        after_scrape: Callable[[], None] | None = None,
         read_timeout: float = 5.0,
         logger: FilteringBoundLogger | None = None,
     ) -> None:
@@ -243,6 +254,8 @@ class HttpEndpoint:
             logger if logger is not None else structlog.get_logger(component="http")
         )
         self._routes = self._build_routes(routes or {})
+        self._expositions = tuple(expositions)
+        self._after_scrape = after_scrape
         self._server: asyncio.Server | None = None
         self._port: int | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -291,9 +304,11 @@ class HttpEndpoint:
         return {**builtin, **extra}
 
     async def _metrics(self, _query: dict[str, str]) -> Response:
-        # Rendered on the loop: scrapes are rare and small, and collectors owned
-        # by other modules may not be safe to read from a worker thread.
-        body = prometheus_client.generate_latest(self._registry)
+        # Rendered on the loop: scrapes are rare (15 s), the registry's part is small and
+        # the big exporters render from caches (~10 ms for 6000 series), and collectors
+        # owned by other modules may not be safe to read from a worker thread.
+        body = [prometheus_client.generate_latest(self._registry)]
+        body.extend(render() for render in self._expositions)
         return 200, prometheus_client.CONTENT_TYPE_LATEST, body
 
     async def _healthz(self, _query: dict[str, str]) -> Response:
@@ -310,34 +325,39 @@ class HttpEndpoint:
         task = asyncio.current_task()
         if task is not None:
             self._connections.add(task)
+        scraped = False
         try:
-            await self._serve_one(reader, writer)
+            scraped = await self._serve_one(reader, writer)
         finally:
             if task is not None:
                 self._connections.discard(task)
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
+        if scraped and self._after_scrape is not None:
+            self._after_scrape()
 
     async def _serve_one(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
+    ) -> bool:
+        """Serve one request; True when it was a /metrics scrape."""
         try:
             async with asyncio.timeout(self._read_timeout):
                 head = await reader.readuntil(b"\r\n\r\n")
             method, target = _parse_request_line(head)
         except _REJECTABLE as exc:
             await self._reject(reader, writer, exc)
-            return
+            return False
         except ConnectionError:
-            return
+            return False
         if method != "GET":
             allow = "Allow: GET\r\n"
             await self._send(
                 writer, _encode_response(405, _TEXT, b"method not allowed\n", allow)
             )
-            return
+            return False
         await self._send(writer, await self._dispatch(target))
+        return urlsplit(target).path == "/metrics"
 
     async def _dispatch(self, target: str) -> bytes:
         parts = urlsplit(target)

@@ -259,3 +259,33 @@ async def test_stop_is_idempotent_and_frees_port(registry: CollectorRegistry) ->
     await ep.stop()
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", port)
+
+
+@pytest.mark.asyncio
+async def test_metrics_appends_expositions_after_the_registry(registry: CollectorRegistry) -> None:
+    """Pre-rendered text from ``expositions`` follows the registry's, rendered per scrape;
+    ``after_scrape`` runs once per /metrics response, not for other paths."""
+    ProxyMetrics(registry)
+    scrapes, released = [], []
+
+    def render() -> bytes:
+        scrapes.append(1)
+        return f"# HELP big_family x\n# TYPE big_family gauge\nbig_family {len(scrapes)}.0\n".encode()
+
+    ep = HttpEndpoint("127.0.0.1", 0, registry, healthy=lambda: True, expositions=[render],
+                      after_scrape=lambda: released.append(1))
+    await ep.start()
+    try:
+        first = (await get(ep.port, "/metrics"))[2].decode()
+        status, headers, second = await get(ep.port, "/metrics")
+        async with asyncio.timeout(5):  # runs once the server side has closed
+            while len(released) < 2:
+                await asyncio.sleep(0.01)
+        await get(ep.port, "/healthz")
+        await asyncio.sleep(0.2)
+    finally:
+        await ep.stop()
+    assert status == 200 and int(headers["content-length"]) == len(second)
+    assert len(released) == 2
+    assert first.index("koord_runtime_proxy_build_info") < first.index("# HELP big_family x")
+    assert first.endswith("big_family 1.0\n") and second.decode().endswith("big_family 2.0\n")
