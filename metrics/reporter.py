@@ -23,6 +23,7 @@ from metrics.informer import StatesInformer
 from metrics.kubetypes import KubeError
 from metrics.model import MetricReader, PodView
 from metrics.nodemetric import WITH_HOT_PAGE_CACHE, CollectPolicy, build_status
+from runtimeproxy import heap
 
 if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
     from metrics.kubeclient import KubeClient
@@ -86,12 +87,19 @@ class NodeMetricReporter:
         policy = self.policy()
         if policy.memory_policy == WITH_HOT_PAGE_CACHE:
             self._once("hot_page_cache_unavailable", reported_as="usageWithoutPageCache")
-        pods = self._pods()
-        doc = await asyncio.to_thread(build_status, self._reader, pods, policy, self._clock())
+        doc = await asyncio.to_thread(self._build, self._pods(), policy)
         self._latest, self._built_at = (doc, _json(doc)), self._clock()
         if self._kube is not None:
             await self._send(self._kube, doc)
         return policy
+
+    def _build(self, pods: list[PodView], policy: CollectPolicy) -> dict[str, Any]:
+        """In a worker thread. The build decodes 30 minutes of node and pod samples and
+        frees them at once; trimmed after (110 pods, 4 builds: RSS 67.7 MiB, 70.3
+        without). The first build's ~5 MiB stays either way: held, not freed."""
+        doc = build_status(self._reader, pods, policy, self._clock())
+        heap.trim()
+        return doc
 
     async def _send(self, kube: KubeClient, doc: dict[str, Any]) -> None:
         if not doc["nodeMetric"]["nodeUsage"]["resources"]:
@@ -125,6 +133,6 @@ class NodeMetricReporter:
         than ``ROUTE_MAX_AGE`` — without a cluster this endpoint is the only reader, and a
         60 s old document would hide pods started since."""
         if self._latest is None or self._clock() - self._built_at > ROUTE_MAX_AGE:
-            doc = await asyncio.to_thread(build_status, self._reader, self._pods(), self.policy(), self._clock())
+            doc = await asyncio.to_thread(self._build, self._pods(), self.policy())
             self._latest, self._built_at = (doc, _json(doc)), self._clock()
         return 200, JSON, self._latest[1]
