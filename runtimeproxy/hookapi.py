@@ -312,8 +312,8 @@ class TaskInit:
     - ``add_route``/``add_explainer``: extend the loopback HTTP endpoint and ``explain``;
       only valid inside the factory (the endpoint starts after the tasks are built);
     - ``add_exposition``: text appended to ``/metrics`` after ``registry``'s, for an
-      exporter of thousands of series that renders from a cache (prometheus_client
-      formats every sample anew, ~10 µs each, on the loop). Reserve its names in
+      exporter of thousands of series that renders its own text (prometheus_client
+      builds and formats an object per sample, ~14 µs each, on the loop). Reserve its names in
       ``registry`` (a collector whose ``describe`` yields them and ``collect`` nothing)
       so a clash is still refused; same validity as ``add_route``;
     - ``cri``: unary calls to the runtime behind the proxy (not through the hook chain);
