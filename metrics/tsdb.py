@@ -54,6 +54,7 @@ from metrics import tsdbframes as f
 from metrics import tsdbquery as q
 from metrics import tsdbrollup as r
 from metrics.model import Aggregate, Labels, Sample
+from metrics.tsdbcols import Columns
 from metrics.tsdbquery import CorruptStore, TSDBError, wrap
 
 __all__ = ["TSDB", "CorruptStore", "GCResult", "TSDBError"]
@@ -442,13 +443,13 @@ class TSDB:
         row = conn.execute(q.SELECT_SERIES_ID, (metric, q.encode_labels(q.canonical(labels)))).fetchone()
         return None if row is None else int(row[0])
 
-    def _window(self, metric: str, labels: Labels, start: float, end: float) -> tuple[list[q.Point], list[r.Bucket]]:
+    def _window(self, metric: str, labels: Labels, start: float, end: float) -> tuple[Columns, list[r.Bucket]]:
         """One series' raw samples and buckets in ``[start, end]``, from one snapshot."""
         lo, hi = q.to_ms(start), q.to_ms(end)
         with self._snapshot() as conn:
             series_id = self._series_id(conn, metric, labels)
             if series_id is None:
-                return [], []
+                return Columns(), []
             return f.raw_window(conn, series_id, lo, hi), r.buckets_window(conn, series_id, lo, hi)
 
     def aggregate(self, metric: str, labels: Labels, start: float, end: float) -> Aggregate | None:
@@ -531,8 +532,8 @@ class TSDB:
     def points(self, metric: str, labels: Labels, start: float, end: float) -> list[tuple[float, float]]:
         """``(ts, value)`` of one series over ``[start, end]``, ascending; a bucket
         wholly inside the window is one point: ``(its start, its mean)``."""
-        rows, buckets = self._window(metric, labels, start, end)
-        rows += ((b.start_ms, b.mean) for b in buckets)
+        cols, buckets = self._window(metric, labels, start, end)
+        rows = list(zip(cols.ts, cols.vals, strict=True)) + [(b.start_ms, b.mean) for b in buckets]
         return [(q.from_ms(ms), v) for ms, v in sorted(rows)]
 
     def rollups(self, metric: str, labels: Labels, start: float, end: float) -> list[r.Bucket]:

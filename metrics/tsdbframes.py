@@ -35,6 +35,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Final, NamedTuple
 
 from metrics import tsdbquery as q
+from metrics.tsdbcols import Columns, chunks_columns, chunks_columns_all
 
 INSERT_FRAME: Final = "INSERT INTO frames (layout, lo, hi, n, ids, vals, ts) VALUES (?, ?, ?, ?, ?, ?, ?)"
 LAYOUT_COUNTS: Final = "SELECT layout, count(*) FROM frames GROUP BY layout"
@@ -118,10 +119,12 @@ def _frames_in(conn: sqlite3.Connection, start: int, end: int) -> list[Frame]:
     return [Frame(*row) for row in conn.execute(FRAMES_WINDOW, (start, end))]
 
 
-def _points(frames: Iterable[Frame], wanted: Collection[int] | None, start: int, end: int) -> dict[int, list[q.Point]]:
-    """The samples in ``[start, end]`` of the ``wanted`` series (None: all), by id."""
+def _points(frames: Iterable[Frame], wanted: Collection[int] | None, start: int, end: int,
+            out: dict[int, Columns] | None = None) -> dict[int, Columns]:
+    """The samples in ``[start, end]`` of the ``wanted`` series (None: all), by id,
+    appended to ``out`` (its columns, or new ones)."""
     layouts = _Layouts(wanted)
-    out: dict[int, list[q.Point]] = {}
+    out = {} if out is None else out
     for frame in frames:
         found = layouts.positions(frame)
         if not found:
@@ -131,35 +134,44 @@ def _points(frames: Iterable[Frame], wanted: Collection[int] | None, start: int,
             if start <= frame.lo <= end:
                 t = frame.lo
                 for j, sid in found:
-                    out.setdefault(sid, []).append((t, vals[j]))
+                    _columns(out, sid).append(t, vals[j])
             continue
         for j, sid in found:
             if start <= ts[j] <= end:
-                out.setdefault(sid, []).append((ts[j], vals[j]))
+                _columns(out, sid).append(ts[j], vals[j])
     return out
 
 
-def raw_window(conn: sqlite3.Connection, series_id: int, start: int, end: int) -> list[q.Point]:
+def _columns(out: dict[int, Columns], sid: int) -> Columns:
+    cols = out.get(sid)
+    if cols is None:
+        cols = out[sid] = Columns()
+    return cols
+
+
+def raw_window(conn: sqlite3.Connection, series_id: int, start: int, end: int) -> Columns:
     """One series' raw samples in ``[start, end]`` (ms): chunks, then frames."""
-    rows = q.chunks_window(conn, series_id, start, end)
-    rows += _points(_frames_in(conn, start, end), (series_id,), start, end).get(series_id, [])
-    return rows
+    out = {series_id: chunks_columns(conn, series_id, start, end)}
+    return _points(_frames_in(conn, start, end), (series_id,), start, end, out)[series_id]
 
 
-def raw_window_many(conn: sqlite3.Connection, ids: Sequence[int], start: int, end: int) -> dict[int, list[q.Point]]:
+def raw_window_many(conn: sqlite3.Connection, ids: Sequence[int], start: int, end: int) -> dict[int, Columns]:
     """Raw samples in ``[start, end]`` of several series by id (each frame decoded once)."""
-    out = {i: q.chunks_window(conn, i, start, end) for i in ids}
-    for sid, rows in _points(_frames_in(conn, start, end), set(ids), start, end).items():
-        out[sid] += rows
-    return out
+    out = {i: chunks_columns(conn, i, start, end) for i in ids}
+    return _points(_frames_in(conn, start, end), set(ids), start, end, out)
 
 
-def raw_window_all(conn: sqlite3.Connection, metric: str, start: int, end: int) -> dict[str, list[q.Point]]:
+def raw_window_all(conn: sqlite3.Connection, metric: str, start: int, end: int) -> dict[str, Columns]:
     """Raw samples in ``[start, end]`` of every series of ``metric``, by labels JSON."""
-    out = q.chunks_window_all(conn, metric, start, end)
+    out = chunks_columns_all(conn, metric, start, end)
     labels = {int(i): str(text) for i, text in conn.execute(SERIES_IDS_OF, (metric,))}
-    for sid, rows in _points(_frames_in(conn, start, end), labels, start, end).items():
-        out.setdefault(labels[sid], []).extend(rows)
+    for sid, cols in _points(_frames_in(conn, start, end), labels, start, end).items():
+        into = out.get(labels[sid])
+        if into is None:
+            out[labels[sid]] = cols
+        else:
+            into.ts += cols.ts
+            into.vals += cols.vals
     return out
 
 
@@ -168,7 +180,7 @@ def raw_last(conn: sqlite3.Connection, series_id: int, lo: int, hi: int) -> list
     out = q.chunk_last(conn, series_id, lo, hi)
     found = _points(_frames_in(conn, lo, hi), (series_id,), lo, hi).get(series_id)
     if found:
-        out.append(max(found))
+        out.append(max(zip(found.ts, found.vals, strict=True)))
     return out
 
 
@@ -176,7 +188,7 @@ def latest_ms(conn: sqlite3.Connection, metric: str) -> int | None:
     """Time of the newest sample of ``metric`` in the frames."""
     ids = {int(i) for i, _ in conn.execute(SERIES_IDS_OF, (metric,))}
     found = _points(_frames_in(conn, -(2**63), 2**63 - 1), ids, -(2**63), 2**63 - 1)
-    return max((max(rows)[0] for rows in found.values()), default=None)
+    return max((max(cols.ts) for cols in found.values()), default=None)
 
 
 # --- compaction -------------------------------------------------------------------

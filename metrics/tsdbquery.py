@@ -42,7 +42,7 @@ from typing import Final
 
 import structlog
 
-from metrics.model import Aggregate, Labels
+from metrics.model import Labels
 
 SCHEMA_VERSION: Final = 3
 #: SQLite page caches (KiB): resident memory once filled, so sized to the work.
@@ -269,27 +269,6 @@ def percentile(ascending: Sequence[float], p: float) -> float:
     return ascending[max(int(len(ascending) * p) - 1, 0)]
 
 
-def summarize(rows: list[Point]) -> Aggregate | None:
-    """One series' ``(ts_ms, value)`` rows (any order; sorted here) as an Aggregate."""
-    if not rows:
-        return None
-    rows.sort()  # runs (chunks, frames): a merge for timsort
-    values = [v for _, v in rows]
-    ordered = sorted(values)
-    p50, p90, p95, p99 = (percentile(ordered, p) for p in PERCENTILES)
-    return Aggregate(
-        count=len(values),
-        avg=sum(values) / len(values),
-        p50=p50,
-        p90=p90,
-        p95=p95,
-        p99=p99,
-        last=values[-1],
-        first_ts=from_ms(rows[0][0]),
-        last_ts=from_ms(rows[-1][0]),
-    )
-
-
 # --- chunks -----------------------------------------------------------------------
 
 
@@ -325,6 +304,12 @@ def encode_chunk(ts: Sequence[int], values: Sequence[float]) -> bytes:
 
 def decode_chunk(lo: int, n: int, data: bytes) -> tuple[list[int], list[float]]:
     """(timestamps ms, values) of a chunk; DamagedChunk when the blob does not decode."""
+    ts, values = decode_chunk_arrays(lo, n, data)
+    return ts.tolist(), values.tolist()
+
+
+def decode_chunk_arrays(lo: int, n: int, data: bytes) -> tuple[array.array[int], array.array[float]]:
+    """``decode_chunk`` as arrays (no object per sample); DamagedChunk likewise."""
     try:
         codec, body = data[0], data[1:]
         if codec == _DEFLATED:
@@ -345,7 +330,7 @@ def decode_chunk(lo: int, n: int, data: bytes) -> tuple[list[int], list[float]]:
         raise DamagedChunk(f"damaged chunk: {exc}") from exc
     if len(deltas) != n - 1 or len(values) != n:
         raise DamagedChunk(f"damaged chunk: {len(values)} values for {n} samples")
-    return list(itertools.accumulate(deltas, initial=lo)), values.tolist()
+    return array.array("q", itertools.accumulate(deltas, initial=lo)), values
 
 
 def _chunk_end(ts: Sequence[int], i: int) -> int:
@@ -438,22 +423,6 @@ def chunk_points(lo: int, hi: int, n: int, data: bytes, start: int, end: int) ->
         return list(zip(ts, values, strict=True))
     i, j = bisect.bisect_left(ts, start), bisect.bisect_right(ts, end)
     return list(zip(ts[i:j], values[i:j], strict=True))
-
-
-def chunks_window(conn: sqlite3.Connection, series_id: int, start: int, end: int) -> list[Point]:
-    """One series' chunked samples in ``[start, end]`` (ms)."""
-    rows: list[Point] = []
-    for lo, hi, n, data in conn.execute(CHUNKS_ONE, (series_id, start, end)):
-        rows += chunk_points(lo, hi, n, data, start, end)
-    return rows
-
-
-def chunks_window_all(conn: sqlite3.Connection, metric: str, start: int, end: int) -> dict[str, list[Point]]:
-    """Chunked samples in ``[start, end]`` of every series of ``metric``, by labels JSON."""
-    out: dict[str, list[Point]] = {}
-    for text, lo, hi, n, data in conn.execute(CHUNKS_ALL, (metric, start, end)):
-        out.setdefault(text, []).extend(chunk_points(lo, hi, n, data, start, end))
-    return out
 
 
 def chunk_last(conn: sqlite3.Connection, series_id: int, lo: int, hi: int) -> list[Point]:

@@ -44,6 +44,7 @@ from typing import Any, Final
 
 from metrics import tsdbquery as q
 from metrics.model import Aggregate, Labels
+from metrics.tsdbcols import Columns, summarize
 
 _COLUMNS: Final = "start, n, total, vmin, vmax, last, first_off, last_off"
 # ?1 series id / metric, ?2 first ms, ?3 last ms: buckets wholly inside the window.
@@ -224,33 +225,35 @@ def weighted_percentiles(pairs: Sequence[tuple[float, int]], total: int, ps: Seq
     return out
 
 
-def combine(rows: list[q.Point], buckets: Sequence[Bucket]) -> Aggregate | None:
-    """One series' raw ``(ts_ms, value)`` rows and buckets as one Aggregate (see the
-    module docstring for what is exact and what is approximated)."""
+def combine(raw: Columns, buckets: Sequence[Bucket]) -> Aggregate | None:
+    """One series' raw samples and buckets as one Aggregate (see the module docstring
+    for what is exact and what is approximated)."""
     if not buckets:
-        return q.summarize(rows)
-    rows.sort()
-    count = len(rows) + sum(b.count for b in buckets)
-    pairs = sorted([(v, 1) for _, v in rows] + [(b.mean, b.count) for b in buckets])
+        return summarize(raw)
+    raw = raw.ordered()
+    vals = raw.vals
+    count = len(vals) + sum(b.count for b in buckets)
+    pairs = sorted([(v, 1) for v in vals] + [(b.mean, b.count) for b in buckets])
     p50, p90, p95, p99 = weighted_percentiles(pairs, count, q.PERCENTILES)
-    newest = max([(b.last_ms, b.last) for b in buckets] + rows[-1:], key=lambda p: p[0])
+    newest = max([(b.last_ms, b.last) for b in buckets] + ([(raw.ts[-1], vals[-1])] if vals else []),
+                 key=lambda p: p[0])
     return Aggregate(
         count=count,
-        avg=(sum(v for _, v in rows) + sum(b.total for b in buckets)) / count,
+        avg=(sum(vals) + sum(b.total for b in buckets)) / count,
         p50=p50,
         p90=p90,
         p95=p95,
         p99=p99,
         last=newest[1],
-        first_ts=q.from_ms(min([b.first_ms for b in buckets] + [t for t, _ in rows[:1]])),
+        first_ts=q.from_ms(min([b.first_ms for b in buckets] + raw.ts[:1].tolist())),
         last_ts=q.from_ms(newest[0]),
     )
 
 
-def combine_all(raw: dict[str, list[q.Point]], buckets: dict[str, list[Bucket]]) -> dict[Labels, Aggregate]:
+def combine_all(raw: dict[str, Columns], buckets: dict[str, list[Bucket]]) -> dict[Labels, Aggregate]:
     out: dict[Labels, Aggregate] = {}
     for text in raw.keys() | buckets.keys():
-        agg = combine(raw.get(text, []), buckets.get(text, []))
+        agg = combine(raw.get(text, Columns()), buckets.get(text, []))
         if agg is not None:
             out[q.decode_labels(text)] = agg
     return out
