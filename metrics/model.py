@@ -67,6 +67,12 @@ CONTAINER_PSI_TOTAL: Final = "container_psi_total_seconds"
 BE_CPU_USAGE: Final = "be_cpu_usage_cores"
 BE_CPU_REQUEST: Final = "be_cpu_request_cores"  # sum of batch-cpu requests
 BE_CPU_LIMIT: Final = "be_cpu_real_limit_cores"  # min(|BE cpuset|, BE CFS quota / period)
+#: Written by the QoS manager's suppress strategy after each applied decision (koordlet
+#: records the same from its CPUSuppress): the BE limit it set, in cores, by policy.
+BE_SUPPRESS_CPU: Final = "be_suppress_cpu_cores"  # {type: cpuset | cfsQuota}
+BE_SUPPRESS_LS_USED_CPU: Final = "be_suppress_ls_used_cpu_cores"  # the formula's non-BE usage
+BE_SUPPRESS_BE_USED_CPU: Final = "be_suppress_be_used_cpu_cores"  # pods' usage minus the non-BE part
+SUPPRESS_TYPE: Final = "type"
 
 # --- static records (key-value) ---------------------------------------------------
 KV_NODE_CPU_INFO: Final = "node_cpu_info"

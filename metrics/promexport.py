@@ -29,13 +29,23 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from metrics import model as m
-from metrics.model import CONTAINER_ID, KIND, NUMA_NODE, POD_UID, RESOURCE, SOURCE, WINDOW, Labels, PodView, Sample
+from metrics.model import (
+    BE_SUPPRESS_BE_USED_CPU,
+    BE_SUPPRESS_CPU,
+    BE_SUPPRESS_LS_USED_CPU,
+    CONTAINER_ID,
+    KIND,
+    NUMA_NODE,
+    POD_UID,
+    RESOURCE,
+    SOURCE,
+    SUPPRESS_TYPE,
+    WINDOW,
+    Labels,
+    PodView,
+    Sample,
+)
 
-#: Series the QoS manager feeds in (koordlet records them from its suppress strategy).
-BE_SUPPRESS_CPU: Final = "be_suppress_cpu_cores"  # {type: cpuset | cfsQuota}
-BE_SUPPRESS_LS_USED_CPU: Final = "be_suppress_ls_used_cpu_cores"
-BE_SUPPRESS_BE_USED_CPU: Final = "be_suppress_be_used_cpu_cores"
-SUPPRESS_TYPE: Final = "type"
 #: Exposed by other components into the same registry (the dashboard uses them too). The QoS
 #: manager's prometheus_client Counter ``koordlet_pod_eviction`` is exposed with ``_total``.
 EXTERNAL_METRICS: Final = frozenset({"koordlet_pod_eviction_total"})

@@ -92,7 +92,7 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
             node_name=agent.settings.node_name, reserved_cores=_reserved(settings, agent),
             suppress=SuppressConfig(besteffort_dir=PurePosixPath(settings.besteffort_dir)),
         ),
-        resctrl=_resctrl(init, layout), registry=init.registry,
+        resctrl=_resctrl(init, layout), registry=init.registry, writer=agent.tsdb,
     )
     fast = FastPath(manager, cgroups=CgroupReader(init.host.cgroup), rules=agent.rules,
                     config=FastPathConfig(interval=settings.fast_interval,

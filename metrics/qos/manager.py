@@ -32,7 +32,7 @@ from hooks.cgroups import CgroupError, CgroupGoneError
 from hooks.executor import CgroupExecutor, Update
 from hooks.resctrlfs import ResctrlError
 from hooks.rules import Rules
-from metrics.model import MetricReader, PodView
+from metrics.model import MetricReader, MetricWriter, PodView
 from metrics.qos import burst, evict, suppress
 from metrics.qos.inputs import BECPUWindow, NodeInputs, build_be_cpu_window, build_node_inputs
 from metrics.qos.plan import Action, AddTasks, Evict, LeveledWrite, Plan, Rejected, SetCgroup, SetSchemata, arbitrate
@@ -101,6 +101,7 @@ class QoSManager:
         config: ManagerConfig = ManagerConfig(),
         resctrl: ResctrlSync | None = None,
         registry: CollectorRegistry | None = None,
+        writer: MetricWriter | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.cfg = config
@@ -111,6 +112,7 @@ class QoSManager:
         self._evictor = evictor
         self._rules = rules
         self._clock = clock
+        self._writer = writer
         self.suppress = SuppressStrategy(config.suppress, topology)
         self.burst = burst.BurstStrategy()
         self.eviction = evict.EvictionStrategy(config.evict)
@@ -205,10 +207,20 @@ class QoSManager:
                 if isinstance(action, Evict):
                     outcomes.append(await self._evict(plan.strategy, action, inputs))
             result.outcomes[plan.strategy] = outcomes
+            if plan.strategy == SUPPRESS_NAME:
+                self._report_suppress(outcomes, inputs.now)
         for item in rejected:
             log.debug("qos_action_rejected", **item.describe())
         self._record(result)
         return result
+
+    def _report_suppress(self, outcomes: Sequence[Outcome], now: float) -> None:
+        """The BE limit now in force, for the ``koordlet_be_suppress_*`` series: only
+        once it is written (not in dry-run, not after a failed write)."""
+        decision = self.suppress.decision
+        if self._writer is None or decision is None or any(o.result.startswith("failed") for o in outcomes):
+            return
+        self._writer.write(decision.samples(now))
 
     def release(self) -> list[Outcome]:
         """Give BE its CPUs back (quota -1, cpuset = recovery set): called when the task

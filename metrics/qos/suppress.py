@@ -28,7 +28,16 @@ from hooks.cpusets import CpuListError, format_cpu_list, parse_cpu_list
 from hooks.executor import CgroupExecutor
 from hooks.qos import QoSClass
 from hooks.rules import ResourceThresholdStrategy
-from metrics.model import PodView
+from metrics.model import (
+    BE_SUPPRESS_BE_USED_CPU,
+    BE_SUPPRESS_CPU,
+    BE_SUPPRESS_LS_USED_CPU,
+    NO_LABELS,
+    SUPPRESS_TYPE,
+    PodView,
+    Sample,
+    labels,
+)
 from metrics.qos.inputs import NodeInputs
 from metrics.qos.plan import Action, LeveledWrite, Plan, Priority, SetCgroup
 
@@ -197,13 +206,32 @@ def bound_cpus(pods: Iterable[PodView], classes: frozenset[QoSClass], warned: se
     return frozenset(out)
 
 
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The BE limit a plan sets (in cores, under ``policy``) and the formula behind it."""
+
+    policy: str
+    limit_cores: float
+    formula: SuppressFormula
+
+    def samples(self, now: float) -> list[Sample]:
+        """koordlet's ``be_suppress_*`` series (its CPUSuppress records the same)."""
+        be_used = max(self.formula.pods_used - self.formula.non_be_used, 0.0)
+        return [Sample(BE_SUPPRESS_CPU, self.limit_cores, labels(**{SUPPRESS_TYPE: self.policy}), now),
+                Sample(BE_SUPPRESS_LS_USED_CPU, self.formula.non_be_used, NO_LABELS, now),
+                Sample(BE_SUPPRESS_BE_USED_CPU, be_used, NO_LABELS, now)]
+
+
 class SuppressStrategy:
-    """Plans the BE CPU limit; keeps only the warn-once set between rounds."""
+    """Plans the BE CPU limit; keeps the warn-once set and the last plan's decision."""
 
     def __init__(self, cfg: SuppressConfig, topology: Sequence[CPULike]) -> None:
         self.cfg = cfg
         self.topology = tuple(sorted(topology, key=lambda c: c.cpu))
         self._warned: set[str] = set()
+        #: What the last ``plan`` decided; None when it made no decision (disabled,
+        #: missing inputs, unreadable state, no CPU left).
+        self.decision: Decision | None = None
 
     def recovery_cpus(self, pods: Sequence[PodView]) -> frozenset[int]:
         """All CPUs - LSE-bound - reserved (koordlet's calcBECPUSet)."""
@@ -231,6 +259,7 @@ class SuppressStrategy:
         return actions
 
     def plan(self, inputs: NodeInputs, threshold: ResourceThresholdStrategy, state: BEState) -> Plan:
+        self.decision = None
         if not threshold.enable:
             acts = self.recover(inputs.pods, cpuset=True, quota=True, why="resourceUsedThresholdWithBE disabled")
             return Plan(NAME, Priority.SUPPRESS, tuple(acts), {"enable": False}, "disabled: recovering BE limits")
@@ -264,6 +293,7 @@ class SuppressStrategy:
         if not cpus:
             return Plan(NAME, Priority.SUPPRESS, (), info, "no decision: no CPU left for BE")
         reason = f"BE suppress: {formula.suppress:.2f} cores -> cpuset {format_cpu_list(cpus)}"
+        self.decision = Decision("cpuset", float(len(cpus)), formula)
         actions = (self._cpuset_write(inputs.pods, cpus, reason),
                    *self.recover(inputs.pods, cpuset=False, quota=True, why="policy cpuset"))
         return Plan(NAME, Priority.SUPPRESS, actions, info, reason)
@@ -275,6 +305,9 @@ class SuppressStrategy:
         new, why = quota_target(formula.suppress, state.quota, inputs.capacity_cores, self.cfg.cfs_period_us)
         info = {**info, "current_quota": state.quota, "quota": new}
         recovery = self.recover(inputs.pods, cpuset=True, quota=False, why="policy cfsQuota")
+        kept = state.quota if new is None else new
+        if kept > 0:
+            self.decision = Decision("cfsQuota", kept / self.cfg.cfs_period_us, formula)
         if new is None:
             return Plan(NAME, Priority.SUPPRESS, tuple(recovery), info, why)
         return Plan(NAME, Priority.SUPPRESS, (self._quota_write(new, why), *recovery), info, why)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -87,3 +89,52 @@ def test_bad_enabled_value_names_the_key(task_module: str) -> None:
     with pytest.raises(config.ConfigError) as err:
         plugins.build_tasks(settings, plugins.task_base(Store().snapshot))
     assert err.value.key_path == f"tasks.{task_module}:make.enabled"
+
+
+LATE_MODULE = '''
+import asyncio
+import importlib
+
+RESULTS = []
+
+async def page(query):
+    return 200, "text/plain", b"early"
+
+def make(init):
+    init.add_route("/debug/early", page)
+    init.add_exposition(lambda: b"early_metric 1\\n")
+
+    async def run():
+        attempts = (lambda: init.add_route("/debug/late", page), lambda: init.add_exposition(lambda: b"late 1\\n"))
+        for attempt in attempts:
+            try:
+                attempt()
+                RESULTS.append("accepted")
+            except RuntimeError as exc:
+                RESULTS.append(str(exc))
+        await asyncio.sleep(3600)
+
+    return run
+'''
+
+
+@pytest.mark.asyncio
+async def test_routes_and_expositions_are_refused_once_the_endpoint_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_runtime: Any, start_proxy: Any,
+) -> None:
+    """Added at build time they are served; from a running task they would race the
+    endpoint's reads of its tables, so they are refused with a RuntimeError."""
+    name = f"krp_late_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(LATE_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    proxy = await start_proxy(fake_runtime, tasks={f"{name}:make": {}})
+    results = importlib.import_module(name).RESULTS
+    async with asyncio.timeout(5):
+        while len(results) < 2:
+            await asyncio.sleep(0.01)
+    assert results == ["route '/debug/late' added after the HTTP endpoint started",
+                       "exposition added after the HTTP endpoint started"]
+    assert await proxy.http_get("/debug/early") == (200, b"early")
+    assert (await proxy.http_get("/debug/late"))[0] == 404
+    status, body = await proxy.http_get("/metrics")
+    assert status == 200 and b"early_metric 1\n" in body and b"late 1\n" not in body

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hooks.qos import QoSClass
 from metrics.model import (
     BE_CPU_LIMIT,
+    BE_SUPPRESS_CPU,
     CONTAINER_CYCLES,
     CONTAINER_ID,
     CONTAINER_INSTRUCTIONS,
@@ -30,6 +31,7 @@ from metrics.model import (
     POD_UID,
     RESOURCE,
     SOURCE,
+    SUPPRESS_TYPE,
     WINDOW,
     ContainerView,
     PodView,
@@ -37,10 +39,8 @@ from metrics.model import (
     labels,
 )
 from metrics.promexport import (
-    BE_SUPPRESS_CPU,
     EXPORTS,
     EXTERNAL_METRICS,
-    SUPPRESS_TYPE,
     Exporter,
     LatestValues,
     StoreValues,

@@ -76,7 +76,7 @@ class Env:
             reader=self.store, pods=lambda: [LS, BE], topology=TOPOLOGY,
             executor=CgroupExecutor(CgroupLayout(self.root)), evictor=CriEvictor(self.runtime),
             rules=lambda: self.rules, config=ManagerConfig(dry_run=dry_run, reserved_cores=0.5, node_name="n1"),
-            registry=self.registry, clock=lambda: NOW)
+            registry=self.registry, writer=self.store, clock=lambda: NOW)
 
     def usage(self, node: float = 4.0, ls: float = 2.0, be: float = 1.0, mem: float = 500.0) -> None:
         self.store.write([
@@ -153,6 +153,44 @@ async def test_policy_switch_and_disable_recover_the_other_knob(env_factory: Any
     assert env.read("cpuset", BE_DIR, "cpuset.cpus") == "0-7"
     assert env.read("cpuset", BE.containers[0].cgroup_dir, "cpuset.cpus") == "0-7"
     assert env.read("cpuset", LS.cgroup_dir, "cpuset.cpus") == "0-7"
+
+
+def suppress_series(env: Env) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(m, lb): round(v, 6) for m, lb, v in env.store.newest_values() if m.startswith("be_suppress_")}
+
+
+@pytest.mark.asyncio
+async def test_the_be_limit_in_force_is_recorded_as_koordlets_be_suppress_series(env_factory: Any) -> None:
+    env = env_factory({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"}})
+    env.usage(node=4.0, ls=2.0, be=1.0)
+    await env.manager.run_once()
+    used = {(model.BE_SUPPRESS_LS_USED_CPU, ()): 2.0, (model.BE_SUPPRESS_BE_USED_CPU, ()): 1.0}
+    quota = (model.BE_SUPPRESS_CPU, labels(type="cfsQuota"))
+    assert suppress_series(env) == {quota: 2.2, **used}  # 220000 / 100000
+    env.rules = parse_rules(ON)
+    await env.manager.run_once()
+    cpuset = (model.BE_SUPPRESS_CPU, labels(type="cpuset"))
+    assert suppress_series(env) == {quota: 2.2, cpuset: 3.0, **used}  # the CPUs written: 0,2,4
+    env.usage(node=5.0, ls=3.0, be=1.5)
+    env.rules = parse_rules({})  # disabled: limits recovered, nothing decided, nothing recorded
+    await env.manager.run_once()
+    assert suppress_series(env) == {quota: 2.2, cpuset: 3.0, **used}
+
+
+@pytest.mark.asyncio
+async def test_no_be_suppress_series_in_dry_run_or_after_a_failed_write(env_factory: Any) -> None:
+    dry = env_factory(ON, dry_run=True)
+    dry.usage()
+    await dry.manager.run_once()
+    assert dry.manager.suppress.decision is not None and suppress_series(dry) == {}
+    broken = env_factory(ON)
+    broken.usage()
+    target = broken.root / "cpuset" / BE.containers[0].cgroup_dir / "cpuset.cpus"
+    target.unlink()
+    target.mkdir()  # writing it fails
+    await broken.manager.run_once()
+    results = [a["result"] for a in broken.manager.explain()["strategies"]["cpu_suppress"]["applied"]]
+    assert any(r.startswith("failed") for r in results) and suppress_series(broken) == {}
 
 
 @pytest.mark.asyncio
