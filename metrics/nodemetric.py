@@ -31,6 +31,9 @@ from metrics.model import (
     NO_LABELS,
     NODE_CPU_USAGE,
     NODE_MEMORY_USED,
+    NUMA_CPU_USAGE,
+    NUMA_MEMORY_USED,
+    NUMA_NODE,
     POD_CPU_USAGE,
     POD_MEMORY_CACHE,
     POD_MEMORY_USED,
@@ -261,13 +264,34 @@ def _pod_entry(window: _Window, pod: PodView) -> dict[str, Any] | None:
     return entry
 
 
+def _numa_usages(window: _Window) -> list[dict[str, Any]]:
+    """``numaUsages``: each NUMA node's usage (avg over the window). ``systemUsage`` per
+    NUMA node is left out: pod usage is not split by NUMA node here."""
+    cpu = window.reader.aggregate_all(NUMA_CPU_USAGE, window.start, window.end)
+    memory = window.reader.aggregate_all(NUMA_MEMORY_USED, window.start, window.end)
+    by_id: dict[int, tuple[_Usage | None, _Usage | None]] = {}
+    for key in cpu.keys() | memory.keys():
+        raw = dict(key).get(NUMA_NODE, "")
+        if not (raw.isascii() and raw.isdigit()):
+            continue  # not written by our collector; the CRD's id is an integer
+        c, m = cpu.get(key), memory.get(key)
+        by_id[int(raw)] = (_Usage((c,)) if c is not None else None, _Usage((m,)) if m is not None else None)
+    out: list[dict[str, Any]] = []
+    for numa_id in sorted(by_id):
+        resources = _resources(*by_id[numa_id], "avg")
+        if resources:
+            out.append({"numaNodeID": numa_id, "nodeUsage": _resource_map(resources)})
+    return out
+
+
 def rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def build_status(reader: MetricReader, pods: Sequence[PodView], policy: CollectPolicy, now: float) -> dict[str, Any]:
-    """The NodeMetric ``status``: usage averaged over ``aggregate_duration``, the
-    aggregated windows (dropped while cold), and every pod with samples."""
+    """The NodeMetric ``status``: usage averaged over ``aggregate_duration`` (node,
+    system, each NUMA node), the aggregated windows (dropped while cold), and every pod
+    with samples."""
     series = [(m, NO_LABELS) for m in (NODE_CPU_USAGE, NODE_MEMORY_USED, SYSTEM_CPU_USAGE, SYSTEM_MEMORY_USED)]
     series += [(m, labels(**{POD_UID: p.uid})) for p in pods for m in (POD_CPU_USAGE, POD_MEMORY_USED)]
     window = _Window(reader, policy, pods, now, policy.aggregate_duration, series)
@@ -275,13 +299,13 @@ def build_status(reader: MetricReader, pods: Sequence[PodView], policy: CollectP
     system_usage = _resources(window.one(SYSTEM_CPU_USAGE), window.one(SYSTEM_MEMORY_USED), "avg")
     pods_metric = [e for e in (_pod_entry(window, p) for p in pods) if e is not None]
     pods_metric.sort(key=lambda e: (e["namespace"], e["name"]))
-    return {
-        "updateTime": rfc3339(now),
-        "nodeMetric": {
-            "nodeUsage": _resource_map(node_usage),
-            "aggregatedNodeUsages": _aggregated(reader, pods, policy, now, NODE_CPU_USAGE, NODE_MEMORY_USED),
-            "systemUsage": _resource_map(system_usage),
-            "aggregatedSystemUsages": _aggregated(reader, pods, policy, now, SYSTEM_CPU_USAGE, SYSTEM_MEMORY_USED),
-        },
-        "podsMetric": pods_metric,
+    node_metric: dict[str, Any] = {
+        "nodeUsage": _resource_map(node_usage),
+        "aggregatedNodeUsages": _aggregated(reader, pods, policy, now, NODE_CPU_USAGE, NODE_MEMORY_USED),
+        "systemUsage": _resource_map(system_usage),
+        "aggregatedSystemUsages": _aggregated(reader, pods, policy, now, SYSTEM_CPU_USAGE, SYSTEM_MEMORY_USED),
     }
+    numa = _numa_usages(window)
+    if numa:  # omitempty, as the Go type
+        node_metric["numaUsages"] = numa
+    return {"updateTime": rfc3339(now), "nodeMetric": node_metric, "podsMetric": pods_metric}

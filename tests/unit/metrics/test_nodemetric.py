@@ -13,6 +13,9 @@ from hooks.qos import QoSClass
 from metrics.model import (
     NODE_CPU_USAGE,
     NODE_MEMORY_USED,
+    NUMA_CPU_USAGE,
+    NUMA_MEMORY_USED,
+    NUMA_NODE,
     POD_CPU_USAGE,
     POD_MEMORY_CACHE,
     POD_MEMORY_USED,
@@ -129,6 +132,24 @@ def test_status_has_only_crd_fields_and_known_numbers(store: TSDB) -> None:
     assert node["nodeUsage"] == {"resources": {"cpu": "1495m", "memory": str(4 * GIB)}}
     assert milli(statistics.mean(last300)) == "1495m"
     assert node["systemUsage"] == {"resources": {"cpu": "250m", "memory": str(512 * MIB)}}
+
+
+def test_numa_usages_per_numa_node_only_when_measured(store: TSDB) -> None:
+    assert "numaUsages" not in build_status(store, [WEB], CollectPolicy(), NOW)["nodeMetric"]
+    numa: list[Sample] = []
+    numa += series(NUMA_CPU_USAGE, 0.75, 300, **{NUMA_NODE: "1"})
+    numa += series(NUMA_MEMORY_USED, 3 * GIB, 300, **{NUMA_NODE: "1"})
+    numa += series(NUMA_CPU_USAGE, 0.5, 300, **{NUMA_NODE: "0"})  # memory unreadable on node 0
+    numa += series(NUMA_CPU_USAGE, 9.0, 300, **{NUMA_NODE: "x"})  # not an id: left out
+    numa += series(NUMA_CPU_USAGE, 9.0, 10, **{NUMA_NODE: "2"})  # stale: before the 300 s window
+    store.write([s._replace(ts=s.ts - 400) if dict(s.labels)[NUMA_NODE] == "2" else s for s in numa])
+    store.flush()
+    status = build_status(store, [WEB], CollectPolicy(), NOW)
+    check_fields(status, STATUS_TREE)
+    assert status["nodeMetric"]["numaUsages"] == [
+        {"numaNodeID": 0, "nodeUsage": {"resources": {"cpu": "500m"}}},
+        {"numaNodeID": 1, "nodeUsage": {"resources": {"cpu": "750m", "memory": str(3 * GIB)}}},
+    ]
 
 
 def test_aggregated_windows_and_cold_start(store: TSDB) -> None:
