@@ -68,7 +68,11 @@ class MetricsAgent:
         self._init = init
         self._rules_cache: tuple[Mapping[str, Any], Rules] | None = None
         try:
-            self.tsdb = TSDB.open_or_reset(settings.db, retention=settings.retention, max_bytes=settings.max_bytes)
+            tiers = settings.tiers
+            self.tsdb = TSDB.open_or_reset(
+                settings.db, retention=settings.retention, max_bytes=settings.max_bytes, raw_retention=tiers.raw,
+                rollup_step=tiers.step, coarse_step=tiers.coarse_step, coarse_after=tiers.coarse_after,
+            )
         except TSDBError as exc:
             raise HookConfigError(f"{init.key_path}.db", str(settings.db), str(exc)) from exc
         self.kube = _connect(settings)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
 from hooks.cgroups import Driver
+from metrics.tsdb import DEFAULT_COARSE_AFTER, DEFAULT_COARSE_STEP, DEFAULT_RAW_RETENTION, DEFAULT_ROLLUP_STEP
 from runtimeproxy.config import ConfigError, parse_duration
 from runtimeproxy.hookapi import HookConfigError
 
@@ -36,6 +37,18 @@ class Intervals:
 
 
 @dataclass(frozen=True, slots=True)
+class StoreTiers:
+    """The store's tiers (``metrics.tsdbrollup``): raw samples for ``raw``, then means
+    per ``step``, per ``coarse_step`` once older than ``coarse_after``; all until the
+    retention. Shorter ``raw`` or longer steps: a smaller file, coarser percentiles."""
+
+    raw: float = DEFAULT_RAW_RETENTION
+    step: float = DEFAULT_ROLLUP_STEP
+    coarse_step: float = DEFAULT_COARSE_STEP
+    coarse_after: float = DEFAULT_COARSE_AFTER
+
+
+@dataclass(frozen=True, slots=True)
 class KubeletSettings:
     """kubelet ``/pods`` enrichment (priority values); empty url = off."""
 
@@ -52,6 +65,7 @@ class MetricsSettings:
     retention: float = 12 * 3600.0
     max_bytes: int = 100 * 2**20
     gc_interval: float = 300.0
+    tiers: StoreTiers = StoreTiers()
     #: Samples reach the file (other readers: ``top``, other processes) this often;
     #: the QoS manager's ``last()`` sees unflushed ones. 2 s: ~0.2 ms/s less than 1 s.
     flush_interval: float = 2.0
@@ -155,6 +169,19 @@ def _intervals(args: _Args) -> Intervals:
     return Intervals(**{k: args.get(k, getattr(base, k), args.duration) for k in Intervals.__slots__})
 
 
+def _tiers(args: _Args) -> StoreTiers:
+    base = StoreTiers()
+    args.reject_unknown(frozenset(StoreTiers.__slots__))
+    tiers = StoreTiers(**{k: args.get(k, getattr(base, k), args.duration) for k in StoreTiers.__slots__})
+    step_ms, coarse_ms = round(tiers.step * 1000), round(tiers.coarse_step * 1000)
+    if step_ms < 1:
+        raise args.fail("step", args.raw.get("step"), "must be at least 1ms")
+    if coarse_ms < step_ms or coarse_ms % step_ms:
+        raise args.fail("coarse_step", args.raw.get("coarse_step", f"{tiers.coarse_step:g}s (the default)"),
+                        f"must be a multiple of step ({tiers.step:g}s); equal to it means no coarse buckets")
+    return tiers
+
+
 def _kubelet(args: _Args) -> KubeletSettings:
     base = KubeletSettings()
     args.reject_unknown(frozenset(KubeletSettings.__slots__))
@@ -181,6 +208,7 @@ def parse_metrics(raw: Mapping[str, Any], key_path: str) -> MetricsSettings:
         retention=args.get("retention", base.retention, args.duration),
         max_bytes=args.get("max_bytes", base.max_bytes, args.positive_int),
         gc_interval=args.get("gc_interval", base.gc_interval, args.duration),
+        tiers=_tiers(args.section("tiers")),
         flush_interval=args.get("flush_interval", base.flush_interval, args.duration),
         node_name=args.get("node_name", base.node_name, args.string) or base.node_name,
         cgroup_driver=driver,

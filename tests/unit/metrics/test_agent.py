@@ -36,13 +36,14 @@ def host(tmp_path: Path) -> HostRoots:
     return h
 
 
-def _agent(host: HostRoots, tmp_path: Path) -> tuple[MetricsAgent, Any]:
+def _agent(host: HostRoots, tmp_path: Path, **extra: Any) -> tuple[MetricsAgent, Any]:
     routes: dict[str, Any] = {}
     init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host,
                     add_route=routes.__setitem__, add_explainer=lambda _name, _explainer: None,
                     args={"db": str(tmp_path / "m.db"), "schedlat_source": "off", "cpi": False,
                           "flush_interval": "100ms",
-                          "intervals": {"node": "100ms", "pods": "100ms", "psi": "300ms", "topology": "1h"}})
+                          "intervals": {"node": "100ms", "pods": "100ms", "psi": "300ms", "topology": "1h"},
+                          **extra})
     run = metrics_task(init)
     agent = init.shared[SHARED_KEY]
     assert isinstance(agent, MetricsAgent)
@@ -104,6 +105,17 @@ async def test_the_tick_flushes_and_its_cost_is_accounted(host: HostRoots, tmp_p
     assert cost["node"] > 0 and cost["pods"] > 0 and cost["store"] > 0 and cost["flush"] > 0
     view = agent.explain(None)
     assert view["cpu_seconds"]["node"] == round(cost["node"], 3)
+
+
+def test_the_store_gets_the_configured_retention_and_tiers(host: HostRoots, tmp_path: Path) -> None:
+    tiers = {"raw": "20m", "step": "30s", "coarse_step": "10m", "coarse_after": "1h"}
+    agent, _run = _agent(host, tmp_path, retention="6h", max_bytes=10_000_000, tiers=tiers)
+    try:
+        db = agent.tsdb
+        assert (db.retention, db.max_bytes) == (6 * 3600, 10_000_000)
+        assert (db.raw_retention, db.rollup_step, db.coarse_step, db.coarse_after) == (1200, 30, 600, 3600)
+    finally:
+        agent.tsdb.close()
 
 
 @pytest.mark.asyncio

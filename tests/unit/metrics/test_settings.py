@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from metrics.settings import Intervals, MetricsSettings, QoSSettings, parse_metrics, parse_qos
+from metrics.settings import Intervals, MetricsSettings, QoSSettings, StoreTiers, parse_metrics, parse_qos
 from runtimeproxy.hookapi import HookConfigError
 
 SHIPPED = Path(__file__).resolve().parents[3] / "systemd" / "config.yaml"
@@ -28,6 +28,10 @@ def test_durations_and_nested_sections_parse() -> None:
                       "tasks.metrics")
     assert s.retention == 7200 and s.intervals.pods == 0.5 and s.intervals.node == 1.0
     assert s.kubelet.url == "http://127.0.0.1:10255"
+    t = parse_metrics({"tiers": {"raw": "1h", "step": "30s", "coarse_step": "2m"}}, "tasks.metrics").tiers
+    assert (t.raw, t.step, t.coarse_step, t.coarse_after) == (3600, 30, 120, StoreTiers().coarse_after)
+    same = parse_metrics({"tiers": {"step": "5m"}}, "tasks.metrics").tiers  # one tier of buckets only
+    assert same.step == same.coarse_step == 300
     q = parse_qos({"fast_interval": "100ms", "dry_run": True, "evict_mode": "api"}, "tasks.qos-manager")
     assert (q.fast_interval, q.dry_run, q.evict_mode) == (0.1, True, "api")
 
@@ -44,6 +48,12 @@ def test_durations_and_nested_sections_parse() -> None:
     ({"kubelet": {"url": "127.0.0.1:10255"}}, "tasks.metrics.kubelet.url", "127.0.0.1:10255"),
     ({"kube": "yes"}, "tasks.metrics.kube", "yes"),
     ({"dbpath": "/x"}, "tasks.metrics.dbpath", "/x"),
+    ({"tiers": "1m"}, "tasks.metrics.tiers", "1m"),
+    ({"tiers": {"hot": "1m"}}, "tasks.metrics.tiers.hot", "1m"),
+    ({"tiers": {"raw": "0s"}}, "tasks.metrics.tiers.raw", "0s"),
+    ({"tiers": {"step": "0.5ms"}}, "tasks.metrics.tiers.step", "0.5ms"),
+    ({"tiers": {"coarse_step": "90s"}}, "tasks.metrics.tiers.coarse_step", "90s"),
+    ({"tiers": {"step": "7m"}}, "tasks.metrics.tiers.coarse_step", "300s (the default)"),
 ])
 def test_bad_metrics_values_name_key_and_value(raw: dict[str, Any], key: str, value: object) -> None:
     with pytest.raises(HookConfigError) as err:
