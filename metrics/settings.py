@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
 from hooks.cgroups import Driver
-from metrics.tsdb import DEFAULT_COARSE_AFTER, DEFAULT_COARSE_STEP, DEFAULT_RAW_RETENTION, DEFAULT_ROLLUP_STEP
+from metrics.tsdb import (
+    DEFAULT_COARSE_AFTER,
+    DEFAULT_COARSE_STEP,
+    DEFAULT_RAW_RETENTION,
+    DEFAULT_ROLLUP_STEP,
+    tier_problem,
+)
 from runtimeproxy.config import ConfigError, parse_duration
 from runtimeproxy.hookapi import HookConfigError
 
@@ -169,16 +175,19 @@ def _intervals(args: _Args) -> Intervals:
     return Intervals(**{k: args.get(k, getattr(base, k), args.duration) for k in Intervals.__slots__})
 
 
+#: ``tier_problem``'s setting names -> the keys under ``tiers``.
+_TIER_KEYS: Final = {"raw_retention": "raw", "rollup_step": "step", "coarse_step": "coarse_step"}
+
+
 def _tiers(args: _Args) -> StoreTiers:
     base = StoreTiers()
     args.reject_unknown(frozenset(StoreTiers.__slots__))
     tiers = StoreTiers(**{k: args.get(k, getattr(base, k), args.duration) for k in StoreTiers.__slots__})
-    step_ms, coarse_ms = round(tiers.step * 1000), round(tiers.coarse_step * 1000)
-    if step_ms < 1:
-        raise args.fail("step", args.raw.get("step"), "must be at least 1ms")
-    if coarse_ms < step_ms or coarse_ms % step_ms:
-        raise args.fail("coarse_step", args.raw.get("coarse_step", f"{tiers.coarse_step:g}s (the default)"),
-                        f"must be a multiple of step ({tiers.step:g}s); equal to it means no coarse buckets")
+    problem = tier_problem(tiers.raw, tiers.step, tiers.coarse_step)
+    if problem is not None:
+        key = _TIER_KEYS[problem[0]]
+        value = args.raw.get(key, f"{getattr(tiers, key):g}s (the default)")
+        raise args.fail(key, value, problem[1].replace("rollup_step", "step"))
     return tiers
 
 

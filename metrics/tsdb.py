@@ -102,6 +102,19 @@ class GCResult:
     buckets_deleted: int
 
 
+def tier_problem(raw_retention: float, rollup_step: float, coarse_step: float) -> tuple[str, str] | None:
+    """What is wrong with these tiers, as ``(setting, why)``; None when they are valid.
+    The store refuses them with it, and the config parser names its own key."""
+    step, coarse = q.to_ms(rollup_step), q.to_ms(coarse_step)
+    if raw_retention <= 0:
+        return "raw_retention", "must be positive"
+    if step < 1:
+        return "rollup_step", "must be at least 1ms"
+    if coarse < step or coarse % step:
+        return "coarse_step", f"must be a multiple of rollup_step ({rollup_step:g}s; equal: no coarse buckets)"
+    return None
+
+
 def series_key(metric: str, canonical: Labels) -> SeriesKey:
     return f"{metric}\n{q.encode_labels(canonical)}"
 
@@ -180,14 +193,14 @@ class TSDB:
             self._layouts = f.layout_counts(self._writer)
 
     def _tiers(self) -> r.Tiers:
-        step, coarse = q.to_ms(self.rollup_step), q.to_ms(self.coarse_step)
-        if step < 1 or coarse < step or coarse % step or self.raw_retention <= 0:
+        problem = tier_problem(self.raw_retention, self.rollup_step, self.coarse_step)
+        if problem is not None:
             raise ValueError(
-                f"bad tiers: raw_retention={self.raw_retention} (> 0), rollup_step={self.rollup_step}"
-                f" (>= 0.001 s), coarse_step={self.coarse_step} (a multiple of rollup_step)"
+                f"bad tiers: {problem[0]}: {problem[1]} (raw_retention={self.raw_retention},"
+                f" rollup_step={self.rollup_step}, coarse_step={self.coarse_step})"
             )
-        return r.Tiers(q.to_ms(self.retention), q.to_ms(self.raw_retention), step, coarse,
-                       q.to_ms(self.coarse_after))
+        return r.Tiers(q.to_ms(self.retention), q.to_ms(self.raw_retention), q.to_ms(self.rollup_step),
+                       q.to_ms(self.coarse_step), q.to_ms(self.coarse_after))
 
     # --- opening ------------------------------------------------------------------
 

@@ -45,6 +45,10 @@ class Columns:
         self.ts.append(t)
         self.vals.append(value)
 
+    def extend(self, other: Columns) -> None:
+        self.ts += other.ts
+        self.vals += other.vals
+
     def add_chunk(self, lo: int, hi: int, n: int, data: bytes, start: int, end: int) -> None:
         """The chunk's samples within ``[start, end]``."""
         ts, vals = q.decode_chunk_arrays(lo, n, data)

@@ -170,8 +170,7 @@ def raw_window_all(conn: sqlite3.Connection, metric: str, start: int, end: int) 
         if into is None:
             out[labels[sid]] = cols
         else:
-            into.ts += cols.ts
-            into.vals += cols.vals
+            into.extend(cols)
     return out
 
 
