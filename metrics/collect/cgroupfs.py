@@ -12,6 +12,8 @@ a late tick stretches both numerator and denominator instead of inflating the ra
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,6 +56,10 @@ _V1_CONTROLLERS: Final = ("cpu", "cpuacct", "cpuset", "memory", "perf_event")
 #: runs no CFS periods (nr_periods stays put), so there is no throttling ratio to
 #: compute and the target's cpu.stat is not read: a new quota is seen within this.
 QUOTA_RECHECK: Final = 10.0
+PAGE_SIZE: Final = os.sysconf("SC_PAGE_SIZE")
+_NUMA_KEYS: Final = (b"hierarchical_anon=", b"hierarchical_unevictable=", b"hierarchical_file=")
+_NUMA_TOTALS: Final = re.compile(rb"^hierarchical_file=(\d+)\b.*?^hierarchical_anon=(\d+)\b.*?"
+                                 rb"^hierarchical_unevictable=(\d+)\b", re.M | re.S)
 
 
 def _usage_usec_ns(data: bytes, path: str) -> int:
@@ -112,9 +118,24 @@ class CgroupReader:
             self._unified: Path | None = host_cgroup_root
         else:
             self._unified = unified if (unified / "cgroup.procs").is_file() else None
+        self.numa_stat = self.version == 1 and _has_numa_totals(self._v1("memory", "") / "memory.numa_stat")
 
     def __repr__(self) -> str:
         return f"CgroupReader({str(self.root)!r}, version={self.version}, unified={self._unified})"
+
+    def memory_file(self, rel: str) -> str:
+        """The file pod memory is read from: v1 ``memory.numa_stat`` where the kernel has
+        its hierarchical LRU totals (the same anon + unevictable as ``memory.stat`` at
+        about 70 % of the kernel's cost, which matters at two reads per pod a second),
+        else ``memory.stat``. Parse with ``parse_memory``."""
+        name = "memory.numa_stat" if self.numa_stat else "memory.stat"
+        return f"{self.memory_dir(rel)}/{name}"
+
+    def parse_memory(self, data: bytes, path: str) -> tuple[int, int]:
+        """(used, page cache) in bytes from the bytes of ``memory_file``."""
+        if self.numa_stat:
+            return _numa_memory(data, path)
+        return _memory_usage(data, path, self.version)
 
     def _find_mounts(self) -> dict[str, Path]:
         """v1 controller -> its mount; co-mounts (``cpu,cpuacct``) serve each of their controllers."""
@@ -202,6 +223,45 @@ def _memory_usage(data: bytes, path: str, version: Version) -> tuple[int, int]:
     return used, pick(b"total_cache ", b"cache ")
 
 
+def _has_numa_totals(path: Path) -> bool:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    return all(data.startswith(k) or b"\n" + k in data for k in _NUMA_KEYS)
+
+
+def _numa_field(data: bytes, key: bytes, path: str) -> int:
+    """The total of a ``key=<total> N0=<n> ...`` line of memory.numa_stat (pages)."""
+    if data.startswith(key):
+        start = len(key)
+    else:
+        i = data.find(b"\n" + key)
+        if i < 0:
+            raise ReadError(Path(path), f"no {key.decode().rstrip('=')} line")
+        start = i + 1 + len(key)
+    end = data.find(b" ", start)
+    raw = data[start:] if end < 0 else data[start:end]
+    try:
+        return int(raw)
+    except ValueError:
+        text = raw.decode("ascii", "replace").strip()
+        raise ReadError(Path(path), f"{key.decode().rstrip('=')}: {text[:40]!r} is not an integer") from None
+
+
+def _numa_memory(data: bytes, path: str) -> tuple[int, int]:
+    """(anon + unevictable, file) bytes from v1 memory.numa_stat's hierarchical LRU totals.
+    Used is what ``memory.stat``'s total_{in,}active_anon + total_unevictable give. The
+    page cache is the file LRU: unlike ``total_cache`` it leaves out shmem / tmpfs, which
+    sit on the anon LRU and so are already in used (``total_cache`` counted them twice)."""
+    found = _NUMA_TOTALS.search(data)  # one C call in the kernel's line order; by key otherwise
+    if found is not None:
+        file, anon, unevictable = int(found[1]), int(found[2]), int(found[3])
+    else:
+        anon, unevictable, file = (_numa_field(data, key, path) for key in _NUMA_KEYS)
+    return (anon + unevictable) * PAGE_SIZE, file * PAGE_SIZE
+
+
 def read_throttling(path: Path) -> tuple[int, int]:
     """(nr_periods, nr_throttled) from ``cpu.stat`` of the cgroup dir ``path``."""
     stat_path = str(path) + "/cpu.stat"
@@ -249,7 +309,7 @@ class _Target:
     labels: Labels
     names: _Names
     usage_path: str  # cpuacct.usage (v1) or cpu.stat (v2)
-    memory_path: str  # memory.stat
+    memory_path: str  # memory.stat, or memory.numa_stat (CgroupReader.memory_file)
     cpu_stat_path: str  # cpu.stat; the same file as usage_path on v2 (read once)
     quota_path: str  # cpu.cfs_quota_us (v1 only)
 
@@ -344,7 +404,7 @@ class PodCollector:
         usage_file = "cpu.stat" if reader.version == 2 else "cpuacct.usage"
         return _Target((uid, cid), uid, rel, lbl, names,
                        f"{reader.cpuacct_dir(rel)}/{usage_file}",
-                       f"{reader.memory_dir(rel)}/memory.stat",
+                       reader.memory_file(rel),
                        f"{reader.cpu_dir(rel)}/cpu.stat",
                        f"{reader.cpu_dir(rel)}/cpu.cfs_quota_us")
 
@@ -386,7 +446,7 @@ class PodCollector:
             if cpu is not None:
                 out.append(Sample(names.cpu, cpu, lbl))
         try:
-            used_bytes, cache = _memory_usage(read(t.memory_path), t.memory_path, self.reader.version)
+            used_bytes, cache = self.reader.parse_memory(read(t.memory_path), t.memory_path)
         except ReadError as exc:
             self._once.skipped(t.owner, exc)
         else:

@@ -12,6 +12,7 @@ from hooks.qos import QoSClass
 from metrics import model as m
 from metrics.collect.base import ReadError
 from metrics.collect.cgroupfs import (
+    PAGE_SIZE,
     QUOTA_RECHECK,
     CgroupReader,
     MemoryUsage,
@@ -52,10 +53,12 @@ def pod(*containers: str, uid: str = "u1", pod_dir: str = POD_DIR) -> m.PodView:
 
 class Tree:
     """A fixture cgroup root: v1 with separate controller mounts plus a unified tree
-    (this host's layout), or pure v2."""
+    (this host's layout), or pure v2. ``numa``: v1 whose kernel has memory.numa_stat
+    with hierarchical totals (the collector reads that file instead of memory.stat)."""
 
-    def __init__(self, root: Path, version: int) -> None:
+    def __init__(self, root: Path, version: int, numa: bool = False) -> None:
         self.root = root
+        self.numa = numa
         self.version = version
         self._periods: dict[str, tuple[int, int]] = {}
         if version == 2:
@@ -64,6 +67,8 @@ class Tree:
             for controller in ("cpu", "cpuacct", "cpuset", "memory"):
                 (root / controller).mkdir(parents=True)
             write(root / "unified/cgroup.procs", "")
+        if numa:
+            write(root / "memory/memory.numa_stat", numa_stat(0, 0, 0))
 
     def d(self, controller: str, rel: str) -> Path:
         return self.root / rel if self.version == 2 else self.root / controller / rel
@@ -89,14 +94,24 @@ class Tree:
         return f"nr_periods {periods}\nnr_throttled {throttled}\nthrottled_usec 0\n"
 
     def memory(self, rel: str, anon: int, unevictable: int, cache: int) -> None:
+        """Bytes. With ``numa``, memory.stat's total_cache is 7 pages more than the file
+        LRU in memory.numa_stat (shmem): a collector reading the wrong file is caught."""
         if self.version == 2:
             text = f"anon {anon}\nfile {cache}\nkernel 4096\nunevictable {unevictable}\n"
         else:
             half = anon // 2
+            total_cache = cache + 7 * PAGE_SIZE if self.numa else cache
             text = (f"cache {cache + 1}\nrss 1\nactive_anon 1\ninactive_anon 1\nunevictable 1\n"
-                    f"total_cache {cache}\ntotal_inactive_anon {half}\ntotal_active_anon {anon - half}\n"
+                    f"total_cache {total_cache}\ntotal_inactive_anon {half}\ntotal_active_anon {anon - half}\n"
                     f"total_unevictable {unevictable}\n")
         write(self.d("memory", rel) / "memory.stat", text)
+        if self.numa:
+            write(self.d("memory", rel) / "memory.numa_stat",
+                  numa_stat(anon // PAGE_SIZE, unevictable // PAGE_SIZE, cache // PAGE_SIZE))
+
+    def memory_file(self, rel: str) -> Path:
+        """The file the collector reads memory from."""
+        return self.d("memory", rel) / ("memory.numa_stat" if self.numa else "memory.stat")
 
     def cgroup(self, rel: str, usage_ns: int, anon: int = 4096, cache: int = 8192) -> None:
         self.usage(rel, usage_ns)
@@ -104,9 +119,22 @@ class Tree:
         self.memory(rel, anon, 0, cache)
 
 
-@pytest.fixture(params=[1, 2], ids=["v1", "v2"])
+def numa_stat(anon: int, unevictable: int, file: int, nodes: int = 2) -> str:
+    """memory.numa_stat as a v1 kernel prints it (pages; the first number is the total)."""
+
+    def line(key: str, total: int) -> str:
+        per_node = [total // nodes + (1 if n < total % nodes else 0) for n in range(nodes)]
+        return f"{key}={total} " + " ".join(f"N{n}={v}" for n, v in enumerate(per_node)) + "\n"
+
+    local = [line("total", 1), line("file", 1), line("anon", 0), line("unevictable", 0)]
+    return "".join(local) + line("hierarchical_total", anon + unevictable + file) + line(
+        "hierarchical_file", file) + line("hierarchical_anon", anon) + line("hierarchical_unevictable", unevictable)
+
+
+@pytest.fixture(params=[(1, False), (1, True), (2, False)], ids=["v1", "v1-numa", "v2"])
 def tree(request: pytest.FixtureRequest, tmp_path: Path) -> Tree:
-    return Tree(tmp_path / "cgroup", request.param)
+    version, numa = request.param
+    return Tree(tmp_path / "cgroup", version, numa)
 
 
 def collector(tree: Tree, clock: Clock) -> PodCollector:
@@ -202,10 +230,44 @@ def test_cpu_usage_is_a_delta_over_the_monotonic_clock(tree: Tree) -> None:
 
 def test_memory_used_excludes_page_cache(tree: Tree) -> None:
     tree.cgroup(POD_DIR, 0)
-    tree.memory(POD_DIR, anon=10 * 4096, unevictable=2 * 4096, cache=100 * 4096)
+    tree.memory(POD_DIR, anon=10 * PAGE_SIZE, unevictable=2 * PAGE_SIZE, cache=100 * PAGE_SIZE)
     samples = by_key(collector(tree, Clock()).collect(0, [pod()]))
-    assert samples[(m.POD_MEMORY_USED, POD)] == 12 * 4096
-    assert samples[(m.POD_MEMORY_CACHE, POD)] == 100 * 4096
+    assert samples[(m.POD_MEMORY_USED, POD)] == 12 * PAGE_SIZE
+    assert samples[(m.POD_MEMORY_CACHE, POD)] == 100 * PAGE_SIZE
+
+
+def test_v1_reads_memory_numa_stat_only_where_the_kernel_has_hierarchical_totals(tmp_path: Path) -> None:
+    numa = Tree(tmp_path / "numa", 1, numa=True)
+    reader = CgroupReader(numa.root)
+    assert reader.numa_stat
+    assert reader.memory_file("/" + POD_DIR) == f"{numa.root}/memory/{POD_DIR}/memory.numa_stat"
+    # A kernel whose numa_stat has no hierarchical_* lines (before 3.x): memory.stat.
+    old = Tree(tmp_path / "old", 1)
+    write(old.root / "memory/memory.numa_stat", "total=1 N0=1\nfile=1 N0=1\nanon=0 N0=0\nunevictable=0 N0=0\n")
+    old.cgroup(POD_DIR, 0)
+    old.memory(POD_DIR, anon=3 * PAGE_SIZE, unevictable=0, cache=5 * PAGE_SIZE)
+    assert not CgroupReader(old.root).numa_stat
+    samples = by_key(collector(old, Clock()).collect(0, [pod()]))
+    assert samples[(m.POD_MEMORY_USED, POD)] == 3 * PAGE_SIZE
+    for v2 in (Tree(tmp_path / "v2", 2),):
+        write(v2.root / "memory.numa_stat", numa_stat(1, 1, 1))
+        assert not CgroupReader(v2.root).numa_stat  # v2's memory.stat has anon / file directly
+
+
+def test_numa_stat_parsing_by_key_and_its_errors(tmp_path: Path) -> None:
+    tree = Tree(tmp_path, 1, numa=True)
+    reader = CgroupReader(tmp_path)
+    path = str(tree.memory_file(POD_DIR))
+    usual = numa_stat(anon=10, unevictable=2, file=30).encode()
+    assert reader.parse_memory(usual, path) == (12 * PAGE_SIZE, 30 * PAGE_SIZE)
+    # Another line order (and one NUMA node) is parsed by key.
+    shuffled = b"hierarchical_unevictable=2 N0=2\nhierarchical_anon=10 N0=10\nhierarchical_file=30 N0=30\n"
+    assert reader.parse_memory(shuffled, path) == (12 * PAGE_SIZE, 30 * PAGE_SIZE)
+    with pytest.raises(ReadError, match=r"hierarchical_file: '12x' is not an integer") as bad:
+        reader.parse_memory(usual.replace(b"hierarchical_file=30 ", b"hierarchical_file=12x "), path)
+    assert path in str(bad.value)
+    with pytest.raises(ReadError, match=r"no hierarchical_anon line"):
+        reader.parse_memory(b"hierarchical_file=3 N0=3\nhierarchical_unevictable=0 N0=0\n", path)
 
 
 def test_v1_memory_falls_back_to_the_non_total_counters(tmp_path: Path) -> None:
@@ -305,9 +367,9 @@ def test_state_of_a_container_that_left_is_dropped(tree: Tree) -> None:
 def test_garbage_files_skip_only_their_samples(tree: Tree) -> None:
     tree.cgroup(POD_DIR, 0)
     tree.cgroup(C1_DIR, 0)
-    write(tree.d("memory", C1_DIR) / "memory.stat", "anon twelve\n")
-    (tree.d("memory", POD_DIR) / "memory.stat").unlink()
-    (tree.d("memory", POD_DIR) / "memory.stat").mkdir()
+    write(tree.memory_file(C1_DIR), "anon twelve\n")
+    tree.memory_file(POD_DIR).unlink()
+    tree.memory_file(POD_DIR).mkdir()
     clock = Clock()
     pc = collector(tree, clock)
     with capture_logs() as logs:
