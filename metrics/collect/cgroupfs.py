@@ -338,6 +338,8 @@ class PodCollector:
         #: Targets whose CFS quota was -1 at the last check (v1), and when that was.
         self._unlimited: set[tuple[str, str]] = set()
         self._quotas_at = -QUOTA_RECHECK
+        if self.reader.version == 1:
+            log.info("pod_memory_source", file=self.reader.memory_file("").rsplit("/", 1)[1])
 
     def latest(self) -> PodUsage:
         return self._latest

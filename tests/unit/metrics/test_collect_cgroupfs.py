@@ -240,6 +240,9 @@ def test_v1_reads_memory_numa_stat_only_where_the_kernel_has_hierarchical_totals
     numa = Tree(tmp_path / "numa", 1, numa=True)
     reader = CgroupReader(numa.root)
     assert reader.numa_stat
+    with capture_logs() as logs:
+        collector(numa, Clock())
+    assert [(e["event"], e["file"]) for e in logs] == [("pod_memory_source", "memory.numa_stat")]
     assert reader.memory_file("/" + POD_DIR) == f"{numa.root}/memory/{POD_DIR}/memory.numa_stat"
     # A kernel whose numa_stat has no hierarchical_* lines (before 3.x): memory.stat.
     old = Tree(tmp_path / "old", 1)
@@ -247,6 +250,9 @@ def test_v1_reads_memory_numa_stat_only_where_the_kernel_has_hierarchical_totals
     old.cgroup(POD_DIR, 0)
     old.memory(POD_DIR, anon=3 * PAGE_SIZE, unevictable=0, cache=5 * PAGE_SIZE)
     assert not CgroupReader(old.root).numa_stat
+    with capture_logs() as logs:
+        collector(old, Clock())
+    assert [(e["event"], e["file"]) for e in logs] == [("pod_memory_source", "memory.stat")]
     samples = by_key(collector(old, Clock()).collect(0, [pod()]))
     assert samples[(m.POD_MEMORY_USED, POD)] == 3 * PAGE_SIZE
     for v2 in (Tree(tmp_path / "v2", 2),):
