@@ -35,7 +35,8 @@ def percentile(values: list[float], p: float) -> float:
 class BenchNode:
     """``with BenchNode("q") as node``: a private containerd with busybox and pause
     imported, a unique cgroup parent, and every proxy started through it stopped
-    (SIGTERM, by pid) on the way out, containerd last."""
+    (SIGTERM, by pid) on the way out, containerd last; then its /tmp dir is removed
+    (kept with ``KRP_BENCH_KEEP=1``)."""
 
     def __init__(self, tag: str) -> None:
         self.base = Path(tempfile.mkdtemp(prefix=f"krp{tag}-", dir="/tmp"))  # short: socket paths
@@ -54,6 +55,10 @@ class BenchNode:
             self.stop(proc)
         self.ctd.stop()
         embedded.remove_cgroup_tree(self.prefix)
+        if os.environ.get("KRP_BENCH_KEEP"):  # e.g. to study the metrics store offline
+            print(f"kept {self.base}", file=sys.stderr)
+        elif not embedded.remove_workdir(self.base):
+            print(f"kept {self.base}: something is still mounted under it", file=sys.stderr)
 
     def runtime(self, socket: Path | None = None) -> Any:
         return embedded.runtime_stub(embedded.unix_channel(socket or self.ctd.socket))

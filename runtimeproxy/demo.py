@@ -217,5 +217,7 @@ def main(*, workdir: Path, config_path: Path | None, once: bool = False) -> int:
             proxy.wait(timeout=30)
         containerd.stop()
         embedded.remove_cgroup_tree(prefix)
+        if not embedded.remove_workdir(base):
+            print(f"kept {base}: something is still mounted under it", file=sys.stderr)
         print("done")
 

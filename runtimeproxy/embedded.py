@@ -344,6 +344,18 @@ def mounts_under(base: Path) -> list[Path]:
     return sorted(set(found), key=lambda p: (len(p.parts), str(p)), reverse=True)
 
 
+def remove_workdir(base: Path) -> bool:
+    """Delete a private work dir (containerd root, image tarballs, sockets) once nothing
+    is mounted below it; False when it was kept. ``rmtree`` would descend into a mount
+    left behind (a container's rootfs) and delete what belongs to it, so it never runs then."""
+    if not base.exists():
+        return True
+    if mounts_under(base):
+        return False
+    shutil.rmtree(base, ignore_errors=True)
+    return not base.exists()
+
+
 def _lazy_umount(path: Path) -> None:
     """umount -l: detach even if something still holds the mount busy."""
     libc = ctypes.CDLL(None, use_errno=True)

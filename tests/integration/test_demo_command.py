@@ -1,0 +1,64 @@
+"""README's main job, ``koord-runtime-proxy demo`` (here with ``--once``): it runs its
+private containerd, the proxy and the demo pods, and then leaves nothing behind. Its
+/tmp work dir, its cgroup tree and its processes must be gone; the workdir with the
+metrics store stays, as documented. Also ``remove_workdir``: it never deletes through
+a mount."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtimeproxy.embedded import mounts_under, remove_workdir
+
+
+def _demo_cgroups() -> set[Path]:
+    return set(Path("/sys/fs/cgroup").glob("*/koord-demo-*")) | set(Path("/sys/fs/cgroup").glob("koord-demo-*"))
+
+
+def test_demo_once_runs_the_pods_and_cleans_up(tmp_path: Path) -> None:
+    before = _demo_cgroups()
+    workdir = tmp_path / "wd"
+    done = subprocess.run([sys.executable, "-m", "runtimeproxy.cli", "demo", "--once", "--workdir", str(workdir)],
+                          capture_output=True, text=True, timeout=240, check=False)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "proxy ready on" in out and out.rstrip().endswith("done")
+    root = re.search(r"starting a private containerd \(root (/tmp/krp-[^/]+)/ctd\)", out)
+    assert root is not None, out
+    base = Path(root[1])
+    assert not base.exists(), f"{base} left behind"
+    assert "kept " not in done.stderr
+    assert _demo_cgroups() == before
+    assert (workdir / "metrics.db").is_file()  # the store outlives the demo, for `top`
+    # No process of the demo is left: nothing runs with the removed containerd root in argv.
+    leftovers = subprocess.run(["pgrep", "-f", str(base)], capture_output=True, text=True, check=False)
+    assert leftovers.stdout.strip() == ""
+
+
+@pytest.fixture
+def mounted(tmp_path: Path) -> Iterator[Path]:
+    base = tmp_path / "work"
+    (base / "ctd/rootfs").mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(base / "ctd/rootfs")], check=True)
+    try:
+        yield base
+    finally:
+        subprocess.run(["umount", str(base / "ctd/rootfs")], check=False)
+
+
+def test_remove_workdir_keeps_a_dir_with_a_mount_below_it(mounted: Path) -> None:
+    (mounted / "ctd/rootfs/owned-by-the-mount").write_text("x")
+    (mounted / "image.tar").write_text("x")
+    assert mounts_under(mounted) == [mounted / "ctd/rootfs"]
+    assert remove_workdir(mounted) is False
+    assert (mounted / "ctd/rootfs/owned-by-the-mount").exists() and (mounted / "image.tar").exists()
+    subprocess.run(["umount", str(mounted / "ctd/rootfs")], check=True)
+    assert remove_workdir(mounted) is True
+    assert not mounted.exists()
+    assert remove_workdir(mounted) is True  # already gone
