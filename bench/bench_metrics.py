@@ -19,7 +19,8 @@ minutes (a proxy without tasks beside it, idle, as the baseline); the table give
 over minutes 1-6, over 36-46 (the GC folds), and over 46-56, with RSS at the end of each
 window and the peak. The NodeMetric document is fetched every 60 s from the start:
 with a cluster the reporter builds it that often (the fetch runs the same build; the
-PATCH through the kubernetes client is not included). During minutes 46-56 a scraper
+PATCH through the kubernetes client is not included); ``--no-nodemetric`` leaves that
+out, as the shipped config (no cluster) has no reporter. During minutes 46-56 a scraper
 also fetches ``/metrics`` every 15 s (what Prometheus costs).
 """
 
@@ -90,26 +91,26 @@ def _get(port: int, path: str) -> int:
         return len(resp.read())
 
 
-def _scrape(port: int, start: float, stop: threading.Event) -> None:
-    """The NodeMetric document every 60 s (as the reporter builds it with a cluster);
-    from ``start`` (monotonic) on, /metrics every 15 s as well."""
+def _scrape(port: int, start: float, stop: threading.Event, nodemetric: bool) -> None:
+    """The NodeMetric document every 60 s (as the reporter builds it with a cluster)
+    unless ``nodemetric`` is false; from ``start`` (monotonic) on, /metrics every 15 s."""
     k = 0
     while not stop.wait(15):
         if time.monotonic() >= start:
             _get(port, "/metrics")
-        if k % 4 == 0:
+        if nodemetric and k % 4 == 0:
             _get(port, "/apis/nodemetric")
         k += 1
 
 
-def _steady(node: BenchNode) -> int:
+def _steady(node: BenchNode, nodemetric: bool) -> int:
     base, _s, _p = node.proxy("base", {"tasks": {}})
     proc, _sock, port = node.proxy("steady", {"tasks": {"metrics": {"db": str(node.base / "m.db")}}})
     t0 = time.monotonic()
     stop = threading.Event()
     last = max(w[2] for w in STEADY_WINDOWS)
     scrape_from = min(w[1] for w in STEADY_WINDOWS if w[3])
-    threading.Thread(target=_scrape, args=(port, t0 + 60 * scrape_from, stop), daemon=True).start()
+    threading.Thread(target=_scrape, args=(port, t0 + 60 * scrape_from, stop, nodemetric), daemon=True).start()
     marks: dict[int, tuple[float, float, dict[str, float], float, float]] = {}
     base_cpu: dict[int, float] = {}
     try:
@@ -124,7 +125,8 @@ def _steady(node: BenchNode) -> int:
     base_rss = _status_kib(base.pid, "VmRSS") / 1024
     node.stop(proc)
     node.stop(base)
-    print("\n### Metrics agent, steady state (defaults; one proxy run through all windows)\n")
+    fetched = "NodeMetric fetched every 60 s" if nodemetric else "no NodeMetric fetch (no cluster)"
+    print(f"\n### Metrics agent, steady state (defaults; one proxy run through all windows; {fetched})\n")
     print("| window | CPU % of a core | no-tasks proxy CPU % | RSS MiB at its end | peak RSS MiB so far |")
     print("|---|---:|---:|---:|---:|")
     parts_rows = []
@@ -145,6 +147,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=20.0)
     ap.add_argument("--window", type=float, default=300.0)
     ap.add_argument("--steady", action="store_true", help="the 56-minute steady-state run (see the docstring)")
+    ap.add_argument("--no-nodemetric", action="store_true",
+                    help="--steady without the NodeMetric fetch: the shipped default (no cluster, no reporter)")
     args = ap.parse_args()
     with BenchNode("m") as node:
         rt = node.runtime()
@@ -152,7 +156,7 @@ def main() -> int:
         _run_pods(rt, node.prefix, node.base / "logs", args.pods)
         print(f"{args.pods} pods running after {time.monotonic() - t:.0f} s", file=sys.stderr)
         if args.steady:
-            return _steady(node)
+            return _steady(node, not args.no_nodemetric)
         rows = []
         variants: tuple[tuple[str, dict[str, Any]], ...] = (("no tasks", {}),
                     ("metrics (defaults)", {"metrics": {"db": str(node.base / "m.db")}}),
