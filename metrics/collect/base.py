@@ -94,12 +94,14 @@ def read_bytes(path: str) -> bytes:
         os.close(fd)
 
 
-def bytes_field(data: bytes, key: bytes, path: str) -> int | None:
+def bytes_field(data: bytes, key: bytes, path: str, *, first: bool = False) -> int | None:
     """The integer value of the ``key value`` line of ``data`` (memory.stat, cpu.stat)
-    without parsing the other lines; ``key`` includes the separating space
-    (``b"anon "``). The search is anchored at a line start (a preceding newline, or the
-    first line), so ``b"cache "`` never matches ``total_cache``. None when there is no
-    such line; ``ReadError`` for a non-integer."""
+    without parsing the other lines; ``key`` includes the separator (``b"anon "``,
+    ``b"hierarchical_anon="``). The search is anchored at a line start (a preceding
+    newline, or the first line), so ``b"cache "`` never matches ``total_cache``.
+    ``first``: the value is the line's first token (memory.numa_stat's
+    ``key=<total> N0=<n> ...``). None when there is no such line; ``ReadError`` for a
+    non-integer."""
     if data.startswith(key):
         start = len(key)
     else:
@@ -109,10 +111,12 @@ def bytes_field(data: bytes, key: bytes, path: str) -> int | None:
         start = i + 1 + len(key)
     end = data.find(b"\n", start)
     raw = data[start:] if end < 0 else data[start:end]
+    if first:
+        raw = raw.partition(b" ")[0]
     try:
         return int(raw)
     except ValueError:
-        name = key.decode("ascii").strip()
+        name = key.decode("ascii").strip(" =")
         text = raw.decode("ascii", "replace").strip()
         raise ReadError(Path(path), f"{name}: {text[:40]!r} is not an integer") from None
 

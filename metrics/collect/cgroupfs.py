@@ -128,8 +128,11 @@ class CgroupReader:
         its hierarchical LRU totals (the same anon + unevictable as ``memory.stat`` at
         about 70 % of the kernel's cost, which matters at two reads per pod a second),
         else ``memory.stat``. Parse with ``parse_memory``."""
-        name = "memory.numa_stat" if self.numa_stat else "memory.stat"
-        return f"{self.memory_dir(rel)}/{name}"
+        return f"{self.memory_dir(rel)}/{self.memory_name}"
+
+    @property
+    def memory_name(self) -> str:
+        return "memory.numa_stat" if self.numa_stat else "memory.stat"
 
     def parse_memory(self, data: bytes, path: str) -> tuple[int, int]:
         """(used, page cache) in bytes from the bytes of ``memory_file``."""
@@ -232,21 +235,11 @@ def _has_numa_totals(path: Path) -> bool:
 
 
 def _numa_field(data: bytes, key: bytes, path: str) -> int:
-    """The total of a ``key=<total> N0=<n> ...`` line of memory.numa_stat (pages)."""
-    if data.startswith(key):
-        start = len(key)
-    else:
-        i = data.find(b"\n" + key)
-        if i < 0:
-            raise ReadError(Path(path), f"no {key.decode().rstrip('=')} line")
-        start = i + 1 + len(key)
-    end = data.find(b" ", start)
-    raw = data[start:] if end < 0 else data[start:end]
-    try:
-        return int(raw)
-    except ValueError:
-        text = raw.decode("ascii", "replace").strip()
-        raise ReadError(Path(path), f"{key.decode().rstrip('=')}: {text[:40]!r} is not an integer") from None
+    """The total (pages) of a ``key=<total> N0=<n> ...`` line of memory.numa_stat."""
+    value = bytes_field(data, key, path, first=True)
+    if value is None:
+        raise ReadError(Path(path), f"no {key.decode().rstrip('=')} line")
+    return value
 
 
 def _numa_memory(data: bytes, path: str) -> tuple[int, int]:
@@ -339,7 +332,7 @@ class PodCollector:
         self._unlimited: set[tuple[str, str]] = set()
         self._quotas_at = -QUOTA_RECHECK
         if self.reader.version == 1:
-            log.info("pod_memory_source", file=self.reader.memory_file("").rsplit("/", 1)[1])
+            log.info("pod_memory_source", file=self.reader.memory_name)
 
     def latest(self) -> PodUsage:
         return self._latest
