@@ -28,6 +28,7 @@ from runtimeproxy.config import ConfigError, Settings, load
 from runtimeproxy.grpcbackend import GrpcBackend
 from runtimeproxy.grpcserver import ProxyHandler, ProxyServer
 from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, TaskInit
+from runtimeproxy.hostwrites import FailureCollector
 from runtimeproxy.lifecycle import Lifecycle, SkipLabel
 from runtimeproxy.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.reconcile import Reconciler
@@ -49,6 +50,7 @@ class App:
         self.registry = prometheus_client.CollectorRegistry()
         self.metrics = ProxyMetrics(self.registry)
         self.metrics.set_build_info(__version__)
+        self.registry.register(FailureCollector())  # host writes refused, from every executor in the process
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hooks")
         # Built here so a bad plugin or stage fails start-up, before the socket exists.
         self.chain: HookChain = plugins.build_chain(settings, executor=self._executor, observer=self.metrics)
