@@ -21,7 +21,8 @@ Everything that goes wrong with host writes is handled once, here:
 * **Deadline** — inside a hook call, nothing is written once the call is past
   its deadline (``runtimeproxy.hostwrites.check_deadline``, right before each write).
 * **Back-off** — a write the kernel refuses is retried with the same value only
-  after an exponential back-off (1 s doubling to 5 min), and logged once per
+  after an exponential back-off (1 s doubling to 5 min; another value after
+  1 s, so a changed desired state is not held up), and logged once per
   (path, cause): ``host_write_failed`` at warning, then ``repeat=True`` errors
   and at most one ``host_write_still_failing`` reminder per 5 min with
   ``repeats=N``; success logs ``host_write_recovered`` and clears the state.
@@ -145,6 +146,7 @@ class _Failing:
     delay: float
     next_try: float
     warned_at: float
+    tried_at: float
     unreported: int = 0  # refused writes since the last log line
     skipped: int = 0  # attempts not made (backed off) since the last log line
 
@@ -177,10 +179,15 @@ class WriteBackoff:
         with self._lock:
             state = self._failing.get(path)
             now = self._clock()
-            if state is None or state.value != value or now >= state.next_try:
+            if state is None:
+                return
+            # The same value waits out the whole back-off; another one (a changed desired
+            # state, e.g. a tier growing back) only ``first`` seconds after the last try.
+            next_try = state.next_try if state.value == value else state.tried_at + self._first
+            if now >= next_try:
                 return
             state.skipped += 1
-            wait = state.next_try - now
+            wait = next_try - now
             raise WriteBackedOffError(
                 f"{source}: writing {value!r} to {path} backed off: refused {state.failures} time(s) "
                 f"({state.cause}), next try in {wait:.1f}s")
@@ -198,7 +205,7 @@ class WriteBackoff:
                 state.failures += 1
                 state.unreported += 1
                 state.delay = min(state.delay * 2, self._cap)
-                state.value, state.next_try = value, now + state.delay
+                state.value, state.next_try, state.tried_at = value, now + state.delay, now
                 exc.repeat = True
                 if now - state.warned_at < self._reminder:
                     return
@@ -210,7 +217,7 @@ class WriteBackoff:
                 self._failing.pop(path, None)
                 while len(self._failing) >= self._max_entries:
                     self._failing.pop(next(iter(self._failing)))
-                self._failing[path] = _Failing(cause, value, 1, self._first, now + self._first, now)
+                self._failing[path] = _Failing(cause, value, 1, self._first, now + self._first, now, now)
                 repeats = skipped = 0
                 retry = self._first
         if repeats:

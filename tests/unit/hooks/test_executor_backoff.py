@@ -129,17 +129,25 @@ def test_success_clears_the_state_and_the_next_failure_warns_again(tmp_path: Pat
     assert logs[1]["failures"] == 1
 
 
-def test_a_different_cause_warns_again_and_a_new_value_is_tried_at_once(tmp_path: Path, kernel: Kernel) -> None:
-    ex, _, counter, _ = _setup(tmp_path)
+def test_a_different_cause_warns_again_and_a_new_value_waits_only_a_second(tmp_path: Path, kernel: Kernel) -> None:
+    ex, clock, counter, _ = _setup(tmp_path)
     with capture_logs() as logs:
-        _try(ex, 512)
-        _try(ex, 1024)  # another value: attempted now (it may well be accepted), same cause: no warning
+        _try(ex, 512)  # t = 0: tried, refused
+        clock.now += 0.5
+        assert isinstance(_try(ex, 512), WriteBackedOffError)
+        assert isinstance(_try(ex, 1024), WriteBackedOffError)  # another value, but within 1 s of the last try
+        clock.now += 0.5
+        assert not isinstance(_try(ex, 1024), WriteBackedOffError)  # t = 1: tried
+        for i in range(8):  # a fast path with a new value every 250 ms: tried at t = 2 and 3 only
+            clock.now += 0.25
+            _try(ex, 2048 * (i + 2))  # distinct cpu.weight values
         kernel.errno = errno.EBUSY
-        _try(ex, 2048)
-    assert kernel.attempts == 3
+        clock.now += 1
+        _try(ex, 100000)  # t = 4: tried, refused another way
+    assert kernel.attempts == 5
     assert _events(logs) == [("host_write_failed", "warning"), ("host_write_failed", "warning")]
     assert logs[1]["cause"] == "EBUSY" and logs[1]["previous_cause"] == "EINVAL"
-    assert counter.counts() == {"EINVAL": 2, "EBUSY": 1}
+    assert counter.counts() == {"EINVAL": 4, "EBUSY": 1}
 
 
 def test_failures_are_exported_by_cause() -> None:
