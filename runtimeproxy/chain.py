@@ -86,10 +86,13 @@ class HookPools:
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._running: dict[str, dict[int, float]] = {}  # hook -> {call: deadline}
         self._ids = itertools.count()
+        self._closed = False
 
     def submit(self, hook: str, deadline: float, call: Callable[[], object]) -> Future[object]:
         now = time.monotonic()
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the hook pools are shut down")
             running = self._running.setdefault(hook, {})
             overdue = sum(1 for d in running.values() if d <= now)
             if overdue >= self._max_overdue:
@@ -100,7 +103,11 @@ class HookPools:
                 self._pools[hook] = pool
             call_id = next(self._ids)
             running[call_id] = deadline
-        future = pool.submit(call)
+        try:
+            future = pool.submit(call)
+        except RuntimeError:  # shut down meanwhile
+            self._done(hook, call_id)
+            raise
         future.add_done_callback(lambda _: self._done(hook, call_id))
         return future
 
@@ -117,6 +124,7 @@ class HookPools:
     def shutdown(self) -> None:
         """Drop queued calls; running ones finish on their own (they can no longer write)."""
         with self._lock:
+            self._closed = True
             pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)

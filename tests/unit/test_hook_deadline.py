@@ -194,3 +194,13 @@ async def test_a_repeated_write_failure_is_not_warned_again(pools: HookPools) ->
             await failing.run(CTX, deadline=None)
         repeats.append(info.value.repeat)
     assert repeats == [False, True]
+
+
+@pytest.mark.asyncio
+async def test_no_hook_runs_after_the_pools_shut_down() -> None:
+    pools = HookPools()
+    pools.shutdown()
+    hook = Good()
+    chain = HookChain([_bind("good", hook, GOOD_TIMEOUT, FailurePolicy.FAIL)], pools=pools)
+    with pytest.raises(HookFailed, match="shut down"):
+        await chain.run(CTX, deadline=None)
