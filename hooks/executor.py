@@ -133,7 +133,7 @@ def _cause(exc: BaseException) -> str:
 
 
 class WriteBackedOffError(CgroupError):
-    """A write was not attempted: the same value to the same file failed moments ago."""
+    """A write was not attempted: writes to that file keep failing and its back-off runs."""
 
     repeat = True
 
