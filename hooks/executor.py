@@ -18,15 +18,29 @@ Everything that goes wrong with host writes is handled once, here:
 * **Order** — ``leveled_update`` widens parents top-down before narrowing
   children bottom-up, as the kernel requires for cpusets (and as koordlet does
   for quota and memory limits).
+* **Deadline** — inside a hook call, nothing is written once the call is past
+  its deadline (``runtimeproxy.hostwrites.check_deadline``, right before each write).
+* **Back-off** — a write the kernel refuses is retried with the same value only
+  after an exponential back-off (1 s doubling to 5 min; another value after
+  1 s, so a changed desired state is not held up), and logged once per
+  (path, cause): ``host_write_failed`` at warning, then ``repeat=True`` errors
+  and at most one ``host_write_still_failing`` reminder per 5 min with
+  ``repeats=N``; success logs ``host_write_recovered`` and clears the state.
+  ``WRITE_BACKOFF`` is shared by every executor in the process (hooks, the
+  reconciler, the QoS manager and its fast path).
 """
 
 from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+import structlog
 
 from hooks.cgroups import (
     CPU_CFS_QUOTA,
@@ -43,6 +57,9 @@ from hooks.cgroups import (
     comparable,
 )
 from hooks.cpusets import format_cpu_list, parse_cpu_list
+from runtimeproxy.hostwrites import HOST_WRITE_FAILURES, FailureCounter, check_deadline
+
+log = structlog.get_logger("hooks.executor")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +124,130 @@ def _write(path: Path, text: str, source: str) -> None:
         os.close(fd)
 
 
+def _cause(exc: BaseException) -> str:
+    """The errno name of the OSError behind a failed write (``EINVAL``), else the error type."""
+    origin = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+    if isinstance(origin, OSError) and origin.errno is not None:
+        return errno.errorcode.get(origin.errno, str(origin.errno))
+    return type(exc).__name__
+
+
+class WriteBackedOffError(CgroupError):
+    """A write was not attempted: writes to that file keep failing and its back-off runs."""
+
+    repeat = True
+
+
+@dataclass(slots=True)
+class _Failing:
+    cause: str
+    value: str
+    failures: int  # consecutive refused writes since the last success
+    delay: float
+    next_try: float
+    warned_at: float
+    tried_at: float
+    unreported: int = 0  # refused writes since the last log line
+    skipped: int = 0  # attempts not made (backed off) since the last log line
+
+
+class WriteBackoff:
+    """Per file: back off a write that keeps failing, warn once per cause.
+
+    Thread-safe (sync hooks write from worker threads). Bounded: at most
+    ``max_entries`` failing files are remembered (the oldest is forgotten)."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        first: float = 1.0,
+        cap: float = 300.0,
+        reminder: float = 300.0,
+        max_entries: int = 4096,
+        counter: FailureCounter = HOST_WRITE_FAILURES,
+    ) -> None:
+        self._clock = clock
+        self._first, self._cap, self._reminder = first, cap, reminder
+        self._max_entries = max_entries
+        self._counter = counter
+        self._lock = threading.Lock()
+        self._failing: dict[Path, _Failing] = {}
+
+    def before(self, path: Path, value: str, source: str) -> None:
+        """Raise ``WriteBackedOffError`` when writing ``value`` to ``path`` failed and its back-off runs."""
+        with self._lock:
+            state = self._failing.get(path)
+            now = self._clock()
+            if state is None:
+                return
+            # The same value waits out the whole back-off; another one (a changed desired
+            # state, e.g. a tier growing back) only ``first`` seconds after the last try.
+            next_try = state.next_try if state.value == value else state.tried_at + self._first
+            if now >= next_try:
+                return
+            state.skipped += 1
+            wait = next_try - now
+            raise WriteBackedOffError(
+                f"{source}: writing {value!r} to {path} backed off: refused {state.failures} time(s) "
+                f"({state.cause}), next try in {wait:.1f}s")
+
+    def failed(self, path: Path, value: str, exc: CgroupError) -> None:
+        """Record a refused write; the first of a cause is logged at warning, repeats are not
+        (``exc.repeat`` is set) but for a reminder every ``reminder`` seconds."""
+        cause = _cause(exc)
+        self._counter.inc(cause)
+        previous: str | None = None
+        with self._lock:
+            now = self._clock()
+            state = self._failing.get(path)
+            if state is not None and state.cause == cause:
+                state.failures += 1
+                state.unreported += 1
+                state.delay = min(state.delay * 2, self._cap)
+                state.value, state.next_try, state.tried_at = value, now + state.delay, now
+                exc.repeat = True
+                if now - state.warned_at < self._reminder:
+                    return
+                repeats, skipped = state.unreported, state.skipped
+                state.warned_at, state.unreported, state.skipped = now, 0, 0
+                retry = state.delay
+            else:
+                previous = state.cause if state is not None else None
+                self._failing.pop(path, None)
+                while len(self._failing) >= self._max_entries:
+                    self._failing.pop(next(iter(self._failing)))
+                self._failing[path] = _Failing(cause, value, 1, self._first, now + self._first, now, now)
+                repeats = skipped = 0
+                retry = self._first
+        if repeats:
+            log.warning("host_write_still_failing", path=str(path), cause=cause, error=str(exc), repeats=repeats,
+                        skipped=skipped, retry_in_seconds=retry)
+        else:
+            log.warning("host_write_failed", path=str(path), cause=cause, error=str(exc), retry_in_seconds=retry,
+                        previous_cause=previous)
+
+    def succeeded(self, path: Path) -> None:
+        """A write to ``path`` went through: forget its failures."""
+        if path not in self._failing:  # the common case, without the lock
+            return
+        with self._lock:
+            state = self._failing.pop(path, None)
+        if state is not None:
+            log.info("host_write_recovered", path=str(path), cause=state.cause, failures=state.failures)
+
+    def failing(self) -> dict[str, dict[str, object]]:
+        """The files whose last write failed: for explain and tests."""
+        with self._lock:
+            return {str(p): {"cause": s.cause, "value": s.value, "failures": s.failures,
+                             "retry_in_seconds": max(0.0, round(s.next_try - self._clock(), 3))}
+                    for p, s in self._failing.items()}
+
+
+#: The back-off every executor uses unless given its own (tests inject one with a fake clock).
+WRITE_BACKOFF = WriteBackoff()
+
+
 def _os_error(exc: OSError, path: Path, source: str) -> CgroupError:
     if exc.errno == errno.ENOENT:
         if not path.parent.is_dir():
@@ -120,8 +261,9 @@ def _os_error(exc: OSError, path: Path, source: str) -> CgroupError:
 class CgroupExecutor:
     """Reads and writes cgroup resources under one ``CgroupLayout``."""
 
-    def __init__(self, layout: CgroupLayout) -> None:
+    def __init__(self, layout: CgroupLayout, *, backoff: WriteBackoff | None = None) -> None:
         self.layout = layout
+        self.backoff = WRITE_BACKOFF if backoff is None else backoff
 
     def path(self, cgroup: PurePosixPath, resource: Resource, source: str = "") -> Path:
         """The confined file path of ``resource`` in ``cgroup``."""
@@ -167,8 +309,16 @@ class CgroupExecutor:
         except (ValueError, IndexError):
             unchanged = False
         if unchanged:
+            self.backoff.succeeded(path)
             return Write(path, old, new, update.reason, changed=False)
-        _write(path, new, source)
+        check_deadline(str(path), new)
+        self.backoff.before(path, new, source)
+        try:
+            _write(path, new, source)
+        except CgroupError as exc:
+            self.backoff.failed(path, new, exc)
+            raise
+        self.backoff.succeeded(path)
         return Write(path, old, new, update.reason)
 
     def apply(self, updates: Sequence[Update]) -> list[Write]:

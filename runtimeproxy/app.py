@@ -12,7 +12,6 @@ import asyncio
 import gc
 import json
 import signal
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,12 @@ import structlog
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy import __version__, heap, logsetup, plugins, sdnotify
 from runtimeproxy.backend import CallError
-from runtimeproxy.chain import HookChain
+from runtimeproxy.chain import HookChain, HookPools
 from runtimeproxy.config import ConfigError, Settings, load
 from runtimeproxy.grpcbackend import GrpcBackend
 from runtimeproxy.grpcserver import ProxyHandler, ProxyServer
 from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, TaskInit
+from runtimeproxy.hostwrites import FailureCollector
 from runtimeproxy.lifecycle import Lifecycle, SkipLabel
 from runtimeproxy.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.reconcile import Reconciler
@@ -49,9 +49,10 @@ class App:
         self.registry = prometheus_client.CollectorRegistry()
         self.metrics = ProxyMetrics(self.registry)
         self.metrics.set_build_info(__version__)
-        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hooks")
+        self.registry.register(FailureCollector())  # host writes refused, from every executor in the process
+        self._pools = HookPools()  # sync hooks' threads: a bounded pool per hook, kept across reloads
         # Built here so a bad plugin or stage fails start-up, before the socket exists.
-        self.chain: HookChain = plugins.build_chain(settings, executor=self._executor, observer=self.metrics)
+        self.chain: HookChain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics)
         self.store = Store()
         self.backend = GrpcBackend(settings.backend, max_message_bytes=settings.max_message_bytes)
         self.lifecycle = Lifecycle(
@@ -137,7 +138,7 @@ class App:
             await self.http.stop()
         await plugins.close_hooks(self.chain.hooks)
         await self.backend.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._pools.shutdown()
         log.info("stopped")
         return 0
 
@@ -185,7 +186,7 @@ class App:
         """Validate, build, swap; on any error keep the running config."""
         try:
             settings = load(self._config_path, self._overrides)
-            chain = plugins.build_chain(settings, executor=self._executor, observer=self.metrics)
+            chain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics)
         except ConfigError as exc:
             self.metrics.config_reloaded(False)
             log.error("config_reload_rejected", trigger=trigger, error=str(exc), kept="previous config")

@@ -5,6 +5,13 @@ sees the context as the earlier hooks left it, has its own deadline and failure
 policy, and the whole chain stays inside the caller's deadline. The outcome
 records every field a hook changed (hook, target, old -> new, reason) so
 ``explain`` and the log can say why a pod got what it got.
+
+Sync hooks run in worker threads, which no timeout can stop. So the call's
+deadline travels with it (``hostwrites.HOOK_DEADLINE``, in the context copied
+into the thread) and every host write checks it: past its deadline a hook writes
+nothing. Each hook has its own bounded pool (``HookPools``): a hook stuck past
+its deadline holds only its own threads, and once ``max_overdue`` of its calls
+are stuck, its next calls fail fast under its policy instead of queueing.
 """
 
 from __future__ import annotations
@@ -13,9 +20,11 @@ import asyncio
 import contextvars
 import functools
 import inspect
+import itertools
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import Any, Final, Literal, Protocol, cast
 
@@ -34,6 +43,7 @@ from runtimeproxy.hookapi import (
     Stage,
     frozen_map,
 )
+from runtimeproxy.hostwrites import HOOK_DEADLINE, is_repeat
 
 log = structlog.get_logger("runtimeproxy.chain")
 
@@ -51,6 +61,73 @@ class HookFailed(Exception):
         self.stage = stage
         self.reason = reason
         self.deadline = deadline
+        #: The failure repeats one already logged (a host write failing the same way again).
+        self.repeat = False
+
+
+class HookBusyError(Exception):
+    """A hook has too many calls still running past their deadline to take another."""
+
+    def __init__(self, hook: str, overdue: int) -> None:
+        super().__init__(f"{overdue} earlier call(s) of hook {hook!r} still running past their deadline")
+
+
+class HookPools:
+    """Worker threads for sync hooks: one bounded pool per hook name, shared by
+    every chain a reload builds (stuck threads outlive the chain that started them).
+
+    A pool has ``workers`` threads for calls in time plus room for ``max_overdue``
+    calls stuck past their deadline; a hook with ``max_overdue`` stuck calls is
+    refused (``HookBusyError``) until one of them returns."""
+
+    def __init__(self, *, workers: int = 4, max_overdue: int = 4, thread_name_prefix: str = "hook") -> None:
+        self._workers, self._max_overdue, self._prefix = workers, max_overdue, thread_name_prefix
+        self._lock = threading.Lock()
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._running: dict[str, dict[int, float]] = {}  # hook -> {call: deadline}
+        self._ids = itertools.count()
+        self._closed = False
+
+    def submit(self, hook: str, deadline: float, call: Callable[[], object]) -> Future[object]:
+        now = time.monotonic()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the hook pools are shut down")
+            running = self._running.setdefault(hook, {})
+            overdue = sum(1 for d in running.values() if d <= now)
+            if overdue >= self._max_overdue:
+                raise HookBusyError(hook, overdue)
+            pool = self._pools.get(hook)
+            if pool is None:
+                pool = ThreadPoolExecutor(self._workers + self._max_overdue, f"{self._prefix}-{hook}")
+                self._pools[hook] = pool
+            call_id = next(self._ids)
+            running[call_id] = deadline
+        try:
+            future = pool.submit(call)
+        except RuntimeError:  # shut down meanwhile
+            self._done(hook, call_id)
+            raise
+        future.add_done_callback(lambda _: self._done(hook, call_id))
+        return future
+
+    def _done(self, hook: str, call_id: int) -> None:
+        with self._lock:
+            self._running.get(hook, {}).pop(call_id, None)
+
+    def overdue(self, hook: str) -> int:
+        """Calls of ``hook`` still running past their deadline."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(1 for d in self._running.get(hook, {}).values() if d <= now)
+
+    def shutdown(self) -> None:
+        """Drop queued calls; running ones finish on their own (they can no longer write)."""
+        with self._lock:
+            self._closed = True
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +184,11 @@ class HookChain:
         self,
         hooks: Sequence[BoundHook],
         *,
-        executor: ThreadPoolExecutor,
+        pools: HookPools | None = None,
         observer: HookObserver | None = None,
     ) -> None:
         self.hooks = tuple(hooks)
-        self._executor = executor
+        self._pools = HookPools() if pools is None else pools
         self._observer = observer
         self._by_stage: Mapping[Stage, tuple[BoundHook, ...]] = {
             stage: tuple(h for h in self.hooks if stage in h.stages) for stage in Stage
@@ -144,7 +221,8 @@ class HookChain:
         try:
             if budget <= 0:
                 raise TimeoutError
-            result = await asyncio.wait_for(self._invoke(hook, ctx), timeout=budget)
+            call_deadline = time.monotonic() + budget
+            result = await asyncio.wait_for(self._invoke(hook, ctx, call_deadline), timeout=budget)
             patch = _check_result(hook, ctx, result)
         except asyncio.CancelledError:
             raise
@@ -152,32 +230,48 @@ class HookChain:
             self._failed(hook, ctx, f"timed out after {budget:.3f}s", "timeout", start, deadline=True)
             return None
         except Exception as exc:  # noqa: BLE001 - a plugin may raise anything; its policy decides
-            self._failed(hook, ctx, f"{type(exc).__name__}: {exc}", "error", start)
+            self._failed(hook, ctx, f"{type(exc).__name__}: {exc}", "error", start, repeat=is_repeat(exc))
             return None
         self._observe(hook.name, stage, "ok", start)
         return patch
 
-    async def _invoke(self, hook: BoundHook, ctx: Context) -> object:
+    async def _invoke(self, hook: BoundHook, ctx: Context, deadline: float) -> object:
         method: Callable[[Context], Any] = getattr(hook.impl, ctx.stage.method_name)
         if inspect.iscoroutinefunction(method):
+            HOOK_DEADLINE.set(deadline)  # wait_for runs us in a task of our own: a context copy
             return await method(ctx)
-        # Sync hooks usually write cgroupfs: keep that off the loop, with our contextvars.
-        call = functools.partial(contextvars.copy_context().run, method, ctx)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+        # Sync hooks usually write cgroupfs: keep that off the loop, with our contextvars
+        # and the call's deadline, which every host write checks.
+        call = functools.partial(contextvars.copy_context().run, _call_until, hook.name, method, ctx, deadline)
+        return await asyncio.wrap_future(self._pools.submit(hook.name, deadline, call))
 
     def _failed(
-        self, hook: BoundHook, ctx: Context, reason: str, result: HookResult, start: float, *, deadline: bool = False
+        self, hook: BoundHook, ctx: Context, reason: str, result: HookResult, start: float, *,
+        deadline: bool = False, repeat: bool = False,
     ) -> None:
         self._observe(hook.name, ctx.stage.value, result, start)
         if self._observer is not None:
             self._observer.hook_failed(hook.name, ctx.stage.value, hook.policy.value)
         if hook.policy is FailurePolicy.FAIL:
-            raise HookFailed(hook.name, ctx.stage, reason, deadline=deadline)
-        log.warning("hook_failed", hook=hook.name, stage=ctx.stage.value, policy="Ignore", reason=reason)
+            failed = HookFailed(hook.name, ctx.stage, reason, deadline=deadline)
+            failed.repeat = repeat
+            raise failed
+        # A repeat (a host write failing the same way again) was logged by the executor.
+        emit = log.debug if repeat else log.warning
+        emit("hook_failed", hook=hook.name, stage=ctx.stage.value, policy="Ignore", reason=reason)
 
     def _observe(self, hook: str, stage: str, result: HookResult, start: float) -> None:
         if self._observer is not None:
             self._observer.hook_observed(hook, stage, result, time.perf_counter() - start)
+
+
+def _call_until(hook: str, method: Callable[[Context], Any], ctx: Context, deadline: float) -> object:
+    """Run a sync hook in its worker thread (inside a context copy) under its deadline."""
+    if time.monotonic() >= deadline:  # waited in the queue past it: the caller has moved on
+        raise TimeoutError
+    HOOK_DEADLINE.set(deadline)
+    structlog.contextvars.bind_contextvars(hook=hook)
+    return method(ctx)
 
 
 def _check_result(hook: BoundHook, ctx: Context, result: object) -> Patch | None:

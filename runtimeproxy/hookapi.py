@@ -340,6 +340,11 @@ class HookError(Exception):
     """A hook could not do its job (bad annotation, write refused...). The hook's
     failure policy decides whether the CRI call fails."""
 
+    #: True when this failure repeats one already logged (a host write failing the
+    #: same way again): whoever catches it logs below warning, so a retry loop
+    #: does not storm the log.
+    repeat: bool = False
+
 
 class HookConfigError(Exception):
     """A hook's ``args`` are invalid. ``key_path`` names where, ``value`` what."""

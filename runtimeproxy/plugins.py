@@ -13,13 +13,12 @@ import importlib
 import importlib.metadata
 import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final, cast
 
 import structlog
 
-from runtimeproxy.chain import BoundHook, HookChain, HookObserver, implemented_stages
+from runtimeproxy.chain import BoundHook, HookChain, HookObserver, HookPools, implemented_stages
 from runtimeproxy.config import ConfigError, FailurePolicy, HookSettings, Settings
 from runtimeproxy.hookapi import HookConfigError, HookInit, PodSnapshot, Stage, TaskInit
 from runtimeproxy.remote import REMOTE_STAGES, Registration, RemoteHook, load_registrations
@@ -121,10 +120,8 @@ def build_hooks(settings: Settings) -> list[BoundHook]:
     return hooks
 
 
-def build_chain(
-    settings: Settings, *, executor: ThreadPoolExecutor, observer: HookObserver | None = None
-) -> HookChain:
-    return HookChain(build_hooks(settings), executor=executor, observer=observer)
+def build_chain(settings: Settings, *, pools: HookPools, observer: HookObserver | None = None) -> HookChain:
+    return HookChain(build_hooks(settings), pools=pools, observer=observer)
 
 
 async def close_hooks(hooks: Sequence[BoundHook]) -> None:

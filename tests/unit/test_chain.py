@@ -8,12 +8,11 @@ import contextvars
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
-from runtimeproxy.chain import BoundHook, Change, HookChain, HookFailed, implemented_stages
+from runtimeproxy.chain import BoundHook, Change, HookChain, HookFailed, HookPools, implemented_stages
 from runtimeproxy.config import FailurePolicy
 from runtimeproxy.hookapi import (
     CallResult,
@@ -57,10 +56,10 @@ class Observer:
 
 
 @pytest.fixture
-def executor() -> Iterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="test-hooks")
-    yield pool
-    pool.shutdown(wait=True, cancel_futures=True)
+def pools() -> Iterator[HookPools]:
+    pools = HookPools(workers=2, thread_name_prefix="test-hooks")
+    yield pools
+    pools.shutdown()
 
 
 def bind(name: str, impl: object, *, policy: FailurePolicy = FailurePolicy.IGNORE, timeout: float = 10.0,
@@ -92,7 +91,7 @@ class Recording:
 # --- order and what hooks see ---------------------------------------------------------
 
 
-def test_for_stage_keeps_config_order_and_filters(executor: ThreadPoolExecutor) -> None:
+def test_for_stage_keeps_config_order_and_filters(pools: HookPools) -> None:
     class PodAndContainer:
         def pre_run_pod_sandbox(self, ctx: PodContext) -> None: ...
         def pre_create_container(self, ctx: ContainerContext) -> None: ...
@@ -102,7 +101,7 @@ def test_for_stage_keeps_config_order_and_filters(executor: ThreadPoolExecutor) 
         bind("a", Recording()),
         bind("m", PodAndContainer(), stages=frozenset({Stage.PRE_RUN_POD_SANDBOX})),
     ]
-    chain = HookChain(hooks, executor=executor)
+    chain = HookChain(hooks, pools=pools)
     assert [h.name for h in chain.for_stage(Stage.PRE_CREATE_CONTAINER)] == ["z", "a"]
     assert [h.name for h in chain.for_stage(Stage.PRE_RUN_POD_SANDBOX)] == ["z", "m"]
     assert chain.for_stage(Stage.POST_STOP_CONTAINER) == ()
@@ -110,7 +109,7 @@ def test_for_stage_keeps_config_order_and_filters(executor: ThreadPoolExecutor) 
 
 
 @pytest.mark.asyncio
-async def test_later_hooks_see_earlier_patches_and_changes_are_recorded(executor: ThreadPoolExecutor) -> None:
+async def test_later_hooks_see_earlier_patches_and_changes_are_recorded(pools: HookPools) -> None:
     def shares(ctx: ContainerContext) -> ContainerPatch:
         return ContainerPatch(resources=ResourcesPatch(cpu_shares=512), reason="be small")
 
@@ -120,7 +119,7 @@ async def test_later_hooks_see_earlier_patches_and_changes_are_recorded(executor
 
     last = Recording(ContainerPatch(annotations={"b": "2"}, pod_cgroup_parent="/kubepods/besteffort/poduid-1"))
     chain = HookChain([bind("shares", Fn(shares)), bind("quota", Fn(quota_from_shares)), bind("last", last)],
-                      executor=executor)
+                      pools=pools)
 
     outcome = await chain.run(create_ctx(), deadline=None)
 
@@ -142,9 +141,9 @@ async def test_later_hooks_see_earlier_patches_and_changes_are_recorded(executor
 
 
 @pytest.mark.asyncio
-async def test_noop_and_none_results_record_nothing(executor: ThreadPoolExecutor) -> None:
+async def test_noop_and_none_results_record_nothing(pools: HookPools) -> None:
     same = ContainerPatch(resources=ResourcesPatch(cpu_shares=1024), annotations={"a": "1"})
-    chain = HookChain([bind("none", Recording(None)), bind("same", Recording(same))], executor=executor)
+    chain = HookChain([bind("none", Recording(None)), bind("same", Recording(same))], pools=pools)
     ctx = create_ctx()
     outcome = await chain.run(ctx, deadline=None)
     assert outcome.patches == ()
@@ -153,7 +152,7 @@ async def test_noop_and_none_results_record_nothing(executor: ThreadPoolExecutor
 
 
 @pytest.mark.asyncio
-async def test_pod_stage_chain(executor: ThreadPoolExecutor) -> None:
+async def test_pod_stage_chain(pools: HookPools) -> None:
     class Labeler:
         def __init__(self, value: str) -> None:
             self.value = value
@@ -161,7 +160,7 @@ async def test_pod_stage_chain(executor: ThreadPoolExecutor) -> None:
         def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch:
             return PodPatch(labels={"seen": ctx.pod.labels.get("seen", "") + self.value})
 
-    chain = HookChain([bind("x", Labeler("x")), bind("y", Labeler("y"))], executor=executor)
+    chain = HookChain([bind("x", Labeler("x")), bind("y", Labeler("y"))], pools=pools)
     outcome = await chain.run(PodContext(Stage.PRE_RUN_POD_SANDBOX, POD), deadline=None)
     assert isinstance(outcome.context, PodContext)
     assert outcome.context.pod.labels == {"app": "web", "seen": "xy"}
@@ -176,11 +175,11 @@ def boom(ctx: ContainerContext) -> None:
 
 
 @pytest.mark.asyncio
-async def test_fail_policy_stops_the_chain(executor: ThreadPoolExecutor) -> None:
+async def test_fail_policy_stops_the_chain(pools: HookPools) -> None:
     after = Recording()
     observer = Observer()
     chain = HookChain([bind("boom", Fn(boom), policy=FailurePolicy.FAIL), bind("after", after)],
-                      executor=executor, observer=observer)
+                      pools=pools, observer=observer)
     with pytest.raises(HookFailed) as err:
         await chain.run(create_ctx(), deadline=None)
     assert err.value.hook == "boom"
@@ -194,12 +193,12 @@ async def test_fail_policy_stops_the_chain(executor: ThreadPoolExecutor) -> None
 
 
 @pytest.mark.asyncio
-async def test_ignore_policy_goes_on(executor: ThreadPoolExecutor) -> None:
+async def test_ignore_policy_goes_on(pools: HookPools) -> None:
     before = Recording(ContainerPatch(annotations={"before": "y"}))
     after = Recording(ContainerPatch(annotations={"after": "y"}))
     observer = Observer()
     chain = HookChain([bind("before", before), bind("boom", Fn(boom)), bind("after", after)],
-                      executor=executor, observer=observer)
+                      pools=pools, observer=observer)
     outcome = await chain.run(create_ctx(), deadline=None)
     assert after.seen[0].container.annotations == {"a": "1", "before": "y"}
     assert [name for name, _ in outcome.patches] == ["before", "after"]
@@ -218,37 +217,37 @@ async def test_ignore_policy_goes_on(executor: ThreadPoolExecutor) -> None:
         (PodPatch(labels={"x": "y"}), "returned PodPatch, expected ContainerPatch or None"),
     ],
 )
-async def test_wrong_result_type_is_a_hook_failure(executor: ThreadPoolExecutor, result: object, message: str) -> None:
-    chain = HookChain([bind("bad", Fn(lambda ctx: result), policy=FailurePolicy.FAIL)], executor=executor)
+async def test_wrong_result_type_is_a_hook_failure(pools: HookPools, result: object, message: str) -> None:
+    chain = HookChain([bind("bad", Fn(lambda ctx: result), policy=FailurePolicy.FAIL)], pools=pools)
     with pytest.raises(HookFailed) as err:
         await chain.run(create_ctx(), deadline=None)
     assert message in err.value.reason
 
 
 @pytest.mark.asyncio
-async def test_patch_at_an_unpatchable_stage_is_a_hook_failure(executor: ThreadPoolExecutor) -> None:
+async def test_patch_at_an_unpatchable_stage_is_a_hook_failure(pools: HookPools) -> None:
     class Starter:
         def pre_start_container(self, ctx: ContainerContext) -> ContainerPatch:
             return ContainerPatch(annotations={"x": "y"})
 
-    chain = HookChain([bind("starter", Starter(), policy=FailurePolicy.FAIL)], executor=executor)
+    chain = HookChain([bind("starter", Starter(), policy=FailurePolicy.FAIL)], pools=pools)
     with pytest.raises(HookFailed) as err:
         await chain.run(ContainerContext(Stage.PRE_START_CONTAINER, POD, CONTAINER), deadline=None)
     assert "cannot be patched" in err.value.reason
-    ignoring = HookChain([bind("starter", Starter())], executor=executor)
+    ignoring = HookChain([bind("starter", Starter())], pools=pools)
     outcome = await ignoring.run(ContainerContext(Stage.PRE_START_CONTAINER, POD, CONTAINER), deadline=None)
     assert outcome.patches == ()
 
 
 @pytest.mark.asyncio
-async def test_post_stage_hooks_get_the_result(executor: ThreadPoolExecutor) -> None:
+async def test_post_stage_hooks_get_the_result(pools: HookPools) -> None:
     seen: list[CallResult | None] = []
 
     class Post:
         async def post_create_container(self, ctx: ContainerContext) -> None:
             seen.append(ctx.result)
 
-    chain = HookChain([bind("post", Post())], executor=executor)
+    chain = HookChain([bind("post", Post())], pools=pools)
     failed = CallResult(ok=False, code="UNAVAILABLE", message="gone")
     await chain.run(ContainerContext(Stage.POST_CREATE_CONTAINER, POD, CONTAINER, result=failed), deadline=None)
     assert seen == [failed]
@@ -270,10 +269,10 @@ async def sleepy(ctx: ContainerContext) -> ContainerPatch:
 
 
 @pytest.mark.asyncio
-async def test_hook_timeout(executor: ThreadPoolExecutor) -> None:
+async def test_hook_timeout(pools: HookPools) -> None:
     observer = Observer()
     chain = HookChain([bind("sleepy", Fn(sleepy), policy=FailurePolicy.FAIL, timeout=0.05)],
-                      executor=executor, observer=observer)
+                      pools=pools, observer=observer)
     start = time.monotonic()
     with pytest.raises(HookFailed) as err:
         await chain.run(create_ctx(), deadline=None)
@@ -285,9 +284,9 @@ async def test_hook_timeout(executor: ThreadPoolExecutor) -> None:
 
 
 @pytest.mark.asyncio
-async def test_hook_timeout_ignored(executor: ThreadPoolExecutor) -> None:
+async def test_hook_timeout_ignored(pools: HookPools) -> None:
     after = Recording(ContainerPatch(annotations={"after": "y"}))
-    chain = HookChain([bind("sleepy", Fn(sleepy), timeout=0.05), bind("after", after)], executor=executor)
+    chain = HookChain([bind("sleepy", Fn(sleepy), timeout=0.05), bind("after", after)], pools=pools)
     start = time.monotonic()
     outcome = await chain.run(create_ctx(), deadline=None)
     assert time.monotonic() - start < RETURNS_WITHIN
@@ -295,8 +294,8 @@ async def test_hook_timeout_ignored(executor: ThreadPoolExecutor) -> None:
 
 
 @pytest.mark.asyncio
-async def test_callers_deadline_caps_the_hook_timeout(executor: ThreadPoolExecutor) -> None:
-    chain = HookChain([bind("sleepy", Fn(sleepy), policy=FailurePolicy.FAIL, timeout=30)], executor=executor)
+async def test_callers_deadline_caps_the_hook_timeout(pools: HookPools) -> None:
+    chain = HookChain([bind("sleepy", Fn(sleepy), policy=FailurePolicy.FAIL, timeout=30)], pools=pools)
     start = time.monotonic()
     with pytest.raises(HookFailed) as err:
         await chain.run(create_ctx(), deadline=time.monotonic() + 0.1)
@@ -306,10 +305,10 @@ async def test_callers_deadline_caps_the_hook_timeout(executor: ThreadPoolExecut
 
 
 @pytest.mark.asyncio
-async def test_expired_deadline_does_not_call_the_hook(executor: ThreadPoolExecutor) -> None:
+async def test_expired_deadline_does_not_call_the_hook(pools: HookPools) -> None:
     hook = Recording(ContainerPatch(annotations={"x": "y"}))
     observer = Observer()
-    chain = HookChain([bind("late", hook)], executor=executor, observer=observer)
+    chain = HookChain([bind("late", hook)], pools=pools, observer=observer)
     outcome = await chain.run(create_ctx(), deadline=time.monotonic() - 1)
     assert hook.seen == []
     assert outcome.patches == ()
@@ -317,7 +316,7 @@ async def test_expired_deadline_does_not_call_the_hook(executor: ThreadPoolExecu
 
 
 @pytest.mark.asyncio
-async def test_cancellation_is_not_swallowed_by_ignore(executor: ThreadPoolExecutor) -> None:
+async def test_cancellation_is_not_swallowed_by_ignore(pools: HookPools) -> None:
     started = asyncio.Event()
 
     async def wait_forever(ctx: ContainerContext) -> None:
@@ -325,7 +324,7 @@ async def test_cancellation_is_not_swallowed_by_ignore(executor: ThreadPoolExecu
         await asyncio.sleep(30)
 
     after = Recording()
-    chain = HookChain([bind("wait", Fn(wait_forever), timeout=60), bind("after", after)], executor=executor)
+    chain = HookChain([bind("wait", Fn(wait_forever), timeout=60), bind("after", after)], pools=pools)
     task = asyncio.create_task(chain.run(create_ctx(), deadline=None))
     await asyncio.wait_for(started.wait(), 5)
     task.cancel()
@@ -338,7 +337,7 @@ async def test_cancellation_is_not_swallowed_by_ignore(executor: ThreadPoolExecu
 
 
 @pytest.mark.asyncio
-async def test_sync_hooks_run_in_the_executor_with_the_callers_context(executor: ThreadPoolExecutor) -> None:
+async def test_sync_hooks_run_in_the_executor_with_the_callers_context(pools: HookPools) -> None:
     where: dict[str, tuple[str, str]] = {}
 
     def sync_hook(ctx: ContainerContext) -> None:
@@ -347,7 +346,7 @@ async def test_sync_hooks_run_in_the_executor_with_the_callers_context(executor:
     async def async_hook(ctx: ContainerContext) -> None:
         where["async"] = (threading.current_thread().name, REQUEST_ID.get())
 
-    chain = HookChain([bind("s", Fn(sync_hook)), bind("a", Fn(async_hook))], executor=executor)
+    chain = HookChain([bind("s", Fn(sync_hook)), bind("a", Fn(async_hook))], pools=pools)
     REQUEST_ID.set("req-42")
     await chain.run(create_ctx(), deadline=None)
     assert where["sync"][0].startswith("test-hooks")

@@ -3,8 +3,6 @@ the change log next to request changes and never force a request rewrite."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from runtimeproxy.chain import HOST_TARGET, BoundHook, HookChain
@@ -44,7 +42,7 @@ class BadPost:
 
 def _chain(impl: object, stages: frozenset[Stage], policy: FailurePolicy = FailurePolicy.FAIL) -> HookChain:
     # 10 s: the sync hook waits for an executor thread; no test here is about timeouts.
-    return HookChain([BoundHook("w", impl, stages, policy, 10.0)], executor=ThreadPoolExecutor(1))
+    return HookChain([BoundHook("w", impl, stages, policy, 10.0)])
 
 
 @pytest.mark.asyncio

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -73,7 +72,7 @@ def _store(*extra: str) -> Store:
 
 
 def _reconciler(store: Store, *hooks: BoundHook, interval: float = 30.0) -> Reconciler:
-    chain = HookChain(hooks, executor=ThreadPoolExecutor(1))
+    chain = HookChain(hooks)
     return Reconciler(store=store, chain=lambda: chain,
                       skipped=lambda pod: pod.labels.get(SKIP) == "true", interval=lambda: interval)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -184,7 +183,7 @@ def build_chain(tmp_path: Path) -> HookChain:
         ("group-identity", GroupIdentity(HookInit("group-identity", {}, "hooks[3].args", host, RULES))),
     ]
     bound = [BoundHook(name, impl, implemented_stages(impl), FailurePolicy.FAIL, 5.0) for name, impl in impls]
-    return HookChain(bound, executor=ThreadPoolExecutor(2))
+    return HookChain(bound)
 
 
 async def admit(chain: HookChain, store: Store) -> None:
