@@ -93,8 +93,25 @@ def _skip_text(longrepr: object) -> str:
     return str(longrepr)
 
 
+#: What the tests, the fixtures and the code under test name their dirs in /tmp
+#: (``krp-``, ``krpt-``, ``krp<tag>-``): the run must leave none of them behind.
+_TMP = Path("/tmp")
+_OUR_TMP_PREFIX = "krp"
+_TMP_BEFORE_KEY = pytest.StashKey[set[str]]()
+_TMP_LEFT_KEY = pytest.StashKey[list[str]]()
+
+
+def _our_tmp_entries() -> set[str]:
+    try:
+        return {name for name in os.listdir(_TMP) if name.startswith(_OUR_TMP_PREFIX)}
+    except OSError:
+        return set()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_SKIPS_KEY] = []
+    config.stash[_TMP_BEFORE_KEY] = _our_tmp_entries()
+    config.stash[_TMP_LEFT_KEY] = []
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -141,12 +158,22 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Under CI, a skip in this directory that ``ALLOWED_SKIPS`` does not list fails the run."""
-    if _under_ci() and session.config.stash[_SKIPS_KEY] and exitstatus == pytest.ExitCode.OK:
+    """Under CI, a skip in this directory that ``ALLOWED_SKIPS`` does not list fails the
+    run, and so does a ``/tmp/krp*`` entry this run made and left (every fixture has
+    torn down by now). Other runs may share /tmp outside CI: there it is only shown."""
+    left = sorted(_our_tmp_entries() - session.config.stash[_TMP_BEFORE_KEY])
+    session.config.stash[_TMP_LEFT_KEY] = left
+    if _under_ci() and (session.config.stash[_SKIPS_KEY] or left) and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    left = config.stash[_TMP_LEFT_KEY]
+    if left:
+        terminalreporter.section("left in /tmp", sep="=", red=_under_ci(), bold=True)
+        terminalreporter.line(f"{len(left)} new /tmp/{_OUR_TMP_PREFIX}* entries after the run"
+                              f" ({'the run fails under CI' if _under_ci() else 'or made by another run'}): "
+                              + ", ".join(left[:20]))
     skipped = config.stash[_SKIPS_KEY]
     if not skipped or not _under_ci():
         return

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,8 @@ from metrics.tsdb import TSDB
 from runtimeproxy.demo import kubelet_creates_pod_cgroup
 
 MIB = 1 << 20
-DB_DIR = Path(tempfile.mkdtemp(prefix="krpt-metrics-"))
+#: Made by ``_remove_db_dir`` (not at import: a module collected but not run left it behind).
+DB_DIR = Path(tempfile.gettempdir(), f"krpt-metrics-{uuid.uuid4().hex}")
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,7 @@ def proxy_config() -> dict[str, Any]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _remove_db_dir() -> Iterator[None]:
+    DB_DIR.mkdir(mode=0o700)
     yield
     shutil.rmtree(DB_DIR, ignore_errors=True)
 

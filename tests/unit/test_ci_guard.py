@@ -25,10 +25,14 @@ needs_a_runnable_host = pytest.mark.skipif(
 
 def _suite(tmp_path: Path, files: dict[str, str]) -> Path:
     """``tmp_path/integration`` with the real conftest and ``files``; a sibling
-    ``unit`` dir holds a skipping test that CI must not mind."""
+    ``unit`` dir holds a skipping test that CI must not mind. The conftest watches
+    ``tmp_path/tmproot`` instead of /tmp, which other runs on this machine share."""
     root = tmp_path / "integration"
     root.mkdir()
-    shutil.copy(CONFTEST, root / "conftest.py")
+    (tmp_path / "tmproot").mkdir()
+    text = CONFTEST.read_text()
+    assert text.count('_TMP = Path("/tmp")') == 1
+    (root / "conftest.py").write_text(text.replace('_TMP = Path("/tmp")', f'_TMP = Path("{tmp_path}/tmproot")'))
     for name, body in files.items():
         (root / name).write_text(textwrap.dedent(body))
     unit = tmp_path / "unit"
@@ -109,3 +113,24 @@ def test_a_host_that_cannot_run_the_suite_is_an_error_under_ci(tmp_path: Path) -
     local = _pytest(tmp_path, ci=False, path=str(empty))
     assert local.returncode == 0, local.stdout + local.stderr
     assert "integration tests need" in local.stdout and "2 skipped" in local.stdout
+
+
+@needs_a_runnable_host
+def test_a_dir_left_in_tmp_fails_the_run_under_ci(tmp_path: Path) -> None:
+    leak = ("from pathlib import Path\n\n"
+            f"def test_leaks():\n    Path('{tmp_path}/tmproot/krpt-leak-1').mkdir()\n\n"
+            f"def test_tidy():\n    Path('{tmp_path}/tmproot/krpt-tidy').mkdir()\n"
+            f"    Path('{tmp_path}/tmproot/krpt-tidy').rmdir()\n")
+    _suite(tmp_path, {"test_a.py": leak})
+    (tmp_path / "tmproot" / "krp-before").mkdir()  # there before the run: not its doing
+    (tmp_path / "tmproot" / "other-leak").mkdir()
+    out = _pytest(tmp_path, ci=True)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "1 new /tmp/krp* entries after the run (the run fails under CI): krpt-leak-1" in out.stdout
+    (tmp_path / "tmproot" / "krpt-leak-1").rmdir()
+    local = _pytest(tmp_path, ci=False)
+    assert local.returncode == 0 and "krpt-leak-1" in local.stdout, local.stdout
+    (tmp_path / "tmproot" / "krpt-leak-1").rmdir()
+    (tmp_path / "integration" / "test_a.py").write_text("from pathlib import Path\n\n" + leak.split("\n\n", 2)[2])
+    tidy = _pytest(tmp_path, ci=True)
+    assert tidy.returncode == 0 and "left in /tmp" not in tidy.stdout, tidy.stdout
