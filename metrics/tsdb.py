@@ -207,8 +207,18 @@ class TSDB:
                 self._readers.close_all()
                 raise
         else:
-            self._writer, self._frame_samples = q.open_writer(self.path, _BUSY_TIMEOUT, _WAL_LIMIT)
-            self._layouts = f.layout_counts(self._writer)
+            try:
+                self._open_writer()
+            except TSDBError as exc:
+                # A full or read-only disk at start: measure from memory, open later.
+                if not d.unwritable(exc.__cause__):
+                    raise
+                self._degrade(exc.__cause__, self._clock())
+
+    def _open_writer(self) -> sqlite3.Connection:
+        self._writer, self._frame_samples = q.open_writer(self.path, _BUSY_TIMEOUT, _WAL_LIMIT)
+        self._layouts = f.layout_counts(self._writer)
+        return self._writer
 
     def _tiers(self) -> r.Tiers:
         problem = tier_problem(self.raw_retention, self.rollup_step, self.coarse_step)
@@ -273,10 +283,11 @@ class TSDB:
             if conn.in_transaction:
                 conn.execute("COMMIT")
 
-    def _writable(self) -> sqlite3.Connection:
+    def _writable(self) -> sqlite3.Connection | None:
+        """The writer; None while the file could not be opened (the store is degraded)."""
         if self._closed:
             raise TSDBError(self.path, "closed")
-        if self._writer is None:
+        if self.readonly:
             raise TSDBError(self.path, "opened read-only")
         return self._writer
 
@@ -355,6 +366,14 @@ class TSDB:
             now = self._clock()
             if not self._degraded.due(now):
                 return 0
+            if conn is None:  # could not be opened: try again
+                try:
+                    conn = self._open_writer()
+                except TSDBError as exc:
+                    if not d.unwritable(exc.__cause__):
+                        raise
+                    self._degrade(exc.__cause__, now)
+                    return 0
             with self._batch_lock:
                 batch, count, unordered = self._batch, self._batch_len, self._unordered
                 self._batch, self._batch_len, self._unordered = [], 0, False
@@ -399,7 +418,7 @@ class TSDB:
                     if ripe:
                         self._compact(conn, ripe)
             except TSDBError as exc:  # the samples are in the file; packing them waits
-                if exc.__cause__ is None or not d.unwritable(exc.__cause__):
+                if not d.unwritable(exc.__cause__):
                     raise
                 self._degrade(exc.__cause__, now)
             return count
@@ -426,7 +445,7 @@ class TSDB:
         self._degraded.dropped += dropped
         self._degraded.dropped_now += dropped
 
-    def _degrade(self, exc: BaseException, now: float) -> None:
+    def _degrade(self, exc: BaseException | None, now: float) -> None:
         if self._degraded.fail(str(exc), now):
             log.warning("tsdb.store_degraded", path=str(self.path), error=str(exc),
                         pending_samples=self._batch_len, max_pending=self._max_pending,
@@ -475,7 +494,9 @@ class TSDB:
     def compact(self) -> None:
         """Pack flushed rows into chunks now (GC and ``flush`` do it too)."""
         with self._write_lock:
-            self._compact(self._writable())
+            conn = self._writable()
+            if conn is not None:
+                self._compact(conn)
 
     def _compact(self, conn: sqlite3.Connection, only: dict[int, int] | None = None) -> None:
         """All frames, or ``only`` the oldest ``count`` of each ``layout: count``."""
@@ -526,7 +547,7 @@ class TSDB:
         with self._write_lock:
             conn = self._writable()
             now = self._clock()
-            if self._degraded.active:  # written by the flush that recovers
+            if self._degraded.active or conn is None:  # written by the flush that recovers
                 self._pending_kv[key] = (text, now)
                 return
             try:
@@ -742,12 +763,15 @@ class TSDB:
             conn = self._writable()
             before = self.size_bytes()
             try:
+                if conn is None:  # could not be opened (degraded): nothing to collect
+                    raise TSDBError(self.path, "not open")
                 self._compact(conn)
                 counts = r.collect_garbage(conn, tiers, now_ms, self.max_bytes, self.size_bytes, self._coarsened)
             except TSDBError as exc:
-                if exc.__cause__ is None or not d.unwritable(exc.__cause__):
+                if conn is not None and not d.unwritable(exc.__cause__):
                     raise
-                self._degrade(exc.__cause__, self._clock())
+                if conn is not None:
+                    self._degrade(exc.__cause__, self._clock())
                 counts = r.GCCounts()
             except sqlite3.Error as exc:
                 if not d.unwritable(exc):
@@ -757,7 +781,8 @@ class TSDB:
             except q.DamagedChunk as exc:
                 raise CorruptStore(self.path, f"gc failed: {exc}") from exc
             finally:
-                self._rollback(conn)
+                if conn is not None:
+                    self._rollback(conn)
                 # Dropped series must get fresh ids if their metric comes back.
                 self._ids.clear()
                 self._chunk_hi = None  # re-read at the next compaction: drops dropped series
@@ -786,22 +811,21 @@ class TSDB:
         if self._closed:
             return
         try:
-            if self._writer is not None:
+            if not self.readonly:
                 self._degraded.retry_at = 0.0
                 self.flush()
         finally:
             self._closed = True
             self._readers.close_all()
             with self._write_lock:
+                if self._batch_len or self._pending_kv:  # still degraded: the file did not take them
+                    log.warning("tsdb.closed_with_pending", path=str(self.path), samples_lost=self._batch_len,
+                                records_lost=len(self._pending_kv), reason=self._degraded.reason)
                 if self._writer is not None:
                     self._close_writer(self._writer)
                     self._writer = None
 
     def _close_writer(self, conn: sqlite3.Connection) -> None:
-        lost = self._batch_len + len(self._pending_kv)
-        if lost:  # still degraded: the file did not take them
-            log.warning("tsdb.closed_with_pending", path=str(self.path), samples_lost=self._batch_len,
-                        records_lost=len(self._pending_kv), reason=self._degraded.reason)
         try:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         except sqlite3.Error as exc:  # a full disk: the WAL stays, the next open replays it

@@ -13,6 +13,7 @@ and a counter on ``/metrics``, and a ``store`` entry in ``explain``.
 
 from __future__ import annotations
 
+import errno
 import sqlite3
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
@@ -37,11 +38,17 @@ DEFAULT_MAX_PENDING: Final = 200_000
 Frame = tuple[list[str], list[int], list[float]]
 
 
-def unwritable(exc: BaseException) -> bool:
+#: The same for the OS calls around the file (making its directory).
+_UNWRITABLE_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
+
+
+def unwritable(exc: BaseException | None) -> bool:
     """True for an error that says the file cannot take writes (for now), as opposed to
     a damaged file or a bug."""
     if isinstance(exc, sqlite3.Error):
         return (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _UNWRITABLE_CODES
+    if isinstance(exc, OSError):
+        return exc.errno in _UNWRITABLE_ERRNOS
     return False
 
 

@@ -206,3 +206,43 @@ def test_the_proxy_keeps_measuring_on_a_full_disk_and_closes_the_store_at_sigter
     assert proxy.wait_exit() == 0
     wal = Path(f"{db_path}-wal")
     assert not wal.exists() or wal.stat().st_size == 0, os.listdir(small_fs)
+
+
+@pytest.mark.parametrize("existing", [True, False], ids=["existing-db", "new-db"])
+def test_a_store_opened_on_a_full_disk_starts_degraded_and_opens_when_space_returns(
+    small_fs: Path, existing: bool,
+) -> None:
+    """Before: TSDBError from the constructor, i.e. a config error (exit 2) at start."""
+    now = [1000.0]
+    path = small_fs / "m.db"
+    if existing:
+        with contextlib.closing(TSDB(path, clock=lambda: now[0])) as first:
+            _tick(first, now[0])
+    filler = _fill(small_fs)
+    with capture_logs() as logs:
+        db = TSDB(path, clock=lambda: now[0])
+    try:
+        assert db.degraded is not None, "opened on a full disk"
+        assert [e["event"] for e in logs] == ["tsdb.store_degraded"]
+        now[0] += 1
+        _tick(db, now[0])
+        db.put_kv("meta", {"pods": 1})
+        db.gc()
+        db.compact()
+        assert db.flush() == 0
+        newest = db.last("m", (("k", "3"),), max_age=5, now=now[0])
+        assert newest is not None and newest.value == now[0] + 3
+        agg = db.aggregate("m", (("k", "3"),), now[0] - 0.5, now[0])
+        assert agg is not None and agg.count == 1
+        filler.unlink()
+        now[0] += 60
+        with capture_logs() as logs:
+            assert db.flush() == SERIES
+        assert [e["event"] for e in logs] == ["tsdb.store_recovered"]
+        assert db.get_kv("meta") == {"pods": 1}
+    finally:
+        db.close()
+    with contextlib.closing(TSDB.open_readonly(path)) as again:
+        agg = again.aggregate("m", (("k", "3"),), 0, now[0])
+        assert agg is not None and agg.count == (2 if existing else 1)
+        assert again.get_kv("meta") == {"pods": 1}
