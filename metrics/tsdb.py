@@ -762,6 +762,7 @@ class TSDB:
         with self._write_lock:
             conn = self._writable()
             before = self.size_bytes()
+            skipped: r.GCCounts | None = None
             try:
                 if conn is None:  # could not be opened (degraded): nothing to collect
                     raise TSDBError(self.path, "not open")
@@ -772,12 +773,12 @@ class TSDB:
                     raise
                 if conn is not None:
                     self._degrade(exc.__cause__, self._clock())
-                counts = r.GCCounts()
+                counts = skipped = r.GCCounts()
             except sqlite3.Error as exc:
                 if not d.unwritable(exc):
                     raise wrap(self.path, "gc failed", exc) from exc
                 self._degrade(exc, self._clock())
-                counts = r.GCCounts()
+                counts = skipped = r.GCCounts()
             except q.DamagedChunk as exc:
                 raise CorruptStore(self.path, f"gc failed: {exc}") from exc
             finally:
@@ -786,7 +787,8 @@ class TSDB:
                 # Dropped series must get fresh ids if their metric comes back.
                 self._ids.clear()
                 self._chunk_hi = None  # re-read at the next compaction: drops dropped series
-            self._coarsened = max(self._coarsened, tiers.cuts(now_ms)[2])
+            if counts is not skipped:  # a skipped GC coarsened nothing
+                self._coarsened = max(self._coarsened, tiers.cuts(now_ms)[2])
             result = GCResult(counts.points_deleted, counts.series_deleted, before, self.size_bytes(),
                               counts.capped, counts.points_folded, counts.buckets_deleted)
         # Series silent this long (pods gone) leave the newest-value record: ``last()``
