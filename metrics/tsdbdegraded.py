@@ -30,8 +30,9 @@ _UNWRITABLE_CODES: Final = frozenset({
 #: First retry after this, doubling up to ``RETRY_MAX``.
 RETRY_FIRST: Final = 1.0
 RETRY_MAX: Final = 30.0
-#: Samples kept in memory while degraded: ~20 s of the agent's full write rate at 110
-#: pods, many minutes on a small node; about 60 bytes a sample.
+#: Samples kept in memory while degraded: ~100 s of the agent's full write rate at 110
+#: pods (``DEFAULT_MAX_BATCH`` is ~5 s of it), many minutes on a small node; about 50
+#: bytes a sample, ~10 MiB in all.
 DEFAULT_MAX_PENDING: Final = 200_000
 
 #: One ``write()`` call's samples: series keys, times (ms), values.
