@@ -18,12 +18,14 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import structlog
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector as PromCollector
 
 from hooks.qos import QoSClass
 from hooks.rules import Rules, parse_rules
@@ -104,6 +106,7 @@ class MetricsAgent:
             exporter = register_exporter(init.registry, StoreValues(self.tsdb.newest_values), self.pods,
                                          settings.node_name)
             init.add_exposition(exporter.render)
+            init.registry.register(_StoreHealth(self.tsdb))
         self.reporter = NodeMetricReporter(self.tsdb, self.pods, self.informer, self.kube)
         init.add_route("/apis/nodemetric", self.reporter.route)
         init.add_explainer("metrics", self.explain)
@@ -156,6 +159,7 @@ class MetricsAgent:
         # One worker thread for every collector tick and flush: a tick wakes the same
         # (warm) thread, ticks never overlap, and the store sees one writer thread.
         worker = ThreadPoolExecutor(1, thread_name_prefix="metrics")
+        stopping = False
         try:
             async with asyncio.TaskGroup() as group:
                 for interval, collectors in _by_interval(self.collectors).items():
@@ -168,11 +172,16 @@ class MetricsAgent:
                     group.create_task(self._guarded("nodemetric", self.reporter.run), name="nodemetric")
                 if self.informer is not None:
                     group.create_task(self._guarded("informer", self.informer.run), name="informer")
+        except asyncio.CancelledError:  # only the supervisor's stop cancels the task
+            stopping = True
+            raise
         finally:
             # Cancelled (shutdown) or crashed: let a running tick end, close the
-            # collectors' open files, keep what was measured.
+            # collectors' open files, keep what was measured. At shutdown the store
+            # is closed (WAL checkpointed and removed); after a crash the supervisor
+            # runs this again on the same store.
             await asyncio.to_thread(self._stop_worker, worker)
-            await asyncio.to_thread(self.tsdb.flush)
+            await asyncio.to_thread(self.tsdb.close if stopping else self.tsdb.flush)
 
     def _stop_worker(self, worker: ThreadPoolExecutor) -> None:
         worker.shutdown(wait=True, cancel_futures=True)
@@ -291,7 +300,8 @@ class MetricsAgent:
         now = time.time()
         if pod is None:
             out: dict[str, Any] = {"db": str(self.settings.db), "ticks": dict(self.ticks), "pods": len(self._pods),
-                                   "cpu_seconds": {k: round(v, 3) for k, v in self.cpu_seconds.items()}}
+                                   "cpu_seconds": {k: round(v, 3) for k, v in self.cpu_seconds.items()},
+                                   "store": self.tsdb.state()}
             for metric in (m.NODE_CPU_USAGE, m.NODE_MEMORY_USED, m.SYSTEM_CPU_USAGE, m.BE_CPU_USAGE,
                            m.BE_CPU_LIMIT):
                 last = self.tsdb.last(metric, m.NO_LABELS, max_age=60, now=now)
@@ -303,6 +313,29 @@ class MetricsAgent:
             last = self.tsdb.last(metric, labels, max_age=60, now=now)
             view[metric] = None if last is None else round(last.value, 4)
         return view
+
+
+class _StoreHealth(PromCollector):
+    """``koord_runtime_proxy_store_degraded`` (1 while the store's file cannot be
+    written and it serves from memory) and the samples dropped meanwhile."""
+
+    def __init__(self, tsdb: TSDB) -> None:
+        self._tsdb = tsdb
+
+    def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        return self._families(0, 0)
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        return self._families(int(self._tsdb.degraded is not None), self._tsdb.dropped_samples)
+
+    @staticmethod
+    def _families(degraded: int, dropped: int) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield GaugeMetricFamily("koord_runtime_proxy_store_degraded",
+                                "1 while the metrics store cannot write its file (serving from memory)",
+                                value=degraded)
+        yield CounterMetricFamily("koord_runtime_proxy_store_dropped_samples",
+                                  "Samples dropped to bound memory while the metrics store was degraded",
+                                  value=dropped)
 
 
 def _by_interval(collectors: Sequence[Collector]) -> dict[float, list[Collector]]:

@@ -4,8 +4,9 @@ Writes are batched. ``write()`` only appends to an in-memory batch; ``flush()`` 
 the batch in one transaction. The owner calls ``flush()`` every ``flush_interval`` (2 s), and
 ``write()`` flushes by itself once the batch holds ``max_batch`` rows, so memory stays
 bounded when the owner is late. Queries (``aggregate``, ``aggregate_all``, ``points``,
-``series``) see flushed data only. ``last()`` also sees the newest unflushed sample of
-each series, because the QoS manager needs values younger than the flush period.
+``series``) see flushed data only (and the batch while the store is degraded, below).
+``last()`` also sees the newest unflushed sample of each series, because the QoS
+manager needs values younger than the flush period.
 A flush stores each ``write()`` call's samples as one row of arrays (a frame, see
 ``metrics.tsdbframes``); frames are packed into per-series chunks
 (``metrics.tsdbquery``): a layout's once there are enough for full chunks, all of
@@ -30,10 +31,17 @@ samples older than ``raw_retention`` into buckets, deletes what is older than
 none, of the raw tier's. Freed pages go back to the filesystem
 (``auto_vacuum=INCREMENTAL``) and the WAL is checkpointed and truncated. The cap is
 enforced at GC, so between two GCs the file may grow past it by one interval's worth.
+
+A file that cannot be written (disk full, I/O errors, read-only) degrades the store
+instead of failing its owner: the batch stays in memory (bounded), reads add it to
+what the file holds, the flush is retried with back-off (``metrics.tsdbdegraded``).
+``close()`` checkpoints and truncates the WAL and closes every connection, so a
+stopped agent leaves the database file alone, without a -wal beside it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -46,10 +54,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, Final, Self, TypeVar
 
 import structlog
 
+from metrics import tsdbdegraded as d
 from metrics import tsdbframes as f
 from metrics import tsdbquery as q
 from metrics import tsdbrollup as r
@@ -85,6 +94,9 @@ _WAL_LIMIT: Final = 4 * 2**20
 SeriesKey = str
 #: One ``write()`` call's samples: series keys, times (ms), values.
 _Frame = tuple[list[SeriesKey], list[int], list[float]]
+_R = TypeVar("_R")
+#: ``aggregate_many``'s read of the file: series ids, raw samples and buckets by id.
+_ManyRead = tuple[dict[tuple[str, Labels], int | None], dict[int, Columns], dict[int, list[r.Bucket]]]
 
 
 @dataclass(frozen=True)
@@ -136,6 +148,7 @@ class TSDB:
         compact_rows: int = DEFAULT_COMPACT_ROWS,
         clock: Callable[[], float] = time.time,
         readonly: bool = False,
+        max_pending: int = d.DEFAULT_MAX_PENDING,
     ) -> None:
         """``coarse_step`` is a multiple of ``rollup_step`` (equal: no coarse buckets);
         ``raw_retention >= retention`` keeps every sample raw (no rollup tier)."""
@@ -149,6 +162,11 @@ class TSDB:
         self.max_bytes = max_bytes
         self.readonly = readonly
         self._max_batch = max_batch
+        #: Samples the batch may hold while the file cannot be written (oldest dropped).
+        self._max_pending = max(max_pending, max_batch)
+        self._degraded = d.Degradation()
+        #: kv records not written yet because the store is degraded: key -> (JSON, time).
+        self._pending_kv: dict[str, tuple[str, float]] = {}
         self._compact_rows = compact_rows
         self._frame_samples = 0
         self._clock = clock
@@ -189,8 +207,18 @@ class TSDB:
                 self._readers.close_all()
                 raise
         else:
-            self._writer, self._frame_samples = q.open_writer(self.path, _BUSY_TIMEOUT, _WAL_LIMIT)
-            self._layouts = f.layout_counts(self._writer)
+            try:
+                self._open_writer()
+            except TSDBError as exc:
+                # A full or read-only disk at start: measure from memory, open later.
+                if not d.unwritable(exc.__cause__):
+                    raise
+                self._degrade(exc.__cause__, self._clock())
+
+    def _open_writer(self) -> sqlite3.Connection:
+        self._writer, self._frame_samples = q.open_writer(self.path, _BUSY_TIMEOUT, _WAL_LIMIT)
+        self._layouts = f.layout_counts(self._writer)
+        return self._writer
 
     def _tiers(self) -> r.Tiers:
         problem = tier_problem(self.raw_retention, self.rollup_step, self.coarse_step)
@@ -255,10 +283,11 @@ class TSDB:
             if conn.in_transaction:
                 conn.execute("COMMIT")
 
-    def _writable(self) -> sqlite3.Connection:
+    def _writable(self) -> sqlite3.Connection | None:
+        """The writer; None while the file could not be opened (the store is degraded)."""
         if self._closed:
             raise TSDBError(self.path, "closed")
-        if self._writer is None:
+        if self.readonly:
             raise TSDBError(self.path, "opened read-only")
         return self._writer
 
@@ -305,6 +334,8 @@ class TSDB:
                     self._unordered = True
                     if ms == newest[0]:
                         latest[key] = (ms, value)
+            if self._degraded.active and self._batch_len > self._max_pending:
+                self._bound()
             full = self._batch_len >= self._max_batch
         if full:
             self.flush()
@@ -324,45 +355,124 @@ class TSDB:
 
     def flush(self) -> int:
         """Write the batch in one transaction; returns the number of samples written.
-        On failure the batch is dropped (bounded memory) and TSDBError says how many.
-        Compacts afterwards once enough samples have accumulated (in the same
-        transaction when the batch holds a sample out of time order)."""
+        A file that cannot be written (``tsdbdegraded.unwritable``) keeps the batch in
+        memory and degrades the store: later calls return 0 until the back-off is
+        over, then try again. Any other failure drops the batch (bounded memory) and
+        TSDBError says how many. Compacts afterwards once enough samples have
+        accumulated (in the same transaction when the batch holds a sample out of
+        time order)."""
         with self._write_lock:
             conn = self._writable()
+            now = self._clock()
+            if not self._degraded.due(now):
+                return 0
+            if conn is None:  # could not be opened: try again
+                try:
+                    conn = self._open_writer()
+                except TSDBError as exc:
+                    if not d.unwritable(exc.__cause__):
+                        raise
+                    self._degrade(exc.__cause__, now)
+                    return 0
             with self._batch_lock:
                 batch, count, unordered = self._batch, self._batch_len, self._unordered
                 self._batch, self._batch_len, self._unordered = [], 0, False
-            if not batch:
+            kv = self._pending_kv
+            if not batch and not kv:
                 return 0
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 new_ids, layouts = self._insert_frames(conn, batch)
+                for key, (text, at) in kv.items():
+                    conn.execute(q.PUT_KV, (key, text, at))
                 if unordered:
                     f.compact(conn, self._chunk_bounds(conn))
                 conn.execute("COMMIT")
             except (sqlite3.Error, q.DamagedChunk) as exc:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
+                self._rollback(conn)
                 self._chunk_hi = None  # may hold chunks of the rolled-back compaction
+                if d.unwritable(exc):
+                    self._keep(batch, count, unordered)
+                    self._degrade(exc, now)
+                    return 0
                 what = f"flush of {count} samples failed, samples dropped"
                 if isinstance(exc, q.DamagedChunk):
                     raise CorruptStore(self.path, f"{what}: {exc}") from exc
                 raise wrap(self.path, what, exc) from exc
             # Only after COMMIT: ids from a rolled-back transaction would point nowhere.
             self._ids.update(new_ids)
+            self._pending_kv = {}
+            if self._degraded.active:
+                self._recovered(now)
             if unordered:
                 self._frame_samples, self._layouts = 0, {}
             else:
                 self._frame_samples += count
                 for layout in layouts:
                     self._layouts[layout] = self._layouts.get(layout, 0) + 1
-            if self._frame_samples >= self._compact_rows:
-                self._compact(conn)
-            else:
-                ripe = {k: n - n % q.CHUNK_MAX for k, n in self._layouts.items() if n >= q.CHUNK_MAX}
-                if ripe:
-                    self._compact(conn, ripe)
+            try:
+                if self._frame_samples >= self._compact_rows:
+                    self._compact(conn)
+                else:
+                    ripe = {k: n - n % q.CHUNK_MAX for k, n in self._layouts.items() if n >= q.CHUNK_MAX}
+                    if ripe:
+                        self._compact(conn, ripe)
+            except TSDBError as exc:  # the samples are in the file; packing them waits
+                if not d.unwritable(exc.__cause__):
+                    raise
+                self._degrade(exc.__cause__, now)
             return count
+
+    @staticmethod
+    def _rollback(conn: sqlite3.Connection) -> None:
+        # SQLite may have rolled back already (a full disk, an I/O error).
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+
+    def _keep(self, batch: list[_Frame], count: int, unordered: bool) -> None:
+        """Put a batch that could not be written back before what came since, within
+        ``max_pending`` samples."""
+        with self._batch_lock:
+            self._batch = batch + self._batch
+            self._batch_len += count
+            self._unordered = self._unordered or unordered
+            self._bound()
+
+    def _bound(self) -> None:
+        """Drop the oldest frames past ``max_pending`` samples (under ``_batch_lock``)."""
+        self._batch, self._batch_len, dropped = d.trim(self._batch, self._batch_len, self._max_pending)
+        self._degraded.dropped += dropped
+        self._degraded.dropped_now += dropped
+
+    def _degrade(self, exc: BaseException | None, now: float) -> None:
+        if self._degraded.fail(str(exc), now):
+            log.warning("tsdb.store_degraded", path=str(self.path), error=str(exc),
+                        pending_samples=self._batch_len, max_pending=self._max_pending,
+                        action="serving from memory, retrying with back-off")
+
+    def _recovered(self, now: float) -> None:
+        dropped = self._degraded.dropped_now
+        lasted = self._degraded.recover(now)
+        log.info("tsdb.store_recovered", path=str(self.path), degraded_seconds=round(lasted, 1),
+                 samples_dropped=dropped)
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the file cannot be written now (the store serves from memory); None when it can."""
+        return self._degraded.reason
+
+    @property
+    def dropped_samples(self) -> int:
+        """Samples dropped, ever, to bound memory while the store was degraded."""
+        return self._degraded.dropped
+
+    def state(self) -> dict[str, object]:
+        """For ``explain``: degraded or not, and what waits in memory."""
+        with self._batch_lock:
+            pending = self._batch_len
+        return {"degraded": self._degraded.reason, "pending_samples": pending,
+                "dropped_samples": self._degraded.dropped}
 
     def _insert_frames(self, conn: sqlite3.Connection, batch: list[_Frame]) -> tuple[dict[SeriesKey, int], list[int]]:
         """One ``frames`` row per written batch; returns the ids made for new series and
@@ -384,7 +494,9 @@ class TSDB:
     def compact(self) -> None:
         """Pack flushed rows into chunks now (GC and ``flush`` do it too)."""
         with self._write_lock:
-            self._compact(self._writable())
+            conn = self._writable()
+            if conn is not None:
+                self._compact(conn)
 
     def _compact(self, conn: sqlite3.Connection, only: dict[int, int] | None = None) -> None:
         """All frames, or ``only`` the oldest ``count`` of each ``layout: count``."""
@@ -434,15 +546,23 @@ class TSDB:
             raise ValueError(f"kv record {key!r} is not JSON-encodable: {exc}") from exc
         with self._write_lock:
             conn = self._writable()
+            now = self._clock()
+            if self._degraded.active or conn is None:  # written by the flush that recovers
+                self._pending_kv[key] = (text, now)
+                return
             try:
-                conn.execute(q.PUT_KV, (key, text, self._clock()))
+                conn.execute(q.PUT_KV, (key, text, now))
             except sqlite3.Error as exc:
-                raise wrap(self.path, f"put_kv {key!r} failed", exc) from exc
+                if not d.unwritable(exc):
+                    raise wrap(self.path, f"put_kv {key!r} failed", exc) from exc
+                self._pending_kv[key] = (text, now)
+                self._degrade(exc, now)
 
     # --- reading ------------------------------------------------------------------
 
     def get_kv(self, key: str) -> object | None:
-        rows = self._read(q.GET_KV, (key,))
+        pending = self._pending_kv.get(key)
+        rows = [pending] if pending is not None else self._read(q.GET_KV, (key,))
         if not rows:
             return None
         try:
@@ -456,14 +576,46 @@ class TSDB:
         row = conn.execute(q.SELECT_SERIES_ID, (metric, q.encode_labels(q.canonical(labels)))).fetchone()
         return None if row is None else int(row[0])
 
+    def _pending(self) -> list[_Frame] | None:
+        """While degraded, the batch (the frames reads add to the file's); else None.
+        Taken after the file was read: a flush that recovers in between moves frames
+        the read then misses once, rather than counting them twice."""
+        if not self._degraded.active:
+            return None
+        with self._batch_lock:
+            return list(self._batch)
+
+    def _from_file(self, read: Callable[[], _R], empty: _R) -> _R:
+        """``read()``; ``empty`` when the file cannot be read while the store is
+        degraded (an I/O error: the reads serve what is in memory)."""
+        try:
+            return read()
+        except CorruptStore:
+            raise
+        except TSDBError:
+            if not self._degraded.active:
+                raise
+            return empty
+
     def _window(self, metric: str, labels: Labels, start: float, end: float) -> tuple[Columns, list[r.Bucket]]:
-        """One series' raw samples and buckets in ``[start, end]``, from one snapshot."""
+        """One series' raw samples and buckets in ``[start, end]``, from one snapshot
+        (plus the batch while degraded)."""
         lo, hi = q.to_ms(start), q.to_ms(end)
-        with self._snapshot() as conn:
-            series_id = self._series_id(conn, metric, labels)
-            if series_id is None:
-                return Columns(), []
-            return f.raw_window(conn, series_id, lo, hi), r.buckets_window(conn, series_id, lo, hi)
+
+        def read() -> tuple[Columns, list[r.Bucket]]:
+            with self._snapshot() as conn:
+                series_id = self._series_id(conn, metric, labels)
+                if series_id is None:
+                    return Columns(), []
+                return f.raw_window(conn, series_id, lo, hi), r.buckets_window(conn, series_id, lo, hi)
+
+        nothing: tuple[Columns, list[r.Bucket]] = (Columns(), [])
+        cols, buckets = self._from_file(read, nothing)
+        pending = self._pending()
+        if pending:
+            for extra in d.pending_columns(pending, {series_key(metric, q.canonical(labels))}, lo, hi).values():
+                cols.extend(extra)
+        return cols, buckets
 
     def aggregate(self, metric: str, labels: Labels, start: float, end: float) -> Aggregate | None:
         """The series over ``[start, end]`` (flushed samples); None without samples.
@@ -472,11 +624,20 @@ class TSDB:
         return r.combine(*self._window(metric, labels, start, end))
 
     def aggregate_all(self, metric: str, start: float, end: float) -> Mapping[Labels, Aggregate]:
-        """Every series of ``metric`` with flushed samples in ``[start, end]``."""
+        """Every series of ``metric`` with flushed samples in ``[start, end]`` (and
+        unflushed ones while degraded)."""
         lo, hi = q.to_ms(start), q.to_ms(end)
-        with self._snapshot() as conn:
-            raw = f.raw_window_all(conn, metric, lo, hi)
-            buckets = r.buckets_window_all(conn, metric, lo, hi)
+
+        def read() -> tuple[dict[str, Columns], dict[str, list[r.Bucket]]]:
+            with self._snapshot() as conn:
+                return f.raw_window_all(conn, metric, lo, hi), r.buckets_window_all(conn, metric, lo, hi)
+
+        nothing: tuple[dict[str, Columns], dict[str, list[r.Bucket]]] = ({}, {})
+        raw, buckets = self._from_file(read, nothing)
+        pending = self._pending()
+        if pending:
+            for text, extra in d.pending_of_metric(pending, metric, lo, hi).items():
+                raw.setdefault(text, Columns()).extend(extra)
         return r.combine_all(raw, buckets)
 
     def aggregate_many(self, series: Iterable[tuple[str, Labels]], start: float, end: float
@@ -486,16 +647,30 @@ class TSDB:
         lo, hi = q.to_ms(start), q.to_ms(end)
         wanted = list(dict.fromkeys(series))
         out: dict[tuple[str, Labels], Aggregate] = {}
-        with self._snapshot() as conn:
-            ids = {key: self._series_id(conn, key[0], key[1]) for key in wanted}
-            known = [i for i in ids.values() if i is not None]
-            raw = f.raw_window_many(conn, known, lo, hi)
-            buckets = {i: r.buckets_window(conn, i, lo, hi) for i in known}
-        for key, series_id in ids.items():
-            if series_id is not None:
-                agg = r.combine(raw[series_id], buckets[series_id])
-                if agg is not None:
-                    out[key] = agg
+
+        def read() -> _ManyRead:
+            with self._snapshot() as conn:
+                ids = {key: self._series_id(conn, key[0], key[1]) for key in wanted}
+                known = [i for i in ids.values() if i is not None]
+                return ids, f.raw_window_many(conn, known, lo, hi), {i: r.buckets_window(conn, i, lo, hi)
+                                                                     for i in known}
+
+        nothing: _ManyRead = ({}, {}, {})
+        ids, raw, buckets = self._from_file(read, nothing)
+        pending = self._pending()
+        extra: dict[SeriesKey, Columns] = {}
+        keys: dict[tuple[str, Labels], SeriesKey] = {}
+        if pending:
+            keys = {key: series_key(key[0], q.canonical(key[1])) for key in wanted}
+            extra = d.pending_columns(pending, set(keys.values()), lo, hi)
+        for key in wanted:
+            series_id = ids.get(key)
+            cols = raw[series_id] if series_id is not None else Columns()
+            if extra:
+                cols.extend(extra.get(keys[key], Columns()))
+            agg = r.combine(cols, buckets[series_id] if series_id is not None else [])
+            if agg is not None:
+                out[key] = agg
         return out
 
     def last(self, metric: str, labels: Labels, max_age: float, now: float) -> Sample | None:
@@ -503,7 +678,6 @@ class TSDB:
         the last one of a bucket (a bucket straddling ``now`` is not looked into)."""
         canon = q.canonical(labels)
         lo, hi = q.to_ms(now - max_age), q.to_ms(now)
-        candidates: list[q.Point] = []
         with self._batch_lock:
             pending = self._latest.get(series_key(metric, canon))
         if pending is not None and pending[0] <= hi:
@@ -511,12 +685,18 @@ class TSDB:
             # file is newer (unless the clock went back across a restart), so no query
             # (per-series reads of the time-ordered rows scan every series).
             return Sample(metric, pending[1], canon, q.from_ms(pending[0])) if lo <= pending[0] else None
-        with self._snapshot() as conn:
-            series_id = self._series_id(conn, metric, canon)
-            if series_id is not None:
-                candidates += f.raw_last(conn, series_id, lo, hi)
+
+        def read() -> list[q.Point]:
+            with self._snapshot() as conn:
+                series_id = self._series_id(conn, metric, canon)
+                if series_id is None:
+                    return []
                 bucket = (series_id, lo, hi, q.to_ms(self.coarse_step))
-                candidates += ((int(t), float(v)) for t, v in conn.execute(r.LAST_BUCKET, bucket))
+                return [*f.raw_last(conn, series_id, lo, hi),
+                        *((int(t), float(v)) for t, v in conn.execute(r.LAST_BUCKET, bucket))]
+
+        nothing: list[q.Point] = []
+        candidates = self._from_file(read, nothing)
         if not candidates:
             return None
         ms, value = max(candidates)
@@ -575,26 +755,40 @@ class TSDB:
 
     def gc(self, now: float | None = None) -> GCResult:
         """Fold raw samples past ``raw_retention``, apply the retention and the size cap,
-        give freed space back, truncate the WAL."""
+        give freed space back, truncate the WAL. A file that cannot be written
+        degrades the store (see ``flush``) and the GC is a no-op."""
         now = self._clock() if now is None else now
         tiers, now_ms = self._tiers(), q.to_ms(now)
         with self._write_lock:
             conn = self._writable()
             before = self.size_bytes()
-            self._compact(conn)
+            skipped: r.GCCounts | None = None
             try:
+                if conn is None:  # could not be opened (degraded): nothing to collect
+                    raise TSDBError(self.path, "not open")
+                self._compact(conn)
                 counts = r.collect_garbage(conn, tiers, now_ms, self.max_bytes, self.size_bytes, self._coarsened)
+            except TSDBError as exc:
+                if conn is not None and not d.unwritable(exc.__cause__):
+                    raise
+                if conn is not None:
+                    self._degrade(exc.__cause__, self._clock())
+                counts = skipped = r.GCCounts()
             except sqlite3.Error as exc:
-                raise wrap(self.path, "gc failed", exc) from exc
+                if not d.unwritable(exc):
+                    raise wrap(self.path, "gc failed", exc) from exc
+                self._degrade(exc, self._clock())
+                counts = skipped = r.GCCounts()
             except q.DamagedChunk as exc:
                 raise CorruptStore(self.path, f"gc failed: {exc}") from exc
             finally:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
+                if conn is not None:
+                    self._rollback(conn)
                 # Dropped series must get fresh ids if their metric comes back.
                 self._ids.clear()
                 self._chunk_hi = None  # re-read at the next compaction: drops dropped series
-            self._coarsened = max(self._coarsened, tiers.cuts(now_ms)[2])
+            if counts is not skipped:  # a skipped GC coarsened nothing
+                self._coarsened = max(self._coarsened, tiers.cuts(now_ms)[2])
             result = GCResult(counts.points_deleted, counts.series_deleted, before, self.size_bytes(),
                               counts.capped, counts.points_folded, counts.buckets_deleted)
         # Series silent this long (pods gone) leave the newest-value record: ``last()``
@@ -611,20 +805,35 @@ class TSDB:
     # --- closing ------------------------------------------------------------------
 
     def close(self) -> None:
-        """Flush the batch, then close every connection. Idempotent."""
+        """Flush the batch (once more, whatever the back-off, when degraded), then
+        close every connection: the readers of every thread, then the writer after a
+        ``wal_checkpoint(TRUNCATE)``, so no -wal is left beside the file (SQLite
+        removes it when the last connection closes; the truncation covers a reader
+        it cannot see, e.g. ``top`` in another process). Idempotent."""
         if self._closed:
             return
         try:
-            if self._writer is not None:
+            if not self.readonly:
+                self._degraded.retry_at = 0.0
                 self.flush()
         finally:
             self._closed = True
-            # Readers first: the writer closing last checkpoints and removes the WAL.
             self._readers.close_all()
             with self._write_lock:
+                if self._batch_len or self._pending_kv:  # still degraded: the file did not take them
+                    log.warning("tsdb.closed_with_pending", path=str(self.path), samples_lost=self._batch_len,
+                                records_lost=len(self._pending_kv), reason=self._degraded.reason)
                 if self._writer is not None:
-                    self._writer.close()
+                    self._close_writer(self._writer)
                     self._writer = None
+
+    def _close_writer(self, conn: sqlite3.Connection) -> None:
+        try:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        except sqlite3.Error as exc:  # a full disk: the WAL stays, the next open replays it
+            log.warning("tsdb.checkpoint_failed", path=str(self.path), error=str(exc))
+        finally:
+            conn.close()
 
     def __enter__(self) -> Self:
         return self

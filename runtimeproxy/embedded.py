@@ -498,7 +498,7 @@ disabled_plugins = [
         self._write_cni_config()
         self.socket.unlink(missing_ok=True)
         self._log = open(self.log_path, "ab")
-        env = dict(os.environ, PATH=os.environ.get("PATH", "") + ":" + _DEFAULT_PATH)
+        env = self._env()
         # own session: a ^C in the terminal must not kill containerd before
         # stop() had the chance to tear pods down through CRI.
         self._proc = subprocess.Popen(
@@ -511,6 +511,14 @@ disabled_plugins = [
         except BaseException:
             self.stop()
             raise
+
+    def _env(self) -> dict[str, str]:
+        """containerd's and ctr's environment: what they make in TMPDIR (mount points
+        of an image unpack, volume copies) stays under base_dir, so it goes with it
+        even when a process is killed halfway."""
+        tmp = self.base_dir / "tmp"
+        tmp.mkdir(mode=0o700, exist_ok=True)
+        return dict(os.environ, PATH=os.environ.get("PATH", "") + ":" + _DEFAULT_PATH, TMPDIR=str(tmp))
 
     def _wait_ready(self, timeout: float) -> None:
         """Poll until the socket exists and the CRI plugin is loaded."""
@@ -547,7 +555,7 @@ disabled_plugins = [
         """Import (and unpack) an image archive into the CRI namespace."""
         proc = subprocess.run(
             ["ctr", "-a", str(self.socket), "-n", CRI_NAMESPACE, "images", "import", str(tar)],
-            check=False, capture_output=True, text=True, timeout=120,
+            check=False, capture_output=True, text=True, timeout=120, env=self._env(),
         )
         if proc.returncode != 0:
             raise RuntimeError(f"ctr import {tar} failed: {proc.stderr.strip()}")

@@ -9,4 +9,6 @@ echo "== ruff";          ruff check .
 echo "== mypy (strict)"; mypy
 echo "== import layers"; lint-imports --no-cache
 echo "== pytest"
-exec python -m pytest -p no:cacheprovider -q "$@"
+# -rs lists every skip with its reason. Under CI (CI=true) an integration test that
+# skips, or a host that cannot run them, fails the run (tests/integration/conftest.py).
+exec python -m pytest -p no:cacheprovider -q -rs "$@"

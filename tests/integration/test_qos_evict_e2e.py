@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ import pytest
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.demo import kubelet_creates_pod_cgroup
 
-DB_DIR = Path(tempfile.mkdtemp(prefix="krpt-evict-"))
+#: Made by ``_remove_db_dir`` (not at import: a module collected but not run left it behind).
+DB_DIR = Path(tempfile.gettempdir(), f"krpt-evict-{uuid.uuid4().hex}")
 SPEC = "node.koordinator.sh/extended-resource-spec"
 
 
@@ -40,6 +42,7 @@ def proxy_config(cgroup_prefix: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _remove_db_dir() -> Iterator[None]:
+    DB_DIR.mkdir(mode=0o700)
     yield
     shutil.rmtree(DB_DIR, ignore_errors=True)
 

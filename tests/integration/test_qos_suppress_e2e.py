@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ from runtimeproxy.demo import kubelet_creates_pod_cgroup
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 SPEC = "node.koordinator.sh/extended-resource-spec"
-DB_DIR = Path(tempfile.mkdtemp(prefix="krpt-qos-"))
+#: Made by ``_remove_db_dir`` (not at import: a module collected but not run left it behind).
+DB_DIR = Path(tempfile.gettempdir(), f"krpt-qos-{uuid.uuid4().hex}")
 SPIN2 = ("sh", "-c", "while :; do :; done & while :; do :; done")
 
 
@@ -44,6 +46,7 @@ def proxy_config(cgroup_prefix: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _remove_db_dir() -> Iterator[None]:
+    DB_DIR.mkdir(mode=0o700)
     yield
     shutil.rmtree(DB_DIR, ignore_errors=True)
 

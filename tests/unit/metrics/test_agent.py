@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +63,18 @@ def _record(agent: MetricsAgent, calls: list[tuple[str, str]]) -> None:
         collector.collect = collect  # type: ignore[method-assign]
 
 
-async def _run_until(agent: MetricsAgent, run: Any, node_ticks: int) -> None:
+async def _run_until(agent: MetricsAgent, run: Any, node_ticks: int,
+                     while_running: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Run the task until ``node_ticks``, then ``while_running()``, then stop it (which
+    closes the store)."""
     task = asyncio.create_task(run())
     try:
         for _ in range(500):
             if agent.ticks["node"] >= node_ticks and agent.ticks["psi"] >= 2:
                 break
             await asyncio.sleep(0.02)
+        if while_running is not None:
+            await while_running()
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -93,18 +98,21 @@ async def test_ticks_of_one_interval_run_together_in_one_worker_thread(host: Hos
 @pytest.mark.asyncio
 async def test_the_tick_flushes_and_its_cost_is_accounted(host: HostRoots, tmp_path: Path) -> None:
     agent, run = _agent(host, tmp_path)
-    await _run_until(agent, run, node_ticks=4)
-    before_close = TSDB.open_readonly(tmp_path / "m.db")
-    try:
-        # Visible to another reader without a flush loop: the ticks flushed.
-        assert before_close.series(m.NODE_MEMORY_USED) == [m.NO_LABELS]
-    finally:
-        before_close.close()
-    cost = agent.cpu_seconds
-    assert set(cost) == {"node", "pods", "topology", "psi", "store", "flush", "gc"}
-    assert cost["node"] > 0 and cost["pods"] > 0 and cost["store"] > 0 and cost["flush"] > 0
-    view = agent.explain(None)
-    assert view["cpu_seconds"]["node"] == round(cost["node"], 3)
+
+    async def check() -> None:
+        before_close = TSDB.open_readonly(tmp_path / "m.db")
+        try:
+            # Visible to another reader without a flush loop: the ticks flushed.
+            assert before_close.series(m.NODE_MEMORY_USED) == [m.NO_LABELS]
+        finally:
+            before_close.close()
+        cost = agent.cpu_seconds
+        assert set(cost) == {"node", "pods", "topology", "psi", "store", "flush", "gc"}
+        assert cost["node"] > 0 and cost["pods"] > 0 and cost["store"] > 0 and cost["flush"] > 0
+        view = agent.explain(None)
+        assert view["cpu_seconds"]["node"] == round(cost["node"], 3)
+
+    await _run_until(agent, run, node_ticks=4, while_running=check)
 
 
 def test_the_store_gets_the_configured_retention_and_tiers(host: HostRoots, tmp_path: Path) -> None:
@@ -121,11 +129,14 @@ def test_the_store_gets_the_configured_retention_and_tiers(host: HostRoots, tmp_
 @pytest.mark.asyncio
 async def test_without_a_cluster_nodemetric_is_built_on_request_only(host: HostRoots, tmp_path: Path) -> None:
     agent, run = _agent(host, tmp_path)
-    await _run_until(agent, run, node_ticks=3)
-    assert agent.kube is None and agent.reporter.latest() is None  # no periodic build
-    status, _type, body = await agent.reporter.route({})
-    assert status == 200 and b"nodeMetric" in body
-    assert agent.reporter.latest() is not None
+
+    async def check() -> None:
+        assert agent.kube is None and agent.reporter.latest() is None  # no periodic build
+        status, _type, body = await agent.reporter.route({})
+        assert status == 200 and b"nodeMetric" in body
+        assert agent.reporter.latest() is not None
+
+    await _run_until(agent, run, node_ticks=3, while_running=check)
 
 
 @pytest.mark.asyncio
