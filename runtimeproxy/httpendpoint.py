@@ -371,8 +371,13 @@ class HttpEndpoint:
             scraped = await self._serve_one(reader, writer)
         finally:
             writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+            # close() flushes what is buffered first: a client that stopped reading
+            # would hold the connection (and stop()) forever.
+            try:
+                async with asyncio.timeout(self._idle_timeout):
+                    await writer.wait_closed()
+            except (ConnectionError, TimeoutError):
+                writer.transport.abort()
         if scraped and self._after_scrape is not None:
             self._after_scrape()
 
