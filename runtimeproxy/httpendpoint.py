@@ -129,9 +129,10 @@ def _parse_request_line(head: bytes) -> tuple[str, str]:
     return method, target
 
 
-#: Errors of accept() that say "no resources now" (retry later), as opposed to a
-#: connection that died in the backlog (ECONNABORTED: just take the next one).
-_ACCEPT_EXHAUSTED: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: Errors of accept() about one connection (it died in the backlog, a firewall
+#: refused it): take the next one at once. Anything else (EMFILE, ENFILE, ENOBUFS,
+#: ENOMEM, ...) is counted, warned about once a minute and retried after a pause.
+_ACCEPT_PER_CONNECTION: Final = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR})
 #: How often a paused accept loop looks again at the descriptor reserve (a closing
 #: connection of ours wakes it at once; descriptors freed elsewhere do not).
 _RECHECK_SECONDS: Final = 0.5
@@ -266,12 +267,17 @@ class HttpEndpoint:
             try:
                 conn, _ = await loop.sock_accept(sock)
             except OSError as exc:
-                if exc.errno not in _ACCEPT_EXHAUSTED:
-                    continue  # ECONNABORTED, EPROTO...: that connection is gone, take the next
+                if exc.errno in _ACCEPT_PER_CONNECTION:
+                    continue
                 self._accept_failed(exc)
                 await self._pause(_RECHECK_SECONDS)
                 continue
-            self._serve(conn)
+            try:
+                self._serve(conn)
+            except Exception as exc:  # noqa: BLE001 - the endpoint must keep accepting
+                conn.close()
+                self._accept_failed(exc)
+                await self._pause(_RECHECK_SECONDS)
 
     def _serve(self, conn: socket.socket) -> None:
         task = asyncio.create_task(self._handle(conn), name="http-conn")
@@ -319,14 +325,17 @@ class HttpEndpoint:
             async with asyncio.timeout(seconds):
                 await self._room.wait()
 
-    def _accept_failed(self, exc: OSError) -> None:
-        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    def _accept_failed(self, exc: Exception) -> None:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            name, detail = errno.errorcode.get(exc.errno, str(exc.errno)), exc.strerror
+        else:
+            name, detail = type(exc).__name__, str(exc)
         if self._stats is not None:
             self._stats.accept_errors.labels(error=name).inc()
         held = self._throttle.allow(("accept", name))
         if held is not None:
             self._log.warning(
-                "http_accept_failed", error=name, detail=exc.strerror,
+                "http_accept_failed", error=name, detail=detail,
                 open_connections=len(self._connections), repeats_suppressed=held,
             )
 
