@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from runtimeproxy.httpendpoint import HttpEndpoint, HttpStats
 
@@ -113,6 +113,9 @@ class ProxyMetrics:
             registry=registry,
         )
         self.http = HttpStats(registry)
+        # process_open_fds / process_max_fds / RSS / CPU: descriptor pressure is visible
+        # before it becomes EMFILE.
+        ProcessCollector(registry=registry)
         self._methods: dict[tuple[str, str], MethodStats] = {}
 
     def method(self, method: str, path: CallPath = "passthrough") -> MethodStats:

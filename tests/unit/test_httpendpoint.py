@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from runtimeproxy import config, fdlimits
 from runtimeproxy.config import ConfigError
 from runtimeproxy.httpendpoint import HttpEndpoint, HttpStats
+from runtimeproxy.promstats import ProxyMetrics
 
 FLOOD = textwrap.dedent("""
     import socket, sys, time
@@ -268,3 +269,11 @@ def test_bad_limits_name_key_and_value(key: str, value: object) -> None:
         config.from_mapping({"metrics": {key: value}})
     assert err.value.key_path == f"metrics.{key}" and err.value.value == value
     assert str(err.value).startswith(f"metrics.{key}: ") and f"(got {value!r})" in str(err.value)
+
+
+def test_process_descriptors_are_exported() -> None:
+    registry = CollectorRegistry()
+    ProxyMetrics(registry)
+    open_fds = registry.get_sample_value("process_open_fds")
+    assert open_fds is not None and abs(open_fds - fdlimits.open_fds()) <= 2
+    assert registry.get_sample_value("process_max_fds") == fdlimits.nofile_limit()
