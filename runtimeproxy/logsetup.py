@@ -106,7 +106,7 @@ def configure(
         # a reload could never change the level.
         cache_logger_on_first_use=False,
     )
-    _route_stdlib_logging(as_json, out)
+    _route_stdlib_logging(as_json, stream)
     sys.excepthook = _sys_excepthook
     threading.excepthook = _thread_excepthook
     sys.unraisablehook = _unraisable_hook
@@ -170,7 +170,20 @@ def _add_stdlib_extras(_logger: Any, _name: str, event_dict: EventDict) -> Event
 _STDLIB_HANDLER_NAME: Final = "runtimeproxy-json"
 
 
-def _route_stdlib_logging(as_json: bool, stream: TextIO) -> None:
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at the time (it may be replaced after
+    ``configure``, e.g. by a test runner's capture)."""
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: TextIO) -> None:
+        pass
+
+
+def _route_stdlib_logging(as_json: bool, stream: TextIO | None) -> None:
     """One handler on the root logger rendering records like structlog's own lines
     (warning and above: grpc and asyncio are chatty below that)."""
     renderer: Processor = (
@@ -184,7 +197,7 @@ def _route_stdlib_logging(as_json: bool, stream: TextIO) -> None:
     ]
     if as_json:
         pre_chain.append(structlog.processors.format_exc_info)
-    handler = logging.StreamHandler(stream)
+    handler: logging.StreamHandler = _StderrHandler() if stream is None else logging.StreamHandler(stream)  # type: ignore[type-arg]
     handler.set_name(_STDLIB_HANDLER_NAME)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
