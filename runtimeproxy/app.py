@@ -20,8 +20,9 @@ import prometheus_client
 import structlog
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import __version__, heap, logsetup, plugins, sdnotify
+from runtimeproxy import __version__, fdlimits, heap, logsetup, plugins, sdnotify
 from runtimeproxy.backend import CallError
+from runtimeproxy.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.chain import HookChain, HookPools
 from runtimeproxy.config import ConfigError, Settings, load
 from runtimeproxy.grpcbackend import GrpcBackend
@@ -38,7 +39,8 @@ from runtimeproxy.supervisor import Supervisor
 log = structlog.get_logger("runtimeproxy.app")
 
 VERSION_METHOD = "/runtime.v1.RuntimeService/Version"
-_RESTART_ONLY = ("listen", "socket_mode", "backend", "metrics_listen", "max_message_bytes", "tasks")
+_RESTART_ONLY = ("listen", "socket_mode", "backend", "metrics_listen", "max_message_bytes", "tasks",
+                 "metrics_max_connections", "metrics_idle_timeout", "metrics_fd_reserve")
 
 
 class App:
@@ -65,6 +67,7 @@ class App:
             max_message_bytes=settings.max_message_bytes, handler=handler,
         )
         self.supervisor = Supervisor()
+        self.monitor = self._backend_monitor(settings)
         self.reconciler = Reconciler(
             store=self.store, chain=lambda: self.chain, skipped=self._skipped,
             interval=lambda: self.settings.reconcile_interval,
@@ -83,6 +86,7 @@ class App:
             self.supervisor.add(f"task:{name}", task)
         self._stop = asyncio.Event()
         self._ready = False
+        self._stopping = False
         self._oneshots: set[asyncio.Task[bool]] = set()
 
     # --- start / stop ------------------------------------------------------------
@@ -102,8 +106,10 @@ class App:
         await self.supervisor.start()
         await self._wait_backend()
         if not self._stop.is_set():
+            self.supervisor.add("backend-probe", self.monitor.run_forever)
             await self._rebuild_store()
             self._ready = True
+            self.metrics.up.set(1)
             # First pass right away: pods created while we were down get their settings now.
             self.supervisor.add("reconciler", self.reconciler.run_forever)
             sdnotify.notify("READY=1")
@@ -129,6 +135,8 @@ class App:
 
     async def shutdown(self) -> int:
         sdnotify.notify("STOPPING=1")
+        self._stopping = True
+        self.metrics.up.set(0)
         # Unlisten before the "stopping" line: whoever sees it can rely on new connects failing.
         self.server.unlisten()
         log.info("stopping", grace_seconds=self.settings.shutdown_grace)
@@ -147,10 +155,44 @@ class App:
             return
         host, _, port = self.settings.metrics_listen.rpartition(":")
         self.http = HttpEndpoint(
-            host.strip("[]"), int(port), self.registry, healthy=lambda: self._ready,
+            host.strip("[]"), int(port), self.registry, health=self._health_problem,
             routes=self._routes, expositions=self._expositions, after_scrape=heap.trim,
+            idle_timeout=self.settings.metrics_idle_timeout, max_connections=self.settings.metrics_max_connections,
+            fd_reserve=self.settings.metrics_fd_reserve, stats=self.metrics.http,
         )
         await self.http.start()
+
+    # --- health ------------------------------------------------------------------
+
+    def _backend_monitor(self, settings: Settings) -> BackendMonitor:
+        """Probes on the channels the calls use; a separate image endpoint gets its own."""
+        runtime = settings.backend.runtime_endpoint
+        image = settings.backend.image_endpoint or runtime
+        probes = [Probe("runtime", runtime, VERSION_METHOD, VERSION_PAYLOAD)]
+        if image != runtime:
+            probes.append(Probe("image", image, IMAGE_FS_INFO_METHOD))
+        gauge = self.metrics.backend_up
+
+        def set_up(name: str, up: bool) -> None:
+            gauge.labels(backend=name).set(1 if up else 0)
+            if name == "runtime" and image == runtime:
+                gauge.labels(backend="image").set(1 if up else 0)  # one endpoint serves both
+
+        set_up("runtime", False)
+        set_up("image", False)
+        return BackendMonitor(
+            self.backend, probes, interval=settings.backend.probe_interval,
+            unhealthy_after=settings.backend.unhealthy_after, set_up=set_up,
+        )
+
+    def _health_problem(self) -> str | None:
+        """Why /healthz is 503, or None. Only the loopback endpoint asks: the systemd
+        watchdog follows ``ready`` alone (restarting the proxy cannot bring containerd back)."""
+        if self._stopping:
+            return "stopping"
+        if not self._ready:
+            return "starting: waiting for the backend to answer Version"
+        return self.monitor.problem()
 
     async def _wait_backend(self) -> None:
         """Poll Version until containerd answers; calls meanwhile fail UNAVAILABLE."""
@@ -278,8 +320,12 @@ class App:
 def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, Any]) -> int:
     logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
     heap.limit_arenas()
+    old, new = fdlimits.raise_nofile_limit()
+    if new != old:
+        log.info("nofile_limit_raised", old=old, new=new)
 
     async def main() -> int:
+        logsetup.install_loop_exception_handler(asyncio.get_running_loop())
         app = App(settings, config_path=config_path, overrides=overrides)
         # What exists now (modules, protobuf descriptors, config, plugins) lives as long
         # as the process: out of the cyclic collector's reach, a full collection walks

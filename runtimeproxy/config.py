@@ -68,6 +68,10 @@ class BackendSettings:
     image_endpoint: str = ""
     #: Cap on the reconnect back-off, so the proxy notices a restarted containerd quickly.
     max_reconnect_backoff: float = 2.0
+    #: How often the backend is probed (one Version call; ImageFsInfo for a separate image endpoint).
+    probe_interval: float = 2.0
+    #: Failing probes for this long make /healthz 503 and the backend-up gauge 0.
+    unhealthy_after: float = 6.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,12 @@ class Settings:
     skip_label_value: str = "true"
     #: host:port for /metrics and the debug endpoints; loopback only by default.
     metrics_listen: str = "127.0.0.1:9316"
+    #: HTTP connections open at once; more wait unaccepted in the kernel's backlog.
+    metrics_max_connections: int = 64
+    #: An HTTP client sending or reading nothing for this long is disconnected.
+    metrics_idle_timeout: float = 5.0
+    #: The HTTP endpoint accepts nothing while fewer descriptors than this are free.
+    metrics_fd_reserve: int = 256
     log_level: str = "info"
     log_format: str = "auto"
     #: How long SIGTERM waits for in-flight CRI calls.
@@ -233,7 +243,11 @@ def _hooks(value: object) -> tuple[HookSettings, ...]:
 
 def _backend(value: object) -> BackendSettings:
     data = _mapping(value, "backend")
-    _reject_unknown(data, frozenset({"runtime_endpoint", "image_endpoint", "max_reconnect_backoff"}), "backend.")
+    _reject_unknown(
+        data,
+        frozenset({"runtime_endpoint", "image_endpoint", "max_reconnect_backoff", "probe_interval", "unhealthy_after"}),
+        "backend.",
+    )
     default = BackendSettings()
     return BackendSettings(
         runtime_endpoint=_endpoint(data.get("runtime_endpoint", default.runtime_endpoint), "backend.runtime_endpoint")
@@ -241,6 +255,10 @@ def _backend(value: object) -> BackendSettings:
         image_endpoint=_endpoint(data.get("image_endpoint", ""), "backend.image_endpoint"),
         max_reconnect_backoff=parse_duration(
             data.get("max_reconnect_backoff", default.max_reconnect_backoff), "backend.max_reconnect_backoff"
+        ),
+        probe_interval=parse_duration(data.get("probe_interval", default.probe_interval), "backend.probe_interval"),
+        unhealthy_after=parse_duration(
+            data.get("unhealthy_after", default.unhealthy_after), "backend.unhealthy_after"
         ),
     )
 
@@ -285,7 +303,7 @@ def from_mapping(data: object) -> Settings:
     skip = _mapping(top.get("skip_label"), "skip_label")
     _reject_unknown(skip, frozenset({"key", "value"}), "skip_label.")
     metrics = _mapping(top.get("metrics"), "metrics")
-    _reject_unknown(metrics, frozenset({"listen"}), "metrics.")
+    _reject_unknown(metrics, frozenset({"listen", "max_connections", "idle_timeout", "fd_reserve"}), "metrics.")
     level, fmt = _log(top.get("log"))
     listen = _endpoint(top.get("listen", default.listen), "listen")
     if not listen:
@@ -299,6 +317,15 @@ def from_mapping(data: object) -> Settings:
         skip_label_key=_string(skip.get("key", default.skip_label_key), "skip_label.key", allow_empty=False),
         skip_label_value=_string(skip.get("value", default.skip_label_value), "skip_label.value"),
         metrics_listen=_host_port(metrics.get("listen", default.metrics_listen), "metrics.listen"),
+        metrics_max_connections=_positive_int(
+            metrics.get("max_connections", default.metrics_max_connections), "metrics.max_connections", 1
+        ),
+        metrics_idle_timeout=parse_duration(
+            metrics.get("idle_timeout", default.metrics_idle_timeout), "metrics.idle_timeout"
+        ),
+        metrics_fd_reserve=_positive_int(
+            metrics.get("fd_reserve", default.metrics_fd_reserve), "metrics.fd_reserve", 0
+        ),
         log_level=level,
         log_format=fmt,
         shutdown_grace=parse_duration(top.get("shutdown_grace", default.shutdown_grace), "shutdown_grace"),

@@ -1,4 +1,4 @@
-"""The proxy's Prometheus metrics and the small loopback HTTP endpoint serving them.
+"""The proxy's Prometheus metrics.
 
 Every kubelet→runtime CRI call passes through the proxy, so its own overhead and
 its hooks' failures must be measurable per node: call counts split into
@@ -6,30 +6,20 @@ passthrough vs intercepted, per-method latency, hook latency and failures by
 policy. The metric objects live in a registry passed in by the caller (never the
 global default registry) so tests and embedders get isolated metrics.
 
-The HTTP endpoint is hand-rolled on ``asyncio.start_server`` instead of
-prometheus_client's threaded server or an HTTP framework: it runs on the proxy's
-own loop (so health reflects the loop actually serving CRI), it needs only a
-handful of GET routes, and strict size and time limits keep a misbehaving
-client on the loopback from costing the CRI hot path anything.
+The loopback HTTP endpoint serving them is ``runtimeproxy.httpendpoint``
+(re-exported here).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import http
-from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
-from urllib.parse import SplitResult, parse_qsl, urlsplit
 
-import prometheus_client
-import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from structlog.typing import FilteringBoundLogger
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-DEFAULT_HOST: Final = "127.0.0.1"
-DEFAULT_PORT: Final = 9316
+from runtimeproxy.httpendpoint import HttpEndpoint, HttpStats
+
+__all__ = ["HttpEndpoint", "HttpStats", "MethodStats", "ProxyMetrics"]
 
 CallPath = Literal["passthrough", "intercepted"]
 HookResult = Literal["ok", "error", "timeout"]
@@ -115,6 +105,17 @@ class ProxyMetrics:
             "1 while the proxy is serving CRI, 0 while starting or draining.",
             registry=registry,
         )
+        self.backend_up = Gauge(
+            "koord_runtime_proxy_backend_up",
+            "1 while the backend answers the proxy's probe (or failed for less than "
+            "backend.unhealthy_after), by backend (runtime, image).",
+            ["backend"],
+            registry=registry,
+        )
+        self.http = HttpStats(registry)
+        # process_open_fds / process_max_fds / RSS / CPU: descriptor pressure is visible
+        # before it becomes EMFILE.
+        ProcessCollector(registry=registry)
         self._methods: dict[tuple[str, str], MethodStats] = {}
 
     def method(self, method: str, path: CallPath = "passthrough") -> MethodStats:
@@ -151,259 +152,3 @@ class ProxyMetrics:
         self.build_info.labels(version=version).set(1)
 
 
-#: A body in parts (/metrics: the registry, then each exposition) is joined once, with the head.
-Response = tuple[int, str, bytes | Sequence[bytes]]
-RouteHandler = Callable[[dict[str, str]], Awaitable[Response]]
-
-MAX_HEAD_BYTES: Final = 8 * 1024
-_TEXT: Final = "text/plain; charset=utf-8"
-
-
-class _BadRequest(Exception):
-    def __init__(self, status: int) -> None:
-        super().__init__(status)
-        self.status = status
-
-
-def _reason(status: int) -> str:
-    try:
-        return http.HTTPStatus(status).phrase
-    except ValueError:
-        return ""
-
-
-def _encode_response(
-    status: int, content_type: str, body: bytes | Sequence[bytes], extra: str = ""
-) -> bytes:
-    """The whole response; a body in parts is joined once, with the head (a scrape's
-    body is megabytes: every copy is RSS)."""
-    parts = [body] if isinstance(body, bytes) else body
-    head = (
-        f"HTTP/1.1 {status} {_reason(status)}\r\n"
-        f"Content-Type: {content_type}\r\n"
-        f"Content-Length: {sum(len(p) for p in parts)}\r\n"
-        f"{extra}"
-        "Connection: close\r\n\r\n"
-    )
-    return b"".join([head.encode("latin-1"), *parts])
-
-
-# Failures while reading the request head that get an error response (or, for
-# IncompleteReadError, a silent close) instead of tearing down the handler.
-_REJECTABLE: Final = (
-    TimeoutError,
-    asyncio.LimitOverrunError,
-    asyncio.IncompleteReadError,
-    _BadRequest,
-)
-
-
-def _status_for(exc: BaseException) -> int:
-    if isinstance(exc, _BadRequest):
-        return exc.status
-    if isinstance(exc, TimeoutError):
-        return 408
-    if isinstance(exc, asyncio.LimitOverrunError):
-        return 431  # Request Header Fields Too Large
-    return 400
-
-
-def _parse_request_line(head: bytes) -> tuple[str, str]:
-    """Return (method, target) from the request head, or raise _BadRequest(400)."""
-    line = head.split(b"\r\n", 1)[0]
-    try:
-        method, target, version = line.decode("ascii").split(" ")
-    except (UnicodeDecodeError, ValueError):
-        raise _BadRequest(400) from None
-    if not version.startswith("HTTP/1.") or not target.startswith("/"):
-        raise _BadRequest(400)
-    return method, target
-
-
-class HttpEndpoint:
-    """Loopback HTTP/1.1 server: ``/metrics``, ``/healthz`` and injected routes.
-
-    ``/metrics`` is the registry's text format followed by each ``expositions``
-    renderer's (pre-rendered text of exporters too big for per-sample formatting);
-    ``after_scrape`` runs once such a response has been sent and its connection
-    closed (the app gives the scrape's freed megabytes back to the OS).
-
-    One request per connection (``Connection: close``), GET only, request head
-    capped at 8 KiB and read under a timeout.
-    """
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        registry: CollectorRegistry,
-        *,
-        healthy: Callable[[], bool],
-        routes: Mapping[str, RouteHandler] | None = None,
-        expositions: Sequence[Callable[[], bytes]] = (),
-        after_scrape: Callable[[], None] | None = None,
-        read_timeout: float = 5.0,
-        logger: FilteringBoundLogger | None = None,
-    ) -> None:
-        self._host = host
-        self._requested_port = port
-        self._registry = registry
-        self._healthy = healthy
-        self._read_timeout = read_timeout
-        self._log: FilteringBoundLogger = (
-            logger if logger is not None else structlog.get_logger(component="http")
-        )
-        self._routes = self._build_routes(routes or {})
-        self._expositions = tuple(expositions)
-        self._after_scrape = after_scrape
-        self._server: asyncio.Server | None = None
-        self._port: int | None = None
-        self._connections: set[asyncio.Task[None]] = set()
-
-    @property
-    def port(self) -> int:
-        """The bound port (useful when constructed with port 0)."""
-        if self._port is None:
-            raise RuntimeError("endpoint not started")
-        return self._port
-
-    async def start(self) -> int:
-        """Bind and start serving; return the bound port."""
-        if self._server is not None:
-            return self.port
-        self._server = await asyncio.start_server(
-            self._handle, self._host, self._requested_port, limit=MAX_HEAD_BYTES
-        )
-        self._port = int(self._server.sockets[0].getsockname()[1])
-        self._log.info("http_listening", host=self._host, port=self._port)
-        return self._port
-
-    async def stop(self) -> None:
-        """Stop listening and drop in-flight connections; idempotent."""
-        server, self._server = self._server, None
-        if server is None:
-            return
-        server.close()
-        # On 3.11 wait_closed() does not wait for open connections; cancel them
-        # so a stuck client cannot delay shutdown.
-        for task in list(self._connections):
-            task.cancel()
-        await asyncio.gather(*self._connections, return_exceptions=True)
-        await server.wait_closed()
-
-    def _build_routes(
-        self, extra: Mapping[str, RouteHandler]
-    ) -> dict[str, RouteHandler]:
-        builtin: dict[str, RouteHandler] = {
-            "/metrics": self._metrics,
-            "/healthz": self._healthz,
-        }
-        clash = builtin.keys() & extra.keys()
-        if clash:
-            raise ValueError(f"routes may not replace built-in paths: {sorted(clash)}")
-        return {**builtin, **extra}
-
-    async def _metrics(self, _query: dict[str, str]) -> Response:
-        # Rendered on the loop: scrapes are rare (15 s), the registry's part is small and
-        # the big exporters render their own text (~17 ms for 6400 series), and collectors
-        # owned by other modules may not be safe to read from a worker thread.
-        body = [prometheus_client.generate_latest(self._registry)]
-        body.extend(render() for render in self._expositions)
-        return 200, prometheus_client.CONTENT_TYPE_LATEST, body
-
-    async def _healthz(self, _query: dict[str, str]) -> Response:
-        try:
-            ok = bool(self._healthy())
-        except Exception as exc:  # noqa: BLE001 - a broken probe means "unhealthy"
-            self._log.error("health_probe_failed", error=repr(exc))
-            ok = False
-        return (200, _TEXT, b"ok\n") if ok else (503, _TEXT, b"unhealthy\n")
-
-    async def _handle(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._connections.add(task)
-        scraped = False
-        try:
-            scraped = await self._serve_one(reader, writer)
-        finally:
-            if task is not None:
-                self._connections.discard(task)
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-        if scraped and self._after_scrape is not None:
-            self._after_scrape()
-
-    async def _serve_one(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> bool:
-        """Serve one request; True when it was a /metrics scrape."""
-        try:
-            async with asyncio.timeout(self._read_timeout):
-                head = await reader.readuntil(b"\r\n\r\n")
-            method, target = _parse_request_line(head)
-        except _REJECTABLE as exc:
-            await self._reject(reader, writer, exc)
-            return False
-        except ConnectionError:
-            return False
-        if method != "GET":
-            allow = "Allow: GET\r\n"
-            await self._send(
-                writer, _encode_response(405, _TEXT, b"method not allowed\n", allow)
-            )
-            return False
-        parts = urlsplit(target)
-        await self._send(writer, await self._dispatch(parts))
-        return parts.path == "/metrics"
-
-    async def _dispatch(self, parts: SplitResult) -> bytes:
-        handler = self._routes.get(parts.path)
-        if handler is None:
-            return _encode_response(404, _TEXT, b"not found\n")
-        query = dict(parse_qsl(parts.query, keep_blank_values=True))
-        try:
-            status, content_type, body = await handler(query)
-        except Exception as exc:  # noqa: BLE001 - one bad route must not kill the server
-            self._log.error("http_handler_failed", path=parts.path, exc_info=exc)
-            return _encode_response(500, _TEXT, b"internal error\n")
-        return _encode_response(status, content_type, body)
-
-    async def _reject(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        exc: BaseException,
-    ) -> None:
-        if isinstance(exc, asyncio.IncompleteReadError):
-            return  # client went away before finishing its request
-        status = _status_for(exc)
-        await self._send(
-            writer, _encode_response(status, _TEXT, f"{_reason(status)}\n".encode())
-        )
-        await self._linger(reader, writer)
-
-    async def _linger(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        """Read (and drop) what the client is still sending, briefly, before
-        closing: closing with unread input makes the kernel send RST, which can
-        destroy the error response before the client reads it."""
-        with contextlib.suppress(OSError, TimeoutError):
-            if writer.can_write_eof():
-                writer.write_eof()
-            async with asyncio.timeout(min(self._read_timeout, 1.0)):
-                drained = 0
-                while drained < 16 * MAX_HEAD_BYTES:
-                    chunk = await reader.read(MAX_HEAD_BYTES)
-                    if not chunk:
-                        return
-                    drained += len(chunk)
-
-    async def _send(self, writer: asyncio.StreamWriter, payload: bytes) -> None:
-        with contextlib.suppress(ConnectionError):
-            writer.write(payload)
-            await writer.drain()

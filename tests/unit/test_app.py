@@ -138,11 +138,13 @@ async def test_health_follows_the_backend(idle_runtime, start_proxy, short_dir: 
     proxy = await start_proxy(idle_runtime, backend_path=backend, wait_ready=False)
 
     status, body = await proxy.http_get("/healthz")
-    assert (status, body) == (503, b"unhealthy\n")
+    assert (status, body) == (503, b"unhealthy: starting: waiting for the backend to answer Version\n")
+    assert proxy.sample("koord_runtime_proxy_up", {}) == 0
 
     await idle_runtime.start(backend)
     await wait_until(lambda: proxy.app.ready, 10.0, "the proxy to become ready")
     assert await proxy.http_get("/healthz") == (200, b"ok\n")
+    assert proxy.sample("koord_runtime_proxy_up", {}) == 1
     status, metrics = await proxy.http_get("/metrics")
     assert status == 200
     assert b"koord_runtime_proxy_cri_calls_total" in metrics

@@ -133,3 +133,78 @@ def test_the_cli_process_renders_tracebacks_without_rich() -> None:
     assert done.returncode == 0, done.stderr
     out = done.stdout + done.stderr
     assert "boom" in out and "ZeroDivisionError: division by zero" in out and "Traceback" in out, out
+
+
+CRASHES = '''
+import asyncio, logging, sys, threading
+from runtimeproxy import logsetup
+
+logsetup.configure(level="info", fmt="json")
+
+def thread_body():
+    raise RuntimeError("thread bug")
+
+t = threading.Thread(target=thread_body, name="worker-1")
+t.start()
+t.join()
+
+async def main():
+    logsetup.install_loop_exception_handler(asyncio.get_running_loop())
+    async def task_bug():
+        raise ValueError("task bug")
+    task = asyncio.create_task(task_bug(), name="side-job")
+    await asyncio.sleep(0.05)
+    del task  # never awaited: asyncio reports it through the loop's handler
+    import gc; gc.collect()
+    for _ in range(500):  # a storm: one line, with the count held back
+        asyncio.get_running_loop().call_soon(lambda: 1 / 0)
+    await asyncio.sleep(0.05)
+
+asyncio.run(main())
+for i in range(1000):
+    try:
+        raise OSError(24, "Too many open files")
+    except OSError:
+        logging.getLogger("asyncio").error("socket.accept() out of system resource", exc_info=True)
+logging.getLogger("grpc._cython.cygrpc").warning("%s: %s", "grpc", "said something")
+raise SystemError("main bug")
+'''
+
+
+def test_every_crash_and_stdlib_record_is_one_json_line() -> None:
+    """Thread, task, loop callback, stdlib logging (asyncio, grpc) and an uncaught
+    exception in main: each a JSON line with its traceback inside; a storm of the same
+    error is one line (the repeats are counted, not printed)."""
+    done = subprocess.run([sys.executable, "-c", CRASHES], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    out = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    records = [json.loads(line) for line in out]  # every line is JSON: no plain traceback
+    by_event: dict[str, list[dict[str, Any]]] = {}
+    for rec in records:
+        by_event.setdefault(rec["event"], []).append(rec)
+
+    (thread,) = by_event["thread_crashed"]
+    assert thread["thread"] == "worker-1" and "RuntimeError: thread bug" in thread["exception"]
+    loop_errors = by_event["asyncio_error"]
+    task_errors = [r for r in loop_errors if r.get("task") == "side-job"]
+    assert len(task_errors) == 1 and "ValueError: task bug" in task_errors[0]["exception"]
+    callback_errors = [r for r in loop_errors if "ZeroDivisionError" in r.get("error", "")]
+    assert len(callback_errors) == 1, "500 identical loop errors are one line"
+    accept = by_event["socket.accept() out of system resource"]
+    assert len(accept) == 1 and accept[0]["logger"] == "asyncio" and accept[0]["level"] == "error"
+    assert "OSError: [Errno 24] Too many open files" in accept[0]["exception"]
+    assert by_event["grpc: said something"][0]["logger"] == "grpc._cython.cygrpc"
+    (uncaught,) = by_event["uncaught_exception"]
+    assert uncaught["level"] == "critical" and "SystemError: main bug" in uncaught["exception"]
+    assert len(records) < 12
+
+
+def test_throttle_counts_what_it_held_back() -> None:
+    now = [0.0]
+    throttle = logsetup.Throttle(10.0, clock=lambda: now[0])
+    assert throttle.allow("k") == 0
+    assert [throttle.allow("k") for _ in range(3)] == [None, None, None]
+    assert throttle.allow("other") == 0
+    now[0] = 10.0
+    assert throttle.allow("k") == 3
+    assert throttle.allow("k") is None

@@ -40,10 +40,10 @@ async def get(port: int, target: str) -> tuple[int, dict[str, str], bytes]:
 
 class Health:
     def __init__(self) -> None:
-        self.ok = True
+        self.problem: str | None = None
 
-    def __call__(self) -> bool:
-        return self.ok
+    def __call__(self) -> str | None:
+        return self.problem
 
 
 async def explain(query: dict[str, str]) -> tuple[int, str, bytes]:
@@ -73,12 +73,12 @@ async def endpoint(
         "127.0.0.1",
         0,
         registry,
-        healthy=health,
+        health=health,
         routes={"/debug/explain": explain, "/debug/broken": broken},
         # Generous: a short read timeout would answer 408 to a well-formed request
         # whenever the loop stalls between accept and the client's write (a loaded
         # machine). The timeout itself is tested with its own endpoint below.
-        read_timeout=5.0,
+        idle_timeout=5.0,
     )
     await ep.start()
     yield ep
@@ -175,9 +175,10 @@ async def test_metrics_route_serves_registry(
 async def test_healthz_flips_to_503(endpoint: HttpEndpoint, health: Health) -> None:
     status, _, body = await get(endpoint.port, "/healthz")
     assert (status, body) == (200, b"ok\n")
-    health.ok = False
-    status, _, _ = await get(endpoint.port, "/healthz")
-    assert status == 503
+    health.problem = "backend runtime (/x.sock) unreachable for 7s: UNAVAILABLE: connection refused"
+    status, _, body = await get(endpoint.port, "/healthz")
+    assert (status, body) == (503, b"unhealthy: backend runtime (/x.sock) unreachable for 7s: UNAVAILABLE: "
+                                   b"connection refused\n")
 
 
 @pytest.mark.asyncio
@@ -228,7 +229,7 @@ async def test_malformed_request_line_is_400(endpoint: HttpEndpoint) -> None:
 
 @pytest.mark.asyncio
 async def test_slow_client_times_out_with_408(registry: CollectorRegistry) -> None:
-    endpoint = HttpEndpoint("127.0.0.1", 0, registry, healthy=lambda: True, read_timeout=0.2)
+    endpoint = HttpEndpoint("127.0.0.1", 0, registry, health=lambda: None, idle_timeout=0.2)
     await endpoint.start()
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", endpoint.port)
@@ -247,13 +248,13 @@ async def test_slow_client_times_out_with_408(registry: CollectorRegistry) -> No
 async def test_routes_cannot_shadow_builtins(registry: CollectorRegistry) -> None:
     with pytest.raises(ValueError):
         HttpEndpoint(
-            "127.0.0.1", 0, registry, healthy=lambda: True, routes={"/metrics": explain}
+            "127.0.0.1", 0, registry, health=lambda: None, routes={"/metrics": explain}
         )
 
 
 @pytest.mark.asyncio
 async def test_stop_is_idempotent_and_frees_port(registry: CollectorRegistry) -> None:
-    ep = HttpEndpoint("127.0.0.1", 0, registry, healthy=lambda: True)
+    ep = HttpEndpoint("127.0.0.1", 0, registry, health=lambda: None)
     port = await ep.start()
     await ep.stop()
     await ep.stop()
@@ -272,7 +273,7 @@ async def test_metrics_appends_expositions_after_the_registry(registry: Collecto
         scrapes.append(1)
         return f"# HELP big_family x\n# TYPE big_family gauge\nbig_family {len(scrapes)}.0\n".encode()
 
-    ep = HttpEndpoint("127.0.0.1", 0, registry, healthy=lambda: True, expositions=[render],
+    ep = HttpEndpoint("127.0.0.1", 0, registry, health=lambda: None, expositions=[render],
                       after_scrape=lambda: released.append(1))
     await ep.start()
     try:
