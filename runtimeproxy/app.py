@@ -58,10 +58,10 @@ class App:
             store=self.store, backend=self.backend, chain=lambda: self.chain,
             skip_label=lambda: SkipLabel(self.settings.skip_label_key, self.settings.skip_label_value),
         )
-        handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics)
+        self.handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics)
         self.server = ProxyServer(
             listen=Path(settings.listen), socket_mode=settings.socket_mode,
-            max_message_bytes=settings.max_message_bytes, handler=handler,
+            max_message_bytes=settings.max_message_bytes, handler=self.handler,
         )
         self.supervisor = Supervisor()
         self.reconciler = Reconciler(
@@ -92,8 +92,13 @@ class App:
             loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             loop.add_signal_handler(signal.SIGINT, self._stop.set)
             loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
-        await self.server.start()
-        await self._start_http()
+        try:
+            await self.server.start()
+            await self._start_http()
+        except BaseException:
+            # A failed start leaves nothing behind: no socket file, no listener.
+            await self.server.stop(0)
+            raise
         self.supervisor.add("config-watch", self._watch_config)
         interval = sdnotify.watchdog_interval()
         if interval:
@@ -149,7 +154,11 @@ class App:
             host.strip("[]"), int(port), self.registry, healthy=lambda: self._ready,
             routes=self._routes, expositions=self._expositions, after_scrape=heap.trim,
         )
-        await self.http.start()
+        try:
+            await self.http.start()
+        except OSError as exc:  # port in use, address not on this host, no permission
+            raise ConfigError("metrics.listen", self.settings.metrics_listen,
+                              f"cannot listen: {exc.strerror or exc}") from None
 
     async def _wait_backend(self) -> None:
         """Poll Version until containerd answers; calls meanwhile fail UNAVAILABLE."""
