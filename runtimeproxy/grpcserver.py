@@ -241,9 +241,13 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
             if request is grpc.aio.EOF or await context.read() is not grpc.aio.EOF:
                 stats.error("UNIMPLEMENTED")
                 await context.abort(grpc.StatusCode.UNIMPLEMENTED, _ONE_REQUEST)
-            multi = self._backend.unary_stream_callable(method)
-            call = multi(request, timeout=context.time_remaining(), metadata=forwardable(context.invocation_metadata()))
-            await _pump(call, context, stats.error)
+            multi, release = self._backend.unknown_method_callable(method)
+            try:
+                call = multi(request, timeout=context.time_remaining(),
+                             metadata=forwardable(context.invocation_metadata()))
+                await _pump(call, context, stats.error)
+            finally:
+                release()
 
         return relay
 

@@ -13,6 +13,8 @@ import grpc.aio
 import pytest
 
 from criapi import cri_v1_pb2 as cri
+from runtimeproxy import grpcbackend
+from runtimeproxy.grpcbackend import _UnknownMethodChannel
 
 RT = "/runtime.v1.RuntimeService/"
 STATUS = RT + "Status"
@@ -345,3 +347,44 @@ async def test_image_service_goes_to_its_own_endpoint(
     assert idle_runtime.methods() == [LIST_IMAGES]
     assert LIST_IMAGES not in fake_runtime.methods()
     assert STATUS in fake_runtime.methods()
+
+
+@pytest.mark.asyncio
+async def test_unknown_method_channel_is_replaced_after_max_paths_and_closed_when_idle(fake_runtime) -> None:
+    """grpc keeps ~140 B per distinct method path for a channel's life: client-chosen
+    paths go over a channel replaced every ``max_paths`` paths, closed once idle."""
+    unknown = _UnknownMethodChannel(f"unix://{fake_runtime.path}", [], max_paths=2)
+    first = unknown._channel
+    _, done_a = unknown.acquire(RT + "A")
+    _, done_b = unknown.acquire(RT + "B")
+    _, done_a2 = unknown.acquire(RT + "A")
+    assert unknown._channel is first, "a path seen before is no new path"
+    _, done_c = unknown.acquire(RT + "C")
+    second = unknown._channel
+    assert second is not first
+    done_a()
+    done_b()
+    await asyncio.sleep(0.05)
+    assert not first._channel.closed(), "a call still runs on the old channel"
+    done_a2()
+    deadline = time.monotonic() + 5
+    while not first._channel.closed():
+        assert time.monotonic() < deadline, "the idle old channel was not closed"
+        await asyncio.sleep(0.01)
+    done_c()
+    assert not second._channel.closed(), "the current channel stays open"
+    await unknown.close()
+    assert second._channel.closed()
+
+
+@pytest.mark.asyncio
+async def test_unknown_methods_are_relayed_across_channel_replacements(
+    answer, fake_runtime, start_proxy, monkeypatch
+) -> None:
+    monkeypatch.setattr(grpcbackend, "UNKNOWN_PATHS_PER_CHANNEL", 2)
+    proxy = await start_proxy(fake_runtime)
+    for i in range(7):
+        fake_runtime.answer(f"{RT}Future{i}", answer(payload=f"r{i}".encode()))
+    replies = [await proxy.call(f"{RT}Future{i % 7}", f"q{i}".encode()) for i in range(21)]
+    assert replies == [f"r{i % 7}".encode() for i in range(21)]
+    assert [c.payload for c in fake_runtime.received(f"{RT}Future3")] == [b"q3", b"q10", b"q17"]
