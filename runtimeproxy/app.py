@@ -61,10 +61,10 @@ class App:
             store=self.store, backend=self.backend, chain=lambda: self.chain,
             skip_label=lambda: SkipLabel(self.settings.skip_label_key, self.settings.skip_label_value),
         )
-        handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics)
+        self.handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics)
         self.server = ProxyServer(
             listen=Path(settings.listen), socket_mode=settings.socket_mode,
-            max_message_bytes=settings.max_message_bytes, handler=handler,
+            max_message_bytes=settings.max_message_bytes, handler=self.handler,
         )
         self.supervisor = Supervisor()
         self.monitor = self._backend_monitor(settings)
@@ -97,8 +97,13 @@ class App:
             loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             loop.add_signal_handler(signal.SIGINT, self._stop.set)
             loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
-        await self.server.start()
-        await self._start_http()
+        try:
+            await self.server.start()
+            await self._start_http()
+        except BaseException:
+            # A failed start leaves nothing behind: no socket file, no listener.
+            await self.server.stop(0)
+            raise
         self.supervisor.add("config-watch", self._watch_config)
         interval = sdnotify.watchdog_interval()
         if interval:
@@ -160,7 +165,11 @@ class App:
             idle_timeout=self.settings.metrics_idle_timeout, max_connections=self.settings.metrics_max_connections,
             fd_reserve=self.settings.metrics_fd_reserve, stats=self.metrics.http,
         )
-        await self.http.start()
+        try:
+            await self.http.start()
+        except OSError as exc:  # port in use, address not on this host, no permission
+            raise ConfigError("metrics.listen", self.settings.metrics_listen,
+                              f"cannot listen: {exc.strerror or exc}") from None
 
     # --- health ------------------------------------------------------------------
 

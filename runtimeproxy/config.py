@@ -9,6 +9,7 @@ and each hook's ``args``) are kept as plain data and validated by their owners.
 from __future__ import annotations
 
 import enum
+import os
 import re
 import types
 from collections.abc import Mapping
@@ -164,7 +165,19 @@ def _endpoint(value: object, key_path: str) -> str:
     text = text.removeprefix("unix://")
     if text and not text.startswith("/"):
         raise ConfigError(key_path, value, "must be an absolute unix socket path")
+    check_unix_path(text, key_path)
     return text
+
+
+#: ``sockaddr_un.sun_path`` is 108 bytes on Linux, the terminating NUL included.
+UNIX_PATH_MAX = 107
+
+
+def check_unix_path(path: str, key_path: str) -> None:
+    """A path the kernel can bind or connect to as a unix socket (length only)."""
+    size = len(os.fsencode(path))
+    if size > UNIX_PATH_MAX:
+        raise ConfigError(key_path, path, f"a unix socket path is at most {UNIX_PATH_MAX} bytes, this one has {size}")
 
 
 def _socket_mode(value: object) -> int:

@@ -13,13 +13,16 @@ import grpc.aio
 import pytest
 
 from criapi import cri_v1_pb2 as cri
+from runtimeproxy import grpcbackend
+from runtimeproxy.grpcbackend import _UnknownMethodChannel
 
 RT = "/runtime.v1.RuntimeService/"
 STATUS = RT + "Status"
 VERSION = RT + "Version"
 EVENTS = RT + "GetContainerEvents"
 FUTURE_UNARY = RT + "SomeFutureMethod"
-FUTURE_STREAM = "/runtime.v9.NewService/Stream"
+FUTURE_STREAM = RT + "SomeFutureStream"
+IMAGE_FUTURE = "/runtime.v1.ImageService/SomeFutureMethod"
 LIST_IMAGES = "/runtime.v1.ImageService/ListImages"
 EXEC_SYNC = RT + "ExecSync"
 MiB = 1024 * 1024
@@ -76,8 +79,75 @@ async def test_unknown_streaming_method_is_relayed(answer, fake_runtime, start_p
 async def test_method_unknown_to_the_backend_too_is_unimplemented(fake_runtime, start_proxy) -> None:
     proxy = await start_proxy(fake_runtime)
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await proxy.call("/runtime.v9.NewService/Nope", b"x")
+        await proxy.call(RT + "Nope", b"x")
     assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    assert "koord-runtime-proxy" not in (err.value.details() or ""), "relayed: the backend's own answer"
+
+
+@pytest.mark.asyncio
+async def test_unknown_image_service_method_goes_to_the_backend(answer, fake_runtime, start_proxy) -> None:
+    proxy = await start_proxy(fake_runtime)
+    fake_runtime.answer(IMAGE_FUTURE, answer(payload=b"\x0a\x01i"))
+    assert await proxy.call(IMAGE_FUTURE, b"\x08\x01") == b"\x0a\x01i"
+    assert [c.payload for c in fake_runtime.received(IMAGE_FUTURE)] == [b"\x08\x01"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "method",
+    [
+        "/containerd.services.version.v1.Version/Version",
+        "/containerd.services.tasks.v1.Tasks/List",
+        "/runtime.v1alpha2.RuntimeService/Version",
+        "/runtime.v1.RuntimeService/",
+        "/runtime.v1.RuntimeService/Version/x",
+        "/grpc.health.v1.Health/Check",
+        "/x.y/z",
+    ],
+)
+async def test_non_cri_paths_are_answered_here_never_relayed(answer, fake_runtime, start_proxy, method) -> None:
+    proxy = await start_proxy(fake_runtime)
+    fake_runtime.answer(method, answer(payload=b"backend answered"))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await proxy.call(method, b"")
+    assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    assert "relays only the CRI services" in (err.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as streamed:
+        _ = [m async for m in proxy.unary_stream(method)(b"", timeout=5)]
+    assert streamed.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    assert method not in fake_runtime.methods(), "nothing but CRI reaches the backend"
+    assert proxy.sample("koord_runtime_proxy_cri_errors_total", {"method": "*", "code": "UNIMPLEMENTED"}) == 2
+
+
+@pytest.mark.asyncio
+async def test_unknown_method_with_two_request_messages_is_refused(fake_runtime, start_proxy) -> None:
+    proxy = await start_proxy(fake_runtime)
+    call = proxy.channel.stream_stream(FUTURE_UNARY)(iter([b"a", b"b"]), timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        _ = [m async for m in call]
+    assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    assert FUTURE_UNARY not in fake_runtime.methods()
+
+
+@pytest.mark.asyncio
+async def test_method_names_do_not_grow_the_handler(answer, fake_runtime, start_proxy) -> None:
+    """Issue 14.4: 20 000 random method names took RSS 57 -> 249 MB (a handler, a channel
+    callable and metric children cached per name). Handlers and metric series stay fixed."""
+    proxy = await start_proxy(fake_runtime)
+    handler = proxy.app.handler
+    handlers_before = handler.cached_handlers()
+    series_before = _series(proxy)
+    for i in range(300):
+        for method in (f"/x.y/{i}", f"{RT}Future{i}", f"/runtime.v1.ImageService/Future{i}"):
+            with pytest.raises(grpc.aio.AioRpcError):
+                await proxy.call(method, b"")
+    assert handler.cached_handlers() == handlers_before
+    # Two "*" series (calls and duration per CRI service) and the refused counter, not 900.
+    assert _series(proxy) - series_before <= 2 * 16 + 4
+
+
+def _series(proxy) -> int:
+    return sum(len(family.samples) for family in proxy.app.registry.collect())
 
 
 @pytest.mark.asyncio
@@ -124,7 +194,8 @@ async def test_backend_error_status_details_and_trailers_are_relayed(
     trailing = tuple(exc.trailing_metadata())
     assert ("grpc-status-details-bin", details_bin) in trailing
     assert ("x-backend-trailer", "t1") in trailing
-    errors = proxy.sample("koord_runtime_proxy_cri_errors_total", {"method": method, "code": "NOT_FOUND"})
+    label = RT + "*" if method == FUTURE_UNARY else method  # unknown methods: one series per service
+    errors = proxy.sample("koord_runtime_proxy_cri_errors_total", {"method": label, "code": "NOT_FOUND"})
     assert errors == 1
 
 
@@ -258,7 +329,9 @@ async def test_passthrough_metrics_count_calls(answer, fake_runtime, start_proxy
     assert proxy.calls_total(EVENTS, "passthrough") == 1
     fake_runtime.answer(FUTURE_UNARY, answer())
     await proxy.call(FUTURE_UNARY, b"")
-    assert proxy.calls_total(FUTURE_UNARY, "passthrough") == 1
+    # Unknown methods are counted per service: a bounded label set, whatever is called.
+    assert proxy.calls_total(RT + "*", "passthrough") == 1
+    assert proxy.calls_total(FUTURE_UNARY, "passthrough") == 0
 
 
 @pytest.mark.asyncio
@@ -274,3 +347,44 @@ async def test_image_service_goes_to_its_own_endpoint(
     assert idle_runtime.methods() == [LIST_IMAGES]
     assert LIST_IMAGES not in fake_runtime.methods()
     assert STATUS in fake_runtime.methods()
+
+
+@pytest.mark.asyncio
+async def test_unknown_method_channel_is_replaced_after_max_paths_and_closed_when_idle(fake_runtime) -> None:
+    """grpc keeps ~140 B per distinct method path for a channel's life: client-chosen
+    paths go over a channel replaced every ``max_paths`` paths, closed once idle."""
+    unknown = _UnknownMethodChannel(f"unix://{fake_runtime.path}", [], max_paths=2)
+    first = unknown._channel
+    _, done_a = unknown.acquire(RT + "A")
+    _, done_b = unknown.acquire(RT + "B")
+    _, done_a2 = unknown.acquire(RT + "A")
+    assert unknown._channel is first, "a path seen before is no new path"
+    _, done_c = unknown.acquire(RT + "C")
+    second = unknown._channel
+    assert second is not first
+    done_a()
+    done_b()
+    await asyncio.sleep(0.05)
+    assert not first._channel.closed(), "a call still runs on the old channel"
+    done_a2()
+    deadline = time.monotonic() + 5
+    while not first._channel.closed():
+        assert time.monotonic() < deadline, "the idle old channel was not closed"
+        await asyncio.sleep(0.01)
+    done_c()
+    assert not second._channel.closed(), "the current channel stays open"
+    await unknown.close()
+    assert second._channel.closed()
+
+
+@pytest.mark.asyncio
+async def test_unknown_methods_are_relayed_across_channel_replacements(
+    answer, fake_runtime, start_proxy, monkeypatch
+) -> None:
+    monkeypatch.setattr(grpcbackend, "UNKNOWN_PATHS_PER_CHANNEL", 2)
+    proxy = await start_proxy(fake_runtime)
+    for i in range(7):
+        fake_runtime.answer(f"{RT}Future{i}", answer(payload=f"r{i}".encode()))
+    replies = [await proxy.call(f"{RT}Future{i % 7}", f"q{i}".encode()) for i in range(21)]
+    assert replies == [f"r{i % 7}".encode() for i in range(21)]
+    assert [c.payload for c in fake_runtime.received(f"{RT}Future3")] == [b"q3", b"q10", b"q17"]
