@@ -185,6 +185,9 @@ class App:
         """Validate, build, swap; on any error keep the running config."""
         try:
             settings = load(self._config_path, self._overrides)
+            # Tasks restart only with the process, but a value ``run`` would refuse must be
+            # refused now: under Restart=always it would leave the node without a runtime.
+            plugins.validate_tasks(settings)
             chain = plugins.build_chain(settings, executor=self._executor, observer=self.metrics)
         except ConfigError as exc:
             self.metrics.config_reloaded(False)

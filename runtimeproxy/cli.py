@@ -114,7 +114,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if settings is None:
         return EXIT_CONFIG
     try:
-        hooks = plugins.build_hooks(settings)
+        hooks = plugins.validate(settings)
     except config.ConfigError as exc:
         print(f"koord-runtime-proxy: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG

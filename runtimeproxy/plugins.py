@@ -144,12 +144,9 @@ async def close_hooks(hooks: Sequence[BoundHook]) -> None:
 TaskFactory = Callable[[], Awaitable[None]]
 
 
-def build_tasks(settings: Settings, base: TaskInit) -> list[tuple[str, TaskFactory]]:
-    """Background tasks named under ``tasks:`` (``{name: {enabled: bool, ...args}}``),
-    found by entry point; the supervisor runs them. ``base`` carries the process's
-    services (snapshot, registry, routes...); each task gets it with its own name and
-    args. Built at start so a bad name or bad args exit 2 like any other config error."""
-    out: list[tuple[str, TaskFactory]] = []
+def _enabled_tasks(settings: Settings) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(name, key_path, args)`` of each enabled task, in YAML order."""
+    out: list[tuple[str, str, dict[str, Any]]] = []
     for name, raw in settings.tasks.items():
         key_path = f"tasks.{name}"
         if raw is not None and not isinstance(raw, Mapping):
@@ -158,8 +155,52 @@ def build_tasks(settings: Settings, base: TaskInit) -> list[tuple[str, TaskFacto
         enabled = args.pop("enabled", True)
         if not isinstance(enabled, bool):
             raise ConfigError(f"{key_path}.enabled", enabled, "must be true or false")
-        if not enabled:
+        if enabled:
+            out.append((name, key_path, args))
+    return out
+
+
+def _no_pods() -> tuple[dict[str, Any], dict[str, Any]]:
+    return {}, {}
+
+
+def validate_tasks(settings: Settings) -> None:
+    """The one check of ``tasks:`` that ``run`` (inside ``build_tasks``), ``check-config``
+    and reload share: the mapping, ``enabled``, the entry point, then the factory's
+    optional ``validate(init)``, which checks the args (and rules across tasks, through
+    ``init.shared``, fresh per pass) without building anything. The core cannot know a
+    task's keys; the task's own validator is the one source of that truth."""
+    shared: dict[str, Any] = {}
+    for name, key_path, args in _enabled_tasks(settings):
+        factory = resolve_factory(name, key_path, TASK_GROUP)
+        validate = getattr(factory, "validate", None)
+        if validate is None:
             continue
+        init = TaskInit(name=name, args=args, key_path=key_path, snapshot=_no_pods,
+                        host=settings.host, rules=settings.rules, shared=shared)
+        try:
+            validate(init)
+        except HookConfigError as exc:
+            raise _config_error(exc) from exc
+
+
+def validate(settings: Settings) -> list[BoundHook]:
+    """Everything ``run`` checks before it listens, for ``check-config`` and reload:
+    the hooks (built, so plugins validate their args) and the tasks."""
+    hooks = build_hooks(settings)
+    validate_tasks(settings)
+    return hooks
+
+
+def build_tasks(settings: Settings, base: TaskInit) -> list[tuple[str, TaskFactory]]:
+    """Background tasks named under ``tasks:`` (``{name: {enabled: bool, ...args}}``),
+    found by entry point; the supervisor runs them. ``base`` carries the process's
+    services (snapshot, registry, routes...); each task gets it with its own name and
+    args. Validated first by ``validate_tasks`` (as check-config and reload do), then
+    built, so a bad name or bad args exit 2 like any other config error."""
+    validate_tasks(settings)
+    out: list[tuple[str, TaskFactory]] = []
+    for name, key_path, args in _enabled_tasks(settings):
         factory = resolve_factory(name, key_path, TASK_GROUP)
         init = dataclasses.replace(base, name=name, args=args, key_path=key_path,
                                    host=settings.host, rules=settings.rules)
