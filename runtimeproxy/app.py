@@ -279,6 +279,8 @@ class App:
 
 def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, Any]) -> int:
     logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
+    # One line: which file (or the built-in default) this process runs.
+    log.info("config_loaded", source=settings.source or "settings")
     heap.limit_arenas()
 
     async def main() -> int:

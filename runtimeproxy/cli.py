@@ -37,7 +37,8 @@ COMMAND_GROUP = "koord_runtime_proxy.commands"
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None,
-                   help=f"YAML config (default {config.DEFAULT_CONFIG_PATH}; built-in defaults if absent)")
+                   help=f"YAML config (default {config.DEFAULT_CONFIG_PATH}; the built-in default, the shipped"
+                        " config, if absent)")
     p.add_argument("--listen", "--koord-runtimeproxy-endpoint", dest="listen",
                    help="unix socket for kubelet")
     p.add_argument("--backend", "--remote-runtime-service-endpoint", dest="backend",
@@ -70,7 +71,8 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("pod", nargs="?", default="", help="namespace/name (omit for the node-wide view)")
     explain.add_argument("--endpoint", default="127.0.0.1:9316", help="the proxy's metrics host:port")
     demo = sub.add_parser("demo", help="private containerd + proxy + demo pods; Ctrl-C cleans up")
-    demo.add_argument("--workdir", type=Path, default=Path("/var/tmp/koord-runtime-proxy-demo"))
+    demo.add_argument("--workdir", type=Path, default=None,
+                      help="keep the metrics store and pod logs here (default: a temporary dir, removed)")
     demo.add_argument("--config", type=Path, default=None, help="proxy config (default: a demo config)")
     demo.add_argument("--once", action="store_true", help="clean up right after printing, no Ctrl-C wait")
     # Plugin families add their own commands (e.g. ``top``) without the core naming them.
@@ -118,7 +120,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     except config.ConfigError as exc:
         print(f"koord-runtime-proxy: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    print(f"config ok: listen={settings.listen} backend={settings.backend.runtime_endpoint}")
+    print(f"config ok: listen={settings.listen} backend={settings.backend.runtime_endpoint}"
+          f" source={settings.source}")
     if not hooks:
         print("no hooks configured: every call is passed through")
     for i, hook in enumerate(hooks):

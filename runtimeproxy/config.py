@@ -8,7 +8,9 @@ and each hook's ``args``) are kept as plain data and validated by their owners.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import importlib.resources
 import re
 import types
 from collections.abc import Mapping
@@ -21,6 +23,10 @@ import yaml
 from runtimeproxy.hookapi import HostRoots, Stage
 
 DEFAULT_CONFIG_PATH: Final = Path("/etc/koord-runtime-proxy/config.yaml")
+#: The built-in default, package data of ``runtimeproxy`` (``systemd/config.yaml`` is a
+#: copy, pinned equal by a test): used when no file is named and DEFAULT_CONFIG_PATH is
+#: absent. Data, not code: the core still names no hook.
+DEFAULT_CONFIG_RESOURCE: Final = "default-config.yaml"
 MiB: Final = 1024 * 1024
 
 
@@ -100,6 +106,8 @@ class Settings:
     host: HostRoots = HostRoots()
     rules: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
     tasks: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
+    #: Where these settings came from (a path or the built-in default), for the start log.
+    source: str = field(default="", compare=False)
 
 
 _TOP_KEYS: Final = frozenset(
@@ -317,23 +325,37 @@ def from_mapping(data: object) -> Settings:
     )
 
 
+def _parse_yaml(text: str, where: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError("--config", where, f"invalid YAML{line}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("<root>", data, "must be a mapping")
+    return data
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     """Parse the file; YAML syntax errors become ConfigError naming the file and line."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError("--config", str(path), f"cannot read: {exc.strerror}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError("--config", str(path), f"invalid YAML{where}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError("<root>", data, "must be a mapping")
-    return data
+    return _parse_yaml(text, str(path))
+
+
+def builtin_default_text() -> str:
+    """The shipped default configuration, as shipped (comments included)."""
+    return importlib.resources.files("runtimeproxy").joinpath(DEFAULT_CONFIG_RESOURCE).read_text(encoding="utf-8")
+
+
+def builtin_default() -> dict[str, Any]:
+    """The built-in default document: what ``run`` uses without a config file."""
+    return _parse_yaml(builtin_default_text(), f"<built-in {DEFAULT_CONFIG_RESOURCE}>")
 
 
 def merge_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -352,10 +374,14 @@ def merge_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> di
 
 
 def load(path: Path | None, overrides: Mapping[str, Any] | None = None) -> Settings:
-    """Load settings. With ``path=None`` the default file is used if present, else
-    built-in defaults; an explicitly named file must exist."""
-    if path is None:
-        data = read_yaml(DEFAULT_CONFIG_PATH) if DEFAULT_CONFIG_PATH.exists() else {}
+    """Load settings. With ``path=None`` the default file is used if present, else the
+    built-in default (the shipped configuration, package data); an explicitly named file
+    must exist. A file is the whole configuration: keys it omits take Settings' defaults
+    (no hooks, rules or tasks), not the built-in document's."""
+    if path is None and not DEFAULT_CONFIG_PATH.exists():
+        data, source = builtin_default(), f"built-in default ({DEFAULT_CONFIG_PATH} absent)"
     else:
-        data = read_yaml(path)
-    return from_mapping(merge_overrides(data, overrides or {}))
+        path = DEFAULT_CONFIG_PATH if path is None else path
+        data, source = read_yaml(path), str(path)
+    settings = from_mapping(merge_overrides(data, overrides or {}))
+    return dataclasses.replace(settings, source=source)
