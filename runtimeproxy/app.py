@@ -281,6 +281,8 @@ def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, An
     logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
     # One line: which file (or the built-in default) this process runs.
     log.info("config_loaded", source=settings.source or "settings")
+    for risk in settings.accepted_risks:  # allowed by allow_insecure: said at every start
+        log.warning("insecure_setting_allowed", risk=risk)
     heap.limit_arenas()
 
     async def main() -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib.resources
+import ipaddress
 import re
 import types
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from typing import Any, Final
 
 import yaml
 
+from runtimeproxy.filetrust import path_problem
 from runtimeproxy.hookapi import HostRoots, Stage
 
 DEFAULT_CONFIG_PATH: Final = Path("/etc/koord-runtime-proxy/config.yaml")
@@ -108,15 +110,22 @@ class Settings:
     tasks: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
     #: Where these settings came from (a path or the built-in default), for the start log.
     source: str = field(default="", compare=False)
+    #: Risks the operator accepted (``allow_insecure:``), see INSECURE_OPT_INS.
+    allow_insecure: frozenset[str] = frozenset()
+    #: The accepted risks actually present: one warning line each at every start.
+    accepted_risks: tuple[str, ...] = field(default=(), compare=False)
 
 
 _TOP_KEYS: Final = frozenset(
     {
         "listen", "socket_mode", "backend", "hooks", "hookserver_dir", "skip_label",
         "metrics", "log", "shutdown_grace", "max_message_bytes", "reload_poll_interval", "reconcile_interval",
-        "host", "rules", "tasks",
+        "host", "rules", "tasks", "allow_insecure",
     }
 )
+#: ``allow_insecure.<key>: true`` accepts one risk that is otherwise refused (exit 2 at
+#: start, a reload rejected); it is then warned about at every start.
+INSECURE_OPT_INS: Final = frozenset({"socket_mode", "metrics_listen", "file_permissions"})
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _HOOK_KEYS: Final = frozenset({"name", "plugin", "remote", "stages", "failure_policy", "timeout", "args"})
@@ -178,6 +187,43 @@ def _host_port(value: object, key_path: str) -> str:
     if text and (not re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", text) or int(text.rpartition(":")[2]) > 65535):
         raise ConfigError(key_path, value, "must be host:port, or empty to disable")
     return text
+
+
+def _allow_insecure(value: object) -> frozenset[str]:
+    data = _mapping(value, "allow_insecure")
+    _reject_unknown(data, INSECURE_OPT_INS, "allow_insecure.")
+    for key, flag in data.items():
+        if not isinstance(flag, bool):
+            raise ConfigError(f"allow_insecure.{key}", flag, "must be true or false")
+    return frozenset(k for k, flag in data.items() if flag)
+
+
+def _is_loopback(host_port: str) -> bool:
+    host = host_port.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost may resolve to anything
+
+
+def _risks(socket_mode: int, metrics_listen: str, allowed: frozenset[str]) -> tuple[str, ...]:
+    """Refuse a risky value unless allowed; return the allowed ones present."""
+    risks: list[tuple[str, str, object, str]] = []
+    if socket_mode & 0o007:
+        risks.append(("socket_mode", "socket_mode", f"{socket_mode:04o}",
+                      "gives every local user the CRI socket (root on the node); use 0660"))
+    if metrics_listen and not _is_loopback(metrics_listen):
+        risks.append(("metrics_listen", "metrics.listen", metrics_listen,
+                      "is not a loopback address: /metrics, /debug/explain and /apis/nodemetric are served "
+                      "without authentication; use 127.0.0.1:<port>"))
+    accepted = []
+    for opt_in, key_path, value, why in risks:
+        if opt_in not in allowed:
+            raise ConfigError(key_path, value, f"{why}, or set allow_insecure.{opt_in}: true to accept the risk")
+        accepted.append(f"{key_path}={value}: {why}")
+    return tuple(accepted)
 
 
 def _failure_policy(value: object, key_path: str) -> FailurePolicy:
@@ -298,15 +344,19 @@ def from_mapping(data: object) -> Settings:
     listen = _endpoint(top.get("listen", default.listen), "listen")
     if not listen:
         raise ConfigError("listen", top.get("listen"), "must be a unix socket path")
+    allow_insecure = _allow_insecure(top.get("allow_insecure"))
+    socket_mode = _socket_mode(top.get("socket_mode", "0660"))
+    metrics_listen = _host_port(metrics.get("listen", default.metrics_listen), "metrics.listen")
+    accepted_risks = _risks(socket_mode, metrics_listen, allow_insecure)
     return Settings(
         listen=listen,
-        socket_mode=_socket_mode(top.get("socket_mode", "0660")),
+        socket_mode=socket_mode,
         backend=_backend(top.get("backend")),
         hooks=_hooks(top.get("hooks")),
         hookserver_dir=_string(top.get("hookserver_dir", default.hookserver_dir), "hookserver_dir"),
         skip_label_key=_string(skip.get("key", default.skip_label_key), "skip_label.key", allow_empty=False),
         skip_label_value=_string(skip.get("value", default.skip_label_value), "skip_label.value"),
-        metrics_listen=_host_port(metrics.get("listen", default.metrics_listen), "metrics.listen"),
+        metrics_listen=metrics_listen,
         log_level=level,
         log_format=fmt,
         shutdown_grace=parse_duration(top.get("shutdown_grace", default.shutdown_grace), "shutdown_grace"),
@@ -322,6 +372,8 @@ def from_mapping(data: object) -> Settings:
         host=_host(top.get("host")),
         rules=types.MappingProxyType(dict(_mapping(top.get("rules"), "rules"))),
         tasks=types.MappingProxyType(dict(_mapping(top.get("tasks"), "tasks"))),
+        allow_insecure=allow_insecure,
+        accepted_risks=accepted_risks,
     )
 
 
@@ -384,4 +436,11 @@ def load(path: Path | None, overrides: Mapping[str, Any] | None = None) -> Setti
         path = DEFAULT_CONFIG_PATH if path is None else path
         data, source = read_yaml(path), str(path)
     settings = from_mapping(merge_overrides(data, overrides or {}))
-    return dataclasses.replace(settings, source=source)
+    settings = dataclasses.replace(settings, source=source)
+    if path is not None and (problem := path_problem(path)) is not None:
+        # Read and parsed first: the opt-in is in the file itself.
+        if "file_permissions" not in settings.allow_insecure:
+            raise ConfigError("--config", str(path), f"refused: {problem}; fix the ownership/mode, or set "
+                              "allow_insecure.file_permissions: true to accept the risk")
+        settings = dataclasses.replace(settings, accepted_risks=(*settings.accepted_risks, f"--config: {problem}"))
+    return settings

@@ -21,6 +21,7 @@ import structlog
 
 from runtimeproxy.chain import BoundHook, HookChain, HookObserver, implemented_stages
 from runtimeproxy.config import ConfigError, FailurePolicy, HookSettings, Settings
+from runtimeproxy.filetrust import path_problem
 from runtimeproxy.hookapi import HookConfigError, HookInit, PodSnapshot, Stage, TaskInit
 from runtimeproxy.remote import REMOTE_STAGES, Registration, RemoteHook, load_registrations
 
@@ -108,11 +109,33 @@ def _registered_hook(reg: Registration) -> BoundHook:
                      REGISTRATION_TIMEOUT)
 
 
+def _check_hookserver_files(settings: Settings) -> None:
+    """A registration names a socket that every pod start then talks to: the directory
+    and each ``*.json`` must be changeable only by root or us (see filetrust), unless
+    ``allow_insecure.file_permissions`` accepts the risk (then warned about each time)."""
+    directory = Path(settings.hookserver_dir)
+    problems = [(directory, path_problem(directory, "dir"))]
+    if problems[0][1] is None:  # else every file in it shares the directory's problem
+        try:
+            entries = sorted(p for p in directory.iterdir() if p.name.endswith(".json"))
+        except OSError:
+            entries = []  # missing: no registrations (load_registrations agrees)
+        problems = [(path, path_problem(path)) for path in entries]
+    for path, problem in problems:
+        if problem is None:
+            continue
+        if "file_permissions" not in settings.allow_insecure:
+            raise ConfigError("hookserver_dir", str(path), f"refused: {problem}; fix the ownership/mode, or set "
+                              "allow_insecure.file_permissions: true to accept the risk")
+        log.warning("insecure_setting_allowed", risk=f"hookserver_dir: {problem}")
+
+
 def build_hooks(settings: Settings) -> list[BoundHook]:
     """YAML hooks in list order, then hookserver.d registrations in file-name order
     (Koordinator calls only the first registration that matches; we call all)."""
     hooks = [_remote_hook(h) if h.remote else _local_hook(h, settings) for h in settings.hooks]
     if settings.hookserver_dir:
+        _check_hookserver_files(settings)
         registrations, errors = load_registrations(Path(settings.hookserver_dir))
         for error in errors:
             # Registration files belong to other agents: a bad one is reported, not fatal.
