@@ -20,10 +20,12 @@ if "structlog" not in sys.modules:
 import argparse
 import importlib.metadata
 import json
+import os
+import signal
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +63,16 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="koord-runtime-proxy", description="CRI proxy with QoS hooks for co-location")
-    sub = p.add_subparsers(dest="command")
+    p = argparse.ArgumentParser(
+        prog="koord-runtime-proxy", description="CRI proxy with QoS hooks for co-location",
+        epilog="Without a command, `run`. `koord-runtime-proxy COMMAND --help` shows a command's options. "
+               "Exit status: 0 ok, 1 runtime failure, 2 bad configuration or usage.",
+    )
+    sub = p.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     run = sub.add_parser("run", help="serve kubelet (the default command)")
     _add_config_flags(run)
-    check = sub.add_parser("check-config", help="validate the config and the hooks it names, then exit")
+    check = sub.add_parser("check-config",
+                           help="validate everything run validates (hooks, tasks, files), list the chain")
     _add_config_flags(check)
     explain = sub.add_parser("explain", help="what the hooks and tasks did for a pod (or the node), and why")
     explain.add_argument("pod", nargs="?", default="", help="namespace/name (omit for the node-wide view)")
@@ -176,17 +183,40 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
+def _quiet_on_closed_pipe(work: Callable[[], int]) -> int:
+    """``check-config | head -1``: the reader went away. Stop quietly, like a Unix tool
+    killed by SIGPIPE (status 141), without a traceback at exit either."""
+    try:
+        code = work()
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0].startswith("-"):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "run")
-    args = parser().parse_args(argv)
-    commands = {"run": _cmd_run, "check-config": _cmd_check, "explain": _cmd_explain, "demo": _cmd_demo}
-    if args.command not in commands:
-        # A plugin command: its register() set ``func`` on its subparser.
-        code: int = args.func(args)
+    parsed: list[argparse.Namespace] = []
+
+    def parse() -> int:  # --help and usage errors write too
+        parsed.append(parser().parse_args(argv))
+        return 0
+
+    code = _quiet_on_closed_pipe(parse)
+    if not parsed:
         return code
-    return commands[args.command](args)
+    args = parsed[0]
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "run": _cmd_run, "check-config": _cmd_check, "explain": _cmd_explain, "demo": _cmd_demo,
+    }
+    # A plugin command: its register() set ``func`` on its subparser.
+    command = commands.get(args.command) or args.func
+    if args.command == "run":
+        return command(args)  # the daemon: an unexpected BrokenPipeError is a crash to see
+    return _quiet_on_closed_pipe(lambda: command(args))
 
 
 if __name__ == "__main__":

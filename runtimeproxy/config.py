@@ -1,7 +1,7 @@
 """Settings: the YAML file and the command line, validated once into frozen values.
 
 Nothing downstream indexes raw YAML. Every error names the key path and the bad
-value (``hooks[1].timeout: must be a duration > 0 (got '-1s')``) so an operator can
+value (``hooks[1].timeout: must be a duration > 0 (got '0s')``) so an operator can
 fix the file without reading code. Sections owned by plugins (``rules``, ``tasks``
 and each hook's ``args``) are kept as plain data and validated by their owners.
 """
