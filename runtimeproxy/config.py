@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import importlib.resources
 import ipaddress
+import math
 import re
 import types
 from collections.abc import Mapping
@@ -143,6 +144,8 @@ def parse_duration(value: object, key_path: str) -> float:
         raise ConfigError(key_path, value, "must be a duration such as 1s or 500ms")
     if not seconds > 0:
         raise ConfigError(key_path, value, "must be a duration > 0")
+    if not math.isfinite(seconds):  # YAML's .inf: a timeout that never fires, a sleep forever
+        raise ConfigError(key_path, value, "must be a finite duration")
     return seconds
 
 
@@ -163,7 +166,9 @@ def _string(value: object, key_path: str, *, allow_empty: bool = True) -> str:
 def _reject_unknown(data: Mapping[str, Any], allowed: frozenset[str], prefix: str) -> None:
     for key in data:
         if key not in allowed:
-            raise ConfigError(f"{prefix}{key}", data[key], f"unknown key; expected one of {sorted(allowed)}")
+            # An empty or odd key ('', 'a.b') is quoted so the path still names it.
+            shown = key if re.fullmatch(r"[\w\-/]+", key) else repr(key)
+            raise ConfigError(f"{prefix}{shown}", data[key], f"unknown key; expected one of {sorted(allowed)}")
 
 
 def _endpoint(value: object, key_path: str) -> str:
@@ -377,6 +382,19 @@ def from_mapping(data: object) -> Settings:
     )
 
 
+def _cyclic(data: object) -> bool:
+    """An alias to an enclosing node (``a: &x [*x]``) makes a loop no validator expects."""
+    stack: list[tuple[object, frozenset[int]]] = [(data, frozenset())]
+    while stack:
+        node, above = stack.pop()
+        if isinstance(node, dict | list):
+            if id(node) in above:
+                return True
+            inner = above | {id(node)}
+            stack.extend((child, inner) for child in (node.values() if isinstance(node, dict) else node))
+    return False
+
+
 def _parse_yaml(text: str, where: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
@@ -384,6 +402,12 @@ def _parse_yaml(text: str, where: str) -> dict[str, Any]:
         mark = getattr(exc, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError("--config", where, f"invalid YAML{line}") from exc
+    except ValueError as exc:  # a timestamp-looking value that is no date: 2001-13-45
+        raise ConfigError("--config", where, f"invalid YAML: {exc}") from exc
+    except RecursionError as exc:
+        raise ConfigError("--config", where, "invalid YAML: nested too deeply") from exc
+    if _cyclic(data):
+        raise ConfigError("--config", where, "invalid YAML: an alias refers to a node that contains it")
     if data is None:
         return {}
     if not isinstance(data, dict):
