@@ -277,16 +277,21 @@ class App:
         return 200, "application/json", json.dumps(body, indent=2, default=str).encode()
 
 
+def announce(settings: Settings) -> None:
+    """At every start: which file (or the built-in default) runs, and one warning per
+    risk ``allow_insecure`` accepted that is present."""
+    log.info("config_loaded", source=settings.source or "settings")
+    for risk in settings.accepted_risks:
+        log.warning("insecure_setting_allowed", risk=risk)
+
+
 def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, Any]) -> int:
     logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
-    # One line: which file (or the built-in default) this process runs.
-    log.info("config_loaded", source=settings.source or "settings")
-    for risk in settings.accepted_risks:  # allowed by allow_insecure: said at every start
-        log.warning("insecure_setting_allowed", risk=risk)
     heap.limit_arenas()
 
     async def main() -> int:
         app = App(settings, config_path=config_path, overrides=overrides)
+        announce(settings)  # after App(): a config error stays the first line on stderr
         # What exists now (modules, protobuf descriptors, config, plugins) lives as long
         # as the process: out of the cyclic collector's reach, a full collection walks
         # only what was allocated since. Here, not in App: tests run many Apps in one process.

@@ -23,6 +23,7 @@ from typing import Any
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy import devpods, embedded
+from runtimeproxy.config import DEFAULT_CONFIG_RESOURCE
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -55,6 +56,10 @@ DEMO_PODS = (
     DemoPod("opted-out", "burstable", {"runtimeproxy.koordinator.sh/skip-hookserver": "true"}, {},
             cri.LinuxContainerResources(cpu_shares=256), "skip label: no hook runs"),
 )
+
+
+#: The built-in default as a file (package data; tests and benchmarks read it too).
+DEFAULT_CONFIG = Path(__file__).resolve().parent / DEFAULT_CONFIG_RESOURCE
 
 
 def demo_config(workdir: Path, socket: Path, backend: Path, port: int, prefix: str = "") -> str:

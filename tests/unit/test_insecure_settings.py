@@ -6,9 +6,12 @@ start. Real files, real chmod/chown (the tests run as root; uid 4242 is "another
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
+import signal
+import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -250,26 +253,48 @@ def test_trusted_hookserver_dir_builds(tmp_path: Path, registration_json: Any) -
 # --- start: warned every time; reload: rejected --------------------------------------------
 
 
-def test_every_accepted_risk_is_warned_about_at_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = _write(tmp_path / "c.yaml", {
-        "socket_mode": "0666", "metrics": {"listen": "0.0.0.0:0"}, "log": {"format": "json"},
+def test_every_accepted_risk_is_one_warning() -> None:
+    settings = config.from_mapping({
+        "socket_mode": "0666", "metrics": {"listen": "0.0.0.0:9316"},
         "allow_insecure": {"socket_mode": True, "metrics_listen": True, "file_permissions": True},
+    })
+    with structlog.testing.capture_logs() as logs:
+        app.announce(settings)
+    warnings = [e for e in logs if e["event"] == "insecure_setting_allowed"]
+    assert [w["risk"].partition(":")[0] for w in warnings] == ["socket_mode=0666", "metrics.listen=0.0.0.0"]
+    assert all(w["log_level"] == "warning" for w in warnings)
+
+
+def test_run_warns_about_accepted_risks_at_every_start(short_dir: Path) -> None:
+    """The real ``run``: a group/world-writable config file with a 0666 socket, both
+    allowed, starts (waiting for a backend that is not there) and says so."""
+    path = _write(short_dir / "c.yaml", {
+        "listen": str(short_dir / "p.sock"), "backend": {"runtime_endpoint": str(short_dir / "none.sock")},
+        "socket_mode": "0666", "metrics": {"listen": ""}, "log": {"format": "json"},
+        "allow_insecure": {"socket_mode": True, "file_permissions": True},
     }, 0o666)
-    settings = config.load(path)
-    # A plugin that cannot load stops start-up right after the warnings.
-    bad = dataclasses.replace(settings, hooks=(config.HookSettings(
-        name="x", plugin="no-such-plugin", remote="", stages=None, failure_policy=config.FailurePolicy.IGNORE,
-        timeout=1.0, args={}, key_path="hooks[0]"),))
-    saved = structlog.get_config()
+    proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(path)],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[dict[str, Any]] = []
     try:
-        with pytest.raises(ConfigError):
-            app.run(bad, config_path=path, overrides={})
+        assert proc.stderr is not None
+        for raw in proc.stderr:
+            if raw.startswith("{"):
+                lines.append(json.loads(raw))
+            if lines and lines[-1]["event"] == "backend_unavailable":
+                break
+        # Listening by now (the socket is made before the backend is awaited), as allowed.
+        assert stat.S_IMODE((short_dir / "p.sock").stat().st_mode) == 0o666
     finally:
-        structlog.configure(**saved)
-    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
-    risks = [line["risk"] for line in lines if line["event"] == "insecure_setting_allowed"]
-    assert [r.partition(":")[0] for r in risks] == ["socket_mode=0666", "metrics.listen=0.0.0.0", "--config"]
-    assert all(line["level"] == "warning" for line in lines if line["event"] == "insecure_setting_allowed")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert proc.stderr is not None
+        proc.stderr.close()
+    events = [(e["event"], e.get("risk", e.get("source", ""))) for e in lines]
+    assert events[0] == ("config_loaded", str(path))
+    risks = [risk for event, risk in events if event == "insecure_setting_allowed"]
+    assert [r.partition(":")[0] for r in risks] == ["socket_mode=0666", "--config"]
+    assert f"file {path} is group/world-writable (mode 0666)" in risks[1]
 
 
 @pytest.mark.asyncio
