@@ -123,7 +123,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if settings is None:
         return EXIT_CONFIG
     try:
-        hooks = plugins.validate(settings)
+        hooks, tasks = plugins.validate(settings)
     except config.ConfigError as exc:
         print(f"koord-runtime-proxy: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -134,6 +134,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for i, hook in enumerate(hooks):
         stages = ",".join(sorted(s.value for s in hook.stages))
         print(f"{i + 1}. {hook.name}\t{hook.policy.value}\t{hook.timeout}s\t{stages}")
+    print(f"tasks: {', '.join(tasks) if tasks else 'none'}")
     return 0
 
 

@@ -187,12 +187,13 @@ def _no_pods() -> tuple[dict[str, Any], dict[str, Any]]:
     return {}, {}
 
 
-def validate_tasks(settings: Settings) -> None:
+def validate_tasks(settings: Settings) -> list[str]:
     """The one check of ``tasks:`` that ``run`` (inside ``build_tasks``), ``check-config``
     and reload share: the mapping, ``enabled``, the entry point, then the factory's
     optional ``validate(init)``, which checks the args (and rules across tasks, through
     ``init.shared``, fresh per pass) without building anything. The core cannot know a
-    task's keys; the task's own validator is the one source of that truth."""
+    task's keys; the task's own validator is the one source of that truth. Returns the
+    enabled tasks' names."""
     shared: dict[str, Any] = {}
     for name, key_path, args in _enabled_tasks(settings):
         factory = resolve_factory(name, key_path, TASK_GROUP)
@@ -205,14 +206,14 @@ def validate_tasks(settings: Settings) -> None:
             validate(init)
         except HookConfigError as exc:
             raise _config_error(exc) from exc
+    return [name for name, _, _ in _enabled_tasks(settings)]
 
 
-def validate(settings: Settings) -> list[BoundHook]:
-    """Everything ``run`` checks before it listens, for ``check-config`` and reload:
-    the hooks (built, so plugins validate their args) and the tasks."""
+def validate(settings: Settings) -> tuple[list[BoundHook], list[str]]:
+    """Everything ``run`` checks before it listens, for ``check-config``: the hooks
+    (built, so plugins validate their args) and the tasks; the chain and task names."""
     hooks = build_hooks(settings)
-    validate_tasks(settings)
-    return hooks
+    return hooks, validate_tasks(settings)
 
 
 def build_tasks(settings: Settings, base: TaskInit) -> list[tuple[str, TaskFactory]]:

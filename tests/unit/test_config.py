@@ -272,7 +272,8 @@ def test_check_config_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert cli.main(["check-config", "--config", str(good)]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("config ok: listen=/var/run/koord-runtimeproxy/runtimeproxy.sock")
-    assert out.splitlines()[1:] == ["1. shares\tFail\t0.2s\tPreCreateContainer,PreUpdateContainerResources"]
+    assert out.splitlines()[1:] == ["1. shares\tFail\t0.2s\tPreCreateContainer,PreUpdateContainerResources",
+                                   "tasks: none"]
 
     bad = _write(tmp_path / "bad.yaml", {"hooks": [{"name": "shares", "plugin": "example-cpu-shares",
                                                     "args": {"cpu_shares": 1}}]})

@@ -53,8 +53,10 @@ def test_no_file_runs_the_shipped_file(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert builtin == shipped
     assert builtin.source.startswith("built-in default") and shipped.source == str(SHIPPED)
     # Same chain: names, order, policies, stages, timeouts.
-    chain = [(h.name, h.policy, h.stages, h.timeout) for h in plugins.validate(builtin)]
-    assert chain == [(h.name, h.policy, h.stages, h.timeout) for h in plugins.validate(shipped)]
+    hooks, tasks = plugins.validate(builtin)
+    chain = [(h.name, h.policy, h.stages, h.timeout) for h in hooks]
+    assert chain == [(h.name, h.policy, h.stages, h.timeout) for h in plugins.validate(shipped)[0]]
+    assert tasks == plugins.validate(shipped)[1] == ["metrics", "qos-manager"]
     assert [name for name, *_ in chain] == ["batch-resource", "cpuset", "cpu-normalization", "group-identity",
                                              "resctrl"]
     # Same tasks, valid as shipped: the whole agent, not a bare pass-through.
@@ -72,7 +74,8 @@ def test_check_config_without_a_file_checks_the_built_in_default(
     shipped = capsys.readouterr().out.splitlines()
     assert builtin[0].endswith(f"source=built-in default ({config.DEFAULT_CONFIG_PATH} absent)")
     assert builtin[0].rpartition(" source=")[0] == shipped[0].rpartition(" source=")[0]
-    assert builtin[1:] == shipped[1:] and len(builtin) == 6  # the five shipped hooks
+    assert builtin[1:] == shipped[1:] and len(builtin) == 7  # the five shipped hooks, the tasks
+    assert builtin[-1] == "tasks: metrics, qos-manager"
 
 
 def test_an_existing_default_file_wins_over_the_built_in(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -184,7 +184,8 @@ def test_check_config_accepts_valid_tasks(tmp_path: Path, capsys: pytest.Capture
     path.write_text(yaml.safe_dump({"hookserver_dir": "", "tasks": {
         "metrics": {"kube": True, "tiers": {"raw": "1h"}}, "qos-manager": {"evict_mode": "api"}}}))
     assert cli.main(["check-config", "--config", str(path)]) == 0
-    assert capsys.readouterr().out.startswith("config ok:")
+    out = capsys.readouterr().out
+    assert out.startswith("config ok:") and out.splitlines()[-1] == "tasks: metrics, qos-manager"
 
 
 @pytest.mark.asyncio
