@@ -3,7 +3,7 @@ Settings value or the documented ConfigError naming the field, never another exc
 (issue 14: every parser of untrusted input). Mutations start from the shipped default
 and delete, retype, replace and add keys and values anywhere in the tree; what ``run``
 validates beyond the file (each task's own args, through the one task validator) is
-included. Nothing is written but the test's own files."""
+included (hooks built, tasks validated). Nothing is written but the test's own files."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def _check(doc_text: str, doc: object, workdir: Path) -> None:
     try:
         parsed = config.load(path, {"hookserver_dir": ""})
         assert isinstance(parsed, Settings)
-        plugins.validate_tasks(parsed)  # what run validates beyond the file itself
+        plugins.validate(parsed)  # what run validates beyond the file: hooks built, tasks validated
     except ConfigError as err:
         _key_named(err, doc)
 
