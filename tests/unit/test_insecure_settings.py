@@ -298,12 +298,20 @@ def test_run_warns_about_accepted_risks_at_every_start(short_dir: Path) -> None:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("change", ["chmod-0666", "chown", "socket_mode", "metrics_listen"])
-async def test_reload_of_a_risky_config_is_rejected(change: str, fake_runtime: Any, start_proxy: Any) -> None:
-    proxy = await start_proxy(fake_runtime, config_file=True)
+@pytest.mark.parametrize("change", ["chmod-0666", "chown", "socket_mode", "metrics_listen", "registration-chown"])
+async def test_reload_of_a_risky_config_is_rejected(
+    change: str, fake_runtime: Any, start_proxy: Any, short_dir: Path, registration_json: Any
+) -> None:
+    hookdir = short_dir / "hookserver.d"
+    hookdir.mkdir()
+    proxy = await start_proxy(fake_runtime, config_file=True, hookserver_dir=str(hookdir))
     path = proxy.config_path  # blocking file calls are fine in a test
-    old = proxy.app.settings
-    if change == "chmod-0666":
+    old, old_chain = proxy.app.settings, proxy.app.chain
+    if change == "registration-chown":  # what the hookserver.d watcher would reload on
+        reg = hookdir / "10-x.json"
+        reg.write_text(registration_json(short_dir / "x.sock", ["PreRunPodSandbox"], "Ignore"))
+        os.chown(reg, OTHER_UID, -1)
+    elif change == "chmod-0666":
         path.chmod(0o666)
     elif change == "chown":
         os.chown(path, OTHER_UID, -1)
@@ -314,6 +322,6 @@ async def test_reload_of_a_risky_config_is_rejected(change: str, fake_runtime: A
 
     assert await proxy.app.reload("test") is False
 
-    assert proxy.app.settings is old
+    assert proxy.app.settings is old and proxy.app.chain is old_chain
     assert proxy.sample("koord_runtime_proxy_config_reloads_total", {"result": "error"}) == 1
     assert proxy.sample("koord_runtime_proxy_config_reloads_total", {"result": "ok"}) == 0
