@@ -44,7 +44,7 @@ from metrics.model import PodView, Sample
 from metrics.pods import PodViews
 from metrics.promexport import StoreValues, register_exporter
 from metrics.reporter import NodeMetricReporter
-from metrics.settings import MetricsSettings, parse_metrics
+from metrics.settings import MetricsSettings, parse_metrics, validate_metrics
 from metrics.topcmd import pod_meta_record
 from metrics.tsdb import TSDB, GCResult, TSDBError
 from runtimeproxy import heap
@@ -377,6 +377,10 @@ def metrics_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
     agent = MetricsAgent(init, settings)
     init.shared[SHARED_KEY] = agent
     return agent.run
+
+
+# check-config and reload validate ``tasks.metrics`` through this, without building the agent.
+metrics_task.validate = validate_metrics  # type: ignore[attr-defined]
 
 
 def shared_agent(init: TaskInit) -> MetricsAgent:

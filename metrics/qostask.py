@@ -28,7 +28,7 @@ from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.psitrigger import PsiTriggers
 from metrics.qos.resctrlsync import ResctrlSync
 from metrics.qos.suppress import SuppressConfig
-from metrics.settings import QoSSettings, parse_qos
+from metrics.settings import QoSSettings, parse_qos, validate_qos
 from runtimeproxy.hookapi import HookConfigError, TaskInit
 
 if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
@@ -121,6 +121,10 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
             manager.release()
 
     return run
+
+
+# check-config and reload validate ``tasks.qos-manager`` through this, without building anything.
+qos_task.validate = validate_qos  # type: ignore[attr-defined]
 
 
 def _triggers(proc: Path, settings: QoSSettings) -> PsiTriggers | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
-from hooks.cgroups import Driver
+from hooks.cgroups import CgroupError, CgroupLayout, Driver
 from metrics.tsdb import (
     DEFAULT_COARSE_AFTER,
     DEFAULT_COARSE_STEP,
@@ -23,7 +23,7 @@ from metrics.tsdb import (
     tier_problem,
 )
 from runtimeproxy.config import ConfigError, parse_duration
-from runtimeproxy.hookapi import HookConfigError
+from runtimeproxy.hookapi import HookConfigError, TaskInit
 
 T = TypeVar("T")
 
@@ -255,3 +255,36 @@ def parse_qos(raw: Mapping[str, Any], key_path: str) -> QoSSettings:
         cgroup_driver=args.get("cgroup_driver", base.cgroup_driver, args.choice("cgroupfs", "systemd")),
         reserved_cpu=float(reserved),
     )
+
+
+# --- validate entry points -----------------------------------------------------------
+# The core calls a task factory's optional ``validate(init)`` (attached in agent.py and
+# qostask.py) from ``plugins.validate_tasks``: one check of ``tasks:`` that ``run``,
+# ``check-config`` and reload share, without building anything. ``init.shared`` is one
+# mapping per validation pass, so cross-task rules (order, kube for evict_mode=api)
+# are checked too.
+
+_VALIDATED_METRICS: Final = "metrics.settings(validated)"
+
+
+def validate_metrics(init: TaskInit) -> MetricsSettings:
+    settings = parse_metrics(init.args, init.key_path)
+    if _VALIDATED_METRICS in init.shared:
+        raise HookConfigError(init.key_path, init.name, "a metrics task is already configured")
+    init.shared[_VALIDATED_METRICS] = settings
+    return settings
+
+
+def validate_qos(init: TaskInit) -> QoSSettings:
+    settings = parse_qos(init.args, init.key_path)
+    metrics = init.shared.get(_VALIDATED_METRICS)
+    if not isinstance(metrics, MetricsSettings):
+        raise HookConfigError(init.key_path, init.name, "needs the metrics task: list `metrics` before it under tasks")
+    if settings.evict_mode == "api" and not metrics.kube:
+        raise HookConfigError(f"{init.key_path}.evict_mode", "api",
+                              "needs a cluster connection (tasks.metrics.kube: true)")
+    try:
+        CgroupLayout(init.host.cgroup, "auto", settings.cgroup_driver)
+    except CgroupError as exc:
+        raise HookConfigError(f"{init.key_path}.cgroup_driver", settings.cgroup_driver, str(exc)) from exc
+    return settings

@@ -237,6 +237,9 @@ class App:
         """Validate, build, swap; on any error keep the running config."""
         try:
             settings = load(self._config_path, self._overrides)
+            # Tasks restart only with the process, but a value ``run`` would refuse must be
+            # refused now: under Restart=always it would leave the node without a runtime.
+            plugins.validate_tasks(settings)
             chain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics)
         except ConfigError as exc:
             self.metrics.config_reloaded(False)
@@ -326,6 +329,14 @@ class App:
         return 200, "application/json", json.dumps(body, indent=2, default=str).encode()
 
 
+def announce(settings: Settings) -> None:
+    """At every start: which file (or the built-in default) runs, and one warning per
+    risk ``allow_insecure`` accepted that is present."""
+    log.info("config_loaded", source=settings.source or "settings")
+    for risk in settings.accepted_risks:
+        log.warning("insecure_setting_allowed", risk=risk)
+
+
 def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, Any]) -> int:
     logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
     heap.limit_arenas()
@@ -336,6 +347,7 @@ def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, An
     async def main() -> int:
         logsetup.install_loop_exception_handler(asyncio.get_running_loop())
         app = App(settings, config_path=config_path, overrides=overrides)
+        announce(settings)  # after App(): a config error stays the first line on stderr
         # What exists now (modules, protobuf descriptors, config, plugins) lives as long
         # as the process: out of the cyclic collector's reach, a full collection walks
         # only what was allocated since. Here, not in App: tests run many Apps in one process.

@@ -20,10 +20,12 @@ if "structlog" not in sys.modules:
 import argparse
 import importlib.metadata
 import json
+import os
+import signal
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,8 @@ COMMAND_GROUP = "koord_runtime_proxy.commands"
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None,
-                   help=f"YAML config (default {config.DEFAULT_CONFIG_PATH}; built-in defaults if absent)")
+                   help=f"YAML config (default {config.DEFAULT_CONFIG_PATH}; the built-in default, the shipped"
+                        " config, if absent)")
     p.add_argument("--listen", "--koord-runtimeproxy-endpoint", dest="listen",
                    help="unix socket for kubelet")
     p.add_argument("--backend", "--remote-runtime-service-endpoint", dest="backend",
@@ -60,17 +63,23 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="koord-runtime-proxy", description="CRI proxy with QoS hooks for co-location")
-    sub = p.add_subparsers(dest="command")
+    p = argparse.ArgumentParser(
+        prog="koord-runtime-proxy", description="CRI proxy with QoS hooks for co-location",
+        epilog="Without a command, `run`. `koord-runtime-proxy COMMAND --help` shows a command's options. "
+               "Exit status: 0 ok, 1 runtime failure, 2 bad configuration or usage.",
+    )
+    sub = p.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     run = sub.add_parser("run", help="serve kubelet (the default command)")
     _add_config_flags(run)
-    check = sub.add_parser("check-config", help="validate the config and the hooks it names, then exit")
+    check = sub.add_parser("check-config",
+                           help="validate everything run validates (hooks, tasks, files), list the chain")
     _add_config_flags(check)
     explain = sub.add_parser("explain", help="what the hooks and tasks did for a pod (or the node), and why")
     explain.add_argument("pod", nargs="?", default="", help="namespace/name (omit for the node-wide view)")
     explain.add_argument("--endpoint", default="127.0.0.1:9316", help="the proxy's metrics host:port")
     demo = sub.add_parser("demo", help="private containerd + proxy + demo pods; Ctrl-C cleans up")
-    demo.add_argument("--workdir", type=Path, default=Path("/var/tmp/koord-runtime-proxy-demo"))
+    demo.add_argument("--workdir", type=Path, default=None,
+                      help="keep the metrics store and pod logs here (default: a temporary dir, removed)")
     demo.add_argument("--config", type=Path, default=None, help="proxy config (default: a demo config)")
     demo.add_argument("--once", action="store_true", help="clean up right after printing, no Ctrl-C wait")
     # Plugin families add their own commands (e.g. ``top``) without the core naming them.
@@ -114,16 +123,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if settings is None:
         return EXIT_CONFIG
     try:
-        hooks = plugins.build_hooks(settings)
+        hooks, tasks = plugins.validate(settings)
     except config.ConfigError as exc:
         print(f"koord-runtime-proxy: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    print(f"config ok: listen={settings.listen} backend={settings.backend.runtime_endpoint}")
+    print(f"config ok: listen={settings.listen} backend={settings.backend.runtime_endpoint}"
+          f" source={settings.source}")
     if not hooks:
         print("no hooks configured: every call is passed through")
     for i, hook in enumerate(hooks):
         stages = ",".join(sorted(s.value for s in hook.stages))
         print(f"{i + 1}. {hook.name}\t{hook.policy.value}\t{hook.timeout}s\t{stages}")
+    print(f"tasks: {', '.join(tasks) if tasks else 'none'}")
     return 0
 
 
@@ -173,17 +184,40 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
+def _quiet_on_closed_pipe(work: Callable[[], int]) -> int:
+    """``check-config | head -1``: the reader went away. Stop quietly, like a Unix tool
+    killed by SIGPIPE (status 141), without a traceback at exit either."""
+    try:
+        code = work()
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0].startswith("-"):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "run")
-    args = parser().parse_args(argv)
-    commands = {"run": _cmd_run, "check-config": _cmd_check, "explain": _cmd_explain, "demo": _cmd_demo}
-    if args.command not in commands:
-        # A plugin command: its register() set ``func`` on its subparser.
-        code: int = args.func(args)
+    parsed: list[argparse.Namespace] = []
+
+    def parse() -> int:  # --help and usage errors write too
+        parsed.append(parser().parse_args(argv))
+        return 0
+
+    code = _quiet_on_closed_pipe(parse)
+    if not parsed:
         return code
-    return commands[args.command](args)
+    args = parsed[0]
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "run": _cmd_run, "check-config": _cmd_check, "explain": _cmd_explain, "demo": _cmd_demo,
+    }
+    # A plugin command: its register() set ``func`` on its subparser.
+    command = commands.get(args.command) or args.func
+    if args.command == "run":
+        return command(args)  # the daemon: an unexpected BrokenPipeError is a crash to see
+    return _quiet_on_closed_pipe(lambda: command(args))
 
 
 if __name__ == "__main__":

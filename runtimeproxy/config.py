@@ -1,14 +1,18 @@
 """Settings: the YAML file and the command line, validated once into frozen values.
 
 Nothing downstream indexes raw YAML. Every error names the key path and the bad
-value (``hooks[1].timeout: must be a duration > 0 (got '-1s')``) so an operator can
+value (``hooks[1].timeout: must be a duration > 0 (got '0s')``) so an operator can
 fix the file without reading code. Sections owned by plugins (``rules``, ``tasks``
 and each hook's ``args``) are kept as plain data and validated by their owners.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import importlib.resources
+import ipaddress
+import math
 import os
 import re
 import types
@@ -19,9 +23,14 @@ from typing import Any, Final
 
 import yaml
 
+from runtimeproxy.filetrust import path_problem
 from runtimeproxy.hookapi import HostRoots, Stage
 
 DEFAULT_CONFIG_PATH: Final = Path("/etc/koord-runtime-proxy/config.yaml")
+#: The built-in default, package data of ``runtimeproxy`` (``systemd/config.yaml`` is a
+#: copy, pinned equal by a test): used when no file is named and DEFAULT_CONFIG_PATH is
+#: absent. Data, not code: the core still names no hook.
+DEFAULT_CONFIG_RESOURCE: Final = "default-config.yaml"
 MiB: Final = 1024 * 1024
 
 
@@ -111,15 +120,24 @@ class Settings:
     host: HostRoots = HostRoots()
     rules: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
     tasks: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
+    #: Where these settings came from (a path or the built-in default), for the start log.
+    source: str = field(default="", compare=False)
+    #: Risks the operator accepted (``allow_insecure:``), see INSECURE_OPT_INS.
+    allow_insecure: frozenset[str] = frozenset()
+    #: The accepted risks actually present: one warning line each at every start.
+    accepted_risks: tuple[str, ...] = field(default=(), compare=False)
 
 
 _TOP_KEYS: Final = frozenset(
     {
         "listen", "socket_mode", "backend", "hooks", "hookserver_dir", "skip_label",
         "metrics", "log", "shutdown_grace", "max_message_bytes", "reload_poll_interval", "reconcile_interval",
-        "host", "rules", "tasks",
+        "host", "rules", "tasks", "allow_insecure",
     }
 )
+#: ``allow_insecure.<key>: true`` accepts one risk that is otherwise refused (exit 2 at
+#: start, a reload rejected); it is then warned about at every start.
+INSECURE_OPT_INS: Final = frozenset({"socket_mode", "metrics_listen", "file_permissions"})
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _HOOK_KEYS: Final = frozenset({"name", "plugin", "remote", "stages", "failure_policy", "timeout", "args"})
@@ -137,6 +155,8 @@ def parse_duration(value: object, key_path: str) -> float:
         raise ConfigError(key_path, value, "must be a duration such as 1s or 500ms")
     if not seconds > 0:
         raise ConfigError(key_path, value, "must be a duration > 0")
+    if not math.isfinite(seconds):  # YAML's .inf: a timeout that never fires, a sleep forever
+        raise ConfigError(key_path, value, "must be a finite duration")
     return seconds
 
 
@@ -157,7 +177,9 @@ def _string(value: object, key_path: str, *, allow_empty: bool = True) -> str:
 def _reject_unknown(data: Mapping[str, Any], allowed: frozenset[str], prefix: str) -> None:
     for key in data:
         if key not in allowed:
-            raise ConfigError(f"{prefix}{key}", data[key], f"unknown key; expected one of {sorted(allowed)}")
+            # An empty or odd key ('', 'a.b') is quoted so the path still names it.
+            shown = key if re.fullmatch(r"[\w\-/]+", key) else repr(key)
+            raise ConfigError(f"{prefix}{shown}", data[key], f"unknown key; expected one of {sorted(allowed)}")
 
 
 def _endpoint(value: object, key_path: str) -> str:
@@ -193,6 +215,43 @@ def _host_port(value: object, key_path: str) -> str:
     if text and (not re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", text) or int(text.rpartition(":")[2]) > 65535):
         raise ConfigError(key_path, value, "must be host:port, or empty to disable")
     return text
+
+
+def _allow_insecure(value: object) -> frozenset[str]:
+    data = _mapping(value, "allow_insecure")
+    _reject_unknown(data, INSECURE_OPT_INS, "allow_insecure.")
+    for key, flag in data.items():
+        if not isinstance(flag, bool):
+            raise ConfigError(f"allow_insecure.{key}", flag, "must be true or false")
+    return frozenset(k for k, flag in data.items() if flag)
+
+
+def _is_loopback(host_port: str) -> bool:
+    host = host_port.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost may resolve to anything
+
+
+def _risks(socket_mode: int, metrics_listen: str, allowed: frozenset[str]) -> tuple[str, ...]:
+    """Refuse a risky value unless allowed; return the allowed ones present."""
+    risks: list[tuple[str, str, object, str]] = []
+    if socket_mode & 0o007:
+        risks.append(("socket_mode", "socket_mode", f"{socket_mode:04o}",
+                      "gives every local user the CRI socket (root on the node); use 0660"))
+    if metrics_listen and not _is_loopback(metrics_listen):
+        risks.append(("metrics_listen", "metrics.listen", metrics_listen,
+                      "is not a loopback address: /metrics, /debug/explain and /apis/nodemetric are served "
+                      "without authentication; use 127.0.0.1:<port>"))
+    accepted = []
+    for opt_in, key_path, value, why in risks:
+        if opt_in not in allowed:
+            raise ConfigError(key_path, value, f"{why}, or set allow_insecure.{opt_in}: true to accept the risk")
+        accepted.append(f"{key_path}={value}: {why}")
+    return tuple(accepted)
 
 
 def _failure_policy(value: object, key_path: str) -> FailurePolicy:
@@ -321,15 +380,19 @@ def from_mapping(data: object) -> Settings:
     listen = _endpoint(top.get("listen", default.listen), "listen")
     if not listen:
         raise ConfigError("listen", top.get("listen"), "must be a unix socket path")
+    allow_insecure = _allow_insecure(top.get("allow_insecure"))
+    socket_mode = _socket_mode(top.get("socket_mode", "0660"))
+    metrics_listen = _host_port(metrics.get("listen", default.metrics_listen), "metrics.listen")
+    accepted_risks = _risks(socket_mode, metrics_listen, allow_insecure)
     return Settings(
         listen=listen,
-        socket_mode=_socket_mode(top.get("socket_mode", "0660")),
+        socket_mode=socket_mode,
         backend=_backend(top.get("backend")),
         hooks=_hooks(top.get("hooks")),
         hookserver_dir=_string(top.get("hookserver_dir", default.hookserver_dir), "hookserver_dir"),
         skip_label_key=_string(skip.get("key", default.skip_label_key), "skip_label.key", allow_empty=False),
         skip_label_value=_string(skip.get("value", default.skip_label_value), "skip_label.value"),
-        metrics_listen=_host_port(metrics.get("listen", default.metrics_listen), "metrics.listen"),
+        metrics_listen=metrics_listen,
         metrics_max_connections=_positive_int(
             metrics.get("max_connections", default.metrics_max_connections), "metrics.max_connections", 1
         ),
@@ -354,7 +417,42 @@ def from_mapping(data: object) -> Settings:
         host=_host(top.get("host")),
         rules=types.MappingProxyType(dict(_mapping(top.get("rules"), "rules"))),
         tasks=types.MappingProxyType(dict(_mapping(top.get("tasks"), "tasks"))),
+        allow_insecure=allow_insecure,
+        accepted_risks=accepted_risks,
     )
+
+
+def _cyclic(data: object) -> bool:
+    """An alias to an enclosing node (``a: &x [*x]``) makes a loop no validator expects."""
+    stack: list[tuple[object, frozenset[int]]] = [(data, frozenset())]
+    while stack:
+        node, above = stack.pop()
+        if isinstance(node, dict | list):
+            if id(node) in above:
+                return True
+            inner = above | {id(node)}
+            stack.extend((child, inner) for child in (node.values() if isinstance(node, dict) else node))
+    return False
+
+
+def _parse_yaml(text: str, where: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError("--config", where, f"invalid YAML{line}") from exc
+    except ValueError as exc:  # a timestamp-looking value that is no date: 2001-13-45
+        raise ConfigError("--config", where, f"invalid YAML: {exc}") from exc
+    except RecursionError as exc:
+        raise ConfigError("--config", where, "invalid YAML: nested too deeply") from exc
+    if _cyclic(data):
+        raise ConfigError("--config", where, "invalid YAML: an alias refers to a node that contains it")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("<root>", data, "must be a mapping")
+    return data
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -363,17 +461,17 @@ def read_yaml(path: Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError("--config", str(path), f"cannot read: {exc.strerror}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError("--config", str(path), f"invalid YAML{where}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError("<root>", data, "must be a mapping")
-    return data
+    return _parse_yaml(text, str(path))
+
+
+def builtin_default_text() -> str:
+    """The shipped default configuration, as shipped (comments included)."""
+    return importlib.resources.files("runtimeproxy").joinpath(DEFAULT_CONFIG_RESOURCE).read_text(encoding="utf-8")
+
+
+def builtin_default() -> dict[str, Any]:
+    """The built-in default document: what ``run`` uses without a config file."""
+    return _parse_yaml(builtin_default_text(), f"<built-in {DEFAULT_CONFIG_RESOURCE}>")
 
 
 def merge_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -392,10 +490,21 @@ def merge_overrides(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> di
 
 
 def load(path: Path | None, overrides: Mapping[str, Any] | None = None) -> Settings:
-    """Load settings. With ``path=None`` the default file is used if present, else
-    built-in defaults; an explicitly named file must exist."""
-    if path is None:
-        data = read_yaml(DEFAULT_CONFIG_PATH) if DEFAULT_CONFIG_PATH.exists() else {}
+    """Load settings. With ``path=None`` the default file is used if present, else the
+    built-in default (the shipped configuration, package data); an explicitly named file
+    must exist. A file is the whole configuration: keys it omits take Settings' defaults
+    (no hooks, rules or tasks), not the built-in document's."""
+    if path is None and not DEFAULT_CONFIG_PATH.exists():
+        data, source = builtin_default(), f"built-in default ({DEFAULT_CONFIG_PATH} absent)"
     else:
-        data = read_yaml(path)
-    return from_mapping(merge_overrides(data, overrides or {}))
+        path = DEFAULT_CONFIG_PATH if path is None else path
+        data, source = read_yaml(path), str(path)
+    settings = from_mapping(merge_overrides(data, overrides or {}))
+    settings = dataclasses.replace(settings, source=source)
+    if path is not None and (problem := path_problem(path)) is not None:
+        # Read and parsed first: the opt-in is in the file itself.
+        if "file_permissions" not in settings.allow_insecure:
+            raise ConfigError("--config", str(path), f"refused: {problem}; fix the ownership/mode, or set "
+                              "allow_insecure.file_permissions: true to accept the risk")
+        settings = dataclasses.replace(settings, accepted_risks=(*settings.accepted_risks, f"--config: {problem}"))
+    return settings

@@ -20,6 +20,7 @@ import structlog
 
 from runtimeproxy.chain import BoundHook, HookChain, HookObserver, HookPools, implemented_stages
 from runtimeproxy.config import ConfigError, FailurePolicy, HookSettings, Settings
+from runtimeproxy.filetrust import path_problem
 from runtimeproxy.hookapi import HookConfigError, HookInit, PodSnapshot, Stage, TaskInit
 from runtimeproxy.remote import REMOTE_STAGES, Registration, RemoteHook, load_registrations
 
@@ -107,11 +108,33 @@ def _registered_hook(reg: Registration) -> BoundHook:
                      REGISTRATION_TIMEOUT)
 
 
+def _check_hookserver_files(settings: Settings) -> None:
+    """A registration names a socket that every pod start then talks to: the directory
+    and each ``*.json`` must be changeable only by root or us (see filetrust), unless
+    ``allow_insecure.file_permissions`` accepts the risk (then warned about each time)."""
+    directory = Path(settings.hookserver_dir)
+    problems = [(directory, path_problem(directory, "dir"))]
+    if problems[0][1] is None:  # else every file in it shares the directory's problem
+        try:
+            entries = sorted(p for p in directory.iterdir() if p.name.endswith(".json"))
+        except OSError:
+            entries = []  # missing: no registrations (load_registrations agrees)
+        problems = [(path, path_problem(path)) for path in entries]
+    for path, problem in problems:
+        if problem is None:
+            continue
+        if "file_permissions" not in settings.allow_insecure:
+            raise ConfigError("hookserver_dir", str(path), f"refused: {problem}; fix the ownership/mode, or set "
+                              "allow_insecure.file_permissions: true to accept the risk")
+        log.warning("insecure_setting_allowed", risk=f"hookserver_dir: {problem}")
+
+
 def build_hooks(settings: Settings) -> list[BoundHook]:
     """YAML hooks in list order, then hookserver.d registrations in file-name order
     (Koordinator calls only the first registration that matches; we call all)."""
     hooks = [_remote_hook(h) if h.remote else _local_hook(h, settings) for h in settings.hooks]
     if settings.hookserver_dir:
+        _check_hookserver_files(settings)
         registrations, errors = load_registrations(Path(settings.hookserver_dir))
         for error in errors:
             # Registration files belong to other agents: a bad one is reported, not fatal.
@@ -141,12 +164,9 @@ async def close_hooks(hooks: Sequence[BoundHook]) -> None:
 TaskFactory = Callable[[], Awaitable[None]]
 
 
-def build_tasks(settings: Settings, base: TaskInit) -> list[tuple[str, TaskFactory]]:
-    """Background tasks named under ``tasks:`` (``{name: {enabled: bool, ...args}}``),
-    found by entry point; the supervisor runs them. ``base`` carries the process's
-    services (snapshot, registry, routes...); each task gets it with its own name and
-    args. Built at start so a bad name or bad args exit 2 like any other config error."""
-    out: list[tuple[str, TaskFactory]] = []
+def _enabled_tasks(settings: Settings) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(name, key_path, args)`` of each enabled task, in YAML order."""
+    out: list[tuple[str, str, dict[str, Any]]] = []
     for name, raw in settings.tasks.items():
         key_path = f"tasks.{name}"
         if raw is not None and not isinstance(raw, Mapping):
@@ -155,8 +175,53 @@ def build_tasks(settings: Settings, base: TaskInit) -> list[tuple[str, TaskFacto
         enabled = args.pop("enabled", True)
         if not isinstance(enabled, bool):
             raise ConfigError(f"{key_path}.enabled", enabled, "must be true or false")
-        if not enabled:
+        if enabled:
+            out.append((name, key_path, args))
+    return out
+
+
+def _no_pods() -> tuple[dict[str, Any], dict[str, Any]]:
+    return {}, {}
+
+
+def validate_tasks(settings: Settings) -> list[str]:
+    """The one check of ``tasks:`` that ``run`` (inside ``build_tasks``), ``check-config``
+    and reload share: the mapping, ``enabled``, the entry point, then the factory's
+    optional ``validate(init)``, which checks the args (and rules across tasks, through
+    ``init.shared``, fresh per pass) without building anything. The core cannot know a
+    task's keys; the task's own validator is the one source of that truth. Returns the
+    enabled tasks' names."""
+    shared: dict[str, Any] = {}
+    for name, key_path, args in _enabled_tasks(settings):
+        factory = resolve_factory(name, key_path, TASK_GROUP)
+        validate = getattr(factory, "validate", None)
+        if validate is None:
             continue
+        init = TaskInit(name=name, args=args, key_path=key_path, snapshot=_no_pods,
+                        host=settings.host, rules=settings.rules, shared=shared)
+        try:
+            validate(init)
+        except HookConfigError as exc:
+            raise _config_error(exc) from exc
+    return [name for name, _, _ in _enabled_tasks(settings)]
+
+
+def validate(settings: Settings) -> tuple[list[BoundHook], list[str]]:
+    """Everything ``run`` checks before it listens, for ``check-config``: the hooks
+    (built, so plugins validate their args) and the tasks; the chain and task names."""
+    hooks = build_hooks(settings)
+    return hooks, validate_tasks(settings)
+
+
+def build_tasks(settings: Settings, base: TaskInit) -> list[tuple[str, TaskFactory]]:
+    """Background tasks named under ``tasks:`` (``{name: {enabled: bool, ...args}}``),
+    found by entry point; the supervisor runs them. ``base`` carries the process's
+    services (snapshot, registry, routes...); each task gets it with its own name and
+    args. Validated first by ``validate_tasks`` (as check-config and reload do), then
+    built, so a bad name or bad args exit 2 like any other config error."""
+    validate_tasks(settings)
+    out: list[tuple[str, TaskFactory]] = []
+    for name, key_path, args in _enabled_tasks(settings):
         factory = resolve_factory(name, key_path, TASK_GROUP)
         init = dataclasses.replace(base, name=name, args=args, key_path=key_path,
                                    host=settings.host, rules=settings.rules)

@@ -41,6 +41,21 @@ def test_demo_once_runs_the_pods_and_cleans_up(tmp_path: Path) -> None:
     assert leftovers.stdout.strip() == ""
 
 
+def test_demo_without_workdir_leaves_no_work_dir_behind() -> None:
+    """The default work dir (store, pod logs) lives in the private /tmp dir and goes with
+    it; nothing is created under /var/tmp (it used to be /var/tmp/koord-runtime-proxy-demo)."""
+    var_tmp_before = set(Path("/var/tmp").iterdir())
+    done = subprocess.run([sys.executable, "-m", "runtimeproxy.cli", "demo", "--once"],
+                          capture_output=True, text=True, timeout=240, check=False)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    work = re.search(r"^work dir (\S+) \(removed at the end\)$", out, re.MULTILINE)
+    assert work is not None, out
+    assert work[1].startswith("/tmp/krp-") and not Path(work[1]).exists()
+    assert "koord-runtime-proxy top" in out  # the store was there while the demo ran
+    assert set(Path("/var/tmp").iterdir()) - var_tmp_before == set()
+
+
 @pytest.fixture
 def mounted(tmp_path: Path) -> Iterator[Path]:
     base = tmp_path / "work"

@@ -84,7 +84,9 @@ def test_bad_durations_name_key_and_value(raw: object) -> None:
 
 @pytest.mark.parametrize("listen", ["127.0.0.1:0", "[::1]:9316", "node-1.local:65535", ""])
 def test_metrics_listen_accepts(listen: str) -> None:
-    assert config.from_mapping({"metrics": {"listen": listen}}).metrics_listen == listen
+    # A non-loopback address is refused unless allowed: tests/unit/test_insecure_settings.py.
+    allow = {"allow_insecure": {"metrics_listen": True}}
+    assert config.from_mapping({"metrics": {"listen": listen}, **allow}).metrics_listen == listen
 
 
 def test_other_settings_parse() -> None:
@@ -270,7 +272,8 @@ def test_check_config_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert cli.main(["check-config", "--config", str(good)]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("config ok: listen=/var/run/koord-runtimeproxy/runtimeproxy.sock")
-    assert out.splitlines()[1:] == ["1. shares\tFail\t0.2s\tPreCreateContainer,PreUpdateContainerResources"]
+    assert out.splitlines()[1:] == ["1. shares\tFail\t0.2s\tPreCreateContainer,PreUpdateContainerResources",
+                                   "tasks: none"]
 
     bad = _write(tmp_path / "bad.yaml", {"hooks": [{"name": "shares", "plugin": "example-cpu-shares",
                                                     "args": {"cpu_shares": 1}}]})

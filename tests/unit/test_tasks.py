@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from runtimeproxy import config, plugins
 from runtimeproxy.hookapi import PodInfo, PodMeta
@@ -138,3 +139,68 @@ async def test_routes_and_expositions_are_refused_once_the_endpoint_serves(
     assert (await proxy.http_get("/debug/late"))[0] == 404
     status, body = await proxy.http_get("/metrics")
     assert status == 200 and b"early_metric 1\n" in body and b"late 1\n" not in body
+
+
+# --- one validator for run, check-config and reload (issue 14, item 9) ----------------
+
+BAD_TASKS = [
+    ({"metrics": {"tiers": {"raw": "0s"}}}, "tasks.metrics.tiers.raw"),  # bad tier
+    ({"metrics": {"tiers": {"step": "7m"}}}, "tasks.metrics.tiers.coarse_step"),  # tiers that do not fit
+    ({"metrics": {"intervals": {"pods": "1x"}}}, "tasks.metrics.intervals.pods"),  # bad interval
+    ({"metrics": {"dbpath": "/x"}}, "tasks.metrics.dbpath"),  # unknown key
+    ({"metrics": {"kube": "yes"}}, "tasks.metrics.kube"),  # wrong type
+    ({"metrics": {"enabled": "yes"}}, "tasks.metrics.enabled"),
+    ({"metrics": "on"}, "tasks.metrics"),
+    ({"no-such-task": {}}, "tasks.no-such-task"),
+    ({"qos-manager": {}}, "tasks.qos-manager"),  # needs metrics before it
+    ({"metrics": {}, "qos-manager": {"evict_mode": "api"}}, "tasks.qos-manager.evict_mode"),  # needs kube
+    ({"metrics": {}, "qos-manager": {"fast_interval": "10ms"}}, "tasks.qos-manager.fast_interval"),
+    ({"metrics": {}, "qos-manager": {"cgroup_driver": "cgroup"}}, "tasks.qos-manager.cgroup_driver"),
+]
+
+
+@pytest.mark.parametrize(("tasks", "key"), BAD_TASKS, ids=[k for _, k in BAD_TASKS])
+def test_check_config_refuses_what_run_refuses(
+    tasks: dict[str, Any], key: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from runtimeproxy import cli
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"hookserver_dir": "", "tasks": tasks}))
+    assert cli.main(["check-config", "--config", str(path)]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert f"invalid configuration: {key}:" in err
+    # ``run`` refuses the same file with the same key, through the same validator.
+    settings = config.load(path)
+    with pytest.raises(config.ConfigError) as refused:
+        plugins.build_tasks(settings, plugins.task_base(Store().snapshot))
+    assert refused.value.key_path == key
+
+
+def test_check_config_accepts_valid_tasks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from runtimeproxy import cli
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"hookserver_dir": "", "tasks": {
+        "metrics": {"kube": True, "tiers": {"raw": "1h"}}, "qos-manager": {"evict_mode": "api"}}}))
+    assert cli.main(["check-config", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("config ok:") and out.splitlines()[-1] == "tasks: metrics, qos-manager"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("tasks", "key"), BAD_TASKS[::3], ids=[k for _, k in BAD_TASKS[::3]])
+async def test_reload_refuses_bad_tasks_and_keeps_the_running_config(
+    tasks: dict[str, Any], key: str, fake_runtime: Any, start_proxy: Any
+) -> None:
+    proxy = await start_proxy(fake_runtime, config_file=True)
+    old_chain, old_settings = proxy.app.chain, proxy.app.settings
+    data = yaml.safe_load(proxy.config_path.read_text())
+    data["tasks"] = tasks
+    proxy.config_path.write_text(yaml.safe_dump(data))
+
+    assert await proxy.app.reload("test") is False
+
+    assert proxy.app.settings is old_settings and proxy.app.chain is old_chain
+    assert proxy.sample("koord_runtime_proxy_config_reloads_total", {"result": "error"}) == 1
+    assert proxy.sample("koord_runtime_proxy_config_reloads_total", {"result": "ok"}) == 0
