@@ -27,18 +27,22 @@ from runtimeproxy.chain import HookChain
 from runtimeproxy.config import ConfigError, Settings, load
 from runtimeproxy.grpcbackend import GrpcBackend
 from runtimeproxy.grpcserver import ProxyHandler, ProxyServer
+from runtimeproxy.history import ChangeHistory
 from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, TaskInit
 from runtimeproxy.lifecycle import Lifecycle, SkipLabel
 from runtimeproxy.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.reconcile import Reconciler
 from runtimeproxy.remote import registration_fingerprint
-from runtimeproxy.store import Store, rebuild
+from runtimeproxy.resync import Resyncer, watch_reconnects
+from runtimeproxy.store import CHANGES_PER_POD, Store, rebuild
 from runtimeproxy.supervisor import Supervisor
 
 log = structlog.get_logger("runtimeproxy.app")
 
 VERSION_METHOD = "/runtime.v1.RuntimeService/Version"
-_RESTART_ONLY = ("listen", "socket_mode", "backend", "metrics_listen", "max_message_bytes", "tasks")
+_RESTART_ONLY = ("listen", "socket_mode", "backend", "metrics_listen", "max_message_bytes", "tasks", "state_dir")
+#: Pods whose change history is kept on disk (each its last CHANGES_PER_POD changes).
+HISTORY_PODS = 512
 
 
 class App:
@@ -52,7 +56,9 @@ class App:
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="hooks")
         # Built here so a bad plugin or stage fails start-up, before the socket exists.
         self.chain: HookChain = plugins.build_chain(settings, executor=self._executor, observer=self.metrics)
-        self.store = Store()
+        history = (ChangeHistory(Path(settings.state_dir), per_pod=CHANGES_PER_POD, max_pods=HISTORY_PODS)
+                   if settings.state_dir else None)
+        self.store = Store(history)
         self.backend = GrpcBackend(settings.backend, max_message_bytes=settings.max_message_bytes)
         self.lifecycle = Lifecycle(
             store=self.store, backend=self.backend, chain=lambda: self.chain,
@@ -64,9 +70,12 @@ class App:
             max_message_bytes=settings.max_message_bytes, handler=handler,
         )
         self.supervisor = Supervisor()
+        self.resyncer = Resyncer(store=self.store, backend=self.backend,
+                                 interval=lambda: self.settings.resync_interval)
         self.reconciler = Reconciler(
             store=self.store, chain=lambda: self.chain, skipped=self._skipped,
             interval=lambda: self.settings.reconcile_interval,
+            refresh=lambda: self.resyncer.run_once("reconcile"),
         )
         self.http: HttpEndpoint | None = None
         self._routes: dict[str, Route] = {"/debug/explain": self._explain_route}
@@ -92,6 +101,7 @@ class App:
             loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             loop.add_signal_handler(signal.SIGINT, self._stop.set)
             loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
+        self.store.restore_history()
         await self.server.start()
         await self._start_http()
         self.supervisor.add("config-watch", self._watch_config)
@@ -102,6 +112,9 @@ class App:
         await self._wait_backend()
         if not self._stop.is_set():
             await self._rebuild_store()
+            self.supervisor.add("resync", self.resyncer.run_forever)
+            channel = self.backend.channel_for(VERSION_METHOD)
+            self.supervisor.add("backend-watch", lambda: watch_reconnects(channel, self.resyncer.trigger))
             self._ready = True
             # First pass right away: pods created while we were down get their settings now.
             self.supervisor.add("reconciler", self.reconciler.run_forever)
@@ -138,6 +151,7 @@ class App:
         await plugins.close_hooks(self.chain.hooks)
         await self.backend.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
         log.info("stopped")
         return 0
 
@@ -177,7 +191,8 @@ class App:
             # Lazy per-object loading still covers what the rebuild missed.
             log.error("store_rebuild_failed", error=str(exc))
             return
-        log.info("store_rebuilt", pods=pods, containers=containers)
+        # Change history restored from disk for pods removed while we were down goes now.
+        log.info("store_rebuilt", pods=pods, containers=containers, history_pruned=self.store.prune_changes())
 
     # --- reload ------------------------------------------------------------------
 
@@ -257,7 +272,9 @@ class App:
 
     async def _explain_route(self, query: dict[str, str]) -> tuple[int, str, bytes]:
         if not query.get("pod"):
-            body: dict[str, Any] = {"node": True, "tasks": self._task_views(None)}
+            known_pods, known_containers = self.store.ids()
+            store = {"pods": len(known_pods), "containers": len(known_containers)}
+            body: dict[str, Any] = {"node": True, "store": store, "tasks": self._task_views(None)}
             return 200, "application/json", json.dumps(body, indent=2, default=str).encode()
         namespace, _, name = query.get("pod", "").partition("/")
         pod = self.store.find_pod(namespace, name) if name else None
