@@ -76,7 +76,8 @@ class Resyncer:
 async def watch_reconnects(channel: grpc.aio.Channel, on_reconnect: Callable[[], None]) -> None:
     """Call ``on_reconnect`` each time the channel is READY again after leaving READY
     (containerd restarted, or was unreachable for a while). Watching the channel's
-    state costs no calls and never makes it connect."""
+    state costs no calls; after a loss it asks the channel to reconnect (grpc's
+    back-off, at most ``backend.max_reconnect_backoff``)."""
     state = channel.get_state(try_to_connect=False)
     lost = state is grpc.ChannelConnectivity.TRANSIENT_FAILURE
     seen_ready = state is grpc.ChannelConnectivity.READY
@@ -90,3 +91,7 @@ async def watch_reconnects(channel: grpc.aio.Channel, on_reconnect: Callable[[],
             lost, seen_ready = False, True
         elif state is grpc.ChannelConnectivity.TRANSIENT_FAILURE or seen_ready:
             lost = True
+            if state is grpc.ChannelConnectivity.IDLE:
+                # A lost connection goes IDLE and would wait for the next call; ask for a
+                # reconnect now, so the re-sync does not depend on kubelet's traffic.
+                state = channel.get_state(try_to_connect=True)

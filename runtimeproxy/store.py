@@ -351,7 +351,8 @@ async def resync(store: Store, backend: Backend, *, timeout: float = 5.0) -> Res
     for cid in known_containers:
         if cid not in containers and store.container(cid) is not None and not store.changed_since(cid, mark):
             store.remove_container(cid)
-            counts["containers_dropped"] += 1
+    counts["containers_dropped"] = sum(1 for cid in known_containers
+                                       if cid not in containers and store.container(cid) is None)
     for sid, state in pod_states.items():
         if store.changed_since(sid, mark):
             continue
