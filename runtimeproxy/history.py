@@ -165,11 +165,11 @@ class ChangeHistory:
             log.warning("change_history_not_saved", path=str(self.path), error=str(exc), kept="in memory only")
         while (item := self._queue.get()) is not _STOP:
             if failed:
-                continue
+                continue  # keep draining: the queue must not grow
             try:
                 assert isinstance(item, tuple)
                 self._write(item)
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - a disk error (or a bug) must not kill the writer
                 failed = True  # one warning; the in-memory log (explain) is unaffected
                 log.warning("change_history_not_saved", path=str(self.path), error=str(exc), kept="in memory only")
         if self._file is not None:

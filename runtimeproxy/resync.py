@@ -61,16 +61,18 @@ class Resyncer:
         return result
 
     async def run_forever(self) -> None:
-        reason = "interval"
+        """Started right after the start-up rebuild, so it waits first."""
+        timeout, reason = self._interval(), "interval"
         while True:
-            self._wake.clear()
-            ok = await self.run_once(reason) is not None
-            timeout = self._interval() if ok else min(RETRY_INTERVAL, self._interval())
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=timeout)
                 reason = "reconnect"
             except TimeoutError:
-                reason = "interval" if ok else "retry"
+                pass
+            self._wake.clear()  # a trigger during the re-sync below runs another one
+            ok = await self.run_once(reason) is not None
+            timeout = self._interval() if ok else min(RETRY_INTERVAL, self._interval())
+            reason = "interval" if ok else "retry"
 
 
 async def watch_reconnects(channel: grpc.aio.Channel, on_reconnect: Callable[[], None]) -> None:
