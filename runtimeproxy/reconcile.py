@@ -81,12 +81,15 @@ class Reconciler:
         live = [pod for pod in pods.values() if not self._skipped(pod)]
         if pod_hooks:
             for pod in live:
-                await self._one(chain, PodContext(Stage.RECONCILE_POD_SANDBOX, pod), counts)
+                if self._store.active_pod(pod.id):  # checked again: earlier hooks of this pass took time
+                    await self._one(chain, PodContext(Stage.RECONCILE_POD_SANDBOX, pod), counts)
         n_containers = 0
         if container_hooks:
             for pod_id, container in containers.values():
                 owner = pods.get(pod_id)
-                if owner is None or self._skipped(owner) or not self._store.active_container(container.id):
+                if owner is None or self._skipped(owner):
+                    continue
+                if not (self._store.active_pod(pod_id) and self._store.active_container(container.id)):
                     continue
                 n_containers += 1
                 await self._one(chain, ContainerContext(Stage.RECONCILE_CONTAINER, owner, container), counts)

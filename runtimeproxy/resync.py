@@ -53,7 +53,8 @@ class Resyncer:
                     log.warning("store_resync_failed", reason=reason, error=str(exc))
                 return None
         recovered, self._failing = self._failing, False
-        emit = log.info if result.changed or recovered else log.debug
+        # States learnt here changed behind the proxy's back (a container exited by itself).
+        emit = log.info if result.changed or result.states_changed or recovered else log.debug
         emit("store_resynced", reason=reason, pods=result.pods, containers=result.containers,
              pods_added=result.pods_added, pods_dropped=result.pods_dropped,
              containers_added=result.containers_added, containers_dropped=result.containers_dropped,
