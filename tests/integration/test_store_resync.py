@@ -112,8 +112,8 @@ def test_pod_removed_at_containerd_is_dropped_and_never_warned_about(proxy: Any,
     _wait(lambda: _explain(proxy, "behind-back") == 404, "explain to forget the removed pod")
     # A pass already under way when the pod went may still have met it; from the re-sync
     # that dropped it on, no pass does.
-    dropped = _index(proxy, lambda e: e.get("event") == "store_resynced" and e["pods_dropped"] >= 1
-                     and e["containers_dropped"] >= 1, start)
+    # (The container may go in an earlier re-sync than its pod: it was removed first.)
+    dropped = _index(proxy, lambda e: e.get("event") == "store_resynced" and e["pods_dropped"] >= 1, start)
     _passes(proxy, 3)
     assert _warnings_for(proxy, "behind-back", dropped) == [], "the reconciler visited a pod containerd no longer has"
 
