@@ -101,7 +101,6 @@ class App:
             loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             loop.add_signal_handler(signal.SIGINT, self._stop.set)
             loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
-        self.store.restore_history()
         await self.server.start()
         await self._start_http()
         self.supervisor.add("config-watch", self._watch_config)
@@ -111,6 +110,8 @@ class App:
         await self.supervisor.start()
         await self._wait_backend()
         if not self._stop.is_set():
+            # Here, not before listening: a start-up that fails (exit 2) touches no state file.
+            self.store.restore_history()
             await self._rebuild_store()
             self.supervisor.add("resync", self.resyncer.run_forever)
             channel = self.backend.channel_for(VERSION_METHOD)
