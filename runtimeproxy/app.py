@@ -27,20 +27,24 @@ from runtimeproxy.chain import HookChain, HookPools
 from runtimeproxy.config import ConfigError, Settings, load
 from runtimeproxy.grpcbackend import GrpcBackend
 from runtimeproxy.grpcserver import ProxyHandler, ProxyServer
+from runtimeproxy.history import ChangeHistory
 from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, TaskInit
 from runtimeproxy.hostwrites import FailureCollector
 from runtimeproxy.lifecycle import Lifecycle, SkipLabel
 from runtimeproxy.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.reconcile import Reconciler
 from runtimeproxy.remote import registration_fingerprint
-from runtimeproxy.store import Store, rebuild
+from runtimeproxy.resync import Resyncer, watch_reconnects
+from runtimeproxy.store import CHANGES_PER_POD, Store, rebuild
 from runtimeproxy.supervisor import Supervisor
 
 log = structlog.get_logger("runtimeproxy.app")
 
 VERSION_METHOD = "/runtime.v1.RuntimeService/Version"
 _RESTART_ONLY = ("listen", "socket_mode", "backend", "metrics_listen", "max_message_bytes", "tasks",
-                 "metrics_max_connections", "metrics_idle_timeout", "metrics_fd_reserve")
+                 "metrics_max_connections", "metrics_idle_timeout", "metrics_fd_reserve", "state_dir")
+#: Pods whose change history is kept on disk (each its last CHANGES_PER_POD changes).
+HISTORY_PODS = 512
 
 
 class App:
@@ -55,7 +59,9 @@ class App:
         self._pools = HookPools()  # sync hooks' threads: a bounded pool per hook, kept across reloads
         # Built here so a bad plugin or stage fails start-up, before the socket exists.
         self.chain: HookChain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics)
-        self.store = Store()
+        history = (ChangeHistory(Path(settings.state_dir), per_pod=CHANGES_PER_POD, max_pods=HISTORY_PODS)
+                   if settings.state_dir else None)
+        self.store = Store(history)
         self.backend = GrpcBackend(settings.backend, max_message_bytes=settings.max_message_bytes)
         self.lifecycle = Lifecycle(
             store=self.store, backend=self.backend, chain=lambda: self.chain,
@@ -68,9 +74,12 @@ class App:
         )
         self.supervisor = Supervisor()
         self.monitor = self._backend_monitor(settings)
+        self.resyncer = Resyncer(store=self.store, backend=self.backend,
+                                 interval=lambda: self.settings.resync_interval)
         self.reconciler = Reconciler(
             store=self.store, chain=lambda: self.chain, skipped=self._skipped,
             interval=lambda: self.settings.reconcile_interval,
+            refresh=lambda: self.resyncer.run_once("reconcile"),
         )
         self.http: HttpEndpoint | None = None
         self._routes: dict[str, Route] = {"/debug/explain": self._explain_route}
@@ -112,7 +121,12 @@ class App:
         await self._wait_backend()
         if not self._stop.is_set():
             self.supervisor.add("backend-probe", self.monitor.run_forever)
+            # Here, not before listening: a start-up that fails (exit 2) touches no state file.
+            self.store.restore_history()
             await self._rebuild_store()
+            self.supervisor.add("resync", self.resyncer.run_forever)
+            channel = self.backend.channel_for(VERSION_METHOD)
+            self.supervisor.add("backend-watch", lambda: watch_reconnects(channel, self.resyncer.trigger))
             self._ready = True
             self.metrics.up.set(1)
             # First pass right away: pods created while we were down get their settings now.
@@ -152,6 +166,7 @@ class App:
         await plugins.close_hooks(self.chain.hooks)
         await self.backend.close()
         self._pools.shutdown()
+        self.store.close()
         log.info("stopped")
         return 0
 
@@ -229,7 +244,8 @@ class App:
             # Lazy per-object loading still covers what the rebuild missed.
             log.error("store_rebuild_failed", error=str(exc))
             return
-        log.info("store_rebuilt", pods=pods, containers=containers)
+        # Change history restored from disk for pods removed while we were down goes now.
+        log.info("store_rebuilt", pods=pods, containers=containers, history_pruned=self.store.prune_changes())
 
     # --- reload ------------------------------------------------------------------
 
@@ -312,7 +328,9 @@ class App:
 
     async def _explain_route(self, query: dict[str, str]) -> tuple[int, str, bytes]:
         if not query.get("pod"):
-            body: dict[str, Any] = {"node": True, "tasks": self._task_views(None)}
+            known_pods, known_containers = self.store.ids()
+            store = {"pods": len(known_pods), "containers": len(known_containers)}
+            body: dict[str, Any] = {"node": True, "store": store, "tasks": self._task_views(None)}
             return 200, "application/json", json.dumps(body, indent=2, default=str).encode()
         namespace, _, name = query.get("pod", "").partition("/")
         pod = self.store.find_pod(namespace, name) if name else None

@@ -117,6 +117,10 @@ class Settings:
     reload_poll_interval: float = 2.0
     #: Period of the reconciler's pass (hooks' Reconcile* stages); koordlet uses 10 s too.
     reconcile_interval: float = 10.0
+    #: Period of the store's re-sync with containerd (pods removed or created behind the proxy's back).
+    resync_interval: float = 60.0
+    #: Where state kept across restarts lives (explain's change history); empty keeps it in memory only.
+    state_dir: str = "/var/lib/koord-runtime-proxy"
     host: HostRoots = HostRoots()
     rules: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
     tasks: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
@@ -132,7 +136,7 @@ _TOP_KEYS: Final = frozenset(
     {
         "listen", "socket_mode", "backend", "hooks", "hookserver_dir", "skip_label",
         "metrics", "log", "shutdown_grace", "max_message_bytes", "reload_poll_interval", "reconcile_interval",
-        "host", "rules", "tasks", "allow_insecure",
+        "host", "rules", "tasks", "allow_insecure", "resync_interval", "state_dir",
     }
 )
 #: ``allow_insecure.<key>: true`` accepts one risk that is otherwise refused (exit 2 at
@@ -367,6 +371,20 @@ def _positive_int(value: object, key_path: str, minimum: int) -> int:
     return value
 
 
+def _resync_interval(value: object) -> float:
+    seconds = parse_duration(value, "resync_interval")
+    if seconds < 1.0:  # each resync lists every sandbox and container at containerd
+        raise ConfigError("resync_interval", value, "must be at least 1s")
+    return seconds
+
+
+def _state_dir(value: object) -> str:
+    path = _string(value, "state_dir")
+    if path and (not path.startswith("/") or "\0" in path):
+        raise ConfigError("state_dir", value, "must be an absolute path, or empty to keep state in memory only")
+    return path
+
+
 def from_mapping(data: object) -> Settings:
     """Validate a parsed YAML document (already merged with CLI overrides)."""
     top = _mapping(data, "<root>")
@@ -414,6 +432,8 @@ def from_mapping(data: object) -> Settings:
         reconcile_interval=parse_duration(
             top.get("reconcile_interval", default.reconcile_interval), "reconcile_interval"
         ),
+        resync_interval=_resync_interval(top.get("resync_interval", default.resync_interval)),
+        state_dir=_state_dir(top.get("state_dir", default.state_dir)),
         host=_host(top.get("host")),
         rules=types.MappingProxyType(dict(_mapping(top.get("rules"), "rules"))),
         tasks=types.MappingProxyType(dict(_mapping(top.get("tasks"), "tasks"))),

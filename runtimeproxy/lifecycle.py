@@ -108,7 +108,7 @@ class Lifecycle:
         async def after(reply: Reply) -> Context:
             sandbox_id = cri.RunPodSandboxResponse.FromString(reply.payload).pod_sandbox_id
             created = replace(pod, id=sandbox_id)
-            self._store.put_pod(created)
+            self._store.put_pod(created, cri.SANDBOX_READY)
             self._store.record_changes(pod.meta.uid, outcome.changes)
             return PodContext(Stage.POST_RUN_POD_SANDBOX, created)  # Post hooks learn the new id
 
@@ -143,6 +143,8 @@ class Lifecycle:
             self._store.record_changes(pod.meta.uid, outcome.changes)
             if remove:
                 self._store.remove_pod(sandbox_id)
+            else:
+                self._store.set_pod_state(sandbox_id, cri.SANDBOX_NOTREADY)
 
         return await self._forward(name, payload, call, deadline, PodContext(post, pod), after, outcome)
 
@@ -178,7 +180,7 @@ class Lifecycle:
             cid = cri.CreateContainerResponse.FromString(reply.payload).container_id
             logsetup.bind_container(name=container.meta.name, id=cid)
             created = replace(final.container, id=cid)
-            self._store.put_container(req.pod_sandbox_id, created)
+            self._store.put_container(req.pod_sandbox_id, created, cri.CONTAINER_CREATED)
             self._store.record_changes(pod.meta.uid, outcome.changes)
             return ContainerContext(Stage.POST_CREATE_CONTAINER, final.pod, created)  # Post hooks learn the new id
 
@@ -211,6 +213,8 @@ class Lifecycle:
             self._store.record_changes(pod.meta.uid, outcome.changes)
             if stages[0] is Stage.PRE_REMOVE_CONTAINER:
                 self._store.remove_container(container_id)
+            elif stages[0] in _STATE_AFTER:
+                self._store.set_container_state(container_id, _STATE_AFTER[stages[0]])
 
         post = ContainerContext(stages[1], pod, container)
         return await self._forward(name, payload, call, deadline, post, after, outcome)
@@ -317,6 +321,13 @@ class Lifecycle:
             log.error("post_hook_failed", hook=exc.hook, stage=exc.stage.value, reason=exc.reason)
             return
         self._store.record_changes(ctx.pod.meta.uid, outcome.changes)
+
+
+#: A container's state once these calls succeeded (the reconciler skips CREATED and EXITED).
+_STATE_AFTER: Final[Mapping[Stage, int]] = {
+    Stage.PRE_START_CONTAINER: cri.CONTAINER_RUNNING,
+    Stage.PRE_STOP_CONTAINER: cri.CONTAINER_EXITED,
+}
 
 
 def _deadline(call: CallInfo) -> float | None:

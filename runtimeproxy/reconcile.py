@@ -7,12 +7,16 @@ store's pods and containers and runs the chain's ``ReconcilePodSandbox`` and
 same code as at creation and rewrite only what differs, reporting their writes.
 It runs right after start-up, every ``reconcile_interval``, and at once after a
 config reload. The core stays generic: it never knows what a hook writes.
+
+Each pass first re-syncs the store with containerd (``refresh``), and leaves alone
+what kubelet is tearing down: NOTREADY sandboxes and CREATED/EXITED containers have
+no cgroup to keep (kubelet removes it first), so visiting them would only warn.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import structlog
@@ -41,8 +45,10 @@ class Reconciler:
         chain: Callable[[], HookChain],
         skipped: Callable[[PodInfo], bool],
         interval: Callable[[], float],
+        refresh: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self._store = store
+        self._refresh = refresh
         self._chain = chain
         self._skipped = skipped
         self._interval = interval
@@ -67,17 +73,23 @@ class Reconciler:
         container_hooks = chain.for_stage(Stage.RECONCILE_CONTAINER)
         if not pod_hooks and not container_hooks:
             return PassResult(0, 0, 0, 0)
+        if self._refresh is not None:
+            await self._refresh()
         pods, containers = self._store.snapshot()
         counts = [0, 0]  # writes, failures
+        pods = {sid: pod for sid, pod in pods.items() if self._store.active_pod(sid)}
         live = [pod for pod in pods.values() if not self._skipped(pod)]
         if pod_hooks:
             for pod in live:
-                await self._one(chain, PodContext(Stage.RECONCILE_POD_SANDBOX, pod), counts)
+                if self._store.active_pod(pod.id):  # checked again: earlier hooks of this pass took time
+                    await self._one(chain, PodContext(Stage.RECONCILE_POD_SANDBOX, pod), counts)
         n_containers = 0
         if container_hooks:
             for pod_id, container in containers.values():
                 owner = pods.get(pod_id)
                 if owner is None or self._skipped(owner):
+                    continue
+                if not (self._store.active_pod(pod_id) and self._store.active_container(container.id)):
                     continue
                 n_containers += 1
                 await self._one(chain, ContainerContext(Stage.RECONCILE_CONTAINER, owner, container), counts)

@@ -4,6 +4,11 @@ Stop/Start/Update calls carry only an id, so hooks at those stages need the
 context saved at Run/Create time. After a proxy restart the store is rebuilt from
 the backend (list + verbose status), including cgroup parents, resources and envs,
 which Koordinator's proxy loses. Records are immutable; the store only swaps them.
+
+``resync`` keeps it true afterwards: objects removed or created behind the proxy's
+back (directly at containerd, or while the proxy answered UNAVAILABLE) are dropped or
+learnt, and states (ready/not ready, created/running/exited) follow containerd's. It
+costs two List calls; verbose status is asked only for objects the store lacks.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import collections
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
@@ -22,10 +27,18 @@ from runtimeproxy.chain import Change
 from runtimeproxy.hookapi import ContainerInfo, PodInfo, Resources, frozen_map
 from runtimeproxy.patching import container_info, pod_info
 
+if TYPE_CHECKING:
+    from runtimeproxy.history import ChangeHistory
+
 log = structlog.get_logger("runtimeproxy.store")
 
 RUNTIME: Final = "/runtime.v1.RuntimeService/"
 CHANGES_PER_POD: Final = 256
+#: Removed ids remembered so a resync whose List predates the removal does not bring them back.
+_REMOVED_KEPT: Final = 4096
+#: States the reconciler leaves alone: kubelet removes their cgroups first.
+INACTIVE_POD_STATES: Final = frozenset({cri.SANDBOX_NOTREADY})
+INACTIVE_CONTAINER_STATES: Final = frozenset({cri.CONTAINER_CREATED, cri.CONTAINER_EXITED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,55 +48,155 @@ class ContainerRecord:
 
 
 class Store:
-    """Single-writer (the event loop); readers in other threads use ``snapshot()``."""
+    """Single-writer (the event loop); readers in other threads use ``snapshot()``.
 
-    def __init__(self) -> None:
+    States are CRI enum values (``cri.SANDBOX_READY``, ``cri.CONTAINER_RUNNING``...);
+    ``None`` = not known yet (treated as active). Every write bumps a sequence number
+    and stamps the object, so a resync can tell what changed after its List calls.
+    """
+
+    def __init__(self, history: ChangeHistory | None = None) -> None:
         self._pods: dict[str, PodInfo] = {}
         self._containers: dict[str, ContainerRecord] = {}
         self._changes: dict[str, collections.deque[Change]] = {}
+        self._pod_states: dict[str, int] = {}
+        self._container_states: dict[str, int] = {}
+        self._seq = 0
+        self._stamps: dict[str, int] = {}
+        self._removed: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._history = history
 
-    def put_pod(self, pod: PodInfo) -> None:
+    def restore_history(self) -> int:
+        """Load the change history kept on disk (at start, before the rebuild); returns pods restored."""
+        if self._history is None:
+            return 0
+        restored = self._history.load()
+        for uid, changes in restored.items():
+            self._changes[uid] = collections.deque(changes[-CHANGES_PER_POD:], maxlen=CHANGES_PER_POD)
+        return len(restored)
+
+    def close(self) -> None:
+        if self._history is not None:
+            self._history.close()
+
+    # --- sequence stamps (for resync) ----------------------------------------------
+
+    def mark(self) -> int:
+        return self._seq
+
+    def _stamp(self, object_id: str) -> None:
+        self._seq += 1
+        self._stamps[object_id] = self._seq
+
+    def _forget(self, object_id: str) -> None:
+        self._seq += 1
+        self._stamps.pop(object_id, None)
+        self._removed[object_id] = self._seq
+        self._removed.move_to_end(object_id)
+        while len(self._removed) > _REMOVED_KEPT:
+            self._removed.popitem(last=False)
+
+    def changed_since(self, object_id: str, mark: int) -> bool:
+        """Written or removed after ``mark``: a List taken at ``mark`` is stale for it."""
+        return self._stamps.get(object_id, 0) > mark or self._removed.get(object_id, 0) > mark
+
+    # --- pods and containers -----------------------------------------------------
+
+    def put_pod(self, pod: PodInfo, state: int | None = None) -> None:
         self._pods[pod.id] = pod
+        if state is not None:
+            self._pod_states[pod.id] = state
+        self._stamp(pod.id)
 
     def pod(self, sandbox_id: str) -> PodInfo | None:
         return self._pods.get(sandbox_id)
 
+    def set_pod_state(self, sandbox_id: str, state: int) -> None:
+        if sandbox_id in self._pods and self._pod_states.get(sandbox_id) != state:
+            self._pod_states[sandbox_id] = state
+            self._stamp(sandbox_id)
+
+    def pod_state(self, sandbox_id: str) -> int | None:
+        return self._pod_states.get(sandbox_id)
+
     def remove_pod(self, sandbox_id: str) -> PodInfo | None:
         for cid in [c for c, rec in self._containers.items() if rec.pod_id == sandbox_id]:
-            del self._containers[cid]
+            self.remove_container(cid)
         pod = self._pods.pop(sandbox_id, None)
+        self._pod_states.pop(sandbox_id, None)
+        self._forget(sandbox_id)
         if pod is not None and not any(p.meta.uid == pod.meta.uid for p in self._pods.values()):
             self._changes.pop(pod.meta.uid, None)
+            if self._history is not None:
+                self._history.forget(pod.meta.uid)
         return pod
 
-    def put_container(self, pod_id: str, info: ContainerInfo) -> None:
+    def put_container(self, pod_id: str, info: ContainerInfo, state: int | None = None) -> None:
         self._containers[info.id] = ContainerRecord(pod_id, info)
+        if state is not None:
+            self._container_states[info.id] = state
+        self._stamp(info.id)
 
     def container(self, container_id: str) -> ContainerRecord | None:
         return self._containers.get(container_id)
+
+    def set_container_state(self, container_id: str, state: int) -> None:
+        if container_id in self._containers and self._container_states.get(container_id) != state:
+            self._container_states[container_id] = state
+            self._stamp(container_id)
+
+    def container_state(self, container_id: str) -> int | None:
+        return self._container_states.get(container_id)
 
     def update_container_resources(self, container_id: str, resources: Resources) -> None:
         rec = self._containers.get(container_id)
         if rec is not None:
             self._containers[container_id] = replace(rec, info=replace(rec.info, resources=resources))
+            self._stamp(container_id)
 
     def remove_container(self, container_id: str) -> ContainerRecord | None:
+        self._container_states.pop(container_id, None)
+        self._forget(container_id)
         return self._containers.pop(container_id, None)
+
+    def active_pod(self, sandbox_id: str) -> bool:
+        return self._pod_states.get(sandbox_id) not in INACTIVE_POD_STATES
+
+    def active_container(self, container_id: str) -> bool:
+        return self._container_states.get(container_id) not in INACTIVE_CONTAINER_STATES
+
+    def ids(self) -> tuple[list[str], list[str]]:
+        return list(self._pods), list(self._containers)
 
     def snapshot(self) -> tuple[dict[str, PodInfo], dict[str, tuple[str, ContainerInfo]]]:
         """Copies, safe to hand to other threads (collectors, reconcilers)."""
         return dict(self._pods), {cid: (rec.pod_id, rec.info) for cid, rec in self._containers.items()}
 
+    # --- change log (what explain shows) -----------------------------------------
+
     def record_changes(self, pod_uid: str, changes: tuple[Change, ...]) -> None:
         """Keep a pod's change log; ignored once the pod is gone (Post of RemovePodSandbox)."""
         if changes and any(p.meta.uid == pod_uid for p in self._pods.values()):
             self._changes.setdefault(pod_uid, collections.deque(maxlen=CHANGES_PER_POD)).extend(changes)
+            if self._history is not None:
+                self._history.append(pod_uid, changes)
             for c in changes:  # what `explain` shows, also in the debug log
                 log.debug("change_recorded", hook=c.hook, stage=c.stage, target=c.target, old=c.old, new=c.new,
                           reason=c.reason)
 
     def changes(self, pod_uid: str) -> list[Change]:
         return list(self._changes.get(pod_uid, ()))
+
+    def prune_changes(self) -> int:
+        """Drop change logs of pods the store no longer has (e.g. removed while the proxy
+        was down, after a rebuild); returns how many."""
+        live = {p.meta.uid for p in self._pods.values()}
+        gone = [uid for uid in self._changes if uid not in live]
+        for uid in gone:
+            del self._changes[uid]
+            if self._history is not None:
+                self._history.forget(uid)
+        return len(gone)
 
     def find_pod(self, namespace: str, name: str) -> PodInfo | None:
         """The newest sandbox of a pod (by attempt)."""
@@ -201,22 +314,76 @@ async def load_container(backend: Backend, container_id: str, *, timeout: float 
     return ContainerRecord(pod_id=pod_id, info=record)
 
 
-async def rebuild(store: Store, backend: Backend, *, timeout: float = 5.0) -> tuple[int, int]:
-    """Relearn every sandbox and container; returns (pods, containers) loaded."""
-    pods = await _call(backend, "ListPodSandbox", cri.ListPodSandboxRequest(), cri.ListPodSandboxResponse, timeout)
-    n_pods = 0
-    for item in pods.items:
-        pod = await load_pod(backend, item.id, timeout=timeout)
-        if pod is not None:
-            store.put_pod(pod)
-            n_pods += 1
-    containers = await _call(
+@dataclass(frozen=True, slots=True)
+class ResyncResult:
+    pods: int
+    containers: int
+    pods_added: int
+    pods_dropped: int
+    containers_added: int
+    containers_dropped: int
+    states_changed: int
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.pods_added or self.pods_dropped or self.containers_added or self.containers_dropped)
+
+
+async def resync(store: Store, backend: Backend, *, timeout: float = 5.0) -> ResyncResult:
+    """Make the store match containerd: drop what it no longer lists, learn what it
+    lists that the store lacks (verbose status, as at start), take its states. Objects
+    the proxy itself wrote after the List calls began are left as they are."""
+    mark = store.mark()
+    listed_pods = await _call(
+        backend, "ListPodSandbox", cri.ListPodSandboxRequest(), cri.ListPodSandboxResponse, timeout
+    )
+    listed_containers = await _call(
         backend, "ListContainers", cri.ListContainersRequest(), cri.ListContainersResponse, timeout
     )
-    n_containers = 0
-    for c in containers.containers:
-        rec = await load_container(backend, c.id, timeout=timeout)
-        if rec is not None:
-            store.put_container(rec.pod_id or c.pod_sandbox_id, rec.info)
-            n_containers += 1
-    return n_pods, n_containers
+    pod_states = {p.id: int(p.state) for p in listed_pods.items}
+    containers = {c.id: c for c in listed_containers.containers}
+    known_pods, known_containers = store.ids()
+    counts = collections.Counter[str]()
+    for sid in known_pods:
+        if sid not in pod_states and not store.changed_since(sid, mark):
+            store.remove_pod(sid)
+            counts["pods_dropped"] += 1
+    for cid in known_containers:
+        if cid not in containers and store.container(cid) is not None and not store.changed_since(cid, mark):
+            store.remove_container(cid)
+    counts["containers_dropped"] = sum(1 for cid in known_containers
+                                       if cid not in containers and store.container(cid) is None)
+    for sid, state in pod_states.items():
+        if store.changed_since(sid, mark):
+            continue
+        if store.pod(sid) is not None:
+            counts["states_changed"] += store.pod_state(sid) != state
+            store.set_pod_state(sid, state)
+            continue
+        pod = await load_pod(backend, sid, timeout=timeout)
+        if pod is not None and not store.changed_since(sid, mark):
+            store.put_pod(pod, state)
+            counts["pods_added"] += 1
+    for cid, c in containers.items():
+        if store.changed_since(cid, mark):
+            continue
+        if store.container(cid) is not None:
+            counts["states_changed"] += store.container_state(cid) != c.state
+            store.set_container_state(cid, int(c.state))
+            continue
+        rec = await load_container(backend, cid, timeout=timeout)
+        if rec is not None and not store.changed_since(cid, mark):
+            store.put_container(rec.pod_id or c.pod_sandbox_id, rec.info, int(c.state))
+            counts["containers_added"] += 1
+    pods, all_containers = store.ids()
+    return ResyncResult(
+        pods=len(pods), containers=len(all_containers), pods_added=counts["pods_added"],
+        pods_dropped=counts["pods_dropped"], containers_added=counts["containers_added"],
+        containers_dropped=counts["containers_dropped"], states_changed=counts["states_changed"],
+    )
+
+
+async def rebuild(store: Store, backend: Backend, *, timeout: float = 5.0) -> tuple[int, int]:
+    """Relearn every sandbox and container at start; returns (pods, containers) loaded."""
+    result = await resync(store, backend, timeout=timeout)
+    return result.pods_added, result.containers_added

@@ -452,7 +452,7 @@ class ProxyLauncher:
         listen = socket_path or workdir / "proxy.sock"
         config_path = workdir / "config.yaml"
         doc = proxy_config_doc(listen=listen, backend=backend or self.backend, metrics_port=0,
-                               hooks=hooks, extra=extra)
+                               hooks=hooks, extra={"state_dir": str(workdir / "state"), **(extra or {})})
         config_path.write_text(yaml.safe_dump(doc, sort_keys=False))
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if pythonpath:

@@ -122,3 +122,31 @@ def test_second_instance_refuses_a_live_socket(proxy_factory: Any) -> None:
     assert running.healthz() == 200
     running.send(signal.SIGTERM)
     assert running.wait_exit() == 0
+
+
+def test_explain_history_survives_a_process_restart(proxy_factory: Any, pods: Any) -> None:
+    import urllib.request
+
+    import yaml
+
+    from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
+
+    shipped = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    extra = {"rules": shipped["rules"], "state_dir": str(proxy_factory.mkdtemp() / "state")}
+
+    def changes(proxy: Any) -> list[dict[str, Any]]:
+        url = f"http://127.0.0.1:{proxy.metrics_port}/debug/explain?pod=krp-test/remembered"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            found: list[dict[str, Any]] = json.loads(resp.read())["changes"]
+        return found
+
+    first = proxy_factory.start(shipped["hooks"], extra=extra)
+    pod = pods.sandbox("remembered", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"})
+    kubelet_creates_pod_cgroup(pod.linux.cgroup_parent)
+    pods.run(first.runtime(), pod)
+    before = changes(first)
+    assert any(c["hook"] == "group-identity" and c["target"].endswith("cpu.idle") for c in before), before
+    assert first.terminate() == 0
+
+    second = proxy_factory.start(shipped["hooks"], extra=extra)
+    assert changes(second)[:len(before)] == before, "explain forgot the changes recorded before the restart"

@@ -372,6 +372,7 @@ def proxy_settings(
         "hooks": list(hooks),
         "shutdown_grace": "1s",
         "reload_poll_interval": "1h",
+        "state_dir": str(dir_ / "state"),  # never the host's /var/lib
     }
     data.update(extra)
     return data

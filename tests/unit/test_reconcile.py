@@ -150,3 +150,23 @@ async def test_trigger_runs_a_pass_before_the_interval(tmp_path: Path) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+@pytest.mark.asyncio
+async def test_torn_down_objects_are_left_alone(tmp_path: Path) -> None:
+    """kubelet removes the cgroups of NOTREADY sandboxes and of CREATED/EXITED containers
+    first: visiting them would only fail (and warn) every pass."""
+    from criapi import cri_v1_pb2 as cri
+
+    store = _store("stopped", "created", "exited", "running")
+    store.set_pod_state("sb-stopped", cri.SANDBOX_NOTREADY)
+    store.set_container_state("c-created", cri.CONTAINER_CREATED)
+    store.set_container_state("c-exited", cri.CONTAINER_EXITED)
+    store.set_container_state("c-running", cri.CONTAINER_RUNNING)
+    keeper = FileKeeper(tmp_path)
+    result = await _reconciler(store, _bound("keeper", keeper)).run_once()
+    written = sorted(n for n in ("c-web", "c-stopped", "c-created", "c-exited", "c-running")
+                     if (tmp_path / n).exists())
+    assert written == ["c-running", "c-web"]
+    assert sorted(keeper.pods_seen) == ["created", "exited", "running", "web"]
+    assert (result.pods, result.containers) == (4, 2)
