@@ -26,6 +26,7 @@ from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
     Context,
+    HostRoots,
     Patch,
     PodContext,
     PodPatch,
@@ -34,6 +35,7 @@ from runtimeproxy.hookapi import (
     Stage,
     frozen_map,
 )
+from runtimeproxy.validate import PatchValidator
 
 log = structlog.get_logger("runtimeproxy.chain")
 
@@ -109,8 +111,11 @@ class HookChain:
         *,
         executor: ThreadPoolExecutor,
         observer: HookObserver | None = None,
+        validator: PatchValidator | None = None,
     ) -> None:
         self.hooks = tuple(hooks)
+        # Every patch is checked before it counts (runtimeproxy.validate): no hook, local or remote, bypasses it.
+        self._validator = validator if validator is not None else PatchValidator.for_host(HostRoots())
         self._executor = executor
         self._observer = observer
         self._by_stage: Mapping[Stage, tuple[BoundHook, ...]] = {
@@ -146,6 +151,8 @@ class HookChain:
                 raise TimeoutError
             result = await asyncio.wait_for(self._invoke(hook, ctx), timeout=budget)
             patch = _check_result(hook, ctx, result)
+            if patch is not None:
+                self._validator.check(ctx, patch)
         except asyncio.CancelledError:
             raise
         except TimeoutError:

@@ -23,6 +23,7 @@ from runtimeproxy.chain import BoundHook, HookChain, HookObserver, implemented_s
 from runtimeproxy.config import ConfigError, FailurePolicy, HookSettings, Settings
 from runtimeproxy.hookapi import HookConfigError, HookInit, PodSnapshot, Stage, TaskInit
 from runtimeproxy.remote import REMOTE_STAGES, Registration, RemoteHook, load_registrations
+from runtimeproxy.validate import PatchValidator
 
 log = structlog.get_logger("runtimeproxy.plugins")
 
@@ -124,7 +125,8 @@ def build_hooks(settings: Settings) -> list[BoundHook]:
 def build_chain(
     settings: Settings, *, executor: ThreadPoolExecutor, observer: HookObserver | None = None
 ) -> HookChain:
-    return HookChain(build_hooks(settings), executor=executor, observer=observer)
+    return HookChain(build_hooks(settings), executor=executor, observer=observer,
+                     validator=PatchValidator.for_host(settings.host))
 
 
 async def close_hooks(hooks: Sequence[BoundHook]) -> None:
