@@ -117,7 +117,7 @@ class KubeletPods:
         try:
             with urllib.request.urlopen(self._request(), timeout=self._timeout, context=self._ssl) as resp:
                 doc = json.loads(resp.read())
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+        except (urllib.error.URLError, OSError, ValueError, RecursionError) as exc:  # deep nesting: RecursionError
             self._problem("kubelet_pods_failed", error=str(exc))
             return None
         items = doc.get("items") if isinstance(doc, Mapping) else None
