@@ -431,7 +431,7 @@ def _stages_field(path: Path, data: Mapping[str, object], errors: list[str]) -> 
 def _load_file(path: Path) -> Registration | list[str]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:  # ValueError covers JSON and UTF-8 decoding
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: JSON and UTF-8; RecursionError: deep nesting
         return [f"{path}: invalid JSON file: {err}"]
     if not isinstance(data, dict):
         return [_field_error(path, "(top level)", type(data).__name__, "must be a JSON object")]
