@@ -9,7 +9,9 @@ through the same check. The pure rules are pinned below that."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +19,15 @@ import grpc
 import grpc.aio
 import pytest
 import pytest_asyncio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from criapi import cri_v1_pb2 as cri
 from criapi import hook_v1alpha1_pb2 as pb
 from criapi import hook_v1alpha1_pb2_grpc as pb_grpc
+from runtimeproxy.chain import BoundHook, HookChain
+from runtimeproxy.config import FailurePolicy
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerInfo,
@@ -500,3 +506,42 @@ def test_error_message_shows_a_bounded_value() -> None:
     with pytest.raises(PatchError) as err:
         container_check(ContainerPatch(annotations={"k": "x" * (1 << 20)}))
     assert len(str(err.value)) < 300
+
+
+# --- property: whatever a local hook returns, the chain keeps only valid patches ---------
+
+_ANY = st.one_of(st.none(), st.integers(-(2**64), 2**64), st.text(max_size=12), st.booleans(),
+                 st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=6), st.text(max_size=6),
+                                                                      max_size=2))
+_WILD_RESOURCES = st.builds(
+    ResourcesPatch, **{name: _ANY for name in ("cpu_period", "cpu_quota", "cpu_shares", "memory_limit_in_bytes",
+                                               "oom_score_adj", "cpuset_cpus", "cpuset_mems",
+                                               "memory_swap_limit_in_bytes", "unified")})
+_WILD_CONTAINER_PATCH = st.builds(ContainerPatch, annotations=_ANY, envs=_ANY, resources=st.none() | _WILD_RESOURCES,
+                                  pod_cgroup_parent=_ANY)
+
+
+class _Returns:
+    def __init__(self) -> None:
+        self.patch: object = None
+
+    def pre_create_container(self, ctx: ContainerContext) -> object:
+        return self.patch
+
+
+@settings(max_examples=250, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_WILD_CONTAINER_PATCH)
+def test_any_local_patch_is_kept_only_if_valid(patch: ContainerPatch) -> None:
+    impl = _Returns()
+    impl.patch = patch
+    bound = BoundHook("local", impl, frozenset({Stage.PRE_CREATE_CONTAINER}), FailurePolicy.IGNORE, 5.0)
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        chain = HookChain([bound], executor=executor, validator=VALIDATOR)
+        ctx = ContainerContext(Stage.PRE_CREATE_CONTAINER, POD, CONTAINER)
+        outcome = asyncio.run(chain.run(ctx, deadline=None))
+    try:
+        VALIDATOR.check(ctx, patch)
+    except Exception:
+        assert outcome.patches == ()
+    else:
+        assert outcome.patches in ((), (("local", patch),))
