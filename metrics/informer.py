@@ -165,7 +165,7 @@ def annotation_reserved_cpu_of(node: Mapping[str, Any]) -> float:
     where = f"node annotation {RESERVATION_ANNOTATION}"
     try:
         doc = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise ValueError(f"{where}: not JSON: {exc}") from None
     if not isinstance(doc, Mapping):
         raise ValueError(f"{where}: not a JSON object: {raw!r}")

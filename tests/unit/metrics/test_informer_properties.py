@@ -134,6 +134,7 @@ RESERVATION = st.one_of(
                                         "resources": st.fixed_dictionaries({}, optional={"cpu": QUANTITY}) | JSON})
     .map(json.dumps),
     st.text(max_size=20),
+    st.integers(1, 100_000).map(lambda n: "[" * n + "]" * n),
 )
 NODE = st.fixed_dictionaries({}, optional={
     # The API server's schema makes annotations a map of strings.
