@@ -215,7 +215,7 @@ def check_envs(field: str, envs: Mapping[str, str]) -> None:
         if not isinstance(name, str) or len(name) > MAX_ENV_NAME or not _ENV_NAME.fullmatch(name):
             raise PatchError(where, name, "an environment variable name must be a C identifier")
         if name == "PATH" or name.startswith("LD_"):
-            raise PatchError(where, name, "hooks may not set PATH or the dynamic loader's LD_* variables")
+            raise PatchError(where, value, "hooks may not set PATH or the dynamic loader's LD_* variables")
         if not isinstance(value, str) or "\x00" in value:
             raise PatchError(where, value, "an environment value must be a string without NUL")
         if len(value.encode("utf-8", "surrogatepass")) > MAX_ENV_VALUE:

@@ -182,9 +182,9 @@ BAD_ANSWERS: list[tuple[str, str, Callable[[Any], None], str, str]] = [
      "-2"),
     ("oom-score-adj", CREATE, _res("oom_score_adj", 1001), "container.resources.oom_score_adj", "1001"),
     ("pod-shares", RUN, _res("cpu_shares", 2**60), "pod.resources.cpu_shares", str(2**60)),
-    ("env-path", CREATE, _entry("container_envs", "PATH", "/evil"), "container.envs['PATH']", "PATH"),
+    ("env-path", CREATE, _entry("container_envs", "PATH", "/evil"), "container.envs['PATH']", "'/evil'"),
     ("env-ld-preload", CREATE, _entry("container_envs", "LD_PRELOAD", "/x.so"), "container.envs['LD_PRELOAD']",
-     "LD_PRELOAD"),
+     "'/x.so'"),
     ("env-name-equals", CREATE, _entry("container_envs", "A=B", "x"), "container.envs['A=B']", "A=B"),
     ("env-name-nul", CREATE, _entry("container_envs", "A\x00B", "x"), "container.envs['A\\x00B']", "A\\x00B"),
     ("env-value-nul", CREATE, _entry("container_envs", "GOOD", "a\x00b"), "container.envs['GOOD']", "a\\x00b"),
@@ -225,7 +225,7 @@ async def test_bad_remote_answer_under_ignore_drops_the_whole_patch(
     [line] = [e for e in logs if e["event"] == "hook_failed"]
     assert line["hook"] == "koordlet"
     assert line["policy"] == "Ignore"
-    assert field.split("[")[0] in line["reason"]
+    assert field in line["reason"]
     assert value in line["reason"]
     assert len(line["reason"]) < 400  # a 1 MB value is not copied into the log
 
