@@ -266,7 +266,7 @@ def check_cgroup_parent(field: str, value: object, current: str) -> None:
     if _kind(value) == "cgroupfs":
         parts, now = _path_parts(field, value), [p for p in current.split("/") if p]
         root = now[: now.index(_KUBEPODS) + 1] if _KUBEPODS in now else now[:1]
-        if parts[: len(root)] != root:
+        if not root or parts[: len(root)] != root:  # a parent of "/" confines nothing: refuse
             raise PatchError(field, value, f"outside the pod root /{'/'.join(root)} of {current!r}")
         return
     words, now_words = _slice_words(field, value), current.removesuffix(".slice").split("-")

@@ -363,6 +363,7 @@ def test_cgroup_parent_confined_under_the_pod_root_is_accepted(pod: PodInfo, par
         (POD, "/kubepods/" + "a" * 256),
         (PodInfo(meta=POD.meta, cgroup_parent="/koord-test-1/kubepods/burstable/p"), "/koord-test-2/kubepods/p"),
         (PodInfo(meta=POD.meta, cgroup_parent=""), "/kubepods/p"),
+        (PodInfo(meta=POD.meta, cgroup_parent="/"), "/kubepods/p"),
         (SLICE_POD, "system-evil.slice"),
         (SLICE_POD, "kubepods--x.slice"),
         (SLICE_POD, "-.slice"),
