@@ -98,6 +98,9 @@ def _shown(value: str) -> str:
 
 
 def _fail(pod: PodInfo, key: str, raw: str, reason: str) -> HookError:
+    # The reason quotes parsed values (a cpuset, a quantity): cut it too, so one huge
+    # annotation cannot make a huge log line.
+    reason = reason if len(reason) <= _SHOWN else reason[:_SHOWN] + "..."
     return HookError(f"pod {pod_name(pod)}: annotation {key}={_shown(raw)}: {reason}")
 
 
@@ -107,6 +110,8 @@ def load_object(raw: str) -> dict[str, object]:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise AnnotationError(f"invalid JSON: {exc}") from exc
+    except RecursionError:  # "[[[[...": json's decoder recurses per level
+        raise AnnotationError("invalid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise AnnotationError(f"expected a JSON object, got {type(data).__name__}")
     return data

@@ -23,14 +23,14 @@ from typing import Final, Literal
 
 from hooks.cpusets import CpuListError, format_cpu_list, parse_cpu_list
 from runtimeproxy.hookapi import HookError
+from runtimeproxy.validate import MAX_SHARES as MAX_SHARES  # one range for hook writes and patches
+from runtimeproxy.validate import MIN_SHARES as MIN_SHARES
 
 Version = Literal[1, 2]
 Driver = Literal["cgroupfs", "systemd"]
 Value = int | str
 
 DEFAULT_CFS_PERIOD: Final = 100_000
-MAX_SHARES: Final = 262_144
-MIN_SHARES: Final = 2
 PAGE_SIZE: Final = 4096
 MEMORY_UNLIMITED_V1: Final = 2**63 - PAGE_SIZE  # what v1 shows for "no limit"
 _CONTAINER_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")

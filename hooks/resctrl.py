@@ -225,6 +225,8 @@ class Resctrl:
             data = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise AnnotationError(f"invalid JSON: {exc}") from exc
+        except RecursionError:  # "[[[[...": json's decoder recurses per level
+            raise AnnotationError("invalid JSON: nested too deeply") from None
         data = _object(data, "annotation", frozenset(_SECTIONS))
         full_mask = f"{self.fs.l3_mask(0, 100):x}"
         schemata: dict[str, dict[int, str]] = {"L3": dict.fromkeys(self.fs.cache_ids("L3"), full_mask)}

@@ -117,7 +117,7 @@ class KubeletPods:
         try:
             with urllib.request.urlopen(self._request(), timeout=self._timeout, context=self._ssl) as resp:
                 doc = json.loads(resp.read())
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+        except (urllib.error.URLError, OSError, ValueError, RecursionError) as exc:  # deep nesting: RecursionError
             self._problem("kubelet_pods_failed", error=str(exc))
             return None
         items = doc.get("items") if isinstance(doc, Mapping) else None
@@ -165,7 +165,7 @@ def annotation_reserved_cpu_of(node: Mapping[str, Any]) -> float:
     where = f"node annotation {RESERVATION_ANNOTATION}"
     try:
         doc = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise ValueError(f"{where}: not JSON: {exc}") from None
     if not isinstance(doc, Mapping):
         raise ValueError(f"{where}: not a JSON object: {raw!r}")

@@ -35,6 +35,7 @@ from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
     Context,
+    HostRoots,
     Patch,
     PodContext,
     PodPatch,
@@ -44,6 +45,7 @@ from runtimeproxy.hookapi import (
     frozen_map,
 )
 from runtimeproxy.hostwrites import HOOK_DEADLINE, is_repeat
+from runtimeproxy.validate import PatchValidator
 
 log = structlog.get_logger("runtimeproxy.chain")
 
@@ -186,9 +188,12 @@ class HookChain:
         *,
         pools: HookPools | None = None,
         observer: HookObserver | None = None,
+        validator: PatchValidator | None = None,
     ) -> None:
         self.hooks = tuple(hooks)
         self._pools = HookPools() if pools is None else pools
+        # Every patch is checked before it counts (runtimeproxy.validate): no hook, local or remote, bypasses it.
+        self._validator = validator if validator is not None else PatchValidator.for_host(HostRoots())
         self._observer = observer
         self._by_stage: Mapping[Stage, tuple[BoundHook, ...]] = {
             stage: tuple(h for h in self.hooks if stage in h.stages) for stage in Stage
@@ -224,6 +229,8 @@ class HookChain:
             call_deadline = time.monotonic() + budget
             result = await asyncio.wait_for(self._invoke(hook, ctx, call_deadline), timeout=budget)
             patch = _check_result(hook, ctx, result)
+            if patch is not None:
+                self._validator.check(ctx, patch)
         except asyncio.CancelledError:
             raise
         except TimeoutError:

@@ -23,6 +23,7 @@ from runtimeproxy.config import ConfigError, FailurePolicy, HookSettings, Settin
 from runtimeproxy.filetrust import path_problem
 from runtimeproxy.hookapi import HookConfigError, HookInit, PodSnapshot, Stage, TaskInit
 from runtimeproxy.remote import REMOTE_STAGES, Registration, RemoteHook, load_registrations
+from runtimeproxy.validate import PatchValidator
 
 log = structlog.get_logger("runtimeproxy.plugins")
 
@@ -144,7 +145,8 @@ def build_hooks(settings: Settings) -> list[BoundHook]:
 
 
 def build_chain(settings: Settings, *, pools: HookPools, observer: HookObserver | None = None) -> HookChain:
-    return HookChain(build_hooks(settings), pools=pools, observer=observer)
+    return HookChain(build_hooks(settings), pools=pools, observer=observer,
+                     validator=PatchValidator.for_host(settings.host))
 
 
 async def close_hooks(hooks: Sequence[BoundHook]) -> None:

@@ -39,7 +39,7 @@ from typing import Any, Final, Literal, TypeVar
 
 import grpc
 import grpc.aio
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from criapi import hook_v1alpha1_pb2 as pb
 from runtimeproxy.hookapi import (
@@ -316,18 +316,20 @@ class RemoteHook:
     async def _invoke(
         self, stage: Stage, request: Message, response_type: type[_Response]
     ) -> _Response:
-        call = self._get_channel().unary_unary(
-            rpc_path(stage),
-            request_serializer=_serialize,
-            response_deserializer=response_type.FromString,
-        )
+        # The answer is decoded here, not by grpc: grpc turns a decoding error into a None
+        # response plus a stdlib-logged traceback; we want one HookError that says what happened.
+        call = self._get_channel().unary_unary(rpc_path(stage), request_serializer=_serialize)
         try:
-            response = await call(request, wait_for_ready=False)
+            raw = await call(request, wait_for_ready=False)
         except grpc.aio.AioRpcError as err:
             raise HookError(f"{self.reason}: {err.code().name}: {err.details()}") from err
-        if not isinstance(response, response_type):
-            raise HookError(f"{self.reason}: unexpected response type {type(response).__name__}")
-        return response
+        if not isinstance(raw, bytes):
+            raise HookError(f"{self.reason}: unexpected response type {type(raw).__name__}")
+        try:
+            return response_type.FromString(raw)
+        except DecodeError as err:
+            kind = response_type.__name__
+            raise HookError(f"{self.reason}: answer is not a {kind} ({len(raw)} bytes): {err}") from err
 
     def _get_channel(self) -> grpc.aio.Channel:
         """The channel for the running loop; a grpc.aio channel is bound to the loop
@@ -429,7 +431,7 @@ def _stages_field(path: Path, data: Mapping[str, object], errors: list[str]) -> 
 def _load_file(path: Path) -> Registration | list[str]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:  # ValueError covers JSON and UTF-8 decoding
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: JSON and UTF-8; RecursionError: deep nesting
         return [f"{path}: invalid JSON file: {err}"]
     if not isinstance(data, dict):
         return [_field_error(path, "(top level)", type(data).__name__, "must be a JSON object")]

@@ -189,7 +189,7 @@ class BurstStrategy:
             return node
         try:
             return parse_cpu_burst(json.loads(raw), f"annotation {ANNOTATION}", node)
-        except (json.JSONDecodeError, HookConfigError) as exc:
+        except (json.JSONDecodeError, RecursionError, HookConfigError) as exc:  # RecursionError: deep nesting
             if pod.uid not in self._warned:
                 self._warned.add(pod.uid)
                 log.warning("cpu_burst_annotation_ignored", pod=pod.key, reason=str(exc))

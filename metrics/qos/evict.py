@@ -143,7 +143,7 @@ def allowed(pod: PodView, feature: str) -> bool:
         return True
     try:
         names = json.loads(raw)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: "[[[[..." nested too deeply
         return False  # unreadable opt-in list: do not evict on a guess
     return isinstance(names, list) and feature in names
 

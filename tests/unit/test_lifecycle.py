@@ -84,7 +84,7 @@ async def test_patch_reaches_backend_request(fake_runtime, start_proxy, hook_mod
     hooks = [
         plugin_hook(
             hook_module, "tuner", "Patcher",
-            args={"cpu_shares": 777, "envs": {"PATH": "/usr/bin", "NEW": "x"}, "annotations": {"tuned": "yes"}},
+            args={"cpu_shares": 777, "envs": {"HOME": "/home/app", "NEW": "x"}, "annotations": {"tuned": "yes"}},
         )
     ]
     proxy = await start_proxy(fake_runtime, hooks=hooks)
@@ -95,7 +95,7 @@ async def test_patch_reaches_backend_request(fake_runtime, start_proxy, hook_mod
     [req] = fake_runtime.requests(CREATE, cri.CreateContainerRequest)
     assert req.config.linux.resources.cpu_shares == 777
     assert req.config.linux.resources.cpu_quota == 100000  # untouched by the patch
-    assert [(kv.key, kv.value) for kv in req.config.envs] == [("PATH", b"/usr/bin"), ("HOME", b"/root"), ("NEW", b"x")]
+    assert [(kv.key, kv.value) for kv in req.config.envs] == [("PATH", b"/bin"), ("HOME", b"/home/app"), ("NEW", b"x")]
     assert req.config.annotations == {"io.kubernetes.container.hash": "abc", "tuned": "yes"}
     assert proxy.calls_total(CREATE, "intercepted") == 1
     assert proxy.calls_total(CREATE, "passthrough") == 0
@@ -451,10 +451,20 @@ async def test_update_resources_hooks_see_merged_resources(fake_runtime, start_p
 # --- remote hook servers -------------------------------------------------------------
 
 
+def eight_cpus(directory: Path) -> str:
+    """A sys root whose node has CPUs 0-7 online: the fake servers' cpusets ("2-3", "4-5")
+    must pass the patch validator's online check on any test machine."""
+    online = directory / "sys" / "devices" / "system" / "cpu" / "online"
+    online.parent.mkdir(parents=True, exist_ok=True)
+    online.write_text("0-7\n")
+    return str(directory / "sys")
+
+
 @pytest.mark.asyncio
 async def test_remote_hook_server_patches_create(fake_runtime, start_proxy, hook_servers, short_dir: Path) -> None:
     koordlet = await hook_servers(short_dir / "k.sock", "koordlet")
-    proxy = await start_proxy(fake_runtime, hooks=[{"name": "koordlet", "remote": f"unix://{short_dir / 'k.sock'}"}])
+    hooks = [{"name": "koordlet", "remote": f"unix://{short_dir / 'k.sock'}"}]
+    proxy = await start_proxy(fake_runtime, hooks=hooks, host={"sys": eight_cpus(short_dir)})
 
     await proxy.call(RUN, run_request())
     await proxy.call(CREATE, create_request().SerializeToString())
@@ -512,7 +522,8 @@ async def test_hookserver_dir_runs_after_yaml_hooks_in_file_order(
     (hookdir / "10-a.json").write_text(registration_json(short_dir / "a.sock", ["PreCreateContainer"], "Fail"))
     (hookdir / "README.txt").write_text("not a registration")
     hooks = [plugin_hook(hook_module, "yaml-hook", "Tagger")]
-    proxy = await start_proxy(fake_runtime, hooks=hooks, hookserver_dir=str(hookdir))
+    host = {"sys": eight_cpus(short_dir)}
+    proxy = await start_proxy(fake_runtime, hooks=hooks, hookserver_dir=str(hookdir), host=host)
 
     assert [h.name for h in proxy.app.chain.hooks] == ["yaml-hook", "hookserver.d/10-a", "hookserver.d/20-b"]
     await proxy.call(CREATE, create_request().SerializeToString())

@@ -600,6 +600,7 @@ def test_missing_directory(tmp_path: Path) -> None:
 
 BAD_FILES = {
     "bad-json": ('{"remote-endpoint": ', "invalid JSON", None),
+    "deeply-nested-json": ("[" * 100_000 + "]" * 100_000, "invalid JSON", None),
     "not-object": (["PreRunPodSandbox"], "(top level)", "list"),
     "no-endpoint": ({"runtime-hooks": ["PreRunPodSandbox"]}, "remote-endpoint", None),
     "empty-endpoint": ({"remote-endpoint": ""}, "remote-endpoint", ""),
@@ -635,7 +636,7 @@ def test_bad_registration_file(tmp_path: Path, case: str) -> None:
     assert len(errors) == 1
     assert str(path) in errors[0]
     assert field in errors[0]
-    if case != "bad-json":
+    if "json" not in case:
         assert repr(value) in errors[0]
 
 

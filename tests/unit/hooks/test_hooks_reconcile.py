@@ -42,6 +42,7 @@ from runtimeproxy.hookapi import (
 )
 from runtimeproxy.reconcile import Reconciler
 from runtimeproxy.store import Store
+from runtimeproxy.validate import PatchValidator
 
 QOS = "koordinator.sh/qosClass"
 GI = 2**30
@@ -183,7 +184,7 @@ def build_chain(tmp_path: Path) -> HookChain:
         ("group-identity", GroupIdentity(HookInit("group-identity", {}, "hooks[3].args", host, RULES))),
     ]
     bound = [BoundHook(name, impl, implemented_stages(impl), FailurePolicy.FAIL, 5.0) for name, impl in impls]
-    return HookChain(bound)
+    return HookChain(bound, validator=PatchValidator.for_host(host))
 
 
 async def admit(chain: HookChain, store: Store) -> None:
