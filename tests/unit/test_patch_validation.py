@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from structlog.testing import capture_logs
 from criapi import cri_v1_pb2 as cri
 from criapi import hook_v1alpha1_pb2 as pb
 from criapi import hook_v1alpha1_pb2_grpc as pb_grpc
-from runtimeproxy.chain import BoundHook, HookChain
+from runtimeproxy.chain import BoundHook, HookChain, HookPools
 from runtimeproxy.config import FailurePolicy
 from runtimeproxy.hookapi import (
     ContainerContext,
@@ -536,10 +535,13 @@ def test_any_local_patch_is_kept_only_if_valid(patch: ContainerPatch) -> None:
     impl = _Returns()
     impl.patch = patch
     bound = BoundHook("local", impl, frozenset({Stage.PRE_CREATE_CONTAINER}), FailurePolicy.IGNORE, 5.0)
-    with ThreadPoolExecutor(max_workers=1) as executor:
-        chain = HookChain([bound], executor=executor, validator=VALIDATOR)
+    pools = HookPools()
+    try:
+        chain = HookChain([bound], pools=pools, validator=VALIDATOR)
         ctx = ContainerContext(Stage.PRE_CREATE_CONTAINER, POD, CONTAINER)
         outcome = asyncio.run(chain.run(ctx, deadline=None))
+    finally:
+        pools.shutdown()
     try:
         VALIDATOR.check(ctx, patch)
     except Exception:

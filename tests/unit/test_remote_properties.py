@@ -18,7 +18,6 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from hypothesis import strategies as st
 from criapi import cri_v1_pb2 as cri
 from criapi import hook_v1alpha1_pb2 as pb
 from runtimeproxy import patching
-from runtimeproxy.chain import BoundHook, HookChain, HookFailed
+from runtimeproxy.chain import BoundHook, HookChain, HookFailed, HookPools
 from runtimeproxy.config import FailurePolicy
 from runtimeproxy.hookapi import (
     ContainerContext,
@@ -314,17 +313,17 @@ def wire() -> Iterator[tuple[RawServer, asyncio.AbstractEventLoop, dict[FailureP
     directory = Path(tempfile.mkdtemp(prefix="krp-", dir="/tmp"))
     raw = RawServer(directory / "raw.sock")
     loop = asyncio.new_event_loop()
-    executor = ThreadPoolExecutor(max_workers=1)
+    pools = HookPools()
     stages = frozenset({Stage.PRE_RUN_POD_SANDBOX, Stage.PRE_CREATE_CONTAINER})
     impl = RemoteHook(name="raw", endpoint=str(directory / "raw.sock"), stages=stages)
     chains = {
-        policy: HookChain([BoundHook("raw", impl, stages, policy, 5.0)], executor=executor, validator=VALIDATOR)
+        policy: HookChain([BoundHook("raw", impl, stages, policy, 5.0)], pools=pools, validator=VALIDATOR)
         for policy in FailurePolicy
     }
     yield raw, loop, chains
     loop.run_until_complete(impl.close())
     loop.close()
-    executor.shutdown()
+    pools.shutdown()
     raw.server.stop(None).wait()
     shutil.rmtree(directory, ignore_errors=True)
 
