@@ -69,15 +69,7 @@ def format_cpu_list(cpus: Iterable[int]) -> str:
 
 def read_online_cpus(sys_root: Path) -> frozenset[int]:
     """The node's online CPUs, from ``<sys_root>/devices/system/cpu/online``."""
-    path = sys_root / ONLINE_FILE
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise CpuListError(f"cannot read the node's online CPUs from {path}: {exc.strerror or exc}") from exc
-    cpus = parse_cpu_list(text)
-    if not cpus:
-        raise CpuListError(f"{path} lists no online CPUs")
-    return cpus
+    return _read_online(sys_root / ONLINE_FILE, "CPUs")
 
 
 def read_online_mems(sys_root: Path) -> frozenset[int]:
@@ -87,14 +79,18 @@ def read_online_mems(sys_root: Path) -> frozenset[int]:
     path = sys_root / NODE_ONLINE_FILE
     if not path.parent.exists():
         return frozenset({0})
+    return _read_online(path, "memory nodes")
+
+
+def _read_online(path: Path, what: str) -> frozenset[int]:
     try:
         text = path.read_text()
     except OSError as exc:
-        raise CpuListError(f"cannot read the node's online memory nodes from {path}: {exc.strerror or exc}") from exc
-    nodes = parse_cpu_list(text)
-    if not nodes:
-        raise CpuListError(f"{path} lists no online memory nodes")
-    return nodes
+        raise CpuListError(f"cannot read the node's online {what} from {path}: {exc.strerror or exc}") from exc
+    ids = parse_cpu_list(text)
+    if not ids:
+        raise CpuListError(f"{path} lists no online {what}")
+    return ids
 
 
 def check_on_node(cpus: frozenset[int], online: frozenset[int], cpu_list: str) -> frozenset[int]:

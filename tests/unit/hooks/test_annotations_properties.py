@@ -31,21 +31,15 @@ from hooks.groupidentity import parse_cpu_qos
 from hooks.qos import QOS_LABEL, QoSClass, pod_qos, qos_class
 from hooks.rules import CPUBurstStrategy, parse_cpu_burst
 from runtimeproxy.hookapi import HookConfigError, HookError, PodInfo, PodMeta, frozen_map
+from tests.unit.jsonvalues import json_values, scalars
 
 SETTINGS = settings(max_examples=250, derandomize=True, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 # --- strategies ----------------------------------------------------------------------
 
-_SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20),
-)
-JSON = st.recursive(
-    _SCALARS,
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
-    max_leaves=20,
-)
+_SCALARS = scalars(int_bits=70, text_size=20)
+JSON = json_values(_SCALARS, width=4, key_size=10, max_leaves=20)
 QUANTITY_TEXT = st.one_of(
     st.text(max_size=12),
     st.from_regex(r"[+-]?[0-9]{0,22}(\.[0-9]{0,6})?([a-zA-Z]{0,2}|[eE][+-]?[0-9]{1,4})", fullmatch=True),

@@ -17,19 +17,12 @@ from hypothesis import strategies as st
 
 from hooks.rules import Rules, parse_rules
 from runtimeproxy.hookapi import HookConfigError
+from tests.unit.jsonvalues import json_values
 
 SETTINGS = settings(max_examples=200, derandomize=True, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-_SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**66), max_value=2**66),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=16),
-)
-JSON = st.recursive(
-    _SCALARS,
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
-    max_leaves=12,
-)
+JSON = json_values()
 PCT = st.integers(-5, 105)
 NUMBER = st.one_of(PCT, st.integers(-2, 100_001), JSON)
 FLAG = st.one_of(st.booleans(), JSON)

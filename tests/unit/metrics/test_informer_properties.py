@@ -28,6 +28,7 @@ from metrics.informer import (
     kubelet_reserved_cpu_of,
     node_capacity_of,
 )
+from tests.unit.jsonvalues import json_values, scalars
 
 SETTINGS = settings(max_examples=250, derandomize=True, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -35,15 +36,7 @@ SETTINGS = settings(max_examples=250, derandomize=True, deadline=None,
 WIRE_SETTINGS = settings(max_examples=150, derandomize=True, deadline=None,
                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-_SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=16),
-)
-JSON = st.recursive(
-    _SCALARS,
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
-    max_leaves=12,
-)
+JSON = json_values(scalars(int_bits=70, finite=True))
 QUANTITY = st.one_of(st.sampled_from(["4", "3500m", "16Gi", "1e3", "-1", "abc", "", "1.5"]), JSON)
 POD = st.one_of(
     st.fixed_dictionaries({}, optional={

@@ -42,16 +42,12 @@ from runtimeproxy.hookapi import (
     Resources,
     frozen_map,
 )
+from tests.unit.jsonvalues import json_values, scalars
 
 SETTINGS = settings(max_examples=200, derandomize=True, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**66), 2**66), st.floats(), st.text(max_size=12))
-JSON = st.recursive(
-    _SCALARS,
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
-    max_leaves=12,
-)
+JSON = json_values(scalars(text_size=12))
 DEEP = st.integers(1, 5000).map(lambda n: "[" * n + "]" * n)
 SHAPED = st.sampled_from([
     '{"containers": {"app": {"requests": {"kubernetes.io/batch-cpu": "500", "kubernetes.io/batch-memory": "1Gi"},'
