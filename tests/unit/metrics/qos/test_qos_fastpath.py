@@ -17,8 +17,9 @@ from metrics.collect.topology import CPUInfo
 from metrics.model import ContainerView, PodView, Sample, labels
 from metrics.qos.evict import CriEvictor
 from metrics.qos.fastpath import FastPath, FastPathConfig
+from metrics.qos.inputs import NodeInputs, TierUsage
 from metrics.qos.manager import ManagerConfig, QoSManager
-from metrics.qos.suppress import suppress_cores
+from metrics.qos.suppress import BEState, suppress_cores
 from metrics.tsdb import TSDB
 
 NOW = 5_000.0
@@ -241,3 +242,34 @@ async def test_a_drop_within_the_sampling_noise_waits_for_the_regular_round(host
     assert (host.cgroup / "cpu" / BE_DIR / "cpu.cfs_quota_us").read_text().strip() == "190000"
 
 
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("policy", "be_state", "ls_cores", "replan"),
+    [
+        # cpuset: 4 CPUs in force, margin 1.0: a target of 3 CPUs is exactly at the edge (kept), 2 is below
+        # (4.0 - 1.0 - 0.5 = 2.5 -> 3 CPUs; 4.0 - 2.0 - 0.5 = 1.5 -> 2 CPUs)
+        ("cpuset", BEState(frozenset(range(4)), None), 1.0, False),
+        ("cpuset", BEState(frozenset(range(4)), None), 2.0, True),
+        # cfsQuota: 2.5 cores in force (250000 / 100000), target 4.0 - 2.0 - 0.5 = 1.5 = 2.5 - 1.0: kept
+        ("cfsQuota", BEState(None, 250_000), 2.0, False),
+        ("cfsQuota", BEState(None, 250_000), 2.25, True),
+    ],
+)
+async def test_a_drop_of_exactly_the_dead_band_does_not_replan(host: Host, store: TSDB, policy: str,
+                                                                be_state: BEState, ls_cores: float,
+                                                                replan: bool) -> None:
+    """The band's edge belongs to the band (``<``, not ``<=``): binary-exact numbers, so
+    the comparison is decided by the operator alone."""
+    rules = parse_rules({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 50,
+                                                         "cpuSuppressPolicy": policy}})
+    manager, _, _ = await setup(host, store, rules=rules)
+    fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: rules,
+                    config=FastPathConfig(interval=0.2, dead_band=0.125, noise_cores=0.5), clock=lambda: 10.0)
+    manager.be_state = be_state
+    # capacity 8 x 50% = 4.0; non-BE = ls_cores; system = max(node - pods, reserved 0.5) = 0.5
+    inputs = NodeInputs(now=NOW, capacity_cores=8.0, reserved_cores=0.5, pods=(LS, BE),
+                        node_cpu_used=ls_cores + 0.5, tiers=TierUsage(pods=ls_cores + 0.5, be=0.5), source="fastpath")
+    why = fast.decide(inputs)
+    assert (why is not None) == replan, why

@@ -166,3 +166,12 @@ def test_bad_resource_status_is_skipped_with_one_warning(capsys: pytest.CaptureF
                              BEState(ALL, -1))
     assert cpuset_of(plan.actions)[0] == "0,2,4"
     assert capsys.readouterr().out.count("resource_status_ignored") == 1
+
+
+@pytest.mark.parametrize(("current", "expected"), [(58_000, 50_000), (57_999, None), (42_000, 50_000),
+                                                   (42_001, None)])
+def test_cfs_quota_dead_band_edge_is_outside_the_band(current: int, expected: int | None) -> None:
+    # 0.5 cores x 100 ms = 50000; the band is 1% of 8 x 100000 = 8000 exactly (binary-exact
+    # numbers): a change of exactly 8000 is made, 7999 is not ("<" in quota_target, not "<=").
+    assert 8.0 * 100_000 * 0.01 == 8000.0
+    assert quota_target(0.5, current, 8.0, 100_000)[0] == expected
