@@ -58,7 +58,7 @@ from hooks.cgroups import (
 from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
 from hooks.qos import QoSClass, pod_name
-from hooks.rules import Rules, parse_rules
+from hooks.rules import LiveRules, Rules
 from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostWrite, PodContext, PodInfo, PodPatch
 
 CPU_QOS_ANNOTATION: Final = "koordinator.sh/cpuQOS"
@@ -117,13 +117,18 @@ class GroupIdentity:
             raise HookConfigError(f"{init.key_path}.idle_fallback", fallback, "expected true or false")
         self.idle_fallback = fallback
         driver, version = cgroup_args(init, args)
-        self.rules: Rules = parse_rules(init.rules)
+        self._rules = LiveRules(init)
         try:
             self.executor = CgroupExecutor(CgroupLayout(init.host.cgroup, version, driver))
         except CgroupError as exc:
             raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
         self._lock = threading.Lock()
         self._detection: Detection | None = None
+
+    @property
+    def rules(self) -> Rules:
+        """The rules in force now: the YAML, with the NodeSLO merged over it when there is one."""
+        return self._rules()
 
     @property
     def detection(self) -> Detection | None:
