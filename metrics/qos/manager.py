@@ -163,7 +163,7 @@ class QoSManager:
         """The fast path's immediate re-plan: suppress only, from its own inputs."""
         async with self._lock:
             rules = self._rules()
-            state = await asyncio.to_thread(suppress.read_be_state, self._executor, self.cfg.suppress)
+            state = await asyncio.to_thread(suppress.read_be_state, self._executor, self.cfg.suppress, inputs.pods)
             self.be_state = state
             plan = self.suppress.plan(inputs, rules.resource_used_threshold_with_be, state)
             log.info("suppress_replanned", trigger=why, source=inputs.source, reason=plan.reason)
@@ -188,7 +188,7 @@ class QoSManager:
         dirs = self.burst.quota_dirs(pods, rules.cpu_burst_strategy)
         quotas = burst.read_quotas(self._executor, dirs)
         resctrl = self.resctrl.plan(rules, pods) if self.resctrl is not None else None
-        be = suppress.read_be_state(self._executor, self.cfg.suppress)
+        be = suppress.read_be_state(self._executor, self.cfg.suppress, pods)
         return _Snapshot(inputs, window, be, quotas, resctrl)
 
     # --- carrying out ---------------------------------------------------------------

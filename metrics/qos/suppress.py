@@ -8,6 +8,16 @@ reserved or LSE-bound CPUs, growing at most ~10 % of the CPUs per round) or a
 CFS quota on ``kubepods/besteffort`` (1 % dead band, ≤ 10 % growth per round).
 The knob of the other policy is recovered; with the feature disabled both are.
 
+On cgroup v1 a parent's quota cannot go below a child's (the kernel answers
+EINVAL), and BE pods may carry their own quotas (batch-cpu limits, or a kubelet
+limit). So a tier quota is written together with its BE children: every pod or
+container quota above the new tier quota (compared as quota/period, as the
+kernel does) is clamped to it first (containers, then pods, then the tier: one
+leveled write), and its original is remembered; when the tier grows back (or is
+recovered) the originals are restored, tier first. A child whose quota someone
+else changed since (batch-resource's reconcile, kubelet) is not restored over:
+its new value becomes the original.
+
 Only the BE tree is written: LS/LSR/LSE pods are never planned here. Planning
 is pure (``plan``); reading the current BE state is ``read_be_state``.
 """
@@ -23,7 +33,7 @@ from typing import Any, Final, Protocol
 import structlog
 
 from hooks.annotations import RESOURCE_STATUS, AnnotationError, parse_resource_status
-from hooks.cgroups import CPU_CFS_QUOTA, CPUSET_CPUS, CgroupError
+from hooks.cgroups import CPU_CFS_PERIOD, CPU_CFS_QUOTA, CPUSET_CPUS, CgroupError
 from hooks.cpusets import CpuListError, format_cpu_list, parse_cpu_list
 from hooks.executor import CgroupExecutor
 from hooks.qos import QoSClass
@@ -72,11 +82,25 @@ class SuppressConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ChildQuota:
+    """The CFS quota of a BE pod (``depth`` 0) or container (1) under the tier."""
+
+    cgroup: PurePosixPath
+    quota: int  # -1: none
+    period: int
+    pod_uid: str
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
 class BEState:
     """The BE tree's current knobs (None: unreadable, so no decision is made)."""
 
     cpuset: frozenset[int] | None
     quota: int | None
+    #: BE pods' and containers' quotas under the tier (cgroup v1 only: v2 takes the
+    #: minimum of parent and child itself, so nothing needs clamping there).
+    children: tuple[ChildQuota, ...] = ()
 
     def limit_cores(self, policy: str, capacity: float, period: int) -> float | None:
         """The BE CPU limit in force under ``policy``."""
@@ -87,7 +111,38 @@ class BEState:
         return capacity if self.quota <= 0 else self.quota / period
 
 
-def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig) -> BEState:
+def _child_quota(executor: CgroupExecutor, cgroup: PurePosixPath, default_period: int) -> tuple[int, int] | None:
+    """(quota, period) of one cgroup; None when unreadable (gone, not created yet)."""
+    version = executor.layout.version
+    try:
+        quota = int(CPU_CFS_QUOTA.parse(executor.read(cgroup, CPU_CFS_QUOTA), version))
+    except (CgroupError, ValueError):
+        return None
+    try:
+        period = int(CPU_CFS_PERIOD.parse(executor.read(cgroup, CPU_CFS_PERIOD), version))
+    except (CgroupError, ValueError):
+        period = default_period
+    return quota, period if period > 0 else default_period
+
+
+def read_children(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[PodView]) -> tuple[ChildQuota, ...]:
+    """The quotas of the BE pods and containers under the tier (v1 only, see ``BEState``)."""
+    if executor.layout.version != 1:
+        return ()
+    out: list[ChildQuota] = []
+    for pod in pods:
+        pod_dir = PurePosixPath(pod.cgroup_dir)
+        if not is_be(pod) or not pod_dir.is_relative_to(cfg.besteffort_dir) or pod_dir == cfg.besteffort_dir:
+            continue
+        dirs = [(pod_dir, 0), *((PurePosixPath(c.cgroup_dir), 1) for c in pod.containers)]
+        for cgroup, depth in dirs:
+            read = _child_quota(executor, cgroup, cfg.cfs_period_us)
+            if read is not None:
+                out.append(ChildQuota(cgroup, read[0], read[1], pod.uid, depth))
+    return tuple(out)
+
+
+def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[PodView] = ()) -> BEState:
     def read(resource: Any) -> str | None:
         try:
             return executor.read(cfg.besteffort_dir, resource)
@@ -104,7 +159,7 @@ def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig) -> BEState:
     quota: int | None = None
     if quota_text:
         quota = -1 if quota_text[0] == "max" else int(quota_text[0]) if quota_text[0].lstrip("-").isdigit() else None
-    return BEState(cpus, quota)
+    return BEState(cpus, quota, read_children(executor, cfg, pods))
 
 
 def is_be(pod: PodView) -> bool:
@@ -232,6 +287,8 @@ class SuppressStrategy:
         #: What the last ``plan`` decided; None when it made no decision (disabled,
         #: missing inputs, unreadable state, no CPU left).
         self.decision: Decision | None = None
+        #: BE children clamped below their own quota: cgroup -> (original, clamped value).
+        self._clamped: dict[PurePosixPath, _Clamp] = {}
 
     def recovery_cpus(self, pods: Sequence[PodView]) -> frozenset[int]:
         """All CPUs - LSE-bound - reserved (koordlet's calcBECPUSet)."""
@@ -247,8 +304,61 @@ class SuppressStrategy:
                           for p in be for c in p.containers)
         return LeveledWrite(tuple(lv for lv in (top, pod_level, ctr_level) if lv), reason)
 
-    def _quota_write(self, quota: int, reason: str) -> SetCgroup:
-        return SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, reason)
+    def _quota_write(self, quota: int, reason: str, children: Sequence[ChildQuota] | None = None
+                     ) -> SetCgroup | LeveledWrite:
+        """The tier quota, with the BE children it needs clamped or may get back (see
+        the module doc); a plain write when no child needs one. ``children`` None: the
+        current values are unknown (recovery), so every remembered original is restored."""
+        tier = SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, reason)
+        if children is None:
+            if quota > 0:
+                return tier
+            restore = [(SetCgroup(cg, CPU_CFS_QUOTA, c.original, f"{reason}: child quota {c.original} restored",
+                                  c.pod_uid), c.depth) for cg, c in sorted(self._clamped.items())]
+            self._clamped.clear()
+            return self._levels(tier, restore)
+        items: list[tuple[SetCgroup, int]] = []
+        present: set[PurePosixPath] = set()
+        for child in children:
+            present.add(child.cgroup)
+            item = self._child(child, quota, reason)
+            if item is not None:
+                items.append((item, child.depth))
+        for gone in set(self._clamped) - present:
+            del self._clamped[gone]
+        return self._levels(tier, items)
+
+    def _child(self, child: ChildQuota, tier_quota: int, reason: str) -> SetCgroup | None:
+        """The write one child needs under a tier quota of ``tier_quota``, if any."""
+        remembered = self._clamped.get(child.cgroup)
+        if remembered is not None and child.quota != remembered.clamped:
+            remembered = None  # changed by someone else since: that is its own value now
+            del self._clamped[child.cgroup]
+        original = remembered.original if remembered is not None else child.quota
+        # The kernel compares quota/period: the child may have at most the tier's ratio.
+        limit = tier_quota * child.period // self.cfg.cfs_period_us if tier_quota > 0 else None
+        if limit is not None and original > limit:
+            self._clamped[child.cgroup] = _Clamp(original, limit, child.pod_uid, child.depth)
+            target, why = limit, f"{reason}: child quota {original} clamped to the tier's"
+        else:
+            self._clamped.pop(child.cgroup, None)
+            target, why = original, f"{reason}: child quota {original} restored"
+        if target == child.quota:
+            return None
+        return SetCgroup(child.cgroup, CPU_CFS_QUOTA, target, why, child.pod_uid)
+
+    @staticmethod
+    def _levels(tier: SetCgroup, items: Sequence[tuple[SetCgroup, int]]) -> SetCgroup | LeveledWrite:
+        if not items:
+            return tier
+        pods = tuple(i for i, depth in items if depth == 0)
+        containers = tuple(i for i, depth in items if depth > 0)
+        return LeveledWrite(tuple(lv for lv in ((tier,), pods, containers) if lv), tier.reason)
+
+    @property
+    def clamped(self) -> dict[str, int]:
+        """Children clamped now: cgroup -> original quota (for explain and tests)."""
+        return {str(cg): c.original for cg, c in self._clamped.items()}
 
     def recover(self, pods: Sequence[PodView], *, cpuset: bool, quota: bool, why: str) -> list[Action]:
         actions: list[Action] = []
@@ -308,9 +418,19 @@ class SuppressStrategy:
         kept = state.quota if new is None else new
         if kept > 0:
             self.decision = Decision("cfsQuota", kept / self.cfg.cfs_period_us, formula)
-        if new is None:
+        write = self._quota_write(kept, why, state.children)
+        info["clamped_children"] = self.clamped
+        if new is None and isinstance(write, SetCgroup):
             return Plan(NAME, Priority.SUPPRESS, tuple(recovery), info, why)
-        return Plan(NAME, Priority.SUPPRESS, (self._quota_write(new, why), *recovery), info, why)
+        return Plan(NAME, Priority.SUPPRESS, (write, *recovery), info, why)
+
+
+@dataclass(frozen=True, slots=True)
+class _Clamp:
+    original: int
+    clamped: int
+    pod_uid: str
+    depth: int
 
 
 def quota_target(suppress: float, current: int, capacity: float, period: int) -> tuple[int | None, str]:

@@ -17,6 +17,7 @@ from metrics.qos.inputs import NodeInputs
 from metrics.qos.plan import LeveledWrite, SetCgroup
 from metrics.qos.suppress import (
     BEState,
+    ChildQuota,
     SuppressConfig,
     SuppressStrategy,
     quota_target,
@@ -175,3 +176,64 @@ def test_cfs_quota_dead_band_edge_is_outside_the_band(current: int, expected: in
     # numbers): a change of exactly 8000 is made, 7999 is not ("<" in quota_target, not "<=").
     assert 8.0 * 100_000 * 0.01 == 8000.0
     assert quota_target(0.5, current, 8.0, 100_000)[0] == expected
+
+
+# --- the tier quota under BE children's own quotas (issue 14, item 11) ----------------------
+
+BE_POD = PurePosixPath(BE_C.cgroup_dir)
+BE_CTR = PurePosixPath(BE_C.containers[0].cgroup_dir)
+
+
+def children(pod_quota: int, ctr_quota: int, ctr_period: int = 100_000) -> tuple[ChildQuota, ...]:
+    return (ChildQuota(BE_POD, pod_quota, 100_000, "c", 0), ChildQuota(BE_CTR, ctr_quota, ctr_period, "c", 1))
+
+
+def leveled(plan_actions: tuple[object, ...]) -> list[list[tuple[str, object]]]:
+    [write] = [a for a in plan_actions if isinstance(a, LeveledWrite) and a.items()[0].resource is CPU_CFS_QUOTA]
+    return [[(str(i.cgroup), i.value) for i in level] for level in write.levels]
+
+
+def test_a_lower_tier_quota_clamps_the_be_children_above_it_then_restores_them() -> None:
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    # 2.2 cores -> 220000 on the tier; the pod (300000) and its container (125000 per 50 ms
+    # period, i.e. 2.5 cores) are above it, so both are clamped, to the tier's ratio.
+    plan = strategy.plan(inputs(), QUOTA, BEState(ALL, 400_000, children(300_000, 125_000, ctr_period=50_000)))
+    assert leveled(plan.actions) == [[(str(BE_DIR), 220_000)], [(str(BE_POD), 220_000)], [(str(BE_CTR), 110_000)]]
+    assert plan.inputs["clamped_children"] == {str(BE_POD): 300_000, str(BE_CTR): 125_000}
+    # Inside the dead band the tier is kept, and the clamped children stay as they are.
+    kept = strategy.plan(inputs(), QUOTA, BEState(ALL, 220_000, children(220_000, 110_000, ctr_period=50_000)))
+    assert [a for a in kept.actions if isinstance(a, SetCgroup) and a.resource is CPU_CFS_QUOTA] == []
+    assert strategy.clamped == {str(BE_POD): 300_000, str(BE_CTR): 125_000}
+    # The tier grows back (capped: 220000 + 80000): the originals fit again and are restored.
+    idle = inputs(used={"a": 0.0, "b": 0.0, "c": 1.0}, node=1.0)
+    grown = strategy.plan(idle, QUOTA, BEState(ALL, 220_000, children(220_000, 110_000, ctr_period=50_000)))
+    assert leveled(grown.actions) == [[(str(BE_DIR), 300_000)], [(str(BE_POD), 300_000)], [(str(BE_CTR), 125_000)]]
+    assert grown.inputs["clamped_children"] == {}
+
+
+def test_children_within_the_tier_quota_or_unlimited_are_left_alone() -> None:
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    plan = strategy.plan(inputs(), QUOTA, BEState(ALL, 400_000, children(-1, 200_000)))
+    assert SetCgroup(BE_DIR, CPU_CFS_QUOTA, 220_000, plan.reason) in plan.actions  # a plain write, as before
+    assert strategy.clamped == {}
+
+
+def test_a_child_changed_by_someone_else_is_not_restored_over() -> None:
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    strategy.plan(inputs(), QUOTA, BEState(ALL, 400_000, children(300_000, -1)))
+    assert strategy.clamped == {str(BE_POD): 300_000}
+    # batch-resource's reconcile set the pod's quota to -1 (cfsQuota policy) meanwhile
+    idle = inputs(used={"a": 0.0, "b": 0.0, "c": 1.0}, node=1.0)
+    grown = strategy.plan(idle, QUOTA, BEState(ALL, 220_000, children(-1, -1)))
+    assert SetCgroup(BE_DIR, CPU_CFS_QUOTA, 300_000, grown.reason) in grown.actions
+    assert strategy.clamped == {}
+
+
+def test_recovery_restores_the_clamped_children_after_the_tier() -> None:
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    strategy.plan(inputs(), QUOTA, BEState(ALL, 400_000, children(300_000, 300_000)))
+    actions = strategy.recover([BE_C], cpuset=False, quota=True, why="QoS manager stopped")
+    assert leveled(tuple(actions)) == [[(str(BE_DIR), -1)], [(str(BE_POD), 300_000)], [(str(BE_CTR), 300_000)]]
+    assert strategy.clamped == {}
+    assert strategy.recover([BE_C], cpuset=False, quota=True, why="again") == [
+        SetCgroup(BE_DIR, CPU_CFS_QUOTA, -1, "recover BE cfs quota (again)")]
