@@ -128,3 +128,20 @@ def test_provider_merges_overlays_over_the_base_and_notifies_once_per_change() -
 def test_merge_replaces_non_mappings() -> None:
     assert merge_rules({"a": {"b": 1, "c": [1]}, "d": 1}, {"a": {"c": [2]}, "d": {"e": 1}}) == {
         "a": {"b": 1, "c": [2]}, "d": {"e": 1}}
+
+
+@pytest.mark.asyncio
+async def test_a_nodeslo_turning_group_identity_off_resets_running_pods(
+    fake_runtime: Any, start_proxy: Any, tmp_path: Path, wait_until: Any
+) -> None:
+    """slo-controller's default NodeSLO disables cpuQOS for every class: a pod set while
+    it was on is reset to 0 (a fresh node that never had it on is left alone)."""
+    root = tmp_path / "cgroup"
+    make_tree(root, ("a",))
+    proxy = await start_proxy(fake_runtime, hooks=[{"name": "gi", "plugin": "group-identity"}],
+                              host={"cgroup_root": str(root)}, rules=YAML_RULES, reconcile_interval="1h")
+    await run_pod(proxy, "a")
+    assert idle_file(root, "a").read_text().strip() == "1"
+    all_off = {"resourceQOSStrategy": {c: {"cpuQOS": {"enable": False}} for c in ("lsrClass", "lsClass", "beClass")}}
+    await asyncio.to_thread(proxy.app.rules.set_overlay, "nodeslo", rules_from_nodeslo(all_off))
+    await wait_until(lambda: idle_file(root, "a").read_text().strip() == "0", 5.0, "pod a reset")
