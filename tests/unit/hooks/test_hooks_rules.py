@@ -209,3 +209,41 @@ def test_live_rules_parse_once_per_change_and_fall_back_to_the_yaml(capsys: pyte
     assert out.count("rules_ignored") == 1 and "cpuSuppressMinPercent" in out
     with pytest.raises(HookConfigError):  # the YAML itself is checked strictly, at construction
         LiveRules(base={"resourceQOSStrategy": {"beClass": {"cpuQOS": {"enable": 1}}}})
+
+
+def test_arbitrary_nodeslo_documents_give_rules_or_a_named_error() -> None:
+    """A NodeSLO is untrusted input: random nested documents over the real keys and odd
+    values either become rules (that parse) or fail with a HookConfigError naming
+    ``nodeslo.spec.<path>`` — never another exception. Seeded, so a failure replays."""
+    import random
+
+    from hooks.rules import rules_from_nodeslo
+
+    keys = ["resourceQOSStrategy", "policies", "cpuPolicy", "lsrClass", "lsClass", "beClass", "cgroupRoot",
+            "cpuQOS", "memoryQOS", "resctrlQOS", "blkioQOS", "enable", "groupIdentity", "catRangeEndPercent",
+            "resourceUsedThresholdWithBE", "cpuSuppressPolicy", "cpuSuppressMinPercent", "cpuBurstStrategy",
+            "policy", "systemStrategy", "unknown", ""]
+    values: list[object] = [None, True, False, 0, 1, -1, 2, 101, 10**30, 1.5, "", "cfsQuota", "auto",
+                            "groupIdentity", [], [1], {}]
+    rng = random.Random(14)
+
+    def doc(depth: int = 0) -> object:
+        if depth > 4 or rng.random() < 0.3:
+            return rng.choice(values)
+        return {rng.choice(keys): doc(depth + 1) for _ in range(rng.randint(0, 4))}
+
+    outcomes = {"rules": 0, "error": 0}
+    for _ in range(3000):
+        spec = doc()
+        if not isinstance(spec, dict):
+            continue
+        try:
+            out = rules_from_nodeslo(spec)
+        except HookConfigError as exc:
+            assert exc.key_path.startswith("nodeslo.spec."), exc.key_path
+            outcomes["error"] += 1
+            continue
+        assert out is not None
+        parse_rules(out)
+        outcomes["rules"] += 1
+    assert outcomes["rules"] > 100 and outcomes["error"] > 100, outcomes
