@@ -126,13 +126,14 @@ def _child_quota(executor: CgroupExecutor, cgroup: PurePosixPath, default_period
 
 
 def read_children(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[PodView]) -> tuple[ChildQuota, ...]:
-    """The quotas of the BE pods and containers under the tier (v1 only, see ``BEState``)."""
+    """The quotas of the pods and containers under the tier (v1 only, see ``BEState``):
+    the kernel's rule is about the hierarchy, whatever a pod's label says."""
     if executor.layout.version != 1:
         return ()
     out: list[ChildQuota] = []
     for pod in pods:
         pod_dir = PurePosixPath(pod.cgroup_dir)
-        if not is_be(pod) or not pod_dir.is_relative_to(cfg.besteffort_dir) or pod_dir == cfg.besteffort_dir:
+        if not pod_dir.is_relative_to(cfg.besteffort_dir) or pod_dir == cfg.besteffort_dir:
             continue
         dirs = [(pod_dir, 0), *((PurePosixPath(c.cgroup_dir), 1) for c in pod.containers)]
         for cgroup, depth in dirs:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -237,3 +237,25 @@ def test_recovery_restores_the_clamped_children_after_the_tier() -> None:
     assert strategy.clamped == {}
     assert strategy.recover([BE_C], cpuset=False, quota=True, why="again") == [
         SetCgroup(BE_DIR, CPU_CFS_QUOTA, -1, "recover BE cfs quota (again)")]
+
+
+def test_read_children_reads_quota_and_period_under_the_tier_on_v1_only(tmp_path: Path) -> None:
+    from hooks.cgroups import CgroupLayout
+    from hooks.executor import CgroupExecutor
+    from metrics.qos.suppress import read_be_state
+
+    for d, quota, period in ((BE_DIR, "-1", None), (BE_POD, "300000", "100000"), (BE_CTR, "25000", "50000"),
+                             (PurePosixPath(LS_A.cgroup_dir), "50000", None)):
+        (tmp_path / "v1" / "cpu" / d).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "v1" / "cpu" / d / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+        if period:
+            (tmp_path / "v1" / "cpu" / d / "cpu.cfs_period_us").write_text(f"{period}\n")
+    (tmp_path / "v1" / "memory").mkdir()
+    executor = CgroupExecutor(CgroupLayout(tmp_path / "v1"))
+    state = read_be_state(executor, SuppressConfig(), [LS_A, BE_C])
+    assert state.quota == -1
+    # the LS pod is not under the tier; a missing period file means the default
+    assert state.children == (ChildQuota(BE_POD, 300_000, 100_000, "c", 0), ChildQuota(BE_CTR, 25_000, 50_000, "c", 1))
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / "cgroup.controllers").write_text("cpu cpuset memory\n")
+    assert read_be_state(CgroupExecutor(CgroupLayout(tmp_path / "v2")), SuppressConfig(), [BE_C]).children == ()
