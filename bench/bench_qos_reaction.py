@@ -127,6 +127,8 @@ def main() -> int:
             node.container(be[0], be[1], "be", SPIN2)
             pods = [be]
             if args.own_quota:
+                # runc cannot create a container whose quota exceeds its tier's (cgroup v1): wait for room.
+                assert node.wait(lambda q: q < 0 or q >= 2 * args.own_quota, 30) is not None, "tier never wide enough"
                 own = node.pod(f"own-{mode[:4]}", "besteffort", {"koordinator.sh/qosClass": "BE"}, {})
                 node.container(own[0], own[1], "own", SPIN2, quota=args.own_quota)
                 pods.append(own)
