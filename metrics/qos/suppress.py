@@ -25,6 +25,7 @@ is pure (``plan``); reading the current BE state is ``read_be_state``.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -83,7 +84,8 @@ class SuppressConfig:
 
 @dataclass(frozen=True, slots=True)
 class ChildQuota:
-    """The CFS quota of a BE pod (``depth`` 0) or container (1) under the tier."""
+    """The CFS quota of a cgroup under the tier: a pod (``depth`` 0), a container or the
+    sandbox's pause cgroup (1), deeper (2); ``pod_uid`` "" when no known pod owns it."""
 
     cgroup: PurePosixPath
     quota: int  # -1: none
@@ -118,6 +120,8 @@ def _child_quota(executor: CgroupExecutor, cgroup: PurePosixPath, default_period
         quota = int(CPU_CFS_QUOTA.parse(executor.read(cgroup, CPU_CFS_QUOTA), version))
     except (CgroupError, ValueError):
         return None
+    if quota <= 0:
+        return quota, default_period  # unlimited: its period does not matter
     try:
         period = int(CPU_CFS_PERIOD.parse(executor.read(cgroup, CPU_CFS_PERIOD), version))
     except (CgroupError, ValueError):
@@ -125,21 +129,43 @@ def _child_quota(executor: CgroupExecutor, cgroup: PurePosixPath, default_period
     return quota, period if period > 0 else default_period
 
 
+#: How deep under the tier quotas are looked for: pods, their containers (and the
+#: sandbox's pause cgroup), and one level more for runtimes that nest.
+CHILD_DEPTH: Final = 3
+
+
+def _subdirs(executor: CgroupExecutor, cgroup: PurePosixPath) -> list[PurePosixPath]:
+    try:
+        directory = executor.path(cgroup, CPU_CFS_QUOTA).parent
+        with os.scandir(directory) as entries:
+            names = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+    except (CgroupError, OSError):
+        return []  # gone meanwhile: nothing under it to respect
+    return [cgroup / name for name in names]
+
+
 def read_children(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[PodView]) -> tuple[ChildQuota, ...]:
-    """The quotas of the pods and containers under the tier (v1 only, see ``BEState``):
-    the kernel's rule is about the hierarchy, whatever a pod's label says."""
+    """The quotas of every cgroup under the tier (v1 only, see ``BEState``), found on the
+    filesystem rather than from the pod views: the kernel's rule is about the hierarchy,
+    so a container created since the views were built, a sandbox's pause cgroup or a pod
+    the proxy does not know counts too. ``pods`` only name the owners, for arbitration."""
     if executor.layout.version != 1:
         return ()
+    owners = {PurePosixPath(p.cgroup_dir): p.uid for p in pods}
+    owners |= {PurePosixPath(c.cgroup_dir): p.uid for p in pods for c in p.containers}
     out: list[ChildQuota] = []
-    for pod in pods:
-        pod_dir = PurePosixPath(pod.cgroup_dir)
-        if not pod_dir.is_relative_to(cfg.besteffort_dir) or pod_dir == cfg.besteffort_dir:
-            continue
-        dirs = [(pod_dir, 0), *((PurePosixPath(c.cgroup_dir), 1) for c in pod.containers)]
-        for cgroup, depth in dirs:
+    level = _subdirs(executor, cfg.besteffort_dir)
+    for depth in range(CHILD_DEPTH):
+        below: list[PurePosixPath] = []
+        for cgroup in level:
             read = _child_quota(executor, cgroup, cfg.cfs_period_us)
-            if read is not None:
-                out.append(ChildQuota(cgroup, read[0], read[1], pod.uid, depth))
+            if read is None:
+                continue
+            uid = owners.get(cgroup) or owners.get(PurePosixPath(*cgroup.parts[:len(cfg.besteffort_dir.parts) + 1]), "")
+            out.append(ChildQuota(cgroup, read[0], read[1], uid, depth))
+            if depth + 1 < CHILD_DEPTH:
+                below.extend(_subdirs(executor, cgroup))
+        level = below
     return tuple(out)
 
 
@@ -350,11 +376,12 @@ class SuppressStrategy:
 
     @staticmethod
     def _levels(tier: SetCgroup, items: Sequence[tuple[SetCgroup, int]]) -> SetCgroup | LeveledWrite:
+        """The tier, then its children level by level (parents before children)."""
         if not items:
             return tier
-        pods = tuple(i for i, depth in items if depth == 0)
-        containers = tuple(i for i, depth in items if depth > 0)
-        return LeveledWrite(tuple(lv for lv in ((tier,), pods, containers) if lv), tier.reason)
+        depths = sorted({depth for _, depth in items})
+        levels = [tuple(i for i, d in items if d == depth) for depth in depths]
+        return LeveledWrite(((tier,), *levels), tier.reason)
 
     @property
     def clamped(self) -> dict[str, int]:

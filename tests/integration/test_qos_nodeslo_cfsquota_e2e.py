@@ -246,7 +246,8 @@ def test_nodeslo_switches_to_cfs_quota_and_an_ls_spike_shrinks_the_tier_below_be
     _wait_for("the tier quota lifted and the container's own quota restored",
               lambda: _quota(tier) == -1 and _quota(own_ctr) == OWN_QUOTA, timeout=30)
     failed = [e for e in proxy.events("qos_write_failed") if "cfs_quota" in json.dumps(e)]
-    assert not failed, failed[-3:]
+    assert not failed, json.dumps({"failed": failed[-3:], "writes": proxy.events("qos_write")[-8:]},
+                                  default=str)[:6000]
     replans = proxy.events("suppress_replanned")
     reaction = f"halved_after={half:.3f}s" if wide >= 4 * 2000 else "tier already narrow (machine loaded)"
     print(f"\nnodeslo cfsQuota: wide={wide} narrowed={narrowed} {reaction} fast_replans={len(replans)}")

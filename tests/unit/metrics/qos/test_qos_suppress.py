@@ -239,12 +239,14 @@ def test_recovery_restores_the_clamped_children_after_the_tier() -> None:
         SetCgroup(BE_DIR, CPU_CFS_QUOTA, -1, "recover BE cfs quota (again)")]
 
 
-def test_read_children_reads_quota_and_period_under_the_tier_on_v1_only(tmp_path: Path) -> None:
+def test_read_children_reads_every_cgroup_under_the_tier_on_v1_only(tmp_path: Path) -> None:
     from hooks.cgroups import CgroupLayout
     from hooks.executor import CgroupExecutor
     from metrics.qos.suppress import read_be_state
 
+    pause, stranger = BE_POD / "sandbox-pause", BE_DIR / "podunknown"
     for d, quota, period in ((BE_DIR, "-1", None), (BE_POD, "300000", "100000"), (BE_CTR, "25000", "50000"),
+                             (pause, "-1", None), (stranger, "40000", None),
                              (PurePosixPath(LS_A.cgroup_dir), "50000", None)):
         (tmp_path / "v1" / "cpu" / d).mkdir(parents=True, exist_ok=True)
         (tmp_path / "v1" / "cpu" / d / "cpu.cfs_quota_us").write_text(f"{quota}\n")
@@ -254,8 +256,11 @@ def test_read_children_reads_quota_and_period_under_the_tier_on_v1_only(tmp_path
     executor = CgroupExecutor(CgroupLayout(tmp_path / "v1"))
     state = read_be_state(executor, SuppressConfig(), [LS_A, BE_C])
     assert state.quota == -1
-    # the LS pod is not under the tier; a missing period file means the default
-    assert state.children == (ChildQuota(BE_POD, 300_000, 100_000, "c", 0), ChildQuota(BE_CTR, 25_000, 50_000, "c", 1))
+    # Found on the filesystem: the pause cgroup and a pod the views do not know (yet) count
+    # too; the LS pod is not under the tier; a missing period file means the default.
+    assert state.children == (ChildQuota(BE_POD, 300_000, 100_000, "c", 0),
+                              ChildQuota(stranger, 40_000, 100_000, "", 0),
+                              ChildQuota(BE_CTR, 25_000, 50_000, "c", 1), ChildQuota(pause, -1, 100_000, "c", 1))
     (tmp_path / "v2").mkdir()
     (tmp_path / "v2" / "cgroup.controllers").write_text("cpu cpuset memory\n")
     assert read_be_state(CgroupExecutor(CgroupLayout(tmp_path / "v2")), SuppressConfig(), [BE_C]).children == ()
