@@ -8,15 +8,9 @@ reserved or LSE-bound CPUs, growing at most ~10 % of the CPUs per round) or a
 CFS quota on ``kubepods/besteffort`` (1 % dead band, ≤ 10 % growth per round).
 The knob of the other policy is recovered; with the feature disabled both are.
 
-On cgroup v1 a parent's quota cannot go below a child's (the kernel answers
-EINVAL), and BE pods may carry their own quotas (batch-cpu limits, or a kubelet
-limit). So a tier quota is written together with its BE children: every pod or
-container quota above the new tier quota (compared as quota/period, as the
-kernel does) is clamped to it first (containers, then pods, then the tier: one
-leveled write), and its original is remembered; when the tier grows back (or is
-recovered) the originals are restored, tier first. A child whose quota someone
-else changed since (batch-resource's reconcile, kubelet) is not restored over:
-its new value becomes the original.
+On cgroup v1 a parent's quota cannot go below a child's, and BE pods may carry
+their own: a tier quota is written with its children clamped first, and their
+originals restored when it grows back (``tierquota``).
 
 Only the BE tree is written: LS/LSR/LSE pods are never planned here. Planning
 is pure (``plan``); reading the current BE state is ``read_be_state``.
@@ -25,7 +19,6 @@ is pure (``plan``); reading the current BE state is ``read_be_state``.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -34,7 +27,7 @@ from typing import Any, Final, Protocol
 import structlog
 
 from hooks.annotations import RESOURCE_STATUS, AnnotationError, parse_resource_status
-from hooks.cgroups import CPU_CFS_PERIOD, CPU_CFS_QUOTA, CPUSET_CPUS, CgroupError
+from hooks.cgroups import CPU_CFS_QUOTA, CPUSET_CPUS, CgroupError
 from hooks.cpusets import CpuListError, format_cpu_list, parse_cpu_list
 from hooks.executor import CgroupExecutor
 from hooks.qos import QoSClass
@@ -51,6 +44,7 @@ from metrics.model import (
 )
 from metrics.qos.inputs import NodeInputs
 from metrics.qos.plan import Action, LeveledWrite, Plan, Priority, SetCgroup
+from metrics.qos.tierquota import ChildClamps, ChildQuota, read_children
 
 log = structlog.get_logger("metrics.qos.suppress")
 
@@ -83,18 +77,6 @@ class SuppressConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class ChildQuota:
-    """The CFS quota of a cgroup under the tier: a pod (``depth`` 0), a container or the
-    sandbox's pause cgroup (1), deeper (2); ``pod_uid`` "" when no known pod owns it."""
-
-    cgroup: PurePosixPath
-    quota: int  # -1: none
-    period: int
-    pod_uid: str
-    depth: int
-
-
-@dataclass(frozen=True, slots=True)
 class BEState:
     """The BE tree's current knobs (None: unreadable, so no decision is made)."""
 
@@ -111,62 +93,6 @@ class BEState:
         if self.quota is None:
             return None
         return capacity if self.quota <= 0 else self.quota / period
-
-
-def _child_quota(executor: CgroupExecutor, cgroup: PurePosixPath, default_period: int) -> tuple[int, int] | None:
-    """(quota, period) of one cgroup; None when unreadable (gone, not created yet)."""
-    version = executor.layout.version
-    try:
-        quota = int(CPU_CFS_QUOTA.parse(executor.read(cgroup, CPU_CFS_QUOTA), version))
-    except (CgroupError, ValueError):
-        return None
-    if quota <= 0:
-        return quota, default_period  # unlimited: its period does not matter
-    try:
-        period = int(CPU_CFS_PERIOD.parse(executor.read(cgroup, CPU_CFS_PERIOD), version))
-    except (CgroupError, ValueError):
-        period = default_period
-    return quota, period if period > 0 else default_period
-
-
-#: How deep under the tier quotas are looked for: pods, their containers (and the
-#: sandbox's pause cgroup), and one level more for runtimes that nest.
-CHILD_DEPTH: Final = 3
-
-
-def _subdirs(executor: CgroupExecutor, cgroup: PurePosixPath) -> list[PurePosixPath]:
-    try:
-        directory = executor.path(cgroup, CPU_CFS_QUOTA).parent
-        with os.scandir(directory) as entries:
-            names = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
-    except (CgroupError, OSError):
-        return []  # gone meanwhile: nothing under it to respect
-    return [cgroup / name for name in names]
-
-
-def read_children(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[PodView]) -> tuple[ChildQuota, ...]:
-    """The quotas of every cgroup under the tier (v1 only, see ``BEState``), found on the
-    filesystem rather than from the pod views: the kernel's rule is about the hierarchy,
-    so a container created since the views were built, a sandbox's pause cgroup or a pod
-    the proxy does not know counts too. ``pods`` only name the owners, for arbitration."""
-    if executor.layout.version != 1:
-        return ()
-    owners = {PurePosixPath(p.cgroup_dir): p.uid for p in pods}
-    owners |= {PurePosixPath(c.cgroup_dir): p.uid for p in pods for c in p.containers}
-    out: list[ChildQuota] = []
-    level = _subdirs(executor, cfg.besteffort_dir)
-    for depth in range(CHILD_DEPTH):
-        below: list[PurePosixPath] = []
-        for cgroup in level:
-            read = _child_quota(executor, cgroup, cfg.cfs_period_us)
-            if read is None:
-                continue
-            uid = owners.get(cgroup) or owners.get(PurePosixPath(*cgroup.parts[:len(cfg.besteffort_dir.parts) + 1]), "")
-            out.append(ChildQuota(cgroup, read[0], read[1], uid, depth))
-            if depth + 1 < CHILD_DEPTH:
-                below.extend(_subdirs(executor, cgroup))
-        level = below
-    return tuple(out)
 
 
 def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[PodView] = ()) -> BEState:
@@ -186,7 +112,7 @@ def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[
     quota: int | None = None
     if quota_text:
         quota = -1 if quota_text[0] == "max" else int(quota_text[0]) if quota_text[0].lstrip("-").isdigit() else None
-    return BEState(cpus, quota, read_children(executor, cfg, pods))
+    return BEState(cpus, quota, read_children(executor, cfg.besteffort_dir, cfg.cfs_period_us, pods))
 
 
 def is_be(pod: PodView) -> bool:
@@ -314,8 +240,7 @@ class SuppressStrategy:
         #: What the last ``plan`` decided; None when it made no decision (disabled,
         #: missing inputs, unreadable state, no CPU left).
         self.decision: Decision | None = None
-        #: BE children clamped below their own quota: cgroup -> (original, clamped value).
-        self._clamped: dict[PurePosixPath, _Clamp] = {}
+        self._clamps = ChildClamps(cfg.cfs_period_us)
 
     def recovery_cpus(self, pods: Sequence[PodView]) -> frozenset[int]:
         """All CPUs - LSE-bound - reserved (koordlet's calcBECPUSet)."""
@@ -333,60 +258,14 @@ class SuppressStrategy:
 
     def _quota_write(self, quota: int, reason: str, children: Sequence[ChildQuota] | None = None
                      ) -> SetCgroup | LeveledWrite:
-        """The tier quota, with the BE children it needs clamped or may get back (see
-        the module doc); a plain write when no child needs one. ``children`` None: the
-        current values are unknown (recovery), so every remembered original is restored."""
-        tier = SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, reason)
-        if children is None:
-            if quota > 0:
-                return tier
-            restore = [(SetCgroup(cg, CPU_CFS_QUOTA, c.original, f"{reason}: child quota {c.original} restored",
-                                  c.pod_uid), c.depth) for cg, c in sorted(self._clamped.items())]
-            self._clamped.clear()
-            return self._levels(tier, restore)
-        items: list[tuple[SetCgroup, int]] = []
-        present: set[PurePosixPath] = set()
-        for child in children:
-            present.add(child.cgroup)
-            item = self._child(child, quota, reason)
-            if item is not None:
-                items.append((item, child.depth))
-        for gone in set(self._clamped) - present:
-            del self._clamped[gone]
-        return self._levels(tier, items)
-
-    def _child(self, child: ChildQuota, tier_quota: int, reason: str) -> SetCgroup | None:
-        """The write one child needs under a tier quota of ``tier_quota``, if any."""
-        remembered = self._clamped.get(child.cgroup)
-        if remembered is not None and child.quota != remembered.clamped:
-            remembered = None  # changed by someone else since: that is its own value now
-            del self._clamped[child.cgroup]
-        original = remembered.original if remembered is not None else child.quota
-        # The kernel compares quota/period: the child may have at most the tier's ratio.
-        limit = tier_quota * child.period // self.cfg.cfs_period_us if tier_quota > 0 else None
-        if limit is not None and original > limit:
-            self._clamped[child.cgroup] = _Clamp(original, limit, child.pod_uid, child.depth)
-            target, why = limit, f"{reason}: child quota {original} clamped to the tier's"
-        else:
-            self._clamped.pop(child.cgroup, None)
-            target, why = original, f"{reason}: child quota {original} restored"
-        if target == child.quota:
-            return None
-        return SetCgroup(child.cgroup, CPU_CFS_QUOTA, target, why, child.pod_uid)
-
-    @staticmethod
-    def _levels(tier: SetCgroup, items: Sequence[tuple[SetCgroup, int]]) -> SetCgroup | LeveledWrite:
-        """The tier, then its children level by level (parents before children)."""
-        if not items:
-            return tier
-        depths = sorted({depth for _, depth in items})
-        levels = [tuple(i for i, d in items if d == depth) for depth in depths]
-        return LeveledWrite(((tier,), *levels), tier.reason)
+        """The tier quota, with the children it needs clamped or may get back (see
+        ``tierquota``); ``children`` None: unknown (recovery), every original is restored."""
+        return self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, reason), children)
 
     @property
     def clamped(self) -> dict[str, int]:
         """Children clamped now: cgroup -> original quota (for explain and tests)."""
-        return {str(cg): c.original for cg, c in self._clamped.items()}
+        return self._clamps.clamped
 
     def recover(self, pods: Sequence[PodView], *, cpuset: bool, quota: bool, why: str) -> list[Action]:
         actions: list[Action] = []
@@ -451,14 +330,6 @@ class SuppressStrategy:
         if new is None and isinstance(write, SetCgroup):
             return Plan(NAME, Priority.SUPPRESS, tuple(recovery), info, why)
         return Plan(NAME, Priority.SUPPRESS, (write, *recovery), info, why)
-
-
-@dataclass(frozen=True, slots=True)
-class _Clamp:
-    original: int
-    clamped: int
-    pod_uid: str
-    depth: int
 
 
 def quota_target(suppress: float, current: int, capacity: float, period: int) -> tuple[int | None, str]:
