@@ -65,7 +65,7 @@ from hooks.cgroups import (
 from hooks.executor import CgroupExecutor, Update, Write
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
 from hooks.qos import QoSClass, pod_name
-from hooks.rules import Rules, parse_rules
+from hooks.rules import LiveRules, Rules
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerInfo,
@@ -141,13 +141,18 @@ class BatchResource:
 
     def __init__(self, init: HookInit) -> None:
         driver, version = _parse_args(init)
-        self.rules: Rules = parse_rules(init.rules)
+        self._rules = LiveRules(init)
         try:
             self.layout = CgroupLayout(init.host.cgroup, version, driver)
         except CgroupError as exc:
             raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
         self.executor = CgroupExecutor(self.layout)
         self.last_writes: list[Write] = []  # the last pod's writes, for debugging and tests
+
+    @property
+    def rules(self) -> Rules:
+        """The rules in force now: the YAML, with the NodeSLO merged over it when there is one."""
+        return self._rules()
 
     @property
     def _suppress_quota(self) -> bool:

@@ -50,7 +50,7 @@ from hooks.cgroups import CPU_CFS_QUOTA, CgroupError, Driver, Version, container
 from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, open_executor, reject_unknown
 from hooks.qos import QoSClass, pod_name
-from hooks.rules import Rules, parse_rules
+from hooks.rules import LiveRules, Rules
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
@@ -99,7 +99,7 @@ class CPUNormalization:
     """Stages: PreCreateContainer, PreUpdateContainerResources, ReconcileContainer."""
 
     def __init__(self, init: HookInit) -> None:
-        self.rules: Rules = parse_rules(init.rules)
+        self._rules = LiveRules(init)
         args: dict[str, Any] = dict(init.args)
         reject_unknown(init, args, _ARGS)
         try:
@@ -111,6 +111,11 @@ class CPUNormalization:
         driver, version = cgroup_args(init, args)
         self._cgroup: tuple[Path, Version | Literal["auto"], Driver] = (init.host.cgroup, version, driver)
         self._executor: CgroupExecutor | None = None
+
+    @property
+    def rules(self) -> Rules:
+        """The rules in force now: the YAML, with the NodeSLO merged over it when there is one."""
+        return self._rules()
 
     def _applies(self, ctx: ContainerContext) -> QoSClass | None:
         """The pod's class when its container's quota is normalized, else ``None``."""

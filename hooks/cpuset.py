@@ -77,7 +77,7 @@ from hooks.cpusets import CpuListError, check_on_node, format_cpu_list, parse_cp
 from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, open_executor
 from hooks.qos import QoSClass, pod_name
-from hooks.rules import Rules, parse_rules
+from hooks.rules import LiveRules, Rules
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
@@ -127,7 +127,7 @@ class CPUSet:
     PostStopPodSandbox, PostRemovePodSandbox, ReconcilePodSandbox, ReconcileContainer."""
 
     def __init__(self, init: HookInit) -> None:
-        self.rules: Rules = parse_rules(init.rules)
+        self._rules = LiveRules(init)
         args: dict[str, Any] = dict(init.args)
         path = init.key_path
         unknown = set(args) - _ARGS
@@ -152,6 +152,11 @@ class CPUSet:
                 raise HookConfigError(f"{path}.cgroup_version", version, str(exc)) from exc
         self._lock = threading.Lock()
         self._bindings: dict[str, Binding] = {}
+
+    @property
+    def rules(self) -> Rules:
+        """The rules in force now: the YAML, with the NodeSLO merged over it when there is one."""
+        return self._rules()
 
     def _cpu_arg(
         self, init: HookInit, args: Mapping[str, Any], key: str, *, allow_empty: bool

@@ -10,7 +10,9 @@ created the pod cgroup) the pod cgroup gets its class's value from the rules
 LSE/LSR 2, LS 2, BE -1). As in koordlet a class whose ``cpuQOS.enable`` is false
 behaves like the None class (value 0). Nothing is done while
 ``policies.cpuPolicy`` is not ``groupIdentity``, nor while no class enables
-cpuQOS (except for an LS pod whose annotation, below, enables it).
+cpuQOS (except for an LS pod whose annotation, below, enables it) — unless the
+rules enabled it earlier in this hook's life (the NodeSLO turned it off): then
+every pod is reset to 0, as koordlet does once group identity was on.
 
 Upstream kernels have no ``cpu.bvt_warp_ns``. Since 5.15 they have ``cpu.idle``
 (a SCHED_IDLE cgroup), which gives the lowest identity without the highest:
@@ -58,7 +60,7 @@ from hooks.cgroups import (
 from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
 from hooks.qos import QoSClass, pod_name
-from hooks.rules import Rules, parse_rules
+from hooks.rules import LiveRules, Rules
 from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostWrite, PodContext, PodInfo, PodPatch
 
 CPU_QOS_ANNOTATION: Final = "koordinator.sh/cpuQOS"
@@ -117,13 +119,21 @@ class GroupIdentity:
             raise HookConfigError(f"{init.key_path}.idle_fallback", fallback, "expected true or false")
         self.idle_fallback = fallback
         driver, version = cgroup_args(init, args)
-        self.rules: Rules = parse_rules(init.rules)
+        self._rules = LiveRules(init)
         try:
             self.executor = CgroupExecutor(CgroupLayout(init.host.cgroup, version, driver))
         except CgroupError as exc:
             raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
         self._lock = threading.Lock()
         self._detection: Detection | None = None
+        #: Whether the rules asked for group identity at some point (then values were
+        #: set, and turning it off must reset them to 0 rather than leave them).
+        self._was_enabled = self.rules_enabled
+
+    @property
+    def rules(self) -> Rules:
+        """The rules in force now: the YAML, with the NodeSLO merged over it when there is one."""
+        return self._rules()
 
     @property
     def detection(self) -> Detection | None:
@@ -156,7 +166,10 @@ class GroupIdentity:
                 return value, f"LS pod annotation {CPU_QOS_ANNOTATION} enables cpuQOS: LS class value {value}"
             return value, f"LS pod annotation {CPU_QOS_ANNOTATION} sets group identity {value}"
         if not enabled:
-            return None
+            if not self._was_enabled:
+                return None
+            return 0, f"{label} pod: group identity turned off by the rules: reset to 0"
+        self._was_enabled = True
         cpu_qos = self.rules.for_class(qos).cpu_qos
         if not cpu_qos.enable:
             return 0, f"{label} pod: class cpuQOS disabled, group identity 0"

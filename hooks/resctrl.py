@@ -84,7 +84,7 @@ from hooks.executor import confine
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
 from hooks.qos import QoSClass, pod_name
 from hooks.resctrlfs import ResctrlError, ResctrlFS, ResctrlNotSupported, format_schemata
-from hooks.rules import ResctrlQOS, Rules, parse_rules
+from hooks.rules import LiveRules, ResctrlQOS, Rules
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
@@ -155,7 +155,7 @@ class Resctrl:
         self.class_group_prefix = self._prefix(init, args, "class_group_prefix", "", allow_empty=True)
         self.pod_group_prefix = self._prefix(init, args, "pod_group_prefix", DEFAULT_POD_GROUP_PREFIX,
                                              allow_empty=False)
-        self.rules: Rules = parse_rules(init.rules)
+        self._rules = LiveRules(init)
         self.fs = ResctrlFS(init.host.resctrl)
         try:
             self.layout = CgroupLayout(init.host.cgroup, version, driver)
@@ -164,6 +164,11 @@ class Resctrl:
         self._lock = threading.Lock()
         self._absent_logged = False
         self._check_rules()
+
+    @property
+    def rules(self) -> Rules:
+        """The rules in force now: the YAML, with the NodeSLO merged over it when there is one."""
+        return self._rules()
 
     @staticmethod
     def _prefix(init: HookInit, args: Mapping[str, Any], key: str, default: str, *, allow_empty: bool) -> str:

@@ -9,6 +9,10 @@ value, so a typo fails at load time instead of silently doing nothing.
 
 ``Rules.for_class`` applies Koordinator's "disabled class behaves like the None
 class" rule (``mergeNoneResourceQOSIfDisabled``) so hooks never re-implement it.
+
+One source of rules (issue 10): the process's ``RulesProvider`` merges the live
+NodeSLO (``rules_from_nodeslo``, registered by the metrics task) over the YAML;
+hooks and tasks read it through ``LiveRules``, which parses once per change.
 """
 
 from __future__ import annotations
@@ -18,8 +22,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
+import structlog
+
 from hooks.qos import QoSClass, pod_qos
-from runtimeproxy.hookapi import HookConfigError, PodInfo
+from runtimeproxy.hookapi import HookConfigError, HookInit, PodInfo
+
+log = structlog.get_logger("hooks.rules")
 
 T = TypeVar("T")
 
@@ -218,7 +226,12 @@ def _section(cls: type[T], spec: Mapping[str, tuple[str, Parser]]) -> Parser:
             changes[attr] = parser(value, f"{path}.{key}", getattr(current, attr))
         return dataclasses.replace(current, **changes)  # type: ignore[no-any-return]
 
+    _KEYS[parse] = tuple(spec)
     return parse
+
+
+#: The keys of every section parser (for ``rules_from_nodeslo``).
+_KEYS: Final[dict[Parser, tuple[str, ...]]] = {}
 
 
 _PCT: Final = _int(0, 100)
@@ -370,3 +383,80 @@ def parse_cpu_burst(raw: object, path: str, base: CPUBurstStrategy) -> CPUBurstS
                               "is a node-level setting; a pod cannot override it")
     burst: CPUBurstStrategy = _BURST(raw, path, base)
     return burst
+
+
+# --- one source of rules -------------------------------------------------------------
+
+#: NodeSLO keys we model, by level; anything else in a NodeSLO (systemStrategy,
+#: extensions, hostApplications, blkioQOS, networkQOS, page-cache and allocatable-
+#: eviction fields) is a feature this agent does not implement, so it is left out
+#: instead of failing the whole document.
+_NODESLO_KNOWN: Final[Mapping[str, Any]] = {
+    "resourceQOSStrategy": {
+        cls: {"cpuQOS": _CPU_QOS, "resctrlQOS": _RESCTRL_QOS, "memoryQOS": _MEMORY_QOS}
+        for cls in ("lsrClass", "lsClass", "beClass", "systemClass", "cgroupRoot")
+    },
+    "resourceUsedThresholdWithBE": _THRESHOLD,
+    "cpuBurstStrategy": _BURST,
+}
+
+
+def _filter(raw: Mapping[str, Any], known: Mapping[str, Any] | Parser) -> dict[str, Any]:
+    if isinstance(known, Mapping):
+        out: dict[str, Any] = {}
+        for key, sub in known.items():
+            value = raw.get(key)
+            if isinstance(value, Mapping):
+                out[key] = _filter(value, sub)
+            elif value is not None:
+                out[key] = value  # not a mapping: let parse_rules name it
+        return out
+    keys = _KEYS[known]
+    return {k: v for k, v in raw.items() if k in keys}
+
+
+def rules_from_nodeslo(spec: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """A NodeSLO ``spec`` as a ``rules:`` mapping (None without one): the keys we model
+    (``resourceQOSStrategy.policies`` moves to the top-level ``policies``), checked with
+    the same parser as the YAML. Raises ``HookConfigError`` naming ``nodeslo.spec.<path>``."""
+    if spec is None:
+        return None
+    out = _filter(spec, _NODESLO_KNOWN)
+    strategy = spec.get("resourceQOSStrategy")
+    policies = strategy.get("policies") if isinstance(strategy, Mapping) else None
+    if isinstance(policies, Mapping):
+        out["policies"] = {k: v for k, v in policies.items() if k in ("cpuPolicy", "netQOSPolicy") and v is not None}
+    parse_rules(out, path="nodeslo.spec")
+    return out
+
+
+class LiveRules:
+    """The rules a hook or task decides from: ``init.rules`` (the YAML, checked strictly
+    at construction so a typo fails at load) until the process's ``RulesProvider`` has
+    something else, then the rules in force, parsed once per change. Rules in force that
+    do not parse (a NodeSLO contradicting the YAML) are ignored with one warning per
+    change, and the YAML applies."""
+
+    def __init__(self, init: HookInit | None = None, *, base: Mapping[str, Any] | None = None,
+                 current: Callable[[], Mapping[str, Any]] | None = None, owner: str = "") -> None:
+        raw = init.rules if init is not None else base
+        self.base = parse_rules(raw)
+        self._current = init.current_rules if init is not None else current
+        self._owner = init.name if init is not None else owner
+        self._cache: tuple[object, Rules] = (raw, self.base)
+
+    def __call__(self) -> Rules:
+        if self._current is None:
+            return self.base
+        raw = self._current()
+        cached = self._cache
+        if cached[0] is raw:
+            return cached[1]
+        try:
+            rules = parse_rules(raw)
+        except HookConfigError as exc:
+            log.warning("rules_ignored", owner=self._owner, key=exc.key_path, value=repr(exc.value)[:200],
+                        reason=exc.message, applied="yaml rules")
+            rules = self.base
+        self._cache = (raw, rules)
+        return rules

@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector as PromCollector
 
 from hooks.qos import QoSClass
-from hooks.rules import Rules, parse_rules
+from hooks.rules import LiveRules, Rules, rules_from_nodeslo
 from metrics import model as m
 from metrics.collect.base import Collector
 from metrics.collect.be import BEAggregator
@@ -39,7 +39,7 @@ from metrics.collect.psi import PSICollector
 from metrics.collect.schedlat import SchedLatencyCollector
 from metrics.collect.topology import TopologyCollector
 from metrics.informer import KubeletPods, StatesInformer
-from metrics.kubetypes import KubeSettings, KubeUnavailable
+from metrics.kubetypes import Kind, KubeSettings, KubeUnavailable
 from metrics.model import PodView, Sample
 from metrics.pods import PodViews
 from metrics.promexport import StoreValues, register_exporter
@@ -68,7 +68,7 @@ class MetricsAgent:
     def __init__(self, init: TaskInit, settings: MetricsSettings) -> None:
         self.settings = settings
         self._init = init
-        self._rules_cache: tuple[Mapping[str, Any], Rules] | None = None
+        self._rules = LiveRules(base=init.rules, current=init.current_rules, owner=init.name)
         try:
             tiers = settings.tiers
             self.tsdb = TSDB.open_or_reset(
@@ -83,6 +83,8 @@ class MetricsAgent:
             StatesInformer(self.kube, kubelet, sync_interval=settings.kubelet.sync_interval)
             if self.kube is not None or kubelet is not None else None
         )
+        if self.informer is not None:
+            self.informer.on_spec_change(Kind.NODESLO, self._nodeslo_changed)
         self.views = PodViews(init.snapshot, driver=settings.cgroup_driver, guaranteed=self._guaranteed,
                               priority_of=self._priority)
         self._pods: list[PodView] = []
@@ -121,17 +123,20 @@ class MetricsAgent:
     # --- views -------------------------------------------------------------------
 
     def rules(self) -> Rules:
-        """NodeSLO from the API server when present, else the YAML ``rules:`` (parsed once per change)."""
-        raw: Mapping[str, Any] | None = self.informer.nodeslo_rules() if self.informer is not None else None
-        if raw is None:
-            raw = self._init.current_rules()
-        if self._rules_cache is None or self._rules_cache[0] is not raw:
-            try:
-                self._rules_cache = (raw, parse_rules(raw))
-            except HookConfigError as exc:
-                log.warning("rules_ignored", reason=exc.message, key=exc.key_path)
-                self._rules_cache = (raw, Rules())
-        return self._rules_cache[1]
+        """The rules in force: the NodeSLO merged over the YAML ``rules:`` while there is
+        one, else the YAML (the process's one rules provider; parsed once per change)."""
+        return self._rules()
+
+    def _nodeslo_changed(self, spec: Mapping[str, Any] | None) -> None:
+        """Register the NodeSLO as the rules overlay of every hook and task (watch thread).
+        A NodeSLO that does not parse is dropped as a whole: the YAML rules apply."""
+        try:
+            overlay = rules_from_nodeslo(spec)
+        except HookConfigError as exc:
+            log.warning("nodeslo_rejected", key=exc.key_path, value=repr(exc.value)[:200], reason=exc.message,
+                        applied="yaml rules")
+            overlay = None
+        self._init.set_rules_overlay("nodeslo", overlay)
 
     def _guaranteed(self) -> QoSClass:
         return self.rules().guaranteed_class

@@ -18,7 +18,7 @@ import ssl
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -212,6 +212,12 @@ class StatesInformer:
         self._objects: dict[Kind, dict[str, Any] | None] = {}
         self._pods: Mapping[str, KubeletPod] = {}
         self._warned: set[str] = set()
+        self._listeners: list[tuple[Kind, Callable[[Mapping[str, Any] | None], None]]] = []
+
+    def on_spec_change(self, kind: Kind, listener: Callable[[Mapping[str, Any] | None], None]) -> None:
+        """Call ``listener(spec or None)`` whenever ``kind``'s spec changes (in the watch
+        thread; a deleted object gives None). Register before ``run``."""
+        self._listeners.append((kind, listener))
 
     async def run(self) -> None:
         """Poll kubelet and keep the watches running until cancelled."""
@@ -247,6 +253,12 @@ class StatesInformer:
             self._objects[kind] = value
         if _spec(before) != _spec(value) and kind is not Kind.NODE:
             log.info("spec_updated", kind=kind.value, present=value is not None)
+            for wanted, listener in self._listeners:
+                if wanted is kind:
+                    try:
+                        listener(_spec(value))
+                    except Exception as exc:  # noqa: BLE001 - a listener bug must not stop the watch
+                        log.error("spec_listener_failed", kind=kind.value, error=f"{type(exc).__name__}: {exc}")
 
     def _object(self, kind: Kind) -> dict[str, Any] | None:
         with self._lock:

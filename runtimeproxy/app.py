@@ -28,7 +28,7 @@ from runtimeproxy.config import ConfigError, Settings, load
 from runtimeproxy.grpcbackend import GrpcBackend
 from runtimeproxy.grpcserver import ProxyHandler, ProxyServer
 from runtimeproxy.history import ChangeHistory
-from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, TaskInit
+from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, RulesProvider, TaskInit
 from runtimeproxy.hostwrites import FailureCollector
 from runtimeproxy.lifecycle import Lifecycle, SkipLabel
 from runtimeproxy.promstats import HttpEndpoint, ProxyMetrics
@@ -57,8 +57,13 @@ class App:
         self.metrics.set_build_info(__version__)
         self.registry.register(FailureCollector())  # host writes refused, from every executor in the process
         self._pools = HookPools()  # sync hooks' threads: a bounded pool per hook, kept across reloads
+        # One source of rules for every hook and task: the YAML, with the NodeSLO merged
+        # over it while the metrics task has one (it registers the overlay).
+        self.rules = RulesProvider(settings.rules)
+        self._loop: asyncio.AbstractEventLoop | None = None
         # Built here so a bad plugin or stage fails start-up, before the socket exists.
-        self.chain: HookChain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics)
+        self.chain: HookChain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics,
+                                                    current_rules=self.rules.current)
         history = (ChangeHistory(Path(settings.state_dir), per_pod=CHANGES_PER_POD, max_pods=HISTORY_PODS)
                    if settings.state_dir else None)
         self.store = Store(history)
@@ -81,13 +86,14 @@ class App:
             interval=lambda: self.settings.reconcile_interval,
             refresh=lambda: self.resyncer.run_once("reconcile"),
         )
+        self.rules.subscribe(self._rules_changed)
         self.http: HttpEndpoint | None = None
         self._routes: dict[str, Route] = {"/debug/explain": self._explain_route}
         self._explainers: dict[str, Explainer] = {}
         self._expositions: list[Exposition] = []
         base = TaskInit(
             name="", args={}, key_path="tasks", snapshot=self.store.snapshot,
-            current_rules=lambda: self.settings.rules, registry=self.registry,
+            current_rules=self.rules.current, set_rules_overlay=self.rules.set_overlay, registry=self.registry,
             add_route=self._add_route, add_explainer=self._add_explainer, cri=self._cri_call,
             add_exposition=self._add_exposition,
         )
@@ -101,6 +107,7 @@ class App:
     # --- start / stop ------------------------------------------------------------
 
     async def run(self, *, install_signals: bool = True) -> int:
+        self._loop = asyncio.get_running_loop()
         if install_signals:
             loop = asyncio.get_running_loop()
             loop.add_signal_handler(signal.SIGTERM, self._stop.set)
@@ -135,6 +142,13 @@ class App:
             log.info("ready", hooks=[h.name for h in self.chain.hooks])
         await self._stop.wait()
         return await self.shutdown()
+
+    def _rules_changed(self) -> None:
+        """The rules in force changed (a NodeSLO update, from a watch thread, or a
+        reload): re-apply them to running pods with a reconciler pass now."""
+        log.info("rules_changed", sources=self.rules.sources())
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.reconciler.trigger)
 
     def _skipped(self, pod: PodInfo) -> bool:
         return pod.labels.get(self.settings.skip_label_key) == self.settings.skip_label_value
@@ -256,7 +270,8 @@ class App:
             # Tasks restart only with the process, but a value ``run`` would refuse must be
             # refused now: under Restart=always it would leave the node without a runtime.
             plugins.validate_tasks(settings)
-            chain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics)
+            chain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics,
+                                        current_rules=self.rules.current)
         except ConfigError as exc:
             self.metrics.config_reloaded(False)
             log.error("config_reload_rejected", trigger=trigger, error=str(exc), kept="previous config")
@@ -265,6 +280,7 @@ class App:
         if stale:
             log.warning("config_needs_restart", keys=stale)
         old, self.chain, self.settings = self.chain, chain, settings
+        self.rules.set_base(settings.rules)
         logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
         self.metrics.config_reloaded(True)
         self.reconciler.trigger()

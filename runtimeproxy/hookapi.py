@@ -15,6 +15,7 @@ cgroupfs) or coroutines (awaited on the loop). See ``hooks/example.py``.
 from __future__ import annotations
 
 import enum
+import threading
 import types
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -251,6 +252,78 @@ class HookInit:
     key_path: str
     host: HostRoots = HostRoots()
     rules: Mapping[str, Any] = field(default_factory=dict)
+    #: The rules in force now (``RulesProvider.current``: the YAML with the cluster's
+    #: NodeSLO merged over it); None: ``rules`` is all there is. Validate ``rules`` at
+    #: construction, read this one when deciding (see ``hooks.rules.LiveRules``).
+    current_rules: Callable[[], Mapping[str, Any]] | None = None
+
+
+def merge_rules(base: Mapping[str, Any], over: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``over`` merged into ``base`` key by key: nested mappings are merged, any
+    other value (a list, a scalar, None) replaces the base's."""
+    out = dict(base)
+    for key, value in over.items():
+        below = out.get(key)
+        out[key] = merge_rules(below, value) if isinstance(below, Mapping) and isinstance(value, Mapping) else value
+    return out
+
+
+class RulesProvider:
+    """The one source of the rules every hook and task applies: the YAML ``rules:``
+    (the base, replaced on reload) with each registered overlay merged over it in name
+    order (the metrics task registers ``nodeslo``, the live NodeSLO, while the cluster
+    has one; ``None`` withdraws it and the YAML applies again).
+
+    ``current()`` is lock-free and returns the same object until the merge changes, so
+    readers cache their parse by identity. Listeners run after every change, in the
+    thread that made it (an informer's watch thread included): they must be
+    thread-safe (e.g. ``loop.call_soon_threadsafe``)."""
+
+    def __init__(self, base: Mapping[str, Any] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._base: Mapping[str, Any] = base if base is not None else EMPTY
+        self._overlays: dict[str, Mapping[str, Any]] = {}
+        self._current: Mapping[str, Any] = self._base
+        self._listeners: list[Callable[[], None]] = []
+
+    def current(self) -> Mapping[str, Any]:
+        return self._current
+
+    def sources(self) -> list[str]:
+        """What the rules in force are made of: ``yaml`` then the overlays."""
+        return ["yaml", *sorted(self._overlays)]
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def set_base(self, base: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._base = base
+            changed = self._merge()
+        self._notify(changed)
+
+    def set_overlay(self, name: str, overlay: Mapping[str, Any] | None) -> None:
+        with self._lock:
+            if overlay is None:
+                self._overlays.pop(name, None)
+            else:
+                self._overlays[name] = overlay
+            changed = self._merge()
+        self._notify(changed)
+
+    def _merge(self) -> bool:
+        merged: Mapping[str, Any] = self._base
+        for name in sorted(self._overlays):
+            merged = merge_rules(merged, self._overlays[name])
+        if merged == self._current:
+            return False
+        self._current = merged if not self._overlays else types.MappingProxyType(dict(merged))
+        return True
+
+    def _notify(self, changed: bool) -> None:
+        if changed:
+            for listener in list(self._listeners):
+                listener()
 
 
 PodSnapshot = Callable[[], tuple[Mapping[str, PodInfo], Mapping[str, tuple[str, ContainerInfo]]]]
@@ -296,6 +369,10 @@ async def _no_cri(method: str, payload: bytes, timeout: float) -> bytes:
     raise CriCallError(method, "UNAVAILABLE", "no runtime connected")
 
 
+def _no_overlay(name: str, overlay: Mapping[str, Any] | None) -> None:
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class TaskInit:
     """What a background-task factory (entry-point group ``koord_runtime_proxy.tasks``)
@@ -307,7 +384,10 @@ class TaskInit:
     - ``snapshot``: a read-only view of the proxy's pods (sandbox id -> pod) and
       containers (id -> (sandbox id, container));
     - ``rules`` is the ``rules:`` section at start; ``current_rules()`` the one in force
-      now (it changes on reload without restarting tasks);
+      now (it changes on reload and with the NodeSLO, without restarting tasks);
+    - ``set_rules_overlay(name, mapping | None)``: register (None: withdraw) a source of
+      rules merged over the YAML for every hook and task (``RulesProvider.set_overlay``);
+      a change triggers a reconciler pass;
     - ``registry``: the Prometheus registry served on ``/metrics`` (None when off);
     - ``add_route``/``add_explainer``: extend the loopback HTTP endpoint and ``explain``;
       only valid inside the factory (the endpoint starts after the tasks are built);
@@ -328,6 +408,7 @@ class TaskInit:
     host: HostRoots = HostRoots()
     rules: Mapping[str, Any] = field(default_factory=dict)
     current_rules: Callable[[], Mapping[str, Any]] = _no_rules
+    set_rules_overlay: Callable[[str, Mapping[str, Any] | None], None] = _no_overlay
     registry: Any = None
     add_route: Callable[[str, Route], None] = _no_route
     add_explainer: Callable[[str, Explainer], None] = _no_explainer

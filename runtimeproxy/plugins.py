@@ -32,6 +32,7 @@ TASK_GROUP: Final = "koord_runtime_proxy.tasks"
 REGISTRATION_TIMEOUT: Final = 1.0
 
 HookFactory = Callable[..., object]  # takes HookInit (hooks) or TaskInit (tasks)
+RulesSource = Callable[[], Mapping[str, Any]]
 
 
 def available_plugins(group: str = HOOK_GROUP) -> list[str]:
@@ -73,10 +74,10 @@ def _check_methods(impl: object, stages: frozenset[Stage], key_path: str) -> Non
             raise ConfigError(key_path, stage.value, f"{stage.method_name} must take one context argument") from exc
 
 
-def _local_hook(hook: HookSettings, settings: Settings) -> BoundHook:
+def _local_hook(hook: HookSettings, settings: Settings, current_rules: RulesSource | None) -> BoundHook:
     factory = resolve_factory(hook.plugin, f"{hook.key_path}.plugin")
     init = HookInit(name=hook.name, args=hook.args, key_path=f"{hook.key_path}.args",
-                    host=settings.host, rules=settings.rules)
+                    host=settings.host, rules=settings.rules, current_rules=current_rules)
     try:
         impl = factory(init)
     except HookConfigError as exc:
@@ -130,10 +131,12 @@ def _check_hookserver_files(settings: Settings) -> None:
         log.warning("insecure_setting_allowed", risk=f"hookserver_dir: {problem}")
 
 
-def build_hooks(settings: Settings) -> list[BoundHook]:
+def build_hooks(settings: Settings, *, current_rules: RulesSource | None = None) -> list[BoundHook]:
     """YAML hooks in list order, then hookserver.d registrations in file-name order
-    (Koordinator calls only the first registration that matches; we call all)."""
-    hooks = [_remote_hook(h) if h.remote else _local_hook(h, settings) for h in settings.hooks]
+    (Koordinator calls only the first registration that matches; we call all).
+    ``current_rules``: the process's ``RulesProvider.current`` (hooks validate
+    ``settings.rules`` and decide from the rules in force)."""
+    hooks = [_remote_hook(h) if h.remote else _local_hook(h, settings, current_rules) for h in settings.hooks]
     if settings.hookserver_dir:
         _check_hookserver_files(settings)
         registrations, errors = load_registrations(Path(settings.hookserver_dir))
@@ -144,8 +147,11 @@ def build_hooks(settings: Settings) -> list[BoundHook]:
     return hooks
 
 
-def build_chain(settings: Settings, *, pools: HookPools, observer: HookObserver | None = None) -> HookChain:
-    return HookChain(build_hooks(settings), pools=pools, observer=observer,
+def build_chain(
+    settings: Settings, *, pools: HookPools, observer: HookObserver | None = None,
+    current_rules: RulesSource | None = None,
+) -> HookChain:
+    return HookChain(build_hooks(settings, current_rules=current_rules), pools=pools, observer=observer,
                      validator=PatchValidator.for_host(settings.host))
 
 

@@ -26,6 +26,11 @@ What it reads, cheapest first:
 Over 100 ms, real usage still wobbles (a kubelet housekeeping burst is 0.05 core
 for a moment), so a drop must exceed ``noise_cores`` as well as the dead band.
 
+A re-plan whose write fails (the kernel refusing a quota) doubles the least gap
+between re-plans, up to ``max_backoff``; a successful one resets it, so a refused
+write is neither retried ten times a second nor logged at that rate (the manager
+warns once per target and cause, and says when it recovers).
+
 The mode is re-derived whenever the pod list changes and logged when it does.
 Paths are computed once per pod list; no parsing beyond one int per file. The
 reads stay on the event loop: they are memory-backed kernel files answering in
@@ -53,6 +58,7 @@ from metrics.model import PodView
 from metrics.qos.inputs import NodeInputs, TierUsage
 from metrics.qos.manager import QoSManager
 from metrics.qos.suppress import MIN_CPUSET, MIN_QUOTA, is_be, suppress_cores
+from metrics.qos.suppress import NAME as SUPPRESS_NAME
 
 log = structlog.get_logger("metrics.qos.fastpath")
 
@@ -76,6 +82,10 @@ class FastPathConfig:
     #: partial burst (the load began mid-tick) is completed at the next tick; a
     #: failing write is retried at most at the tick rate.
     min_gap: float = 0.1
+    #: A re-plan whose write failed doubles the gap, up to this (seconds); a successful
+    #: one resets it. A write the kernel keeps refusing is then retried every few seconds
+    #: (the regular round still runs every second), not ten times a second.
+    max_backoff: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +119,7 @@ class FastPath:
         self._pods: tuple[PodView, ...] = ()
         self._paths: dict[str, Path] = {}
         self._last_trigger = -math.inf
+        self._gap = config.min_gap
         self._waiter: asyncio.Future[None] | None = None
         self._warned: set[str] = set()
         self.triggers = 0
@@ -142,7 +153,14 @@ class FastPath:
             return False
         self._last_trigger = self._clock()
         self.triggers += 1
-        await self._manager.replan_suppress(inputs, why)
+        result = await self._manager.replan_suppress(inputs, why)
+        failed = any(o.result.startswith("failed") for o in result.outcomes.get(SUPPRESS_NAME, ()))
+        gap = min(self._gap * 2, self.cfg.max_backoff) if failed else self.cfg.min_gap
+        if failed and self._gap == self.cfg.min_gap:
+            log.info("fastpath_backoff", reason="suppress write failed", max_gap_seconds=self.cfg.max_backoff)
+        elif not failed and self._gap > self.cfg.min_gap:
+            log.info("fastpath_backoff_reset", reason="suppress write succeeded")
+        self._gap = gap
         return True
 
     # --- sampling -----------------------------------------------------------------------
@@ -243,7 +261,7 @@ class FastPath:
         state = self._manager.be_state
         if not threshold.enable or state is None or inputs.missing:
             return None
-        if self._clock() - self._last_trigger < self.cfg.min_gap:
+        if self._clock() - self._last_trigger < self._gap:
             return None
         capacity, period = inputs.capacity_cores, self._manager.cfg.suppress.cfs_period_us
         current = state.limit_cores(threshold.cpu_suppress_policy, capacity, period)

@@ -121,7 +121,8 @@ class QoSManager:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._explain: dict[str, dict[str, Any]] = {}
-        self._failing: set[str] = set()
+        #: target(s) -> (cause, consecutive failures) of writes failing now: warned once each.
+        self._failing: dict[str, tuple[str, int]] = {}
         #: The BE limit and pods as of the last round (read by the fast path).
         self.be_state: BEState | None = None
         self.pods: tuple[PodView, ...] = ()
@@ -163,7 +164,7 @@ class QoSManager:
         """The fast path's immediate re-plan: suppress only, from its own inputs."""
         async with self._lock:
             rules = self._rules()
-            state = await asyncio.to_thread(suppress.read_be_state, self._executor, self.cfg.suppress)
+            state = await asyncio.to_thread(suppress.read_be_state, self._executor, self.cfg.suppress, inputs.pods)
             self.be_state = state
             plan = self.suppress.plan(inputs, rules.resource_used_threshold_with_be, state)
             log.info("suppress_replanned", trigger=why, source=inputs.source, reason=plan.reason)
@@ -188,7 +189,7 @@ class QoSManager:
         dirs = self.burst.quota_dirs(pods, rules.cpu_burst_strategy)
         quotas = burst.read_quotas(self._executor, dirs)
         resctrl = self.resctrl.plan(rules, pods) if self.resctrl is not None else None
-        be = suppress.read_be_state(self._executor, self.cfg.suppress)
+        be = suppress.read_be_state(self._executor, self.cfg.suppress, pods)
         return _Snapshot(inputs, window, be, quotas, resctrl)
 
     # --- carrying out ---------------------------------------------------------------
@@ -238,18 +239,26 @@ class QoSManager:
         return [self._write(strategy, a) for a in actions]
 
     def _write(self, strategy: str, action: Action) -> Outcome:
-        key = f"{strategy}:{json.dumps(action.describe(), sort_keys=True, default=str)}"
+        # Keyed by what is written and how it failed, not by the value: a suppress target
+        # changes every tick, and a refused write must not warn at the tick rate.
+        key = f"{strategy}:{_targets(action)}"
         try:
             changed = self._apply(action)
         except CgroupGoneError as exc:
             log.debug("qos_write_skipped", strategy=strategy, reason=str(exc))
             return Outcome(action, "gone")
         except (CgroupError, ResctrlError) as exc:
-            if key not in self._failing:
-                self._failing.add(key)
-                log.warning("qos_write_failed", strategy=strategy, error=str(exc))
+            cause = f"{type(exc).__name__}: {str(exc).rsplit(':', 1)[-1].strip()}"
+            before, failures = self._failing.get(key, ("", 0))
+            count = failures + 1 if before == cause else 1
+            self._failing[key] = (cause, count)
+            if count == 1:
+                log.warning("qos_write_failed", strategy=strategy, error=str(exc), cause=cause)
             return Outcome(action, f"failed: {exc}")
-        self._failing.discard(key)
+        failed = self._failing.pop(key, None)
+        if failed is not None:
+            log.info("qos_write_recovered", strategy=strategy, target=_targets(action), cause=failed[0],
+                     failures=failed[1])
         if changed:
             log.info("qos_write", strategy=strategy, **action.describe())
         return Outcome(action, "written" if changed else "unchanged")
@@ -300,6 +309,14 @@ class QoSManager:
             if applied or rejected:
                 out[name] = {**entry, "applied": applied, "rejected": rejected}
         return {"pod": uid, "strategies": out, "dry_run": self.cfg.dry_run}
+
+
+def _targets(action: Action) -> str:
+    if isinstance(action, LeveledWrite):
+        return ",".join(i.target for i in action.items())
+    if isinstance(action, SetCgroup | SetSchemata):
+        return action.target
+    return json.dumps(action.describe(), sort_keys=True, default=str)
 
 
 def _update(action: SetCgroup) -> Update:

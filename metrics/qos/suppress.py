@@ -8,6 +8,10 @@ reserved or LSE-bound CPUs, growing at most ~10 % of the CPUs per round) or a
 CFS quota on ``kubepods/besteffort`` (1 % dead band, ≤ 10 % growth per round).
 The knob of the other policy is recovered; with the feature disabled both are.
 
+On cgroup v1 a parent's quota cannot go below a child's, and BE pods may carry
+their own: a tier quota is written with its children clamped first, and their
+originals restored when it grows back (``tierquota``).
+
 Only the BE tree is written: LS/LSR/LSE pods are never planned here. Planning
 is pure (``plan``); reading the current BE state is ``read_be_state``.
 """
@@ -40,6 +44,7 @@ from metrics.model import (
 )
 from metrics.qos.inputs import NodeInputs
 from metrics.qos.plan import Action, LeveledWrite, Plan, Priority, SetCgroup
+from metrics.qos.tierquota import ChildClamps, ChildQuota, read_children
 
 log = structlog.get_logger("metrics.qos.suppress")
 
@@ -77,6 +82,9 @@ class BEState:
 
     cpuset: frozenset[int] | None
     quota: int | None
+    #: BE pods' and containers' quotas under the tier (cgroup v1 only: v2 takes the
+    #: minimum of parent and child itself, so nothing needs clamping there).
+    children: tuple[ChildQuota, ...] = ()
 
     def limit_cores(self, policy: str, capacity: float, period: int) -> float | None:
         """The BE CPU limit in force under ``policy``."""
@@ -87,7 +95,7 @@ class BEState:
         return capacity if self.quota <= 0 else self.quota / period
 
 
-def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig) -> BEState:
+def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[PodView] = ()) -> BEState:
     def read(resource: Any) -> str | None:
         try:
             return executor.read(cfg.besteffort_dir, resource)
@@ -104,7 +112,7 @@ def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig) -> BEState:
     quota: int | None = None
     if quota_text:
         quota = -1 if quota_text[0] == "max" else int(quota_text[0]) if quota_text[0].lstrip("-").isdigit() else None
-    return BEState(cpus, quota)
+    return BEState(cpus, quota, read_children(executor, cfg.besteffort_dir, cfg.cfs_period_us, pods))
 
 
 def is_be(pod: PodView) -> bool:
@@ -232,6 +240,7 @@ class SuppressStrategy:
         #: What the last ``plan`` decided; None when it made no decision (disabled,
         #: missing inputs, unreadable state, no CPU left).
         self.decision: Decision | None = None
+        self._clamps = ChildClamps(cfg.cfs_period_us)
 
     def recovery_cpus(self, pods: Sequence[PodView]) -> frozenset[int]:
         """All CPUs - LSE-bound - reserved (koordlet's calcBECPUSet)."""
@@ -247,8 +256,16 @@ class SuppressStrategy:
                           for p in be for c in p.containers)
         return LeveledWrite(tuple(lv for lv in (top, pod_level, ctr_level) if lv), reason)
 
-    def _quota_write(self, quota: int, reason: str) -> SetCgroup:
-        return SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, reason)
+    def _quota_write(self, quota: int, reason: str, children: Sequence[ChildQuota] | None = None
+                     ) -> SetCgroup | LeveledWrite:
+        """The tier quota, with the children it needs clamped or may get back (see
+        ``tierquota``); ``children`` None: unknown (recovery), every original is restored."""
+        return self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, reason), children)
+
+    @property
+    def clamped(self) -> dict[str, int]:
+        """Children clamped now: cgroup -> original quota (for explain and tests)."""
+        return self._clamps.clamped
 
     def recover(self, pods: Sequence[PodView], *, cpuset: bool, quota: bool, why: str) -> list[Action]:
         actions: list[Action] = []
@@ -308,9 +325,11 @@ class SuppressStrategy:
         kept = state.quota if new is None else new
         if kept > 0:
             self.decision = Decision("cfsQuota", kept / self.cfg.cfs_period_us, formula)
-        if new is None:
+        write = self._quota_write(kept, why, state.children)
+        info["clamped_children"] = self.clamped
+        if new is None and isinstance(write, SetCgroup):
             return Plan(NAME, Priority.SUPPRESS, tuple(recovery), info, why)
-        return Plan(NAME, Priority.SUPPRESS, (self._quota_write(new, why), *recovery), info, why)
+        return Plan(NAME, Priority.SUPPRESS, (write, *recovery), info, why)
 
 
 def quota_target(suppress: float, current: int, capacity: float, period: int) -> tuple[int | None, str]:

@@ -467,3 +467,23 @@ def test_reconcile_bad_annotation_is_a_hook_error(tmp_path: Path) -> None:
     with pytest.raises(HookError, match=r"pod prod/api: annotation koordinator\.sh/cpuQOS='\{bad'"):
         make_hook(tmp_path).reconcile_pod_sandbox(rctx("LS", LS_PARENT, "{bad"))
     assert snapshot(tmp_path) == before
+
+
+def test_rules_turned_off_later_reset_to_zero(tmp_path: Path) -> None:
+    """Issue 14, item 10: the rules in force change under a running hook (the NodeSLO)."""
+    from runtimeproxy.hookapi import RulesProvider
+
+    v1_tree(tmp_path / "cgroup", ("cpu.bvt_warp_ns",))
+    provider = RulesProvider(ENABLED)
+    host = HostRoots(cgroup=tmp_path / "cgroup", proc=tmp_path / "proc", sys=tmp_path / "sys",
+                     resctrl=tmp_path / "resctrl")
+    hook = GroupIdentity(HookInit("gi", {}, "hooks[2].args", host, ENABLED, current_rules=provider.current))
+    first = hook.reconcile_pod_sandbox(rctx("BE", BE_PARENT))
+    assert first is not None and [w.new for w in first.writes] == ["-1"]
+    off = {"resourceQOSStrategy": {c: {"cpuQOS": {"enable": False}} for c in ("lsrClass", "lsClass", "beClass")}}
+    provider.set_overlay("nodeslo", off)
+    assert not hook.rules_enabled
+    reset = hook.reconcile_pod_sandbox(rctx("BE", BE_PARENT))
+    assert reset is not None and [(w.old, w.new) for w in reset.writes] == [("-1", "0")]
+    assert "turned off by the rules: reset to 0" in reset.reason
+    assert hook.reconcile_pod_sandbox(rctx("BE", BE_PARENT)) is None  # stays 0, nothing more to write

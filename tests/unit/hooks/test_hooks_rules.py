@@ -140,3 +140,110 @@ def test_guaranteed_class_is_configurable() -> None:
     with pytest.raises(HookConfigError) as err:
         parse_rules({"guaranteedQoSClass": "BE"})
     assert err.value.key_path == "rules.guaranteedQoSClass"
+
+
+# --- the NodeSLO as the rules overlay (issue 14, item 10) ------------------------------------
+
+
+def test_a_full_nodeslo_spec_becomes_rules_without_the_features_we_do_not_model() -> None:
+    from hooks.rules import rules_from_nodeslo
+
+    spec = {
+        "resourceQOSStrategy": {
+            "policies": {"cpuPolicy": "coreSched", "netQOSPolicy": "tc"},
+            "beClass": {"cpuQOS": {"enable": True, "groupIdentity": -1, "schedIdle": 1},
+                        "memoryQOS": {"enable": False, "pageCacheEnable": True},
+                        "blkioQOS": {"enable": False, "blocks": []}, "networkQOS": {"enable": False}},
+        },
+        "resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota",
+                                        "cpuAllocatableEvictThresholdPercent": 80},
+        "cpuBurstStrategy": {"policy": "auto"},
+        "systemStrategy": {"minFreeKbytesFactor": 100}, "extensions": {}, "hostApplications": [],
+    }
+    out = rules_from_nodeslo(spec)
+    assert out == {
+        "resourceQOSStrategy": {"beClass": {"cpuQOS": {"enable": True, "groupIdentity": -1, "schedIdle": 1},
+                                            "memoryQOS": {"enable": False}}},
+        "resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"},
+        "cpuBurstStrategy": {"policy": "auto"},
+        "policies": {"cpuPolicy": "coreSched", "netQOSPolicy": "tc"},
+    }
+    rules = parse_rules(out)
+    assert rules.policies.cpu_policy == "coreSched" and rules.for_class(QoSClass.BE).cpu_qos.sched_idle == 1
+    assert rules_from_nodeslo(None) is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "path", "value"),
+    [
+        ({"resourceQOSStrategy": {"beClass": {"cpuQOS": {"groupIdentity": 7}}}},
+         "nodeslo.spec.resourceQOSStrategy.beClass.cpuQOS.groupIdentity", 7),
+        ({"resourceQOSStrategy": {"policies": {"cpuPolicy": "bvt"}}}, "nodeslo.spec.policies.cpuPolicy", "bvt"),
+        ({"resourceQOSStrategy": {"beClass": []}}, "nodeslo.spec.resourceQOSStrategy.beClass", []),
+        ({"resourceUsedThresholdWithBE": {"cpuSuppressPolicy": "quota"}},
+         "nodeslo.spec.resourceUsedThresholdWithBE.cpuSuppressPolicy", "quota"),
+    ],
+)
+def test_a_bad_nodeslo_value_is_named(spec: dict[str, Any], path: str, value: object) -> None:
+    from hooks.rules import rules_from_nodeslo
+
+    with pytest.raises(HookConfigError) as info:
+        rules_from_nodeslo(spec)
+    assert info.value.key_path == path and info.value.value == value
+
+
+def test_live_rules_parse_once_per_change_and_fall_back_to_the_yaml(capsys: pytest.CaptureFixture[str]) -> None:
+    from hooks.rules import LiveRules
+    from runtimeproxy.hookapi import RulesProvider
+
+    yaml_rules = {"resourceQOSStrategy": {"beClass": {"cpuQOS": {"enable": True}}}}
+    provider = RulesProvider(yaml_rules)
+    live = LiveRules(base=yaml_rules, current=provider.current, owner="gi")
+    first = live()
+    assert first.for_class(QoSClass.BE).cpu_qos.enable and live() is first  # cached by identity
+    # Valid alone, contradicting the YAML once merged: ignored with one warning, the YAML applies.
+    provider.set_base({"resourceUsedThresholdWithBE": {"cpuSuppressThresholdPercent": 40}})
+    provider.set_overlay("nodeslo", {"resourceUsedThresholdWithBE": {"cpuSuppressMinPercent": 50}})
+    assert live() is live.base and live() is live.base
+    out = capsys.readouterr().out
+    assert out.count("rules_ignored") == 1 and "cpuSuppressMinPercent" in out
+    with pytest.raises(HookConfigError):  # the YAML itself is checked strictly, at construction
+        LiveRules(base={"resourceQOSStrategy": {"beClass": {"cpuQOS": {"enable": 1}}}})
+
+
+def test_arbitrary_nodeslo_documents_give_rules_or_a_named_error() -> None:
+    """A NodeSLO is untrusted input: random nested documents over the real keys and odd
+    values either become rules (that parse) or fail with a HookConfigError naming
+    ``nodeslo.spec.<path>`` — never another exception. Seeded, so a failure replays."""
+    import random
+
+    from hooks.rules import rules_from_nodeslo
+
+    keys = ["resourceQOSStrategy", "policies", "cpuPolicy", "lsrClass", "lsClass", "beClass", "cgroupRoot",
+            "cpuQOS", "memoryQOS", "resctrlQOS", "blkioQOS", "enable", "groupIdentity", "catRangeEndPercent",
+            "resourceUsedThresholdWithBE", "cpuSuppressPolicy", "cpuSuppressMinPercent", "cpuBurstStrategy",
+            "policy", "systemStrategy", "unknown", ""]
+    values: list[object] = [None, True, False, 0, 1, -1, 2, 101, 10**30, 1.5, "", "cfsQuota", "auto",
+                            "groupIdentity", [], [1], {}]
+    rng = random.Random(14)
+
+    def doc(depth: int = 0) -> object:
+        if depth > 4 or rng.random() < 0.3:
+            return rng.choice(values)
+        return {rng.choice(keys): doc(depth + 1) for _ in range(rng.randint(0, 4))}
+
+    outcomes = {"rules": 0, "error": 0}
+    for _ in range(3000):
+        spec = doc()
+        if not isinstance(spec, dict):
+            continue
+        try:
+            out = rules_from_nodeslo(spec)
+        except HookConfigError as exc:
+            assert exc.key_path.startswith("nodeslo.spec."), exc.key_path
+            outcomes["error"] += 1
+            continue
+        assert out is not None
+        parse_rules(out)
+        outcomes["rules"] += 1
+    assert outcomes["rules"] > 100 and outcomes["error"] > 100, outcomes

@@ -394,3 +394,88 @@ async def test_reporter_patches_status_with_the_crs_interval(api: FakeApiServer,
     assert req.json()["status"]["nodeMetric"]["nodeUsage"] == {"resources": {"cpu": "1500m"}}
     assert req.json()["status"] == reporter.latest()
     assert reporter.reports_sent == 1
+
+
+# --- item 10 of issue 14: the NodeSLO is the rules overlay of every hook and task -------------
+
+GI_YAML = {"resourceQOSStrategy": {"lsClass": {"cpuQOS": {"enable": True}},
+                                   "beClass": {"cpuQOS": {"enable": True, "groupIdentity": -1}}}}
+
+
+def slo(rv: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": "NodeSLO", "metadata": {"name": NODE, "resourceVersion": rv}, "spec": spec}
+
+
+@pytest.mark.asyncio
+async def test_the_watched_nodeslo_feeds_hooks_and_tasks_through_one_provider(
+    api: FakeApiServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hooks.batchresource import BatchResource
+    from hooks.groupidentity import GroupIdentity
+    from hooks.qos import QoSClass
+    from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
+    from runtimeproxy.hookapi import HookInit, HostRoots, PodInfo, PodMeta, RulesProvider, TaskInit, frozen_map
+
+    host = HostRoots(cgroup=tmp_path / "cgroup", proc=tmp_path / "proc", sys=tmp_path / "sys", resctrl=tmp_path / "r")
+    for controller in ("cpu", "cpuacct", "memory", "cpuset"):
+        (host.cgroup / controller).mkdir(parents=True)
+    provider = RulesProvider(GI_YAML)
+    changes: list[int] = []
+    provider.subscribe(lambda: changes.append(1))
+    init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host,
+                    rules=GI_YAML, current_rules=provider.current, set_rules_overlay=provider.set_overlay,
+                    add_route=lambda _p, _h: None,
+                    args={"db": str(tmp_path / "m.db"), "schedlat_source": "off", "cpi": False, "kube": True,
+                          "kubeconfig": str(kubeconfig(tmp_path, api.url)), "node_name": NODE})
+    metrics_task(init)
+    agent = init.shared[SHARED_KEY]
+    assert isinstance(agent, MetricsAgent) and agent.informer is not None
+    gi = GroupIdentity(HookInit("gi", {}, "hooks[0].args", host, GI_YAML, current_rules=provider.current))
+    batch = BatchResource(HookInit("batch", {}, "hooks[1].args", host, GI_YAML, current_rules=provider.current))
+    be = PodInfo(PodMeta("job", "ns", "uid-be"), labels=frozen_map({"koordinator.sh/qosClass": "BE"}),
+                 cgroup_parent="/kubepods/besteffort/poduid-be")
+
+    # Without a NodeSLO (none listed yet): the YAML rules.
+    assert gi.pod_value(be, QoSClass.BE) == (-1, "BE pod: class rule cpuQOS.groupIdentity -1")
+    assert not agent.rules().resource_used_threshold_with_be.enable
+
+    be_off = {"resourceQOSStrategy": {"policies": {"cpuPolicy": "groupIdentity"},
+                                      "beClass": {"cpuQOS": {"enable": False}, "blkioQOS": {"enable": False}}},
+              "resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota",
+                                              "memoryAllocatableEvictThresholdPercent": 80},
+              "systemStrategy": {"minFreeKbytesFactor": 100}, "hostApplications": []}
+    for kind in ("nodes", "nodemetrics"):
+        prefix = "/api/v1" if kind == "nodes" else CRD
+        api.routes[("GET", f"{prefix}/{kind}")] = (200, {"kind": "List", "metadata": {"resourceVersion": "1"},
+                                                        "items": []})
+    api.routes[("GET", f"{CRD}/nodeslos")] = (200, {"kind": "NodeSLOList", "metadata": {"resourceVersion": "1"},
+                                                   "items": [slo("1", be_off)]})
+    bad = {"resourceQOSStrategy": {"beClass": {"cpuQOS": {"enable": "no"}}}}
+    api.watch_scripts[f"{CRD}/nodeslos"] = [[{"type": "MODIFIED", "object": slo("2", bad)}, HOLD]]
+    api.before_watch = threading.Event()  # hold the watch until the listed NodeSLO was checked
+    task = asyncio.create_task(agent.informer.run())
+    try:
+        deadline = time.monotonic() + 10
+        while not changes:
+            assert time.monotonic() < deadline, "the NodeSLO never reached the provider"
+            await asyncio.sleep(0.01)
+        # The NodeSLO (with keys this agent does not model) merged over the YAML: BE cpuQOS
+        # off for the hook, the cfsQuota policy for batch-resource and the QoS manager.
+        assert gi.pod_value(be, QoSClass.BE) == (0, "BE pod: class cpuQOS disabled, group identity 0")
+        assert gi.pod_value(be, QoSClass.LS) == (2, "LS pod: class rule cpuQOS.groupIdentity 2")  # YAML kept
+        threshold = agent.rules().resource_used_threshold_with_be
+        assert (threshold.enable, threshold.cpu_suppress_policy) == (True, "cfsQuota")
+        assert batch.rules.resource_used_threshold_with_be.cpu_suppress_policy == "cfsQuota"
+
+        # A NodeSLO that does not parse is dropped as a whole, naming the field: the YAML applies.
+        api.before_watch.set()
+        while len(changes) < 2:
+            assert time.monotonic() < deadline, "the bad NodeSLO was not withdrawn"
+            await asyncio.sleep(0.01)
+        assert gi.pod_value(be, QoSClass.BE) == (-1, "BE pod: class rule cpuQOS.groupIdentity -1")
+        assert not agent.rules().resource_used_threshold_with_be.enable
+        out = capsys.readouterr().out
+        assert "nodeslo_rejected" in out and "nodeslo.spec.resourceQOSStrategy.beClass.cpuQOS.enable" in out
+    finally:
+        await stop_informer(task)
+        agent.tsdb.close()

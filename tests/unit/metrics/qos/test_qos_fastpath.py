@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
-from hooks.cgroups import CgroupLayout
-from hooks.executor import CgroupExecutor
+from hooks.cgroups import CPU_CFS_QUOTA, CgroupError, CgroupLayout
+from hooks.executor import CgroupExecutor, Update, Write
 from hooks.qos import QoSClass
 from hooks.rules import Rules, parse_rules
 from metrics import model
@@ -17,8 +17,9 @@ from metrics.collect.topology import CPUInfo
 from metrics.model import ContainerView, PodView, Sample, labels
 from metrics.qos.evict import CriEvictor
 from metrics.qos.fastpath import FastPath, FastPathConfig
+from metrics.qos.inputs import NodeInputs, TierUsage
 from metrics.qos.manager import ManagerConfig, QoSManager
-from metrics.qos.suppress import suppress_cores
+from metrics.qos.suppress import BEState, suppress_cores
 from metrics.tsdb import TSDB
 
 NOW = 5_000.0
@@ -241,3 +242,87 @@ async def test_a_drop_within_the_sampling_noise_waits_for_the_regular_round(host
     assert (host.cgroup / "cpu" / BE_DIR / "cpu.cfs_quota_us").read_text().strip() == "190000"
 
 
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("policy", "be_state", "ls_cores", "replan"),
+    [
+        # cpuset: 4 CPUs in force, margin 1.0: a target of 3 CPUs is exactly at the edge (kept), 2 is below
+        # (4.0 - 1.0 - 0.5 = 2.5 -> 3 CPUs; 4.0 - 2.0 - 0.5 = 1.5 -> 2 CPUs)
+        ("cpuset", BEState(frozenset(range(4)), None), 1.0, False),
+        ("cpuset", BEState(frozenset(range(4)), None), 2.0, True),
+        # cfsQuota: 2.5 cores in force (250000 / 100000), target 4.0 - 2.0 - 0.5 = 1.5 = 2.5 - 1.0: kept
+        ("cfsQuota", BEState(None, 250_000), 2.0, False),
+        ("cfsQuota", BEState(None, 250_000), 2.25, True),
+    ],
+)
+async def test_a_drop_of_exactly_the_dead_band_does_not_replan(host: Host, store: TSDB, policy: str,
+                                                                be_state: BEState, ls_cores: float,
+                                                                replan: bool) -> None:
+    """The band's edge belongs to the band (``<``, not ``<=``): binary-exact numbers, so
+    the comparison is decided by the operator alone."""
+    rules = parse_rules({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 50,
+                                                         "cpuSuppressPolicy": policy}})
+    manager, _, _ = await setup(host, store, rules=rules)
+    fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: rules,
+                    config=FastPathConfig(interval=0.2, dead_band=0.125, noise_cores=0.5), clock=lambda: 10.0)
+    manager.be_state = be_state
+    # capacity 8 x 50% = 4.0; non-BE = ls_cores; system = max(node - pods, reserved 0.5) = 0.5
+    inputs = NodeInputs(now=NOW, capacity_cores=8.0, reserved_cores=0.5, pods=(LS, BE),
+                        node_cpu_used=ls_cores + 0.5, tiers=TierUsage(pods=ls_cores + 0.5, be=0.5), source="fastpath")
+    why = fast.decide(inputs)
+    assert (why is not None) == replan, why
+
+
+class RefusingExecutor(CgroupExecutor):
+    """The kernel refusing the besteffort tier's quota (as cgroup v1 did below a child's)."""
+
+    refuse = True
+
+    def leveled_update(self, levels: Sequence[Sequence[Update]]) -> list[Write]:
+        self._check([u for level in levels for u in level])
+        return super().leveled_update(levels)
+
+    def apply(self, updates: Sequence[Update]) -> list[Write]:
+        self._check(updates)
+        return super().apply(updates)
+
+    def _check(self, updates: Sequence[Update]) -> None:
+        for u in updates:
+            if self.refuse and str(u.cgroup) == BE_DIR and u.resource is CPU_CFS_QUOTA and u.value != -1:
+                raise CgroupError(f"{BE_DIR}: writing '{u.value}' to cpu.cfs_quota_us refused: Invalid argument")
+
+
+@pytest.mark.asyncio
+async def test_a_refused_write_backs_off_and_warns_once(host: Host, store: TSDB,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 14, item 11: the fast path retried a refused tier quota every tick with
+    several warnings a second. Now one warning per cause, and re-plans back off."""
+    rules = parse_rules({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"}})
+    executor = RefusingExecutor(CgroupLayout(host.cgroup))
+    manager = QoSManager(reader=store, pods=lambda: [LS, BE], topology=TOPOLOGY, executor=executor,
+                         evictor=CriEvictor(_no_runtime), rules=lambda: rules,
+                         config=ManagerConfig(reserved_cores=0.5), clock=lambda: NOW)
+    await manager.run_once()
+    clock = [0.0]
+    fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: rules,
+                    config=FastPathConfig(interval=0.1, min_gap=0.1, max_backoff=1.6),
+                    clock=lambda: clock[0], wall=lambda: NOW)
+    await fast.tick()
+    for _ in range(40):  # 4 s of an LS burst the suppress write cannot follow
+        host.advance(0.1, node=7.0, ls=6.0, be=0.5)
+        clock[0] += 0.1
+        await fast.tick()
+    out = capsys.readouterr().out
+    # gaps 0.2, 0.4, 0.8, 1.6, 1.6: a handful of re-plans instead of one per tick
+    assert 3 <= fast.triggers <= 7, fast.triggers
+    assert out.count("qos_write_failed") == 1 and out.count("fastpath_backoff ") == 1
+    executor.refuse = False  # the write goes through again: back to the tick rate
+    for _ in range(20):
+        host.advance(0.1, node=7.0, ls=6.0, be=0.5)
+        clock[0] += 0.1
+        await fast.tick()
+    out = capsys.readouterr().out
+    assert "qos_write_recovered" in out and "fastpath_backoff_reset" in out
+    assert int((host.cgroup / "cpu" / BE_DIR / "cpu.cfs_quota_us").read_text()) == 2000

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -17,6 +17,7 @@ from metrics.qos.inputs import NodeInputs
 from metrics.qos.plan import LeveledWrite, SetCgroup
 from metrics.qos.suppress import (
     BEState,
+    ChildQuota,
     SuppressConfig,
     SuppressStrategy,
     quota_target,
@@ -166,3 +167,100 @@ def test_bad_resource_status_is_skipped_with_one_warning(capsys: pytest.CaptureF
                              BEState(ALL, -1))
     assert cpuset_of(plan.actions)[0] == "0,2,4"
     assert capsys.readouterr().out.count("resource_status_ignored") == 1
+
+
+@pytest.mark.parametrize(("current", "expected"), [(58_000, 50_000), (57_999, None), (42_000, 50_000),
+                                                   (42_001, None)])
+def test_cfs_quota_dead_band_edge_is_outside_the_band(current: int, expected: int | None) -> None:
+    # 0.5 cores x 100 ms = 50000; the band is 1% of 8 x 100000 = 8000 exactly (binary-exact
+    # numbers): a change of exactly 8000 is made, 7999 is not ("<" in quota_target, not "<=").
+    assert 8.0 * 100_000 * 0.01 == 8000.0
+    assert quota_target(0.5, current, 8.0, 100_000)[0] == expected
+
+
+# --- the tier quota under BE children's own quotas (issue 14, item 11) ----------------------
+
+BE_POD = PurePosixPath(BE_C.cgroup_dir)
+BE_CTR = PurePosixPath(BE_C.containers[0].cgroup_dir)
+
+
+def children(pod_quota: int, ctr_quota: int, ctr_period: int = 100_000) -> tuple[ChildQuota, ...]:
+    return (ChildQuota(BE_POD, pod_quota, 100_000, "c", 0), ChildQuota(BE_CTR, ctr_quota, ctr_period, "c", 1))
+
+
+def leveled(plan_actions: tuple[object, ...]) -> list[list[tuple[str, object]]]:
+    [write] = [a for a in plan_actions if isinstance(a, LeveledWrite) and a.items()[0].resource is CPU_CFS_QUOTA]
+    return [[(str(i.cgroup), i.value) for i in level] for level in write.levels]
+
+
+def test_a_lower_tier_quota_clamps_the_be_children_above_it_then_restores_them() -> None:
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    # 2.2 cores -> 220000 on the tier; the pod (300000) and its container (125000 per 50 ms
+    # period, i.e. 2.5 cores) are above it, so both are clamped, to the tier's ratio.
+    plan = strategy.plan(inputs(), QUOTA, BEState(ALL, 400_000, children(300_000, 125_000, ctr_period=50_000)))
+    assert leveled(plan.actions) == [[(str(BE_DIR), 220_000)], [(str(BE_POD), 220_000)], [(str(BE_CTR), 110_000)]]
+    assert plan.inputs["clamped_children"] == {str(BE_POD): 300_000, str(BE_CTR): 125_000}
+    # Inside the dead band the tier is kept, and the clamped children stay as they are.
+    kept = strategy.plan(inputs(), QUOTA, BEState(ALL, 220_000, children(220_000, 110_000, ctr_period=50_000)))
+    assert [a for a in kept.actions if isinstance(a, SetCgroup) and a.resource is CPU_CFS_QUOTA] == []
+    assert strategy.clamped == {str(BE_POD): 300_000, str(BE_CTR): 125_000}
+    # The tier grows back (capped: 220000 + 80000): the originals fit again and are restored.
+    idle = inputs(used={"a": 0.0, "b": 0.0, "c": 1.0}, node=1.0)
+    grown = strategy.plan(idle, QUOTA, BEState(ALL, 220_000, children(220_000, 110_000, ctr_period=50_000)))
+    assert leveled(grown.actions) == [[(str(BE_DIR), 300_000)], [(str(BE_POD), 300_000)], [(str(BE_CTR), 125_000)]]
+    assert grown.inputs["clamped_children"] == {}
+
+
+def test_children_within_the_tier_quota_or_unlimited_are_left_alone() -> None:
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    plan = strategy.plan(inputs(), QUOTA, BEState(ALL, 400_000, children(-1, 200_000)))
+    assert SetCgroup(BE_DIR, CPU_CFS_QUOTA, 220_000, plan.reason) in plan.actions  # a plain write, as before
+    assert strategy.clamped == {}
+
+
+def test_a_child_changed_by_someone_else_is_not_restored_over() -> None:
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    strategy.plan(inputs(), QUOTA, BEState(ALL, 400_000, children(300_000, -1)))
+    assert strategy.clamped == {str(BE_POD): 300_000}
+    # batch-resource's reconcile set the pod's quota to -1 (cfsQuota policy) meanwhile
+    idle = inputs(used={"a": 0.0, "b": 0.0, "c": 1.0}, node=1.0)
+    grown = strategy.plan(idle, QUOTA, BEState(ALL, 220_000, children(-1, -1)))
+    assert SetCgroup(BE_DIR, CPU_CFS_QUOTA, 300_000, grown.reason) in grown.actions
+    assert strategy.clamped == {}
+
+
+def test_recovery_restores_the_clamped_children_after_the_tier() -> None:
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    strategy.plan(inputs(), QUOTA, BEState(ALL, 400_000, children(300_000, 300_000)))
+    actions = strategy.recover([BE_C], cpuset=False, quota=True, why="QoS manager stopped")
+    assert leveled(tuple(actions)) == [[(str(BE_DIR), -1)], [(str(BE_POD), 300_000)], [(str(BE_CTR), 300_000)]]
+    assert strategy.clamped == {}
+    assert strategy.recover([BE_C], cpuset=False, quota=True, why="again") == [
+        SetCgroup(BE_DIR, CPU_CFS_QUOTA, -1, "recover BE cfs quota (again)")]
+
+
+def test_read_children_reads_every_cgroup_under_the_tier_on_v1_only(tmp_path: Path) -> None:
+    from hooks.cgroups import CgroupLayout
+    from hooks.executor import CgroupExecutor
+    from metrics.qos.suppress import read_be_state
+
+    pause, stranger = BE_POD / "sandbox-pause", BE_DIR / "podunknown"
+    for d, quota, period in ((BE_DIR, "-1", None), (BE_POD, "300000", "100000"), (BE_CTR, "25000", "50000"),
+                             (pause, "-1", None), (stranger, "40000", None),
+                             (PurePosixPath(LS_A.cgroup_dir), "50000", None)):
+        (tmp_path / "v1" / "cpu" / d).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "v1" / "cpu" / d / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+        if period:
+            (tmp_path / "v1" / "cpu" / d / "cpu.cfs_period_us").write_text(f"{period}\n")
+    (tmp_path / "v1" / "memory").mkdir()
+    executor = CgroupExecutor(CgroupLayout(tmp_path / "v1"))
+    state = read_be_state(executor, SuppressConfig(), [LS_A, BE_C])
+    assert state.quota == -1
+    # Found on the filesystem: the pause cgroup and a pod the views do not know (yet) count
+    # too; the LS pod is not under the tier; a missing period file means the default.
+    assert state.children == (ChildQuota(BE_POD, 300_000, 100_000, "c", 0),
+                              ChildQuota(stranger, 40_000, 100_000, "", 0),
+                              ChildQuota(BE_CTR, 25_000, 50_000, "c", 1), ChildQuota(pause, -1, 100_000, "c", 1))
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / "cgroup.controllers").write_text("cpu cpuset memory\n")
+    assert read_be_state(CgroupExecutor(CgroupLayout(tmp_path / "v2")), SuppressConfig(), [BE_C]).children == ()

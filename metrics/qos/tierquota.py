@@ -1,0 +1,166 @@
+"""The besteffort tier's CFS quota above its children's own (cgroup v1).
+
+A parent's ``cpu.cfs_quota_us`` cannot go below a child's (compared as quota/period;
+the kernel answers EINVAL), and BE pods may carry quotas of their own (batch-cpu
+limits, a kubelet limit, a runtime's pause cgroup). So a tier quota is written in one
+leveled write with every child above it clamped to the tier's ratio first (deepest
+first), remembering their originals; when the tier grows back, or is recovered, the
+originals are restored, tier first. A child someone else changed since (batch-
+resource's reconcile, kubelet) is not restored over: its new value is its own. On v2
+the kernel takes the minimum of parent and child itself: nothing is read or clamped.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Final
+
+from hooks.cgroups import CPU_CFS_PERIOD, CPU_CFS_QUOTA, CgroupError
+from hooks.executor import CgroupExecutor
+from metrics.model import PodView
+from metrics.qos.plan import LeveledWrite, SetCgroup
+
+
+@dataclass(frozen=True, slots=True)
+class ChildQuota:
+    """The CFS quota of a cgroup under the tier: a pod (``depth`` 0), a container or the
+    sandbox's pause cgroup (1), deeper (2); ``pod_uid`` "" when no known pod owns it."""
+
+    cgroup: PurePosixPath
+    quota: int  # -1: none
+    period: int
+    pod_uid: str
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Clamp:
+    original: int
+    clamped: int
+    pod_uid: str
+    depth: int
+
+
+def _child_quota(executor: CgroupExecutor, cgroup: PurePosixPath, default_period: int) -> tuple[int, int] | None:
+    """(quota, period) of one cgroup; None when unreadable (gone, not created yet)."""
+    version = executor.layout.version
+    try:
+        quota = int(CPU_CFS_QUOTA.parse(executor.read(cgroup, CPU_CFS_QUOTA), version))
+    except (CgroupError, ValueError):
+        return None
+    if quota <= 0:
+        return quota, default_period  # unlimited: its period does not matter
+    try:
+        period = int(CPU_CFS_PERIOD.parse(executor.read(cgroup, CPU_CFS_PERIOD), version))
+    except (CgroupError, ValueError):
+        period = default_period
+    return quota, period if period > 0 else default_period
+
+
+#: How deep under the tier quotas are looked for: pods, their containers (and the
+#: sandbox's pause cgroup), and one level more for runtimes that nest.
+CHILD_DEPTH: Final = 3
+
+
+def _subdirs(executor: CgroupExecutor, cgroup: PurePosixPath) -> list[PurePosixPath]:
+    try:
+        directory = executor.path(cgroup, CPU_CFS_QUOTA).parent
+        with os.scandir(directory) as entries:
+            names = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+    except (CgroupError, OSError):
+        return []  # gone meanwhile: nothing under it to respect
+    return [cgroup / name for name in names]
+
+
+def read_children(executor: CgroupExecutor, tier: PurePosixPath, default_period: int,
+                  pods: Sequence[PodView]) -> tuple[ChildQuota, ...]:
+    """The quotas of every cgroup under the tier (v1 only: see the module doc), found on the
+    filesystem rather than from the pod views: the kernel's rule is about the hierarchy,
+    so a container created since the views were built, a sandbox's pause cgroup or a pod
+    the proxy does not know counts too. ``pods`` only name the owners, for arbitration."""
+    if executor.layout.version != 1:
+        return ()
+    owners = {PurePosixPath(p.cgroup_dir): p.uid for p in pods}
+    owners |= {PurePosixPath(c.cgroup_dir): p.uid for p in pods for c in p.containers}
+    out: list[ChildQuota] = []
+    level = _subdirs(executor, tier)
+    for depth in range(CHILD_DEPTH):
+        below: list[PurePosixPath] = []
+        for cgroup in level:
+            read = _child_quota(executor, cgroup, default_period)
+            if read is None:
+                continue
+            uid = owners.get(cgroup) or owners.get(PurePosixPath(*cgroup.parts[:len(tier.parts) + 1]), "")
+            out.append(ChildQuota(cgroup, read[0], read[1], uid, depth))
+            if depth + 1 < CHILD_DEPTH:
+                below.extend(_subdirs(executor, cgroup))
+        level = below
+    return tuple(out)
+
+
+class ChildClamps:
+    """The children clamped below their own quota, and the writes a tier quota needs."""
+
+    def __init__(self, tier_period: int) -> None:
+        self._tier_period = tier_period
+        #: cgroup -> (original quota, the value we clamped it to).
+        self._originals: dict[PurePosixPath, _Clamp] = {}
+
+    @property
+    def clamped(self) -> dict[str, int]:
+        """Children clamped now: cgroup -> original quota (for explain and tests)."""
+        return {str(cg): c.original for cg, c in self._originals.items()}
+
+    def write(self, tier: SetCgroup, children: Sequence[ChildQuota] | None) -> SetCgroup | LeveledWrite:
+        """``tier`` (a quota on the tier) with the children's writes it needs; a plain
+        write when none does. ``children`` None: their values are unknown (recovery),
+        so every remembered original is restored when the tier is lifted."""
+        quota = int(tier.value)
+        if children is None:
+            if quota > 0:
+                return tier
+            restore = [(SetCgroup(cg, CPU_CFS_QUOTA, c.original, f"{tier.reason}: child quota {c.original} restored",
+                                  c.pod_uid), c.depth) for cg, c in sorted(self._originals.items())]
+            self._originals.clear()
+            return self._levels(tier, restore)
+        items: list[tuple[SetCgroup, int]] = []
+        present: set[PurePosixPath] = set()
+        for child in children:
+            present.add(child.cgroup)
+            item = self._child(child, quota, tier.reason)
+            if item is not None:
+                items.append((item, child.depth))
+        for gone in set(self._originals) - present:
+            del self._originals[gone]
+        return self._levels(tier, items)
+
+    def _child(self, child: ChildQuota, tier_quota: int, reason: str) -> SetCgroup | None:
+        """The write one child needs under a tier quota of ``tier_quota``, if any."""
+        remembered = self._originals.get(child.cgroup)
+        if remembered is not None and child.quota != remembered.clamped:
+            remembered = None  # changed by someone else since: that is its own value now
+            del self._originals[child.cgroup]
+        original = remembered.original if remembered is not None else child.quota
+        # The kernel compares quota/period: the child may have at most the tier's ratio.
+        limit = tier_quota * child.period // self._tier_period if tier_quota > 0 else None
+        if limit is not None and original > limit:
+            self._originals[child.cgroup] = _Clamp(original, limit, child.pod_uid, child.depth)
+            target, why = limit, f"{reason}: child quota {original} clamped to the tier's"
+        else:
+            self._originals.pop(child.cgroup, None)
+            target, why = original, f"{reason}: child quota {original} restored"
+        if target == child.quota:
+            return None
+        return SetCgroup(child.cgroup, CPU_CFS_QUOTA, target, why, child.pod_uid)
+
+    @staticmethod
+    def _levels(tier: SetCgroup, items: Sequence[tuple[SetCgroup, int]]) -> SetCgroup | LeveledWrite:
+        """The tier, then its children level by level (parents before children)."""
+        if not items:
+            return tier
+        depths = sorted({depth for _, depth in items})
+        levels = [tuple(i for i, d in items if d == depth) for depth in depths]
+        return LeveledWrite(((tier,), *levels), tier.reason)

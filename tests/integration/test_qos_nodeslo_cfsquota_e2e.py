@@ -1,0 +1,253 @@
+"""Issue 14, items 10 and 11 on a real node: cfsQuota suppression switched on through the NodeSLO.
+
+The proxy (batch-resource hook, metrics and qos-manager tasks) runs with YAML rules
+saying ``cpuSuppressPolicy: cpuset`` and watches a NodeSLO on a fake API server (the
+one boundary we cannot create here). Two BE pods carry quotas of their own, as on the
+cluster where cfsQuota suppression did nothing: a batch pod whose batch-cpu limit gave
+its pod and container cgroups a quota, and a pod whose container has a CPU limit of its
+own. The NodeSLO then switches to ``cfsQuota``:
+
+* batch-resource learns the policy (one rules provider) and lifts the batch pod's quotas;
+* an LS spike shrinks the besteffort tier below the other pod's container quota: that
+  quota is clamped first (cgroup v1 refuses a parent quota below a child's with EINVAL)
+  and no quota write fails;
+* the NodeSLO switching back to ``cpuset`` lifts the tier quota and restores the clamped one.
+
+The suppress target depends on what the whole machine uses (others' work is "system"
+usage), so on a loaded machine the tier may be narrow before the spike; the reaction
+time is printed when it was wide (bench/bench_qos_reaction.py measures it properly).
+
+All under this run's unique ``/koord-test-<id>/kubepods`` on real cgroup v1.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from criapi import cri_v1_pb2 as cri
+from runtimeproxy.demo import kubelet_creates_pod_cgroup
+
+CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+SPEC = "node.koordinator.sh/extended-resource-spec"
+NODE = "krp-test-node"
+CRD = "/apis/slo.koordinator.sh/v1alpha1"
+DB_DIR = Path(tempfile.mkdtemp(prefix="krpt-nodeslo-"))
+SPIN2 = ("sh", "-c", "while :; do :; done & while :; do :; done")
+OWN_QUOTA = 100_000  # the second BE pod's container: 1 core of its own
+
+
+class FakeApiServer:
+    """Answers the three lists the informer makes and streams NodeSLO changes to its watch."""
+
+    def __init__(self) -> None:
+        self.version = 1
+        self.spec: dict[str, Any] = {}
+        self.changed = threading.Condition()
+        self.closing = False
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _send(self, status: int, doc: object) -> None:
+                data = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _handle(self) -> None:
+                url = urlsplit(self.path)
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                query = parse_qs(url.query)
+                if url.path == f"{CRD}/nodeslos":
+                    if query.get("watch", [""])[0] == "true":
+                        fake.stream(self, int(query.get("resourceVersion", ["0"])[0] or 0))
+                        return
+                    self._send(200, {"kind": "NodeSLOList", "metadata": {"resourceVersion": str(fake.version)},
+                                     "items": [fake.nodeslo()]})
+                elif url.path in ("/api/v1/nodes", f"{CRD}/nodemetrics") and "watch" not in query:
+                    self._send(200, {"kind": "List", "metadata": {"resourceVersion": "1"}, "items": []})
+                elif "watch" in query:
+                    fake.stream(self, None)
+                else:
+                    self._send(404, {"kind": "Status", "code": 404, "message": "not found"})
+
+            do_GET = do_PATCH = do_POST = do_PUT = _handle
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+
+    def nodeslo(self) -> dict[str, Any]:
+        return {"apiVersion": "slo.koordinator.sh/v1alpha1", "kind": "NodeSLO",
+                "metadata": {"name": NODE, "resourceVersion": str(self.version)}, "spec": self.spec}
+
+    def set_spec(self, spec: dict[str, Any]) -> None:
+        with self.changed:
+            self.spec, self.version = spec, self.version + 1
+            self.changed.notify_all()
+
+    def stream(self, handler: BaseHTTPRequestHandler, since: int | None) -> None:
+        """A chunked watch: NodeSLO versions after ``since`` as MODIFIED events (none for
+        other kinds), ended after a few seconds so the client re-watches."""
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        end = time.monotonic() + 5
+        try:
+            while time.monotonic() < end and not self.closing:
+                with self.changed:
+                    if since is None or self.version <= since:
+                        self.changed.wait(0.2)
+                        continue
+                    since, event = self.version, {"type": "MODIFIED", "object": self.nodeslo()}
+                line = json.dumps(event).encode() + b"\n"
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                handler.wfile.flush()
+            handler.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.closing = True
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def api() -> Iterator[FakeApiServer]:
+    server = FakeApiServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def proxy_config(cgroup_prefix: str, api: FakeApiServer) -> dict[str, Any]:
+    kubeconfig = DB_DIR / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+        "users": [{"name": "agent", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "agent"}}],
+    }))
+    return {
+        "hooks": [{"name": "batch", "plugin": "batch-resource", "failure_policy": "Ignore"}],
+        "rules": {"resourceUsedThresholdWithBE": {
+            "enable": True, "cpuSuppressThresholdPercent": 90, "cpuSuppressPolicy": "cpuset"}},
+        "tasks": {
+            "metrics": {"db": str(DB_DIR / "m.db"), "schedlat_source": "off", "cpi": False, "kube": True,
+                        "kubeconfig": str(kubeconfig), "node_name": NODE, "report_interval": "1h"},
+            "qos-manager": {"besteffort_dir": f"{cgroup_prefix.strip('/')}/kubepods/besteffort",
+                            "fast_interval": "100ms"},
+        },
+    }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_db_dir() -> Iterator[None]:
+    yield
+    shutil.rmtree(DB_DIR, ignore_errors=True)
+
+
+def _quota(path: Path) -> int:
+    return int((path / "cpu.cfs_quota_us").read_text())
+
+
+def _wait_for(what: str, check: Callable[[], bool], timeout: float, poll: float = 0.05) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if check():
+            return time.monotonic() - start
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_nodeslo_switches_to_cfs_quota_and_an_ls_spike_shrinks_the_tier_below_be_quotas(
+    proxy: Any, pods: Any, cgroup_prefix: str, api: FakeApiServer
+) -> None:
+    rt = proxy.runtime()
+    tier = CPU_ROOT / cgroup_prefix.strip("/") / "kubepods" / "besteffort"
+
+    # A batch pod (batch-cpu limit 500m: pod and container quota 50000 under the cpuset policy).
+    batch = {"containers": {"be": {"requests": {"kubernetes.io/batch-cpu": "500"},
+                                   "limits": {"kubernetes.io/batch-cpu": "500"}}}}
+    batch_pod = pods.sandbox("be-batch", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"},
+                             annotations={SPEC: json.dumps(batch)})
+    kubelet_creates_pod_cgroup(batch_pod.linux.cgroup_parent)
+    batch_sid = pods.run(rt, batch_pod)
+    batch_cid = pods.create(rt, batch_sid, batch_pod, pods.container("be", command=SPIN2))
+    pods.start(rt, batch_cid)
+    batch_dir = CPU_ROOT / batch_pod.linux.cgroup_parent.strip("/")
+    assert _quota(batch_dir) == 50_000 and _quota(batch_dir / batch_cid) == 50_000
+
+    # A BE pod whose container carries a CPU limit of its own (1 core).
+    own_pod = pods.sandbox("be-own", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"})
+    kubelet_creates_pod_cgroup(own_pod.linux.cgroup_parent)
+    own_sid = pods.run(rt, own_pod)
+    own_cid = pods.create(rt, own_sid, own_pod, pods.container(
+        "own", command=SPIN2, resources=cri.LinuxContainerResources(cpu_period=100_000, cpu_quota=OWN_QUOTA)))
+    pods.start(rt, own_cid)
+    own_ctr = CPU_ROOT / own_pod.linux.cgroup_parent.strip("/") / own_cid
+    assert _quota(own_ctr) == OWN_QUOTA
+
+    ls_pod = pods.sandbox("ls-online", qos="burstable", labels={"koordinator.sh/qosClass": "LS"})
+    kubelet_creates_pod_cgroup(ls_pod.linux.cgroup_parent)
+    ls_sid = pods.run(rt, ls_pod)
+    pods.start(rt, pods.create(rt, ls_sid, ls_pod, pods.container("idle")))
+    assert _quota(tier) == -1  # the cpuset policy: no tier quota
+
+    # The NodeSLO switches the policy (slo-controller writes more than we model).
+    api.set_spec({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 90,
+                                                  "cpuSuppressPolicy": "cfsQuota"},
+                  "resourceQOSStrategy": {"beClass": {"blkioQOS": {"enable": False}}},
+                  "systemStrategy": {"minFreeKbytesFactor": 100}})
+    # batch-resource learned it (item 10): the batch pod's own quotas are lifted.
+    _wait_for("batch-resource to lift the batch pod's quotas",
+              lambda: _quota(batch_dir) == -1 and _quota(batch_dir / batch_cid) == -1, timeout=30)
+    _wait_for("a BE tier quota", lambda: _quota(tier) > 0, timeout=30)
+    time.sleep(3)  # let the tier settle (growth is capped at 10 % of capacity a round)
+    wide = _quota(tier)
+
+    burner = pods.create(rt, ls_sid, ls_pod, pods.container(
+        "burn", command=SPIN2, resources=cri.LinuxContainerResources(cpu_shares=10240)))
+    pods.start(rt, burner)
+    try:
+        half = _wait_for("the tier to halve", lambda: _quota(tier) <= max(wide // 2, 2000), timeout=10, poll=0.005)
+        _wait_for("the tier below the BE container's own quota", lambda: 0 < _quota(tier) < OWN_QUOTA, timeout=10)
+    except AssertionError as exc:
+        detail = {"wide": wide, "tier": _quota(tier), "own": _quota(own_ctr),
+                  "failed_writes": proxy.events("qos_write_failed")[-3:]}
+        raise AssertionError(f"{exc}: {json.dumps(detail, default=str)[:3000]}") from None
+    narrowed = _quota(tier)
+    assert _quota(own_ctr) <= narrowed  # clamped to the tier, before the tier was written
+    rt.StopContainer(cri.StopContainerRequest(container_id=burner, timeout=0), timeout=30)
+
+    # Back to the cpuset policy: the tier quota is recovered, the clamped quota restored.
+    api.set_spec({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 90,
+                                                  "cpuSuppressPolicy": "cpuset"}})
+    _wait_for("the tier quota lifted and the container's own quota restored",
+              lambda: _quota(tier) == -1 and _quota(own_ctr) == OWN_QUOTA, timeout=30)
+    failed = [e for e in proxy.events("qos_write_failed") if "cfs_quota" in json.dumps(e)]
+    assert not failed, json.dumps({"failed": failed[-3:], "writes": proxy.events("qos_write")[-8:]},
+                                  default=str)[:6000]
+    replans = proxy.events("suppress_replanned")
+    reaction = f"halved_after={half:.3f}s" if wide >= 4 * 2000 else "tier already narrow (machine loaded)"
+    print(f"\nnodeslo cfsQuota: wide={wide} narrowed={narrowed} {reaction} fast_replans={len(replans)}")
