@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -42,7 +43,8 @@ CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 SPEC = "node.koordinator.sh/extended-resource-spec"
 NODE = "krp-test-node"
 CRD = "/apis/slo.koordinator.sh/v1alpha1"
-DB_DIR = Path(tempfile.mkdtemp(prefix="krpt-nodeslo-"))
+#: Made by ``_remove_db_dir`` (not at import: a module collected but not run left it behind).
+DB_DIR = Path(tempfile.gettempdir(), f"krpt-nodeslo-{uuid.uuid4().hex}")
 SPIN2 = ("sh", "-c", "while :; do :; done & while :; do :; done")
 OWN_QUOTA = 100_000  # the second BE pod's container: 1 core of its own
 
@@ -163,6 +165,7 @@ def proxy_config(cgroup_prefix: str, api: FakeApiServer) -> dict[str, Any]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _remove_db_dir() -> Iterator[None]:
+    DB_DIR.mkdir(mode=0o700)
     yield
     shutil.rmtree(DB_DIR, ignore_errors=True)
 

@@ -21,6 +21,7 @@ from hooks.rules import rules_from_nodeslo
 from runtimeproxy.hookapi import RulesProvider, merge_rules
 
 RUN = "/runtime.v1.RuntimeService/RunPodSandbox"
+LIST = "/runtime.v1.RuntimeService/ListPodSandbox"
 YAML_RULES = {"resourceQOSStrategy": {"lsClass": {"cpuQOS": {"enable": True, "groupIdentity": 2}},
                                       "beClass": {"cpuQOS": {"enable": True, "groupIdentity": -1}}}}
 #: A NodeSLO as slo-controller writes it: also keys this agent does not model.
@@ -44,9 +45,14 @@ def be_pod(uid: str) -> bytes:
 
 async def run_pod(proxy: Any, uid: str) -> None:
     # The fake answers one sandbox id by default: give each pod its own, so the store keeps both.
-    default = proxy.fake.answers[RUN]
-    proxy.fake.answer(RUN, type(default)(cri.RunPodSandboxResponse(pod_sandbox_id=f"sb-{uid}").SerializeToString()))
+    answer = type(proxy.fake.answers[RUN])
+    proxy.fake.answer(RUN, answer(cri.RunPodSandboxResponse(pod_sandbox_id=f"sb-{uid}").SerializeToString()))
     await proxy.call(RUN, be_pod(uid))
+    # The reconciler re-syncs the store with the runtime first: the fake lists what it ran.
+    listed = cri.ListPodSandboxResponse.FromString(proxy.fake.answers[LIST].payload)
+    if all(item.id != f"sb-{uid}" for item in listed.items):
+        listed.items.add(id=f"sb-{uid}", state=cri.SANDBOX_READY)
+    proxy.fake.answer(LIST, answer(listed.SerializeToString()))
 
 
 def idle_file(root: Path, uid: str) -> Path:
