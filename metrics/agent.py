@@ -38,20 +38,20 @@ from metrics.collect.procfs import NodeCollector
 from metrics.collect.psi import PSICollector
 from metrics.collect.schedlat import SchedLatencyCollector
 from metrics.collect.topology import TopologyCollector
-from metrics.informer import KubeletPods, StatesInformer
-from metrics.kubetypes import Kind, KubeSettings, KubeUnavailable
+from metrics.informer.kubetypes import Kind, KubeSettings, KubeUnavailable
+from metrics.informer.pods import PodViews
+from metrics.informer.states import KubeletPods, StatesInformer
 from metrics.model import PodView, Sample
-from metrics.pods import PodViews
-from metrics.promexport import StoreValues, register_exporter
-from metrics.reporter import NodeMetricReporter
+from metrics.report.promexport import StoreValues, register_exporter
+from metrics.report.reporter import NodeMetricReporter
 from metrics.settings import MetricsSettings, parse_metrics, validate_metrics
+from metrics.store.tsdb import TSDB, GCResult, TSDBError
 from metrics.topcmd import pod_meta_record
-from metrics.tsdb import TSDB, GCResult, TSDBError
 from runtimeproxy import heap
 from runtimeproxy.hookapi import HookConfigError, PodInfo, TaskInit
 
 if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
-    from metrics.kubeclient import KubeClient
+    from metrics.informer.kubeclient import KubeClient
 
 log = structlog.get_logger("metrics.agent")
 
@@ -354,7 +354,7 @@ def _by_interval(collectors: Sequence[Collector]) -> dict[float, list[Collector]
 def _connect(settings: MetricsSettings) -> KubeClient | None:
     if not settings.kube:
         return None
-    from metrics.kubeclient import KubeClient  # ~20 MiB of client: only when asked for
+    from metrics.informer.kubeclient import KubeClient  # ~20 MiB of client: only when asked for
 
     kube_settings = KubeSettings(node_name=settings.node_name,
                                  kubeconfig=Path(settings.kubeconfig) if settings.kubeconfig else None)

@@ -124,7 +124,7 @@ AGGREGATIONS: Final = ("avg", "p50", "p90", "p95", "p99", "last", "count")
 
 
 class MetricReader(Protocol):
-    """Read side of the time-series store (``metrics.tsdb.TSDB`` implements it)."""
+    """Read side of the time-series store (``metrics.store.tsdb.TSDB`` implements it)."""
 
     def aggregate(self, metric: str, labels: Labels, start: float, end: float) -> Aggregate | None:
         """The series ``(metric, labels)`` over ``[start, end]``; None without samples."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
 from hooks.cgroups import CgroupError, CgroupLayout, Driver
-from metrics.tsdb import (
+from metrics.store.tsdb import (
     DEFAULT_COARSE_AFTER,
     DEFAULT_COARSE_STEP,
     DEFAULT_RAW_RETENTION,
@@ -44,7 +44,7 @@ class Intervals:
 
 @dataclass(frozen=True, slots=True)
 class StoreTiers:
-    """The store's tiers (``metrics.tsdbrollup``): raw samples for ``raw``, then means
+    """The store's tiers (``metrics.store.tsdbrollup``): raw samples for ``raw``, then means
     per ``step``, per ``coarse_step`` once older than ``coarse_after``; all until the
     retention. Shorter ``raw`` or longer steps: a smaller file, coarser percentiles."""
 

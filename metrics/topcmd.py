@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Final, TypedDict
 
 from metrics import model as m
-from metrics.tsdb import TSDB, TSDBError
+from metrics.store.tsdb import TSDB, TSDBError
 
 DEFAULT_DB: Final = Path("/var/lib/koord-runtime-proxy/metrics.db")
 _MIB: Final = 2**20

@@ -32,7 +32,7 @@ import pytest
 
 from criapi import cri_v1_pb2 as cri
 from metrics import model
-from metrics.tsdb import TSDB
+from metrics.store.tsdb import TSDB
 from runtimeproxy.demo import kubelet_creates_pod_cgroup
 
 MIB = 1 << 20

@@ -27,7 +27,7 @@ from structlog.testing import capture_logs
 
 from metrics import model as m
 from metrics.model import Sample
-from metrics.tsdb import TSDB
+from metrics.store.tsdb import TSDB
 
 SERIES = 200
 

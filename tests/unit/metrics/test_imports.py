@@ -7,7 +7,7 @@ import sys
 
 
 def test_kubernetes_and_bcc_are_not_imported_by_the_tasks_modules() -> None:
-    code = ("import sys\nimport metrics.agent, metrics.qostask, metrics.topcmd\n"
+    code = ("import sys\nimport metrics.agent, metrics.qos.task, metrics.topcmd\n"
             "print(sorted(m for m in ('kubernetes', 'bcc', 'requests', 'pydantic') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import structlog
 
-from metrics.informer import (
+from metrics.informer.states import (
     KubeletPod,
     KubeletPods,
     StatesInformer,

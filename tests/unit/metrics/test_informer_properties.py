@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from metrics.informer import (
+from metrics.informer.states import (
     RESERVATION_ANNOTATION,
     KubeletPod,
     KubeletPods,

@@ -19,8 +19,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import structlog
 
-from metrics.informer import StatesInformer
-from metrics.kubeclient import (
+from metrics.informer.kubeclient import (
     EvictionRefused,
     Kind,
     KubeApiError,
@@ -28,9 +27,10 @@ from metrics.kubeclient import (
     KubeSettings,
     KubeUnavailable,
 )
+from metrics.informer.states import StatesInformer
 from metrics.model import NODE_CPU_USAGE, Sample
-from metrics.reporter import NodeMetricReporter
-from metrics.tsdb import TSDB
+from metrics.report.reporter import NodeMetricReporter
+from metrics.store.tsdb import TSDB
 
 NODE = "node-a"
 CRD = "/apis/slo.koordinator.sh/v1alpha1"

@@ -26,14 +26,14 @@ from metrics.model import (
     Sample,
     labels,
 )
-from metrics.nodemetric import (
+from metrics.report.nodemetric import (
     CollectPolicy,
     NodeMetricSpecError,
     build_status,
     format_go_duration,
     parse_go_duration,
 )
-from metrics.tsdb import TSDB
+from metrics.store.tsdb import TSDB
 
 NOW = 1_700_000_000.0
 MIB = 1024 * 1024

@@ -27,8 +27,8 @@ from hooks.qos import PRIORITY_CLASS_LABEL, QOS_LABEL, QoSClass
 from hooks.resctrl import RESCTRL_ANNOTATION, AnnotationError, Resctrl
 from hooks.resctrlfs import ResctrlError
 from hooks.rules import CPUBurstStrategy
+from metrics.informer.pods import PodViews
 from metrics.model import PodView
-from metrics.pods import PodViews
 from metrics.qos.burst import ANNOTATION as CPU_BURST
 from metrics.qos.burst import BurstStrategy
 from metrics.qos.evict import EVICTION_POLICY, allowed

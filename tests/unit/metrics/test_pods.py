@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import pytest
 
 from hooks.qos import QoSClass
-from metrics.pods import PodViews
+from metrics.informer.pods import PodViews
 from runtimeproxy.hookapi import ContainerInfo, ContainerMeta, PodInfo, PodMeta, Resources
 
 SPEC = "node.koordinator.sh/extended-resource-spec"

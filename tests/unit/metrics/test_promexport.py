@@ -38,7 +38,7 @@ from metrics.model import (
     Sample,
     labels,
 )
-from metrics.promexport import (
+from metrics.report.promexport import (
     EXPORTS,
     EXTERNAL_METRICS,
     Exporter,
@@ -270,7 +270,7 @@ def test_docs_map_every_export() -> None:
 def test_the_store_as_source_scrapes_like_pushed_values(tmp_path: Path) -> None:
     """The agent's exporter reads the store's newest values: the same scrape as values
     pushed into LatestValues, without metrics the exporter does not know."""
-    from metrics.tsdb import TSDB
+    from metrics.store.tsdb import TSDB
 
     samples = [
         Sample(NODE_CPU_USAGE, 9.0, ts=5), Sample(NODE_CPU_USAGE, 1.5, ts=10), Sample(NODE_MEMORY_USED, 2048.0, ts=10),

@@ -12,9 +12,9 @@ import structlog
 
 from hooks.qos import QoSClass
 from metrics.model import NODE_CPU_USAGE, NODE_MEMORY_USED, POD_CPU_USAGE, POD_UID, PodView, Sample, labels
-from metrics.nodemetric import CollectPolicy, build_status
-from metrics.reporter import ROUTE_MAX_AGE, NodeMetricReporter
-from metrics.tsdb import TSDB
+from metrics.report.nodemetric import CollectPolicy, build_status
+from metrics.report.reporter import ROUTE_MAX_AGE, NodeMetricReporter
+from metrics.store.tsdb import TSDB
 
 NOW = 1_700_000_000.0
 WEB = PodView(uid="u1", namespace="ns", name="web", sandbox_id="sb", qos=QoSClass.LS, priority=9500,

@@ -8,8 +8,8 @@ import pytest
 
 from hooks.qos import QoSClass
 from metrics import model as m
+from metrics.store.tsdb import TSDB
 from metrics.topcmd import PodMetaRecord, pod_meta_record
-from metrics.tsdb import TSDB
 from runtimeproxy.cli import main
 
 T0 = 1_700_000_000.0

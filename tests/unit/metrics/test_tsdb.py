@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from metrics.model import Aggregate, Labels, MetricReader, MetricWriter, Sample, labels
-from metrics.tsdb import TSDB, CorruptStore, TSDBError
-from metrics.tsdbquery import canonical
+from metrics.store.tsdb import TSDB, CorruptStore, TSDBError
+from metrics.store.tsdbquery import canonical
 
 CPU = "pod_cpu_usage_cores"
 MEM = "pod_memory_used_bytes"
@@ -386,7 +386,7 @@ def test_a_closed_store_says_so(path: Path) -> None:
 
 
 def test_newest_values_are_kept_until_a_series_is_silent_for_latest_keep(path: Path) -> None:
-    from metrics.tsdb import LATEST_KEEP
+    from metrics.store.tsdb import LATEST_KEEP
 
     clock = Clock()
     with TSDB(path, clock=clock) as db:

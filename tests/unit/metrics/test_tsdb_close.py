@@ -16,7 +16,7 @@ import pytest
 from metrics import model as m
 from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
 from metrics.model import Sample
-from metrics.tsdb import TSDB
+from metrics.store.tsdb import TSDB
 from runtimeproxy.hookapi import HostRoots, TaskInit
 
 

@@ -7,10 +7,10 @@ import random
 from pathlib import Path
 
 from metrics.model import Aggregate, Sample, labels
-from metrics.tsdb import TSDB
-from metrics.tsdbcols import Columns, summarize
-from metrics.tsdbquery import decode_chunk, pack, percentile
-from metrics.tsdbrollup import Bucket, combine
+from metrics.store.tsdb import TSDB
+from metrics.store.tsdbcols import Columns, summarize
+from metrics.store.tsdbquery import decode_chunk, pack, percentile
+from metrics.store.tsdbrollup import Bucket, combine
 
 CPU = "pod_cpu_usage_cores"
 A = labels(pod_uid="a")

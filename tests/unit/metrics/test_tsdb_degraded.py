@@ -8,7 +8,7 @@ import errno
 import sqlite3
 from pathlib import Path
 
-from metrics import tsdbdegraded as d
+from metrics.store import tsdbdegraded as d
 
 
 def _error_of(sql: str, path: Path) -> sqlite3.Error:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from metrics.model import Labels, Sample, labels
-from metrics.tsdb import TSDB, CorruptStore
+from metrics.store.tsdb import TSDB, CorruptStore
 
 CPU = "pod_cpu_usage_cores"
 MEM = "pod_memory_used_bytes"

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from metrics.model import Labels, Sample, labels
-from metrics.tsdb import TSDB, CorruptStore
-from metrics.tsdbquery import decode_chunk, pack, percentile
+from metrics.store.tsdb import TSDB, CorruptStore
+from metrics.store.tsdbquery import decode_chunk, pack, percentile
 
 CPU = "pod_cpu_usage_cores"
 MEM = "pod_memory_used_bytes"

@@ -20,7 +20,7 @@ from metrics.qos.fastpath import FastPath, FastPathConfig
 from metrics.qos.inputs import NodeInputs, TierUsage
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.suppress import BEState, suppress_cores
-from metrics.tsdb import TSDB
+from metrics.store.tsdb import TSDB
 
 NOW = 5_000.0
 TOPOLOGY = [CPUInfo(cpu=i, core=i % 4, socket=0, numa=0 if i % 4 < 2 else 1) for i in range(8)]

@@ -11,7 +11,7 @@ from hooks.qos import QoSClass
 from metrics import model
 from metrics.model import ContainerView, PodView, Sample, labels
 from metrics.qos.inputs import build_be_cpu_window, build_node_inputs
-from metrics.tsdb import TSDB
+from metrics.store.tsdb import TSDB
 
 NOW = 1_000.0
 

@@ -21,7 +21,7 @@ from metrics.collect.topology import CPUInfo
 from metrics.model import ContainerView, PodView, Sample, labels
 from metrics.qos.evict import CriEvictor
 from metrics.qos.manager import ManagerConfig, QoSManager
-from metrics.tsdb import TSDB
+from metrics.store.tsdb import TSDB
 from runtimeproxy.hookapi import PodInfo, PodMeta
 
 NOW = 5_000.0

@@ -19,7 +19,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from metrics.tsdbcols import Columns
+from metrics.store.tsdbcols import Columns
 
 #: SQLite primary result codes of a file that cannot be written now but may be later:
 #: the filesystem went read-only, the device errors, the disk (or quota) is full, the

@@ -18,8 +18,8 @@ import operator
 import sqlite3
 from collections.abc import Sequence
 
-from metrics import tsdbquery as q
 from metrics.model import Aggregate
+from metrics.store import tsdbquery as q
 
 
 class Columns:

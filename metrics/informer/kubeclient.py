@@ -28,7 +28,7 @@ from kubernetes import client as k8s
 from kubernetes import config as _k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from metrics.kubetypes import (
+from metrics.informer.kubetypes import (
     EvictionRefused,
     Kind,
     KubeApiError,
@@ -39,7 +39,7 @@ from metrics.kubetypes import (
 
 __all__ = ["EvictionRefused", "Kind", "KubeApiError", "KubeClient", "KubeError", "KubeSettings", "KubeUnavailable"]
 
-log = structlog.get_logger("metrics.kubeclient")
+log = structlog.get_logger("metrics.informer.kubeclient")
 # The config helpers are untyped; one Any-typed handle instead of an ignore per call.
 k8s_config: Any = _k8s_config
 

@@ -34,8 +34,8 @@ import zlib
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Final, NamedTuple
 
-from metrics import tsdbquery as q
-from metrics.tsdbcols import Columns, chunks_columns, chunks_columns_all
+from metrics.store import tsdbquery as q
+from metrics.store.tsdbcols import Columns, chunks_columns, chunks_columns_all
 
 INSERT_FRAME: Final = "INSERT INTO frames (layout, lo, hi, n, ids, vals, ts) VALUES (?, ?, ?, ?, ?, ?, ?)"
 LAYOUT_COUNTS: Final = "SELECT layout, count(*) FROM frames GROUP BY layout"

@@ -1,7 +1,7 @@
 """SQL, the raw tier's storage, reader connections and the pure functions behind
-``metrics.tsdb.TSDB`` (the rollup tier is in ``metrics.tsdbrollup``).
+``metrics.store.tsdb.TSDB`` (the rollup tier is in ``metrics.store.tsdbrollup``).
 
-Flushes append one row per written batch to ``frames`` (``metrics.tsdbframes``), so a
+Flushes append one row per written batch to ``frames`` (``metrics.store.tsdbframes``), so a
 flush of one sample for each of thousands of series writes a handful of pages at the
 end of one b-tree. Keyed by series, it would dirty one page per series, and SQLite
 writes whole pages: about 9 MB of disk writes per flush at the agent's 2200 series.
@@ -125,7 +125,7 @@ PERCENTILES: Final = (0.5, 0.9, 0.95, 0.99)
 Point = tuple[int, float]  # (ts ms, value)
 _CORRUPT_CODES: Final = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
 
-log = structlog.get_logger("metrics.tsdbquery")
+log = structlog.get_logger("metrics.store.tsdbquery")
 
 
 class TSDBError(Exception):

@@ -27,12 +27,12 @@ import structlog
 
 from hooks.annotations import quantity_value
 from hooks.cpusets import CpuListError, parse_cpu_list
-from metrics.kubetypes import Kind
+from metrics.informer.kubetypes import Kind
 
 if TYPE_CHECKING:  # the client (and ``kubernetes``) is imported only when configured
-    from metrics.kubeclient import KubeClient
+    from metrics.informer.kubeclient import KubeClient
 
-log = structlog.get_logger("metrics.informer")
+log = structlog.get_logger("metrics.informer.states")
 
 RESERVATION_ANNOTATION: Final = "node.koordinator.sh/reservation"
 READ_ONLY_KUBELET: Final = "http://127.0.0.1:10255"

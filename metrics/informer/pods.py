@@ -27,7 +27,7 @@ from hooks.qos import (
 from metrics.model import ContainerView, PodView
 from runtimeproxy.hookapi import ContainerInfo, HookError, PodInfo, PodSnapshot
 
-log = structlog.get_logger("metrics.pods")
+log = structlog.get_logger("metrics.informer.pods")
 
 _KUBE_TIER = {KubeQoS.GUARANTEED: "guaranteed", KubeQoS.BURSTABLE: "burstable", KubeQoS.BESTEFFORT: "besteffort"}
 #: Kubernetes priority values from kubelet's /pods, by pod uid (optional enrichment).

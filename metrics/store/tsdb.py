@@ -8,14 +8,14 @@ bounded when the owner is late. Queries (``aggregate``, ``aggregate_all``, ``poi
 ``last()`` also sees the newest unflushed sample of each series, because the QoS
 manager needs values younger than the flush period.
 A flush stores each ``write()`` call's samples as one row of arrays (a frame, see
-``metrics.tsdbframes``); frames are packed into per-series chunks
-(``metrics.tsdbquery``): a layout's once there are enough for full chunks, all of
+``metrics.store.tsdbframes``); frames are packed into per-series chunks
+(``metrics.store.tsdbquery``): a layout's once there are enough for full chunks, all of
 them before a GC or once they hold ``compact_rows`` samples. Both are always read.
 
 Two tiers: raw samples younger than ``raw_retention`` (35 min), and per-series
 buckets (count, sum, min, max, last) of 60 s, 5 min past 2 h, kept until ``retention``
 (12 h). Queries reaching into the rolled-up past combine both; what stays exact and
-what is approximated (percentiles) is in ``metrics.tsdbrollup``. Windows within the
+what is approximated (percentiles) is in ``metrics.store.tsdbrollup``. Windows within the
 raw tier are exact.
 
 Threads: collectors write from worker threads while the QoS manager, reporters and
@@ -34,7 +34,7 @@ enforced at GC, so between two GCs the file may grow past it by one interval's w
 
 A file that cannot be written (disk full, I/O errors, read-only) degrades the store
 instead of failing its owner: the batch stays in memory (bounded), reads add it to
-what the file holds, the flush is retried with back-off (``metrics.tsdbdegraded``).
+what the file holds, the flush is retried with back-off (``metrics.store.tsdbdegraded``).
 ``close()`` checkpoints and truncates the WAL and closes every connection, so a
 stopped agent leaves the database file alone, without a -wal beside it.
 """
@@ -58,17 +58,17 @@ from typing import Any, Final, Self, TypeVar
 
 import structlog
 
-from metrics import tsdbdegraded as d
-from metrics import tsdbframes as f
-from metrics import tsdbquery as q
-from metrics import tsdbrollup as r
 from metrics.model import Aggregate, Labels, Sample
-from metrics.tsdbcols import Columns
-from metrics.tsdbquery import CorruptStore, TSDBError, wrap
+from metrics.store import tsdbdegraded as d
+from metrics.store import tsdbframes as f
+from metrics.store import tsdbquery as q
+from metrics.store import tsdbrollup as r
+from metrics.store.tsdbcols import Columns
+from metrics.store.tsdbquery import CorruptStore, TSDBError, wrap
 
 __all__ = ["TSDB", "CorruptStore", "GCResult", "TSDBError"]
 
-log = structlog.get_logger("metrics.tsdb")
+log = structlog.get_logger("metrics.store.tsdb")
 
 DEFAULT_RETENTION: Final = 12 * 3600.0
 #: Longer than the longest NodeMetric window (30 min), which needs every sample.
@@ -620,7 +620,7 @@ class TSDB:
     def aggregate(self, metric: str, labels: Labels, start: float, end: float) -> Aggregate | None:
         """The series over ``[start, end]`` (flushed samples); None without samples.
         Rolled-up buckets count when wholly inside the window; percentiles over them
-        are approximated (``metrics.tsdbrollup``)."""
+        are approximated (``metrics.store.tsdbrollup``)."""
         return r.combine(*self._window(metric, labels, start, end))
 
     def aggregate_all(self, metric: str, start: float, end: float) -> Mapping[Labels, Aggregate]:

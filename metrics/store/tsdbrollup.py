@@ -1,4 +1,4 @@
-"""The rollup tier of ``metrics.tsdb.TSDB``, and retention.
+"""The rollup tier of ``metrics.store.tsdb.TSDB``, and retention.
 
 Raw samples are kept for ``raw_retention`` (35 min: the longest NodeMetric window,
 30 min, needs 1 s resolution). GC folds older ones into per-series buckets aligned to
@@ -42,9 +42,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from metrics import tsdbquery as q
 from metrics.model import Aggregate, Labels
-from metrics.tsdbcols import Columns, summarize
+from metrics.store import tsdbquery as q
+from metrics.store.tsdbcols import Columns, summarize
 
 _COLUMNS: Final = "start, n, total, vmin, vmax, last, first_off, last_off"
 # ?1 series id / metric, ?2 first ms, ?3 last ms: buckets wholly inside the window.

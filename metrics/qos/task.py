@@ -20,7 +20,7 @@ from hooks.executor import CgroupExecutor
 from hooks.resctrlfs import ResctrlFS
 from metrics.agent import MetricsAgent, shared_agent
 from metrics.collect.cgroupfs import CgroupReader
-from metrics.kubetypes import EvictionRefused, KubeError
+from metrics.informer.kubetypes import EvictionRefused, KubeError
 from metrics.model import PodView
 from metrics.qos.evict import CriEvictor, EvictionError, Evictor
 from metrics.qos.fastpath import FastPath, FastPathConfig
@@ -32,9 +32,9 @@ from metrics.settings import QoSSettings, parse_qos, validate_qos
 from runtimeproxy.hookapi import HookConfigError, TaskInit
 
 if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
-    from metrics.kubeclient import KubeClient
+    from metrics.informer.kubeclient import KubeClient
 
-log = structlog.get_logger("metrics.qostask")
+log = structlog.get_logger("metrics.qos.task")
 
 
 class ApiEvictor:

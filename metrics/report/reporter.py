@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from metrics.informer import StatesInformer
-from metrics.kubetypes import KubeError
+from metrics.informer.kubetypes import KubeError
+from metrics.informer.states import StatesInformer
 from metrics.model import MetricReader, PodView
-from metrics.nodemetric import WITH_HOT_PAGE_CACHE, CollectPolicy, build_status
+from metrics.report.nodemetric import WITH_HOT_PAGE_CACHE, CollectPolicy, build_status
 from runtimeproxy import heap
 
 if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
-    from metrics.kubeclient import KubeClient
+    from metrics.informer.kubeclient import KubeClient
 
-log = structlog.get_logger("metrics.reporter")
+log = structlog.get_logger("metrics.report.reporter")
 
 JSON = "application/json"
 #: The loopback document is rebuilt on request when older than this (seconds).
@@ -95,7 +95,7 @@ class NodeMetricReporter:
 
     def _build(self, pods: list[PodView], policy: CollectPolicy) -> dict[str, Any]:
         """In a worker thread. The build decodes up to 30 minutes of node and pod samples
-        (as arrays, ``metrics.tsdbcols``) and frees them at once; trimmed after (110 pods,
+        (as arrays, ``metrics.store.tsdbcols``) and frees them at once; trimmed after (110 pods,
         4 builds: RSS 63.7-64.3 MiB from 62.8)."""
         doc = build_status(self._reader, pods, policy, self._clock())
         heap.trim()

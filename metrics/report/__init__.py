@@ -1,0 +1,1 @@
+"""What the agent reports: Prometheus exposition, NodeMetric status and its reporter."""

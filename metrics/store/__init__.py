@@ -1,0 +1,1 @@
+"""The time-series store (SQLite): writes, chunks, rollups, reads."""
