@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import Final, Literal
 
 from hooks.cpusets import CpuListError, format_cpu_list, parse_cpu_list
-from runtimeproxy.hookapi import HookError
+from runtimeproxy.hookapi import HookError, TargetGoneError
 from runtimeproxy.validate import MAX_SHARES as MAX_SHARES  # one range for hook writes and patches
 from runtimeproxy.validate import MIN_SHARES as MIN_SHARES
 
@@ -45,7 +45,7 @@ class PathEscapeError(CgroupError):
     """A cgroup parent, id or annotation would lead outside the configured root."""
 
 
-class CgroupGoneError(CgroupError):
+class CgroupGoneError(CgroupError, TargetGoneError):
     """The cgroup directory does not exist (the pod or container is gone)."""
 
 

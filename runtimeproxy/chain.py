@@ -42,6 +42,7 @@ from runtimeproxy.hookapi import (
     Resources,
     ResourcesPatch,
     Stage,
+    TargetGoneError,
     frozen_map,
 )
 from runtimeproxy.hostwrites import HOOK_DEADLINE, is_repeat
@@ -52,6 +53,7 @@ log = structlog.get_logger("runtimeproxy.chain")
 HookResult = Literal["ok", "error", "timeout"]
 #: Prefix of Change.target for writes a hook made on the host (files, not the request).
 HOST_TARGET: Final = "host:"
+_RECONCILE_STAGES: Final = frozenset({Stage.RECONCILE_POD_SANDBOX, Stage.RECONCILE_CONTAINER})
 
 
 class HookFailed(Exception):
@@ -237,7 +239,9 @@ class HookChain:
             self._failed(hook, ctx, f"timed out after {budget:.3f}s", "timeout", start, deadline=True)
             return None
         except Exception as exc:  # noqa: BLE001 - a plugin may raise anything; its policy decides
-            self._failed(hook, ctx, f"{type(exc).__name__}: {exc}", "error", start, repeat=is_repeat(exc))
+            # Quiet: a failure logged before, or a reconciled object torn down meanwhile.
+            quiet = is_repeat(exc) or (isinstance(exc, TargetGoneError) and ctx.stage in _RECONCILE_STAGES)
+            self._failed(hook, ctx, f"{type(exc).__name__}: {exc}", "error", start, repeat=quiet)
             return None
         self._observe(hook.name, stage, "ok", start)
         return patch

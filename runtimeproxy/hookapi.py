@@ -427,6 +427,12 @@ class HookError(Exception):
     repeat: bool = False
 
 
+class TargetGoneError(HookError):
+    """What the hook acts on is gone from the host (a pod's or container's cgroup):
+    it was torn down while the hook ran. In a reconcile pass that is the object going
+    away, not a fault; the next store re-sync drops it."""
+
+
 class HookConfigError(Exception):
     """A hook's ``args`` are invalid. ``key_path`` names where, ``value`` what."""
 

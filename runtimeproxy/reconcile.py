@@ -110,7 +110,9 @@ class Reconciler:
                 outcome = await chain.run(ctx, deadline=None)
             except HookFailed as exc:
                 counts[1] += 1
-                log.error("reconcile_failed", hook=exc.hook, stage=exc.stage.value, reason=exc.reason)
+                # A repeat (or the object torn down meanwhile) was logged once already, or is no fault.
+                emit = log.debug if exc.repeat else log.error
+                emit("reconcile_failed", hook=exc.hook, stage=exc.stage.value, reason=exc.reason)
                 return
             writes = [c for c in outcome.changes if c.target.startswith(HOST_TARGET)]
             counts[0] += len(writes)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import structlog.testing
 
 from runtimeproxy.chain import BoundHook, Change, HookChain, HookFailed, HookPools, implemented_stages
 from runtimeproxy.config import FailurePolicy
@@ -28,6 +29,7 @@ from runtimeproxy.hookapi import (
     Resources,
     ResourcesPatch,
     Stage,
+    TargetGoneError,
 )
 
 POD = PodInfo(meta=PodMeta(name="web-0", namespace="prod", uid="uid-1"), id="sb-1", labels={"app": "web"},
@@ -352,3 +354,28 @@ async def test_sync_hooks_run_in_the_executor_with_the_callers_context(pools: Ho
     assert where["sync"][0].startswith("test-hooks")
     assert where["async"][0] == threading.current_thread().name
     assert where["sync"][1] == where["async"][1] == "req-42"
+
+
+class GoneWhileReconciling:
+    """Raises what a cgroup writer raises when the pod's cgroup vanished under it."""
+
+    def reconcile_container(self, ctx: ContainerContext) -> None:
+        raise TargetGoneError("cgroup /kubepods/podx is gone")
+
+    def pre_create_container(self, ctx: ContainerContext) -> None:
+        raise TargetGoneError("cgroup /kubepods/podx is gone")
+
+
+@pytest.mark.asyncio
+async def test_an_object_gone_during_a_reconcile_pass_is_not_warned(pools: HookPools) -> None:
+    """A pod torn down (behind the proxy's back) while a reconcile pass reaches it is
+    not a fault: debug only, still counted as the hook's failure. A cgroup gone at a
+    lifecycle stage stays a warning."""
+    observer = Observer()
+    chain = HookChain([bind("gone", GoneWhileReconciling())], pools=pools, observer=observer)
+    with structlog.testing.capture_logs() as logs:
+        await chain.run(ContainerContext(Stage.RECONCILE_CONTAINER, POD, CONTAINER), deadline=None)
+        await chain.run(create_ctx(), deadline=None)
+    failed = [(e["log_level"], e["stage"]) for e in logs if e["event"] == "hook_failed"]
+    assert failed == [("debug", "ReconcileContainer"), ("warning", "PreCreateContainer")]
+    assert observer.failed == [("gone", "ReconcileContainer", "Ignore"), ("gone", "PreCreateContainer", "Ignore")]
