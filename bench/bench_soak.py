@@ -107,6 +107,8 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, default=1000)
     parser.add_argument("--every", type=int, default=100, help="cycles per table row")
     parser.add_argument("--behind", type=int, default=5, help="every k-th pod is removed directly at containerd")
+    parser.add_argument("--no-tasks", action="store_true",
+                        help="hooks only (no metrics or QoS task): tells the proxy's own growth from the store's")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("bench_soak: must run as root (private containerd, cgroups)", file=sys.stderr)
@@ -117,6 +119,8 @@ def main() -> int:
         socket, port = node.base / "soak.sock", free_port()
         doc = yaml.safe_load(demo_config(work, socket, node.ctd.socket, port, node.prefix))
         doc |= {"log": {"level": "info", "format": "json"}, "hookserver_dir": "", "state_dir": str(work / "state")}
+        if args.no_tasks:
+            doc["tasks"] = {}
         cfg = work / "config.yaml"
         cfg.write_text(yaml.safe_dump(doc, sort_keys=False))
         log = work / "proxy.log"
