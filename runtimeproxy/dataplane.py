@@ -35,7 +35,7 @@ import structlog
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy import haproxy
 from runtimeproxy.config import ConfigError, Settings
-from runtimeproxy.grpcserver import prepare_socket
+from runtimeproxy.grpcserver import SocketInUse, prepare_socket
 
 log = structlog.get_logger("runtimeproxy.dataplane")
 
@@ -200,4 +200,8 @@ class HaproxyDataPlane:
                 break
             except TimeoutError:
                 log.warning("data_plane_stop_slow", signal=sig.name, waited=wait)
+        # HAProxy leaves its socket file: remove it (only if nothing answers on it), so a
+        # stopped proxy looks like the gRPC transport's: no socket.
+        with contextlib.suppress(SocketInUse, ConfigError):
+            prepare_socket(Path(self._settings.listen))
         log.info("data_plane_stopped", code=proc.returncode)
