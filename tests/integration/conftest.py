@@ -507,6 +507,12 @@ def data_plane(request: pytest.FixtureRequest) -> dict[str, Any]:
     return data_plane_config(str(request.param))
 
 
+@pytest.fixture
+def haproxy_data_plane() -> dict[str, Any]:
+    """``{"data_plane": "haproxy"}`` (skips without haproxy; fails under CI)."""
+    return data_plane_config("haproxy")
+
+
 @pytest.fixture(scope="module")
 def proxy_config() -> dict[str, Any]:
     """Per-module proxy settings (``hooks`` plus any top-level keys); override in a test module."""
