@@ -9,6 +9,7 @@ in-flight ones within ``shutdown_grace``, stop background tasks, close channels.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import signal
@@ -279,11 +280,15 @@ class App:
         stale = [k for k in _RESTART_ONLY if getattr(settings, k) != getattr(self.settings, k)]
         if stale:
             log.warning("config_needs_restart", keys=stale)
-        old, self.chain, self.settings = self.chain, chain, settings
+        old, running = self.chain, self.settings
+        self.chain, self.settings = chain, settings
         logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
         self.metrics.config_reloaded(True)
         if self.data_plane is not None:
-            await self.data_plane.apply(settings)
+            # What needs a restart (listen, backend, ...) stays as running: HAProxy must not
+            # send pass-through calls to another containerd than the lifecycle calls go to.
+            await self.data_plane.apply(dataclasses.replace(
+                settings, **{k: getattr(running, k) for k in _RESTART_ONLY}))
         self.reconciler.trigger()
         log.info("config_reloaded", trigger=trigger, hooks=[h.name for h in chain.hooks])
         await plugins.close_hooks(old.hooks)

@@ -43,6 +43,8 @@ _PR_SET_PDEATHSIG: Final = 1
 #: Where Debian installs it; a root shell has it on PATH, a minimal service env may not.
 _SEARCH_PATH: Final = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 VERSION_METHOD: Final = "/runtime.v1.RuntimeService/Version"
+#: HAProxy's message tags -> our log levels.
+_LEVELS: Final = {"ALERT": "error", "WARNING": "warning", "NOTICE": "info"}
 
 
 def find_haproxy() -> str | None:
@@ -147,6 +149,7 @@ class HaproxyDataPlane:
         self.layout.master_socket.unlink(missing_ok=True)
         proc = await asyncio.create_subprocess_exec(
             *haproxy.command(self.binary, self.layout), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
             preexec_fn=_die_with_parent,  # only prctl: safe between fork and exec
         )
         self.starts += 1
@@ -154,13 +157,27 @@ class HaproxyDataPlane:
                  intercept_socket=str(self.layout.intercept_socket), starts=self.starts)
         return proc
 
+    async def _relay_log(self, proc: asyncio.subprocess.Process) -> None:
+        """HAProxy's own messages (start, reload, stop, alerts) as our JSON log lines, so
+        nothing but JSON reaches the journal. It writes a few lines per event, never per call."""
+        assert proc.stderr is not None
+        while line := await proc.stderr.readline():
+            text = line.decode(errors="replace").strip()
+            level = _LEVELS.get(text[1:text.find("]")].strip(), "info") if text.startswith("[") else "info"
+            getattr(log, level)("data_plane_message", pid=proc.pid, text=text[:2000])
+
     async def run_forever(self) -> None:
         """Keep the master running until ``stop``; cancelling this leaves the process
         alone (``stop`` ends it, last)."""
         while not self.stopping():
             started = time.monotonic()
             self._proc = await self._spawn()
-            code = await self._proc.wait()
+            reader = asyncio.ensure_future(self._relay_log(self._proc))
+            try:
+                code = await self._proc.wait()
+                await asyncio.wait([reader], timeout=1.0)
+            finally:
+                reader.cancel()
             if self.stopping():
                 return
             delay = self._backoff.after(time.monotonic() - started)

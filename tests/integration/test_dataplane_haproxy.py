@@ -178,6 +178,9 @@ def test_sigterm_stops_haproxy_last_and_removes_the_socket(
     events = [e["event"] for e in proxy.events()]
     assert events.index("data_plane_stopped") > events.index("stopping")
     assert events.index("data_plane_stopped") < events.index("stopped")
+    # HAProxy's own messages arrive as JSON log lines, not as its plain text.
+    assert any("Loading success" in e["text"] for e in proxy.events("data_plane_message"))
+    assert not [line for line in proxy.log().splitlines() if line.startswith(("[NOTICE]", "[WARNING]", "[ALERT]"))]
 
 
 def test_non_cri_service_is_unimplemented_and_containerd_sees_nothing(

@@ -17,6 +17,7 @@ import grpc
 import grpc.aio
 import pytest
 import pytest_asyncio
+import yaml
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.dataplane import find_haproxy
@@ -185,3 +186,27 @@ async def test_lifecycle_calls_reach_the_interception_server(fake_runtime: Any, 
     await proxy.call(RT + "ListContainers")
     counted = proxy.calls_total(RT + "ListContainers", "passthrough")
     assert counted == (0 if proxy.app.data_plane is not None else 1)
+
+
+@pytest.mark.asyncio
+async def test_reload_rewrites_haproxy_but_keeps_what_needs_a_restart(
+    fake_runtime: Any, start_proxy: Any, short_dir: Any
+) -> None:
+    if find_haproxy() is None:
+        pytest.skip("haproxy is not installed")
+    proxy = await start_proxy(fake_runtime, data_plane="haproxy", config_file=True)
+    plane = proxy.app.data_plane
+    pid = plane.pid
+    cfg = plane.layout.config_file
+    assert "timeout server 86400000ms" in cfg.read_text()
+    doc = yaml.safe_load(proxy.config_path.read_text())
+    doc["data_plane_idle_timeout"] = "2h"
+    doc["backend"]["runtime_endpoint"] = str(short_dir / "elsewhere.sock")
+    proxy.config_path.write_text(yaml.safe_dump(doc))
+    assert await proxy.app.reload("test")
+    text = cfg.read_text()
+    assert "timeout server 7200000ms" in text
+    # Lifecycle calls still go to the old backend until a restart: so do pass-through calls.
+    assert "elsewhere.sock" not in text and str(fake_runtime.path) in text
+    assert plane.pid == pid  # reloaded in place (SIGUSR2), not restarted
+    assert await proxy.call(STATUS) == b""
