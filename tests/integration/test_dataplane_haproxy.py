@@ -214,3 +214,12 @@ def test_non_cri_service_is_unimplemented_and_containerd_sees_nothing(
                 channel.unary_unary(native)(b"", timeout=5, metadata=(("containerd-namespace", "k8s.io"),))
             assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
     assert backend_sessions() == before
+
+
+def test_second_instance_refuses_haproxys_live_socket(proxy_factory: Any, haproxy_config: dict[str, Any]) -> None:
+    running = proxy_factory.start(extra=haproxy_config)
+    intruder = proxy_factory.start(extra=haproxy_config, socket_path=running.socket, wait_ready=False)
+    assert intruder.wait_exit(30) != 0
+    assert f"{running.socket} is held by a live process" in intruder.log()
+    assert not intruder.events("data_plane_started")
+    assert _answers(running.socket)

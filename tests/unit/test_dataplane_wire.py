@@ -9,6 +9,7 @@ any non-CRI path is answered UNIMPLEMENTED and never reaches the backend.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -210,3 +211,63 @@ async def test_reload_rewrites_haproxy_but_keeps_what_needs_a_restart(
     assert "elsewhere.sock" not in text and str(fake_runtime.path) in text
     assert plane.pid == pid  # reloaded in place (SIGUSR2), not restarted
     assert await proxy.call(STATUS) == b""
+
+
+class _SlowEvents(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """A backend whose GetContainerEvents sends ``count`` events ``gap`` seconds apart
+    after ``quiet`` seconds; every other method answers empty (Version, List*: enough for
+    the proxy to start)."""
+
+    gap, count, quiet = 0.5, 1, 0.0
+
+    def service(self, details: Any) -> Any:
+        if details.method != EVENTS:
+            async def empty(_request: bytes, _context: Any) -> bytes:
+                return b""
+
+            return grpc.unary_unary_rpc_method_handler(empty)
+
+        async def events(_request: bytes, _context: Any) -> Any:
+            await asyncio.sleep(self.quiet)
+            for i in range(self.count):
+                yield cri.ContainerEventResponse(container_id=f"c{i}").SerializeToString()
+                await asyncio.sleep(self.gap)
+
+        return grpc.unary_stream_rpc_method_handler(events)
+
+
+@pytest.mark.asyncio
+async def test_an_active_stream_outlives_the_idle_timeout_a_quiet_one_is_cut(
+    fake_runtime: Any, start_proxy: Any, short_dir: Any
+) -> None:
+    """HAProxy's timeouts are inactivity timeouts: a GetContainerEvents stream with an event
+    every 0.5 s runs 4 s through a 2 s idle timeout; one quiet for 3.5 s is cut (which is
+    why the default idle timeout is 24 h: containerd may have nothing to say for hours)."""
+    if find_haproxy() is None:
+        pytest.skip("haproxy is not installed")
+    backend = _SlowEvents()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((backend,))
+    path = short_dir / "events.sock"
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    try:
+        proxy = await start_proxy(fake_runtime, backend_path=path, data_plane="haproxy",
+                                  data_plane_idle_timeout="2s")
+        for count, quiet, expect_cut in ((8, 0.0, False), (1, 3.5, True)):
+            backend.count, backend.quiet = count, quiet
+            got: list[bytes] = []
+            code = grpc.StatusCode.OK
+            start = time.monotonic()
+            try:
+                async for message in proxy.unary_stream(EVENTS)(b"", timeout=30):
+                    got.append(message)
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+            took = time.monotonic() - start
+            if expect_cut:
+                assert code is not grpc.StatusCode.OK and not got and 1.5 < took < 10, (code, got, took)
+            else:
+                assert code is grpc.StatusCode.OK and len(got) == 8 and took > 3.5, (code, len(got), took)
+    finally:
+        await server.stop(None)
