@@ -122,8 +122,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if settings is None:
         return EXIT_CONFIG
+    from runtimeproxy import dataplane
+
     try:
         hooks, tasks = plugins.validate(settings)
+        plane = dataplane.check(settings)
     except config.ConfigError as exc:
         print(f"koord-runtime-proxy: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
@@ -135,6 +138,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         stages = ",".join(sorted(s.value for s in hook.stages))
         print(f"{i + 1}. {hook.name}\t{hook.policy.value}\t{hook.timeout}s\t{stages}")
     print(f"tasks: {', '.join(tasks) if tasks else 'none'}")
+    print(plane)
     return 0
 
 

@@ -24,6 +24,8 @@ import ctypes
 import os
 import shutil
 import signal
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Final
@@ -50,6 +52,30 @@ _LEVELS: Final = {"ALERT": "error", "WARNING": "warning", "NOTICE": "info"}
 def find_haproxy() -> str | None:
     path = os.pathsep.join([os.environ.get("PATH", ""), *_SEARCH_PATH])
     return shutil.which("haproxy", path=path)
+
+
+def check(settings: Settings) -> str:
+    """What ``check-config`` says about the data plane; ConfigError if HAProxy refuses
+    the configuration ``run`` would generate (checked with ``haproxy -c`` in a temp dir)."""
+    if settings.data_plane != "haproxy":
+        return "data plane: grpc (this process serves kubelet's socket)"
+    binary = find_haproxy()
+    if binary is None:
+        return "data plane: haproxy configured but not installed: run falls back to grpc (apt install haproxy)"
+    with tempfile.TemporaryDirectory(prefix="krp-check-") as tmp:
+        layout = haproxy.Layout(Path(tmp))
+        layout.not_cri_reply.write_bytes(haproxy.NOT_CRI_REPLY)
+        layout.config_file.write_text(haproxy.render(settings, layout))
+        out = subprocess.run([*haproxy.check_command(binary, layout.config_file)], capture_output=True,
+                             text=True, timeout=30, check=False)
+    if out.returncode != 0:
+        raise ConfigError("data_plane", "haproxy", "haproxy refused the generated configuration: "
+                          + (out.stdout + out.stderr).strip()[-2000:])
+    return f"data plane: haproxy ({binary}); lifecycle calls to {layout_for(settings).intercept_socket}"
+
+
+def layout_for(settings: Settings) -> haproxy.Layout:
+    return haproxy.Layout.for_listen(Path(settings.listen))
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec

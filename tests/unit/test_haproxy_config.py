@@ -98,3 +98,23 @@ def test_haproxy_accepts_the_generated_configuration_without_warnings(tmp_path: 
     out = subprocess.run([binary, "-c", "-f", str(layout.config_file)], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
     assert "WARNING" not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_check_config_reports_the_data_plane(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from runtimeproxy import cli
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"listen: {tmp_path}/k.sock\nhookserver_dir: ''\ndata_plane: haproxy\nstate_dir: ''\n")
+    path.chmod(0o600)
+    if find_haproxy() is not None:
+        assert cli.main(["check-config", "--config", str(path)]) == 0
+        assert "data plane: haproxy (" in capsys.readouterr().out
+        # A configuration HAProxy refuses is exit 2 naming data_plane.
+        monkeypatch.setattr(haproxy, "render", lambda s, layout: "global\n    no-such-keyword 1\n")
+        assert cli.main(["check-config", "--config", str(path)]) == 2
+        assert "data_plane" in capsys.readouterr().err
+        monkeypatch.undo()
+    monkeypatch.setattr("runtimeproxy.dataplane.find_haproxy", lambda: None)
+    assert cli.main(["check-config", "--config", str(path)]) == 0
+    assert "falls back to grpc" in capsys.readouterr().out
