@@ -78,9 +78,13 @@ def layout_for(settings: Settings) -> haproxy.Layout:
     return haproxy.Layout.for_listen(Path(settings.listen))
 
 
+#: Resolved here, in the parent: between fork and exec the child must not dlopen (the
+#: loader's lock may be held by another thread of ours at fork time).
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 class _Backoff:
