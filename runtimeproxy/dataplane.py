@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -41,7 +40,6 @@ from runtimeproxy.grpcserver import SocketInUse, prepare_socket
 
 log = structlog.get_logger("runtimeproxy.dataplane")
 
-_PR_SET_PDEATHSIG: Final = 1
 #: Where Debian installs it; a root shell has it on PATH, a minimal service env may not.
 _SEARCH_PATH: Final = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 VERSION_METHOD: Final = "/runtime.v1.RuntimeService/Version"
@@ -78,13 +76,17 @@ def layout_for(settings: Settings) -> haproxy.Layout:
     return haproxy.Layout.for_listen(Path(settings.listen))
 
 
-#: Resolved here, in the parent: between fork and exec the child must not dlopen (the
-#: loader's lock may be held by another thread of ours at fork time).
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+def _with_pdeathsig(argv: list[str]) -> list[str]:
+    """``setpriv --pdeathsig TERM`` (util-linux, Essential in Debian) sets PR_SET_PDEATHSIG
+    and execs HAProxy in the same pid. A ``preexec_fn`` would do the same but forces a plain
+    fork() of this multi-threaded process (grpc's fork handlers then complain on stderr,
+    and the child may run Python between fork and exec); without one, Python spawns with
+    vfork/posix_spawn."""
+    setpriv = shutil.which("setpriv", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/bin", "/bin"]))
+    if setpriv is None:
+        log.warning("data_plane_no_pdeathsig", reason="no setpriv (util-linux): a killed proxy leaves haproxy")
+        return argv
+    return [setpriv, "--pdeathsig", "TERM", *argv]
 
 
 class _Backoff:
@@ -178,9 +180,8 @@ class HaproxyDataPlane:
         await self._write_config(self._settings)
         self.layout.master_socket.unlink(missing_ok=True)
         proc = await asyncio.create_subprocess_exec(
-            *haproxy.command(self.binary, self.layout), stdin=asyncio.subprocess.DEVNULL,
+            *_with_pdeathsig(haproxy.command(self.binary, self.layout)), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-            preexec_fn=_die_with_parent,  # only prctl: safe between fork and exec
         )
         self.starts += 1
         log.info("data_plane_started", binary=self.binary, pid=proc.pid, socket=self._settings.listen,
