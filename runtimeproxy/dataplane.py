@@ -192,7 +192,13 @@ class HaproxyDataPlane:
         """HAProxy's own messages (start, reload, stop, alerts) as our JSON log lines, so
         nothing but JSON reaches the journal. It writes a few lines per event, never per call."""
         assert proc.stderr is not None
-        while line := await proc.stderr.readline():
+        while True:
+            try:
+                line = await proc.stderr.readline()
+            except ValueError:  # a line over the reader's 64 KiB limit: drop it, keep reading
+                line = await proc.stderr.read(65536)
+            if not line:
+                return  # the pipe must be read as long as HAProxy writes: a full pipe blocks it
             text = line.decode(errors="replace").strip()
             level = _LEVELS.get(text[1:text.find("]")].strip(), "info") if text.startswith("[") else "info"
             getattr(log, level)("data_plane_message", pid=proc.pid, text=text[:2000])

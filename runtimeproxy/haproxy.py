@@ -167,5 +167,6 @@ def command(binary: str, layout: Layout) -> list[str]:
 
 
 def check_command(binary: str, config: Path) -> list[str]:
-    return [binary, "-c", "-q", "-f", str(config)]
+    # Not -q: on a refusal its ALERT lines are the reason we report.
+    return [binary, "-c", "-f", str(config)]
 

@@ -113,7 +113,8 @@ def test_check_config_reports_the_data_plane(tmp_path: Path, monkeypatch: pytest
         # A configuration HAProxy refuses is exit 2 naming data_plane.
         monkeypatch.setattr(haproxy, "render", lambda s, layout: "global\n    no-such-keyword 1\n")
         assert cli.main(["check-config", "--config", str(path)]) == 2
-        assert "data_plane" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "data_plane" in err and "no-such-keyword" in err  # HAProxy's reason
         monkeypatch.undo()
     monkeypatch.setattr("runtimeproxy.dataplane.find_haproxy", lambda: None)
     assert cli.main(["check-config", "--config", str(path)]) == 0
