@@ -34,13 +34,19 @@ MiB = 1024 * 1024
 CLOCK_SLACK = 0.05
 
 
-@pytest.fixture(params=["grpc", "haproxy"])
-def plane(request: pytest.FixtureRequest) -> str:
-    name = str(request.param)
-    if name == "haproxy" and find_haproxy() is None:
+def _need_haproxy() -> None:
+    """Skip without haproxy, except under CI (scripts/setup-host.sh installs it): fail there."""
+    if find_haproxy() is None:
         if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
             pytest.fail("haproxy is not installed; scripts/setup-host.sh installs it (apt install haproxy)")
         pytest.skip("haproxy is not installed (apt install haproxy)")
+
+
+@pytest.fixture(params=["grpc", "haproxy"])
+def plane(request: pytest.FixtureRequest) -> str:
+    name = str(request.param)
+    if name == "haproxy":
+        _need_haproxy()
     return name
 
 
@@ -193,8 +199,7 @@ async def test_lifecycle_calls_reach_the_interception_server(fake_runtime: Any, 
 async def test_reload_rewrites_haproxy_but_keeps_what_needs_a_restart(
     fake_runtime: Any, start_proxy: Any, short_dir: Any
 ) -> None:
-    if find_haproxy() is None:
-        pytest.skip("haproxy is not installed")
+    _need_haproxy()
     proxy = await start_proxy(fake_runtime, data_plane="haproxy", config_file=True)
     plane = proxy.app.data_plane
     pid = plane.pid
@@ -243,8 +248,7 @@ async def test_an_active_stream_outlives_the_idle_timeout_a_quiet_one_is_cut(
     """HAProxy's timeouts are inactivity timeouts: a GetContainerEvents stream with an event
     every 0.5 s runs 4 s through a 2 s idle timeout; one quiet for 3.5 s is cut (which is
     why the default idle timeout is 24 h: containerd may have nothing to say for hours)."""
-    if find_haproxy() is None:
-        pytest.skip("haproxy is not installed")
+    _need_haproxy()
     backend = _SlowEvents()
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((backend,))
