@@ -131,14 +131,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"koord-runtime-proxy: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     print(f"config ok: listen={settings.listen} backend={settings.backend.runtime_endpoint}"
-          f" source={settings.source}")
+          f" {plane} source={settings.source}")
     if not hooks:
         print("no hooks configured: every call is passed through")
     for i, hook in enumerate(hooks):
         stages = ",".join(sorted(s.value for s in hook.stages))
         print(f"{i + 1}. {hook.name}\t{hook.policy.value}\t{hook.timeout}s\t{stages}")
     print(f"tasks: {', '.join(tasks) if tasks else 'none'}")
-    print(plane)
     return 0
 
 

@@ -53,13 +53,13 @@ def find_haproxy() -> str | None:
 
 
 def check(settings: Settings) -> str:
-    """What ``check-config`` says about the data plane; ConfigError if HAProxy refuses
+    """What ``check-config`` says about the data plane (``data_plane=...``); ConfigError if HAProxy refuses
     the configuration ``run`` would generate (checked with ``haproxy -c`` in a temp dir)."""
     if settings.data_plane != "haproxy":
-        return "data plane: grpc (this process serves kubelet's socket)"
+        return "data_plane=grpc"
     binary = find_haproxy()
     if binary is None:
-        return "data plane: haproxy configured but not installed: run falls back to grpc (apt install haproxy)"
+        return "data_plane=haproxy (not installed: run falls back to grpc; apt install haproxy)"
     with tempfile.TemporaryDirectory(prefix="krp-check-") as tmp:
         layout = haproxy.Layout(Path(tmp))
         layout.not_cri_reply.write_bytes(haproxy.NOT_CRI_REPLY)
@@ -69,11 +69,7 @@ def check(settings: Settings) -> str:
     if out.returncode != 0:
         raise ConfigError("data_plane", "haproxy", "haproxy refused the generated configuration: "
                           + (out.stdout + out.stderr).strip()[-2000:])
-    return f"data plane: haproxy ({binary}); lifecycle calls to {layout_for(settings).intercept_socket}"
-
-
-def layout_for(settings: Settings) -> haproxy.Layout:
-    return haproxy.Layout.for_listen(Path(settings.listen))
+    return f"data_plane=haproxy ({binary})"
 
 
 def _with_pdeathsig(argv: list[str]) -> list[str]:
