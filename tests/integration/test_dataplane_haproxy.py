@@ -10,6 +10,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ import grpc
 import pytest
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.embedded import EmbeddedContainerd, unix_channel
+from runtimeproxy.embedded import EmbeddedContainerd, runtime_stub, unix_channel
 
 VERSION = "/runtime.v1.RuntimeService/Version"
 LIST = "/runtime.v1.RuntimeService/ListContainers"
@@ -223,3 +224,45 @@ def test_second_instance_refuses_haproxys_live_socket(proxy_factory: Any, haprox
     assert f"{running.socket} is held by a live process" in intruder.log()
     assert not intruder.events("data_plane_started")
     assert _answers(running.socket)
+
+
+def _intercepted_stop_calls(proxy: Any) -> float:
+    """The interception server's StopContainer counter (counted as the call arrives)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    wanted = 'koord_runtime_proxy_cri_calls_total{method="/runtime.v1.RuntimeService/StopContainer",' \
+             'path="intercepted"}'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(wanted))
+
+
+def test_during_the_drain_pass_through_keeps_working_and_new_lifecycle_calls_fail_fast(
+    proxy_factory: Any, haproxy_config: dict[str, Any], pods: Any
+) -> None:
+    """SIGTERM with a lifecycle call in flight: Python drains it; HAProxy, stopped last,
+    still relays pass-through calls meanwhile; a new lifecycle call gets UNAVAILABLE at once
+    (kubelet retries), not a hang."""
+    proxy = proxy_factory.start(extra=haproxy_config)
+    rt = proxy.runtime()
+    pod = pods.sandbox("drain-hx")
+    sid = pods.run(rt, pod)
+    cid = pods.create(rt, sid, pod, pods.container("app", command=["sleep", "3600"]))
+    pods.start(rt, cid)
+    # sleep is PID 1 and ignores SIGTERM: containerd waits the full 3 s, then SIGKILLs.
+    in_flight = rt.StopContainer.future(cri.StopContainerRequest(container_id=cid, timeout=3), timeout=30)
+    _wait(lambda: _intercepted_stop_calls(proxy) >= 1, 10, "StopContainer at the proxy")
+    proxy.send(signal.SIGTERM)
+    proxy.wait_event("stopping", timeout=5)
+    assert not in_flight.done()
+
+    with unix_channel(proxy.socket) as fresh:
+        stub = runtime_stub(fresh)
+        assert stub.Version(cri.VersionRequest(), timeout=2).runtime_name == "containerd"
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.RemoveContainer(cri.RemoveContainerRequest(container_id="no-such"), timeout=5)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - start < 2.0
+    in_flight.result(timeout=30)  # the drained call completes
+    assert proxy.wait_exit(30) == 0
+    events = [e["event"] for e in proxy.events()]
+    assert events.index("stopping") < events.index("data_plane_stopped") < events.index("stopped")
