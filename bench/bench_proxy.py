@@ -102,6 +102,20 @@ def lifecycle(rt: Any, prefix: str, logs: Path) -> float:
     return time.perf_counter() - t
 
 
+def at_rate(stub: Any, groups: dict[str, list[int]], cid: str, rate: float, seconds: float) -> dict[str, float]:
+    """% of a core each process group uses while ``stub`` makes ``rate`` calls/s (the 5
+    methods in turn)."""
+    calls = list(CALLS.values())
+    before, start = {name: _cpu(group) for name, group in groups.items()}, time.monotonic()
+    for i in range(int(rate * seconds)):
+        wait = start + i / rate - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        calls[i % len(calls)](stub, cid)
+    took = time.monotonic() - start
+    return {name: (_cpu(group) - before[name]) / took * 100 for name, group in groups.items()}
+
+
 class _Stub:
     """RuntimeService stub with the ImageService one of the same channel as ``image``."""
 
@@ -154,6 +168,7 @@ def main() -> int:
     ap.add_argument("--pods", type=int, default=10, help="pod lifecycles per path")
     ap.add_argument("--idle-pods", type=int, default=20, help="running pods while pass-through is measured")
     ap.add_argument("--idle-seconds", type=float, default=20.0, help="window for the idle CPU of each path")
+    ap.add_argument("--rate-seconds", type=float, default=10.0, help="window per path and rate (10 and 50 calls/s)")
     ap.add_argument("--hooks", type=int, default=-1,
                     help="example hooks in the chain; -1 (default) = the shipped QoS chain of systemd/config.yaml")
     args = ap.parse_args()
@@ -196,6 +211,14 @@ def main() -> int:
             lat = passthrough(stubs, cid, args.calls)
             cpu_us = {name: (_cpu(group) - before[name]) / (args.calls * len(CALLS)) * 1e6
                       for name, group in pids.items()}
+            rated: dict[tuple[str, float], float] = {}
+            for rate in (10.0, 50.0):
+                for name in ("relay", "grpc", "haproxy"):
+                    groups = {name: pids[name]}
+                    if name == "haproxy":
+                        groups["haproxy (data plane only)"] = pids["haproxy (data plane only)"]
+                    for group, pct in at_rate(stubs[name], groups, cid, rate, args.rate_seconds).items():
+                        rated[(group, rate)] = pct
             times: dict[str, list[float]] = {"direct": [], "grpc": [], "haproxy": []}
             for i in range(args.pods):
                 order = list(times)
@@ -205,6 +228,11 @@ def main() -> int:
             relay.terminate()
             relay.wait(10)
         _report(args, lat, cpu_us, idle, times)
+        print(f"\n### Measured at a kubelet-like rate ({args.rate_seconds:.0f} s each, the 5 methods in turn)\n")
+        print("| path | % of a core at 10 calls/s | at 50 calls/s |")
+        print("|---|---:|---:|")
+        for name in ("relay", "grpc", "haproxy", "haproxy (data plane only)"):
+            print(f"| {name} | {rated[(name, 10.0)]:.3f} | {rated[(name, 50.0)]:.3f} |")
     return 0
 
 
@@ -224,7 +252,7 @@ def _report(args: argparse.Namespace, lat: dict[str, dict[str, list[float]]], cp
             ratio = (p50 - d50) / r50 if r50 > 0 else float("nan")
             print(f"| {method} | {name} | {p50:.0f} | {p99:.0f} | {p50 - d50:+.0f} | {p99 - d99:+.0f} | {ratio:.2f} |")
     print("\n### Proxy processes' CPU (from /proc)\n")
-    print("| path | CPU µs per pass-through call | % of a core at 10 calls/s | at 50 calls/s "
+    print("| path | CPU µs per pass-through call | computed % of a core at 10 calls/s | at 50 calls/s "
           "| idle % of a core | RSS MB |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in [*paths, "haproxy (data plane only)"]:
