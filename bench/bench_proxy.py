@@ -1,18 +1,24 @@
 """Benchmark: what the proxy adds over talking to containerd directly.
 
 Run by hand as root (not part of the test suite): ``.venv/bin/python bench/bench_proxy.py``.
-In one run, against one private containerd, it measures
-  * pass-through latency (Version, ListContainers, ListPodSandbox, ContainerStatus),
-    direct vs through the proxy, interleaved call by call so both see the same machine;
-  * the pod lifecycle time (Run, Create, Start, Stop, Remove) direct vs proxy with
-    the hook chain on, as a ratio of medians.
+In one run, against one private containerd with ``--idle-pods`` running pods, it measures
+  * pass-through latency (Version, ListContainers, ListPodSandbox, ContainerStatus,
+    ImageStatus) on four paths: direct, an asyncio byte relay (bench/byterelay.py, the
+    floor), the proxy with ``data_plane: grpc`` and with ``data_plane: haproxy``,
+    interleaved call by call with the path order rotated every round;
+  * CPU per pass-through call of each path's processes (proxy + haproxy master and
+    worker, from /proc), idle CPU and RSS, and % of a core at 10 and 50 calls/s;
+  * the pod lifecycle time (Run, Create, Start, Stop, Remove) direct vs both data planes
+    with the hook chain on, as a ratio of medians.
 It prints a Markdown table (docs/benchmarks.md keeps the last one).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -21,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from benchlib import BenchNode, percentile
+from benchlib import BenchNode, cpu_seconds, percentile
 
 from criapi import cri_v1_pb2 as cri
+from criapi import cri_v1_pb2_grpc as cri_grpc
 from runtimeproxy import devpods, embedded
 from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 
@@ -46,23 +53,31 @@ def _lat(fn: Callable[[], Any]) -> float:
     return (time.perf_counter() - t) * 1e6
 
 
-def passthrough(direct: Any, proxied: Any, cid: str, n: int) -> list[tuple[str, float, float, float, float]]:
-    calls = {
-        "Version": lambda rt: rt.Version(cri.VersionRequest()),
-        "ListContainers": lambda rt: rt.ListContainers(cri.ListContainersRequest()),
-        "ListPodSandbox": lambda rt: rt.ListPodSandbox(cri.ListPodSandboxRequest()),
-        "ContainerStatus": lambda rt: rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)),
-    }
-    rows = []
-    for name, call in calls.items():
-        for _ in range(200):  # warm both channels and caches
-            call(direct), call(proxied)
-        d, p = [], []
-        for _ in range(n):
-            d.append(_lat(lambda: call(direct)))  # noqa: B023 - used immediately
-            p.append(_lat(lambda: call(proxied)))  # noqa: B023
-        rows.append((name, percentile(d, 0.5), percentile(p, 0.5), percentile(d, 0.99), percentile(p, 0.99)))
-    return rows
+CALLS: dict[str, Callable[[Any, str], Any]] = {
+    "Version": lambda rt, cid: rt.Version(cri.VersionRequest()),
+    "ListContainers": lambda rt, cid: rt.ListContainers(cri.ListContainersRequest()),
+    "ListPodSandbox": lambda rt, cid: rt.ListPodSandbox(cri.ListPodSandboxRequest()),
+    "ContainerStatus": lambda rt, cid: rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)),
+    "ImageStatus": lambda rt, cid: rt.image.ImageStatus(cri.ImageStatusRequest(
+        image=cri.ImageSpec(image=embedded.BUSYBOX_IMAGE))),
+}
+
+
+def passthrough(stubs: dict[str, Any], cid: str, n: int) -> dict[str, dict[str, list[float]]]:
+    """Latencies (µs) per method and path; calls interleaved, path order rotated per round."""
+    names = list(stubs)
+    out: dict[str, dict[str, list[float]]] = {}
+    for method, call in CALLS.items():
+        for _ in range(200):  # warm every channel and cache
+            for name in names:
+                call(stubs[name], cid)
+        lat: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(n):
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                lat[name].append(_lat(lambda: call(stubs[name], cid)))  # noqa: B023 - used immediately
+        out[method] = lat
+    return out
 
 
 def lifecycle(rt: Any, prefix: str, logs: Path) -> float:
@@ -87,46 +102,172 @@ def lifecycle(rt: Any, prefix: str, logs: Path) -> float:
     return time.perf_counter() - t
 
 
+def at_rate(stub: Any, groups: dict[str, list[int]], cid: str, rate: float, seconds: float) -> dict[str, float]:
+    """% of a core each process group uses while ``stub`` makes ``rate`` calls/s (the 5
+    methods in turn)."""
+    calls = list(CALLS.values())
+    before, start = {name: _cpu(group) for name, group in groups.items()}, time.monotonic()
+    for i in range(int(rate * seconds)):
+        wait = start + i / rate - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        calls[i % len(calls)](stub, cid)
+    took = time.monotonic() - start
+    return {name: (_cpu(group) - before[name]) / took * 100 for name, group in groups.items()}
+
+
+class _Stub:
+    """RuntimeService stub with the ImageService one of the same channel as ``image``."""
+
+    def __init__(self, socket: Path) -> None:
+        channel = embedded.unix_channel(socket)
+        self.runtime = embedded.runtime_stub(channel)
+        self.image = cri_grpc.ImageServiceStub(channel)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runtime, name)
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (HAProxy's master and worker under the proxy)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                parents.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _cpu(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(pid)
+    return total
+
+
+def _rss_mb(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+    return total / 1024
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000, help="pass-through calls per method and path")
     ap.add_argument("--pods", type=int, default=10, help="pod lifecycles per path")
+    ap.add_argument("--idle-pods", type=int, default=20, help="running pods while pass-through is measured")
+    ap.add_argument("--idle-seconds", type=float, default=20.0, help="window for the idle CPU of each path")
+    ap.add_argument("--rate-seconds", type=float, default=10.0, help="window per path and rate (10 and 50 calls/s)")
     ap.add_argument("--hooks", type=int, default=-1,
                     help="example hooks in the chain; -1 (default) = the shipped QoS chain of systemd/config.yaml")
     args = ap.parse_args()
     with BenchNode("b") as node:
         base, prefix = node.base, node.prefix
-        _proc, sock, _port = node.proxy("proxy", _chain(args.hooks))
-        direct = node.runtime()
-        proxied = node.runtime(sock)
-        # A running pod so ContainerStatus / List* return real data.
-        uid = str(uuid.uuid4())
-        sb = devpods.sandbox_config(name="idle", namespace="bench", uid=uid, log_dir=str(base / "logs"),
-                                    cgroup_parent=devpods.kube_cgroup_parent(prefix, "burstable", uid))
-        sid = direct.RunPodSandbox(cri.RunPodSandboxRequest(config=sb)).pod_sandbox_id
-        cc = devpods.container_config(name="c", image=embedded.BUSYBOX_IMAGE, command=["sleep", "3600"])
-        cid = direct.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=cc,
-                                                                sandbox_config=sb)).container_id
-        direct.StartContainer(cri.StartContainerRequest(container_id=cid))
-        rows = passthrough(direct, proxied, cid, args.calls)
-        d_times, p_times = [], []
-        for _ in range(args.pods):
-            d_times.append(lifecycle(direct, prefix, base / "logs"))
-            p_times.append(lifecycle(proxied, prefix, base / "logs"))
-        print(f"\n### Pass-through, {args.calls} calls per method and path (microseconds)\n")
-        print("| method | direct p50 | proxy p50 | added p50 | direct p99 | proxy p99 | added p99 |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
-        for name, d50, p50, d99, p99 in rows:
-            print(f"| {name} | {d50:.0f} | {p50:.0f} | {p50 - d50:+.0f} | {d99:.0f} | {p99:.0f} | {p99 - d99:+.0f} |")
-        dm, pm = statistics.median(d_times), statistics.median(p_times)
-        print(f"\n### Pod lifecycle (Run, Create, Start, Stop, Remove), {args.pods} pods per path,"
-              f" chain: {'shipped QoS chain (5 hooks)' if args.hooks < 0 else f'{args.hooks} example hooks'}\n")
-        print("| path | median s | min s | max s |")
-        print("|---|---:|---:|---:|")
-        print(f"| direct | {dm:.3f} | {min(d_times):.3f} | {max(d_times):.3f} |")
-        print(f"| proxy + hooks | {pm:.3f} | {min(p_times):.3f} | {max(p_times):.3f} |")
-        print(f"\nratio proxy/direct (medians): **{pm / dm:.3f}**")
+        chain = _chain(args.hooks)
+        grpc_proc, grpc_sock, _ = node.proxy("grpc", {**chain, "data_plane": "grpc"})
+        hx_proc, hx_sock, _ = node.proxy("hx", {**chain, "data_plane": "haproxy"})
+        relay_sock = base / "relay.sock"
+        relay = subprocess.Popen([sys.executable, str(Path(__file__).with_name("byterelay.py")),
+                                  str(relay_sock), str(node.ctd.socket)])
+        try:
+            while not relay_sock.exists():
+                time.sleep(0.02)
+            pids = {"direct": [], "relay": [relay.pid], "grpc": [grpc_proc.pid],
+                    "haproxy": [hx_proc.pid, *_children(hx_proc.pid)], "haproxy (data plane only)": []}
+            pids["haproxy (data plane only)"] = pids["haproxy"][1:]
+            if len(pids["haproxy"]) != 3:
+                raise SystemExit(f"expected the proxy, haproxy's master and worker: {pids['haproxy']}")
+            stubs = {"direct": _Stub(node.ctd.socket), "relay": _Stub(relay_sock), "grpc": _Stub(grpc_sock),
+                     "haproxy": _Stub(hx_sock)}
+            direct = stubs["direct"]
+            cid = ""
+            for i in range(args.idle_pods):  # running pods so List* and Status return real data
+                uid = str(uuid.uuid4())
+                sb = devpods.sandbox_config(name=f"idle-{i}", namespace="bench", uid=uid, log_dir=str(base / "logs"),
+                                            cgroup_parent=devpods.kube_cgroup_parent(prefix, "burstable", uid))
+                sid = direct.RunPodSandbox(cri.RunPodSandboxRequest(config=sb)).pod_sandbox_id
+                cc = devpods.container_config(name="c", image=embedded.BUSYBOX_IMAGE, command=["sleep", "3600"])
+                cid = direct.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=cc,
+                                                                        sandbox_config=sb)).container_id
+                direct.StartContainer(cri.StartContainerRequest(container_id=cid))
+            idle = {}
+            for name, group in pids.items():
+                idle[name] = (_cpu(group), _rss_mb(group))
+            time.sleep(args.idle_seconds)
+            idle = {name: ((_cpu(group) - idle[name][0]) / args.idle_seconds * 100, _rss_mb(group))
+                    for name, group in pids.items()}
+            before = {name: _cpu(group) for name, group in pids.items()}
+            lat = passthrough(stubs, cid, args.calls)
+            cpu_us = {name: (_cpu(group) - before[name]) / (args.calls * len(CALLS)) * 1e6
+                      for name, group in pids.items()}
+            rated: dict[tuple[str, float], float] = {}
+            for rate in (10.0, 50.0):
+                for name in ("relay", "grpc", "haproxy"):
+                    groups = {name: pids[name]}
+                    if name == "haproxy":
+                        groups["haproxy (data plane only)"] = pids["haproxy (data plane only)"]
+                    for group, pct in at_rate(stubs[name], groups, cid, rate, args.rate_seconds).items():
+                        rated[(group, rate)] = pct
+            times: dict[str, list[float]] = {"direct": [], "grpc": [], "haproxy": []}
+            for i in range(args.pods):
+                order = list(times)
+                for name in order[i % 3:] + order[:i % 3]:
+                    times[name].append(lifecycle(stubs[name], prefix, base / "logs"))
+        finally:
+            relay.terminate()
+            relay.wait(10)
+        _report(args, lat, cpu_us, idle, times)
+        print(f"\n### Measured at a kubelet-like rate ({args.rate_seconds:.0f} s each, the 5 methods in turn)\n")
+        print("| path | % of a core at 10 calls/s | at 50 calls/s |")
+        print("|---|---:|---:|")
+        for name in ("relay", "grpc", "haproxy", "haproxy (data plane only)"):
+            print(f"| {name} | {rated[(name, 10.0)]:.3f} | {rated[(name, 50.0)]:.3f} |")
     return 0
+
+
+def _report(args: argparse.Namespace, lat: dict[str, dict[str, list[float]]], cpu_us: dict[str, float],
+            idle: dict[str, tuple[float, float]], times: dict[str, list[float]]) -> None:
+    paths = ["relay", "grpc", "haproxy"]
+    print(f"\n### Pass-through, {args.calls} calls per method and path, interleaved, {args.idle_pods} pods "
+          "(microseconds)\n")
+    print("| method | path | p50 | p99 | added p50 | added p99 | added p50 / relay's |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for method, per in lat.items():
+        d50, d99 = percentile(per["direct"], 0.5), percentile(per["direct"], 0.99)
+        print(f"| {method} | direct | {d50:.0f} | {d99:.0f} | | | |")
+        r50 = percentile(per["relay"], 0.5) - d50
+        for name in paths:
+            p50, p99 = percentile(per[name], 0.5), percentile(per[name], 0.99)
+            ratio = (p50 - d50) / r50 if r50 > 0 else float("nan")
+            print(f"| {method} | {name} | {p50:.0f} | {p99:.0f} | {p50 - d50:+.0f} | {p99 - d99:+.0f} | {ratio:.2f} |")
+    print("\n### Proxy processes' CPU (from /proc)\n")
+    print("| path | CPU µs per pass-through call | computed % of a core at 10 calls/s | at 50 calls/s "
+          "| idle % of a core | RSS MB |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in [*paths, "haproxy (data plane only)"]:
+        us = cpu_us[name]
+        idle_pct, rss = idle[name]
+        print(f"| {name} | {us:.0f} | {us * 10 / 1e4 + idle_pct:.3f} | {us * 50 / 1e4 + idle_pct:.3f} "
+              f"| {idle_pct:.3f} | {rss:.0f} |")
+    dm = statistics.median(times["direct"])
+    print(f"\n### Pod lifecycle (Run, Create, Start, Stop, Remove), {args.pods} pods per path, chain: "
+          f"{'shipped QoS chain' if args.hooks < 0 else f'{args.hooks} example hooks'}\n")
+    print("| path | median s | min s | max s | median / direct |")
+    print("|---|---:|---:|---:|---:|")
+    for name, values in times.items():
+        m = statistics.median(values)
+        print(f"| {name} | {m:.3f} | {min(values):.3f} | {max(values):.3f} | {m / dm:.3f} |")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ in-flight ones within ``shutdown_grace``, stop background tasks, close channels.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import signal
@@ -25,6 +26,7 @@ from runtimeproxy.backend import CallError
 from runtimeproxy.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.chain import HookChain, HookPools
 from runtimeproxy.config import ConfigError, Settings, load
+from runtimeproxy.dataplane import HaproxyDataPlane, find_haproxy
 from runtimeproxy.grpcbackend import GrpcBackend
 from runtimeproxy.grpcserver import ProxyHandler, ProxyServer
 from runtimeproxy.history import ChangeHistory
@@ -42,7 +44,8 @@ log = structlog.get_logger("runtimeproxy.app")
 
 VERSION_METHOD = "/runtime.v1.RuntimeService/Version"
 _RESTART_ONLY = ("listen", "socket_mode", "backend", "metrics_listen", "max_message_bytes", "tasks",
-                 "metrics_max_connections", "metrics_idle_timeout", "metrics_fd_reserve", "state_dir")
+                 "metrics_max_connections", "metrics_idle_timeout", "metrics_fd_reserve", "state_dir",
+                 "data_plane")
 #: Pods whose change history is kept on disk (each its last CHANGES_PER_POD changes).
 HISTORY_PODS = 512
 
@@ -73,9 +76,13 @@ class App:
             skip_label=lambda: SkipLabel(self.settings.skip_label_key, self.settings.skip_label_value),
         )
         self.handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics)
+        self.data_plane = choose_data_plane(settings)
+        # With HAProxy in front, this server gets only the lifecycle calls, on a private socket.
+        listen, mode = Path(settings.listen), settings.socket_mode
+        if self.data_plane is not None:
+            listen, mode = self.data_plane.intercept_socket, 0o600
         self.server = ProxyServer(
-            listen=Path(settings.listen), socket_mode=settings.socket_mode,
-            max_message_bytes=settings.max_message_bytes, handler=self.handler,
+            listen=listen, socket_mode=mode, max_message_bytes=settings.max_message_bytes, handler=self.handler,
         )
         self.supervisor = Supervisor()
         self.monitor = self._backend_monitor(settings)
@@ -114,6 +121,8 @@ class App:
             loop.add_signal_handler(signal.SIGINT, self._stop.set)
             loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
         try:
+            if self.data_plane is not None:
+                self.data_plane.prepare()
             await self.server.start()
             await self._start_http()
         except BaseException:
@@ -121,11 +130,15 @@ class App:
             await self.server.stop(0)
             raise
         self.supervisor.add("config-watch", self._watch_config)
+        if self.data_plane is not None:
+            self.supervisor.add("dataplane:haproxy", self.data_plane.run_forever)
         interval = sdnotify.watchdog_interval()
         if interval:
             self.supervisor.add("watchdog", lambda: sdnotify.watchdog_loop(interval, lambda: self._ready))
         await self.supervisor.start()
         await self._wait_backend()
+        if self.data_plane is not None:
+            await self.data_plane.wait_answering(self._stop)  # READY=1 only when HAProxy answers too
         if not self._stop.is_set():
             self.supervisor.add("backend-probe", self.monitor.run_forever)
             # Here, not before listening: a start-up that fails (exit 2) touches no state file.
@@ -181,6 +194,9 @@ class App:
         await self.backend.close()
         self._pools.shutdown()
         self.store.close()
+        if self.data_plane is not None:
+            # Last: kubelet's pass-through calls keep working while Python drains.
+            await self.data_plane.stop(self.settings.shutdown_grace)
         log.info("stopped")
         return 0
 
@@ -279,10 +295,16 @@ class App:
         stale = [k for k in _RESTART_ONLY if getattr(settings, k) != getattr(self.settings, k)]
         if stale:
             log.warning("config_needs_restart", keys=stale)
-        old, self.chain, self.settings = self.chain, chain, settings
+        old, running = self.chain, self.settings
+        self.chain, self.settings = chain, settings
         self.rules.set_base(settings.rules)
         logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
         self.metrics.config_reloaded(True)
+        if self.data_plane is not None:
+            # What needs a restart (listen, backend, ...) stays as running: HAProxy must not
+            # send pass-through calls to another containerd than the lifecycle calls go to.
+            await self.data_plane.apply(dataclasses.replace(
+                settings, **{k: getattr(running, k) for k in _RESTART_ONLY}))
         self.reconciler.trigger()
         log.info("config_reloaded", trigger=trigger, hooks=[h.name for h in chain.hooks])
         await plugins.close_hooks(old.hooks)
@@ -361,6 +383,18 @@ class App:
             "tasks": self._task_views(pod),
         }
         return 200, "application/json", json.dumps(body, indent=2, default=str).encode()
+
+
+def choose_data_plane(settings: Settings) -> HaproxyDataPlane | None:
+    """HAProxy when configured and installed; None for the in-process gRPC transport."""
+    if settings.data_plane != "haproxy":
+        return None
+    binary = find_haproxy()
+    if binary is None:
+        log.warning("data_plane_fallback", configured="haproxy", using="grpc",
+                    reason="no haproxy binary on PATH or in /usr/sbin (apt install haproxy)")
+        return None
+    return HaproxyDataPlane(binary, settings)
 
 
 def announce(settings: Settings) -> None:

@@ -122,13 +122,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if settings is None:
         return EXIT_CONFIG
+    from runtimeproxy import dataplane
+
     try:
         hooks, tasks = plugins.validate(settings)
+        plane = dataplane.check(settings)
     except config.ConfigError as exc:
         print(f"koord-runtime-proxy: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     print(f"config ok: listen={settings.listen} backend={settings.backend.runtime_endpoint}"
-          f" source={settings.source}")
+          f" {plane} source={settings.source}")
     if not hooks:
         print("no hooks configured: every call is passed through")
     for i, hook in enumerate(hooks):

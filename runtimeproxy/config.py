@@ -126,6 +126,11 @@ class Settings:
     tasks: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
     #: Where these settings came from (a path or the built-in default), for the start log.
     source: str = field(default="", compare=False)
+    #: Who serves kubelet's socket: ``grpc`` (this process) or ``haproxy`` (pass-through in
+    #: HAProxy, only the lifecycle methods reach this process; see runtimeproxy.haproxy).
+    data_plane: str = "grpc"
+    #: haproxy: a call or stream sending nothing either way for this long is cut (dead peers).
+    data_plane_idle_timeout: float = 86400.0
     #: Risks the operator accepted (``allow_insecure:``), see INSECURE_OPT_INS.
     allow_insecure: frozenset[str] = frozenset()
     #: The accepted risks actually present: one warning line each at every start.
@@ -137,6 +142,7 @@ _TOP_KEYS: Final = frozenset(
         "listen", "socket_mode", "backend", "hooks", "hookserver_dir", "skip_label",
         "metrics", "log", "shutdown_grace", "max_message_bytes", "reload_poll_interval", "reconcile_interval",
         "host", "rules", "tasks", "allow_insecure", "resync_interval", "state_dir",
+        "data_plane", "data_plane_idle_timeout",
     }
 )
 #: ``allow_insecure.<key>: true`` accepts one risk that is otherwise refused (exit 2 at
@@ -385,6 +391,24 @@ def _state_dir(value: object) -> str:
     return path
 
 
+DATA_PLANES: Final = ("grpc", "haproxy")
+#: HAProxy's timers are 32-bit milliseconds (~24.8 days).
+_MAX_IDLE_TIMEOUT = 24 * 86400.0
+
+
+def _data_plane(value: object) -> str:
+    if not isinstance(value, str) or value.lower() not in DATA_PLANES:
+        raise ConfigError("data_plane", value, f"must be one of {list(DATA_PLANES)}")
+    return value.lower()
+
+
+def _idle_timeout(value: object) -> float:
+    seconds = parse_duration(value, "data_plane_idle_timeout")
+    if seconds < 1.0 or seconds > _MAX_IDLE_TIMEOUT:
+        raise ConfigError("data_plane_idle_timeout", value, "must be between 1s and 24 days (576h)")
+    return seconds
+
+
 def from_mapping(data: object) -> Settings:
     """Validate a parsed YAML document (already merged with CLI overrides)."""
     top = _mapping(data, "<root>")
@@ -437,6 +461,8 @@ def from_mapping(data: object) -> Settings:
         host=_host(top.get("host")),
         rules=types.MappingProxyType(dict(_mapping(top.get("rules"), "rules"))),
         tasks=types.MappingProxyType(dict(_mapping(top.get("tasks"), "tasks"))),
+        data_plane=_data_plane(top.get("data_plane", default.data_plane)),
+        data_plane_idle_timeout=_idle_timeout(top.get("data_plane_idle_timeout", default.data_plane_idle_timeout)),
         allow_insecure=allow_insecure,
         accepted_risks=accepted_risks,
     )

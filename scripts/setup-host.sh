@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PKGS=(containerd runc busybox-static containernetworking-plugins python3-venv python3-bpfcc linux-headers-amd64)
+PKGS=(containerd runc busybox-static containernetworking-plugins python3-venv python3-bpfcc linux-headers-amd64 haproxy)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -13,6 +13,11 @@ if ((${#missing[@]})); then
   echo "setup-host: installing ${missing[*]}"
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  # haproxy is our data plane's binary (data_plane: haproxy), run as koord-runtime-proxy's
+  # child: the Debian service apt just enabled (and, under systemd, started) is not used.
+  if [[ " ${missing[*]} " == *" haproxy "* && -d /run/systemd/system ]]; then
+    systemctl disable --now haproxy.service >/dev/null 2>&1 || true
+  fi
 fi
 
 # bcc compiles against /lib/modules/$(uname -r)/{build,source}. Kernels without

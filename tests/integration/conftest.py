@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from criapi import cri_v1_pb2
+from runtimeproxy.dataplane import find_haproxy
 from runtimeproxy.devpods import QoSClass, container_config, kube_cgroup_parent, sandbox_config
 from runtimeproxy.embedded import (
     BUSYBOX_IMAGE,
@@ -483,6 +484,33 @@ def proxy_factory(containerd: EmbeddedContainerd) -> Iterator[ProxyLauncher]:
     yield launcher
     problems = launcher.cleanup()
     assert not problems, "\n".join(problems)
+
+
+#: Both data planes run the parity suites: a module's ``proxy_config`` asks for the
+#: ``data_plane`` fixture (parametrized over these) and includes it.
+DATA_PLANES = ("grpc", "haproxy")
+
+
+def data_plane_config(name: str) -> dict[str, Any]:
+    """The proxy settings selecting this data plane. A missing haproxy skips, except
+    under CI (scripts/setup-host.sh installs it): there it fails the test."""
+    if name == "haproxy" and find_haproxy() is None:
+        if _under_ci():
+            pytest.fail("haproxy is not installed; scripts/setup-host.sh installs it (apt install haproxy)")
+        pytest.skip("haproxy is not installed (apt install haproxy)")
+    return {"data_plane": name}
+
+
+@pytest.fixture(scope="module", params=DATA_PLANES)
+def data_plane(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """``{"data_plane": name}`` for each data plane in turn (module scope: one proxy each)."""
+    return data_plane_config(str(request.param))
+
+
+@pytest.fixture
+def haproxy_data_plane() -> dict[str, Any]:
+    """``{"data_plane": "haproxy"}`` (skips without haproxy; fails under CI)."""
+    return data_plane_config("haproxy")
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,9 @@ def shares_hook(policy: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def proxy_config() -> dict[str, Any]:
-    return {"hooks": [shares_hook("Fail")]}
+def proxy_config(data_plane: dict[str, Any]) -> dict[str, Any]:
+    """Through both data planes: with HAProxy the lifecycle calls reach the hooks by its routing."""
+    return {"hooks": [shares_hook("Fail")], **data_plane}
 
 
 def _container(pods: Any) -> cri.ContainerConfig:

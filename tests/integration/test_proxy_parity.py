@@ -25,6 +25,12 @@ from criapi import cri_v1_pb2 as cri
 from runtimeproxy.embedded import EmbeddedContainerd, runtime_stub
 
 RT = "/runtime.v1.RuntimeService/"
+
+
+@pytest.fixture(scope="module")
+def proxy_config(data_plane: dict[str, Any]) -> dict[str, Any]:
+    """Every test here runs through both data planes (the in-process gRPC server, HAProxy)."""
+    return data_plane
 IMG = "/runtime.v1.ImageService/"
 
 #: Fields of stats replies that are samples taken at call time: a cumulative CPU

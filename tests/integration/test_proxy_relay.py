@@ -29,6 +29,12 @@ NATIVE = [
 UNKNOWN_CRI = "/runtime.v1.RuntimeService/NoSuchMethodYet"
 
 
+@pytest.fixture(scope="module")
+def proxy_config(data_plane: dict[str, Any]) -> dict[str, Any]:
+    """Every test here runs through both data planes (the in-process gRPC server, HAProxy)."""
+    return data_plane
+
+
 def _code(socket: Any, method: str, *, stream: bool = False) -> tuple[grpc.StatusCode, str]:
     metadata = (("containerd-namespace", "k8s.io"),)
     with unix_channel(socket) as channel:

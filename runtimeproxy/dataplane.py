@@ -1,0 +1,257 @@
+"""The HAProxy data plane as a supervised child of ``koord-runtime-proxy run``.
+
+HAProxy runs master-worker in the foreground (``-W -db``): the master is our child.
+- start: the configuration is rendered from Settings (runtimeproxy.haproxy), checked
+  with ``haproxy -c`` and written; the master binds kubelet's socket (to a temporary
+  name, then renamed over the path: the path never disappears, a stale file is replaced).
+- crash: ``run_forever`` (a supervised task) restarts the master after a short back-off
+  (0.1 s, doubling up to 10 s, reset after a minute of health): kubelet's socket is back
+  at the same path well within 2 s.
+- reload: a changed configuration is checked, written, and the master gets SIGUSR2: it
+  re-executes itself, hands the listeners to a new worker and lets the old worker finish
+  its calls (an idle kubelet connection gets GOAWAY and reconnects): nothing in flight fails.
+- stop: last, after Python drained its calls: SIGUSR1 (soft stop: finish calls, no new
+  connections), SIGTERM after ``grace``, SIGKILL if still there.
+- our own death: the master gets SIGTERM from the kernel (PR_SET_PDEATHSIG), so a killed
+  proxy does not leave a HAProxy holding kubelet's socket for the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Final
+
+import grpc
+import grpc.aio
+import structlog
+
+from criapi import cri_v1_pb2 as cri
+from runtimeproxy import haproxy
+from runtimeproxy.config import ConfigError, Settings
+from runtimeproxy.grpcserver import SocketInUse, prepare_socket
+
+log = structlog.get_logger("runtimeproxy.dataplane")
+
+#: Where Debian installs it; a root shell has it on PATH, a minimal service env may not.
+_SEARCH_PATH: Final = ("/usr/sbin", "/sbin", "/usr/local/sbin")
+VERSION_METHOD: Final = "/runtime.v1.RuntimeService/Version"
+#: HAProxy's message tags -> our log levels.
+_LEVELS: Final = {"ALERT": "error", "WARNING": "warning", "NOTICE": "info"}
+
+
+def find_haproxy() -> str | None:
+    path = os.pathsep.join([os.environ.get("PATH", ""), *_SEARCH_PATH])
+    return shutil.which("haproxy", path=path)
+
+
+def check(settings: Settings) -> str:
+    """What ``check-config`` says about the data plane (``data_plane=...``); ConfigError if HAProxy refuses
+    the configuration ``run`` would generate (checked with ``haproxy -c`` in a temp dir)."""
+    if settings.data_plane != "haproxy":
+        return "data_plane=grpc"
+    binary = find_haproxy()
+    if binary is None:
+        return "data_plane=haproxy (not installed: run falls back to grpc; apt install haproxy)"
+    with tempfile.TemporaryDirectory(prefix="krp-check-") as tmp:
+        layout = haproxy.Layout(Path(tmp))
+        layout.not_cri_reply.write_bytes(haproxy.NOT_CRI_REPLY)
+        layout.config_file.write_text(haproxy.render(settings, layout))
+        out = subprocess.run([*haproxy.check_command(binary, layout.config_file)], capture_output=True,
+                             text=True, timeout=30, check=False)
+    if out.returncode != 0:
+        raise ConfigError("data_plane", "haproxy", "haproxy refused the generated configuration: "
+                          + (out.stdout + out.stderr).strip()[-2000:])
+    return f"data_plane=haproxy ({binary})"
+
+
+def _with_pdeathsig(argv: list[str]) -> list[str]:
+    """``setpriv --pdeathsig TERM`` (util-linux, Essential in Debian) sets PR_SET_PDEATHSIG
+    and execs HAProxy in the same pid. A ``preexec_fn`` would do the same but forces a plain
+    fork() of this multi-threaded process (grpc's fork handlers then complain on stderr,
+    and the child may run Python between fork and exec); without one, Python spawns with
+    vfork/posix_spawn."""
+    setpriv = shutil.which("setpriv", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/bin", "/bin"]))
+    if setpriv is None:
+        log.warning("data_plane_no_pdeathsig", reason="no setpriv (util-linux): a killed proxy leaves haproxy")
+        return argv
+    return [setpriv, "--pdeathsig", "TERM", *argv]
+
+
+class _Backoff:
+    def __init__(self, initial: float = 0.1, maximum: float = 10.0, healthy_after: float = 60.0) -> None:
+        self._initial, self._max, self._healthy = initial, maximum, healthy_after
+        self._next = initial
+
+    def after(self, ran: float) -> float:
+        if ran >= self._healthy:
+            self._next = self._initial
+        delay, self._next = self._next, min(self._next * 2, self._max)
+        return delay
+
+
+class HaproxyDataPlane:
+    """Owns the HAProxy master process, its configuration and its private directory."""
+
+    def __init__(self, binary: str, settings: Settings) -> None:
+        self.binary = binary
+        self.layout = haproxy.Layout.for_listen(Path(settings.listen))
+        self._settings = settings
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stopping = False
+        self._backoff = _Backoff()
+        self.starts = 0
+        self._rendered = ""
+
+    @property
+    def intercept_socket(self) -> Path:
+        return self.layout.intercept_socket
+
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return proc.pid if proc is not None and proc.returncode is None else None
+
+    def prepare(self) -> None:
+        """Before anything listens: the private dir (0700) and kubelet's socket path free
+        (a live socket there is another proxy: SocketInUse; a stale one is removed)."""
+        prepare_socket(Path(self._settings.listen))
+        try:
+            self.layout.run_dir.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(self.layout.run_dir, 0o700)
+        except OSError as exc:
+            why = f"cannot create the data plane's directory {self.layout.run_dir}: {exc.strerror}"
+            raise ConfigError("listen", self._settings.listen, why) from None
+        self.layout.not_cri_reply.write_bytes(haproxy.NOT_CRI_REPLY)
+
+    # --- configuration -----------------------------------------------------------
+
+    async def _write_config(self, settings: Settings) -> bool:
+        """Render, check with ``haproxy -c``, replace the file; False if unchanged."""
+        text = haproxy.render(settings, self.layout)
+        if text == self._rendered and self.layout.config_file.exists():
+            return False
+        tmp = self.layout.config_file.with_suffix(".new")
+        tmp.write_text(text)
+        check = await asyncio.create_subprocess_exec(
+            *haproxy.check_command(self.binary, tmp),
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await check.communicate()
+        if check.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise ConfigError("data_plane", "haproxy", f"haproxy refused the generated configuration: "
+                              f"{out.decode(errors='replace').strip()[-2000:]}")
+        os.replace(tmp, self.layout.config_file)
+        self._rendered = text
+        return True
+
+    async def apply(self, settings: Settings) -> bool:
+        """On a config reload: rewrite and reload HAProxy if its configuration changed."""
+        self._settings = settings
+        try:
+            changed = await self._write_config(settings)
+        except ConfigError as exc:
+            log.error("data_plane_reload_rejected", error=str(exc), kept="previous haproxy configuration")
+            return False
+        pid = self.pid
+        if changed and pid is not None:
+            os.kill(pid, signal.SIGUSR2)
+            log.info("data_plane_reloaded", pid=pid)
+        return changed
+
+    # --- process -----------------------------------------------------------------
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        await self._write_config(self._settings)
+        self.layout.master_socket.unlink(missing_ok=True)
+        proc = await asyncio.create_subprocess_exec(
+            *_with_pdeathsig(haproxy.command(self.binary, self.layout)), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )
+        self.starts += 1
+        log.info("data_plane_started", binary=self.binary, pid=proc.pid, socket=self._settings.listen,
+                 intercept_socket=str(self.layout.intercept_socket), starts=self.starts)
+        return proc
+
+    async def _relay_log(self, proc: asyncio.subprocess.Process) -> None:
+        """HAProxy's own messages (start, reload, stop, alerts) as our JSON log lines, so
+        nothing but JSON reaches the journal. It writes a few lines per event, never per call."""
+        assert proc.stderr is not None
+        while True:
+            try:
+                line = await proc.stderr.readline()
+            except ValueError:  # a line over the reader's 64 KiB limit: drop it, keep reading
+                line = await proc.stderr.read(65536)
+            if not line:
+                return  # the pipe must be read as long as HAProxy writes: a full pipe blocks it
+            text = line.decode(errors="replace").strip()
+            level = _LEVELS.get(text[1:text.find("]")].strip(), "info") if text.startswith("[") else "info"
+            getattr(log, level)("data_plane_message", pid=proc.pid, text=text[:2000])
+
+    async def run_forever(self) -> None:
+        """Keep the master running until ``stop``; cancelling this leaves the process
+        alone (``stop`` ends it, last)."""
+        while not self.stopping():
+            started = time.monotonic()
+            self._proc = await self._spawn()
+            reader = asyncio.ensure_future(self._relay_log(self._proc))
+            try:
+                code = await self._proc.wait()
+                await asyncio.wait([reader], timeout=1.0)
+            finally:
+                reader.cancel()
+            if self.stopping():
+                return
+            delay = self._backoff.after(time.monotonic() - started)
+            log.error("data_plane_exited", code=code, restart_in=delay)
+            await asyncio.sleep(delay)
+
+    async def wait_answering(self, stop: asyncio.Event, timeout: float = 2.0) -> bool:
+        """Poll Version through kubelet's socket (HAProxy, then containerd) until it
+        answers or ``stop`` is set."""
+        payload = cri.VersionRequest(version="v1").SerializeToString()
+        delay = 0.05
+        # grpc's default reconnect back-off (1 s) would delay READY=1 past HAProxy's start.
+        options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
+                   ("grpc.max_reconnect_backoff_ms", 500)]
+        async with grpc.aio.insecure_channel("unix://" + self._settings.listen, options=options) as channel:
+            call = channel.unary_unary(VERSION_METHOD)
+            while not stop.is_set():
+                try:
+                    await call(payload, timeout=timeout)
+                    return True
+                except grpc.aio.AioRpcError:
+                    await asyncio.wait([asyncio.ensure_future(stop.wait())], timeout=delay)
+                    delay = min(delay * 2, 1.0)
+        return False
+
+    async def stop(self, grace: float) -> None:
+        """Soft stop (calls in flight finish), then SIGTERM, then SIGKILL."""
+        self._stopping = True
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        for sig, wait in ((signal.SIGUSR1, grace), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+            try:
+                await asyncio.wait_for(proc.wait(), wait)
+                break
+            except TimeoutError:
+                log.warning("data_plane_stop_slow", signal=sig.name, waited=wait)
+        # HAProxy leaves its socket file: remove it (only if nothing answers on it), so a
+        # stopped proxy looks like the gRPC transport's: no socket.
+        with contextlib.suppress(SocketInUse, ConfigError):
+            prepare_socket(Path(self._settings.listen))
+        log.info("data_plane_stopped", code=proc.returncode)

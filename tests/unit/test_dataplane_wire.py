@@ -1,0 +1,277 @@
+"""Nothing of gRPC is lost through either data plane: the in-process gRPC server and
+HAProxy (a real ``haproxy`` child of the App) in front of the fake containerd.
+
+Status codes, details and trailers (trailers-only errors included), metadata both
+ways, ``grpc-timeout`` deadlines, 16 MiB messages both ways, server streaming,
+unknown methods and fields; lifecycle methods still reach the interception server;
+any non-CRI path is answered UNIMPLEMENTED and never reaches the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+import pytest_asyncio
+import yaml
+
+from criapi import cri_v1_pb2 as cri
+from runtimeproxy.dataplane import find_haproxy
+
+RT = "/runtime.v1.RuntimeService/"
+STATUS = RT + "Status"
+EVENTS = RT + "GetContainerEvents"
+FUTURE_UNARY = RT + "SomeFutureMethod"
+LIST_IMAGES = "/runtime.v1.ImageService/ListImages"
+EXEC_SYNC = RT + "ExecSync"
+NATIVE = "/containerd.services.version.v1.Version/Version"
+MiB = 1024 * 1024
+CLOCK_SLACK = 0.05
+
+
+def _need_haproxy() -> None:
+    """Skip without haproxy, except under CI (scripts/setup-host.sh installs it): fail there."""
+    if find_haproxy() is None:
+        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+            pytest.fail("haproxy is not installed; scripts/setup-host.sh installs it (apt install haproxy)")
+        pytest.skip("haproxy is not installed (apt install haproxy)")
+
+
+@pytest.fixture(params=["grpc", "haproxy"])
+def plane(request: pytest.FixtureRequest) -> str:
+    name = str(request.param)
+    if name == "haproxy":
+        _need_haproxy()
+    return name
+
+
+@pytest_asyncio.fixture
+async def proxy(fake_runtime: Any, start_proxy: Any, plane: str) -> Any:
+    p = await start_proxy(fake_runtime, data_plane=plane)
+    if plane == "haproxy":
+        assert p.app.data_plane is not None and p.app.data_plane.pid is not None, "haproxy must be running"
+    else:
+        assert p.app.data_plane is None
+    return p
+
+
+@pytest.mark.asyncio
+async def test_reply_bytes_and_unknown_fields_pass_unchanged(answer: Any, fake_runtime: Any, proxy: Any) -> None:
+    # Field 99 is unknown to every CRI message: it must reach both ends as sent.
+    unknown = b"\xfa\x06\x03abc"
+    fake_runtime.answer(STATUS, answer(payload=cri.StatusResponse(info={"k": "v"}).SerializeToString() + unknown))
+    request = cri.StatusRequest(verbose=True).SerializeToString() + unknown
+    reply = await proxy.call(STATUS, request)
+    assert reply.endswith(unknown) and cri.StatusResponse.FromString(reply).info == {"k": "v"}
+    assert fake_runtime.received(STATUS)[0].payload == request
+
+
+@pytest.mark.asyncio
+async def test_error_status_details_and_trailers(answer: Any, fake_runtime: Any, proxy: Any, wire: Any) -> None:
+    details_bin = wire.rpc_status(grpc.StatusCode.NOT_FOUND.value[0], "container c9 not found")
+    fake_runtime.answer(STATUS, answer(
+        code=grpc.StatusCode.NOT_FOUND, details="container c9 not found: detail ü",
+        trailing_metadata=(("grpc-status-details-bin", details_bin), ("x-backend-trailer", "t1"))))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await proxy.call(STATUS)
+    assert err.value.code() is grpc.StatusCode.NOT_FOUND
+    assert err.value.details() == "container c9 not found: detail ü"
+    trailing = tuple(err.value.trailing_metadata())
+    assert ("grpc-status-details-bin", details_bin) in trailing and ("x-backend-trailer", "t1") in trailing
+
+
+@pytest.mark.asyncio
+async def test_long_error_message_is_relayed(answer: Any, fake_runtime: Any, proxy: Any) -> None:
+    """containerd's error text is not ours: 7 000 characters (grpc clients take at most
+    8 KiB of headers by default; HAProxy's tune.bufsize is well above, see test_haproxy_config)."""
+    text = "x" * 7_000
+    fake_runtime.answer(STATUS, answer(code=grpc.StatusCode.INTERNAL, details=text))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await proxy.call(STATUS)
+    assert (err.value.code(), err.value.details()) == (grpc.StatusCode.INTERNAL, text)
+
+
+@pytest.mark.asyncio
+async def test_metadata_both_ways_unary_and_streaming(answer: Any, fake_runtime: Any, proxy: Any) -> None:
+    fake_runtime.answer(STATUS, answer(initial_metadata=(("x-backend-initial", "i1"),),
+                                       trailing_metadata=(("x-backend-trailer", "t1"), ("x-bin-bin", b"\x00\xff"))))
+    call = proxy.unary(STATUS)(b"", timeout=5, metadata=(("x-koord-test", "hello"), ("x-koord-bin", b"\x01\x02")))
+    assert await call == b""
+    assert ("x-backend-initial", "i1") in tuple(await call.initial_metadata())
+    trailing = tuple(await call.trailing_metadata())
+    assert ("x-backend-trailer", "t1") in trailing and ("x-bin-bin", b"\x00\xff") in trailing
+    [seen] = fake_runtime.received(STATUS)
+    assert seen.md("x-koord-test") == ["hello"] and seen.md("x-koord-bin") == [b"\x01\x02"]
+
+    fake_runtime.answer(EVENTS, answer(stream=(b"e",), initial_metadata=(("x-backend-initial", "i2"),),
+                                       trailing_metadata=(("x-backend-trailer", "t2"),)))
+    stream = proxy.unary_stream(EVENTS)(b"", timeout=5, metadata=(("x-koord-test", "s"),))
+    assert [m async for m in stream] == [b"e"]
+    assert ("x-backend-initial", "i2") in tuple(await stream.initial_metadata())
+    assert ("x-backend-trailer", "t2") in tuple(await stream.trailing_metadata())
+    assert fake_runtime.received(EVENTS)[0].md("x-koord-test") == ["s"]
+
+
+@pytest.mark.asyncio
+async def test_stream_in_order_and_error_after_messages(answer: Any, fake_runtime: Any, proxy: Any) -> None:
+    got = [cri.ContainerEventResponse.FromString(m).container_id
+           async for m in proxy.unary_stream(EVENTS)(b"", timeout=5)]
+    assert got == ["c0", "c1", "c2"]
+    fake_runtime.answer(EVENTS, answer(stream=(b"a",), code=grpc.StatusCode.ABORTED, details="restarting"))
+    seen = []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for message in proxy.unary_stream(EVENTS)(b"", timeout=5):
+            seen.append(message)
+    assert seen == [b"a"] and (err.value.code(), err.value.details()) == (grpc.StatusCode.ABORTED, "restarting")
+
+
+@pytest.mark.asyncio
+async def test_deadline_reaches_the_backend_and_ends_the_call(answer: Any, fake_runtime: Any, proxy: Any) -> None:
+    for timeout in (3.0, 0.7):
+        await proxy.call(STATUS, timeout=timeout)
+    first, second = (c.time_remaining for c in fake_runtime.received(STATUS))
+    assert first is not None and 2.0 < first <= 3.0 + CLOCK_SLACK
+    assert second is not None and 0 < second <= 0.7 + CLOCK_SLACK
+    fake_runtime.answer(STATUS, answer(delay=5.0))
+    start = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await proxy.call(STATUS, timeout=0.3)
+    assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 4.0
+
+
+@pytest.mark.asyncio
+async def test_16_mib_messages_both_ways(answer: Any, fake_runtime: Any, proxy: Any) -> None:
+    # 16 MiB less the framing the proxy's (and containerd's) 16 MiB limit leaves room for.
+    size = 16 * MiB - 64
+    big_response = bytes(range(256)) * (size // 256)
+    big_request = b"\x5a" * size
+    fake_runtime.answer(LIST_IMAGES, answer(payload=big_response))
+    fake_runtime.answer(EXEC_SYNC, answer(payload=b"ok"))
+    assert await proxy.call(LIST_IMAGES, b"", timeout=30) == big_response
+    assert await proxy.call(EXEC_SYNC, big_request, timeout=30) == b"ok"
+    assert fake_runtime.received(EXEC_SYNC)[0].payload == big_request
+
+
+@pytest.mark.asyncio
+async def test_unknown_cri_method_goes_to_the_backend(answer: Any, fake_runtime: Any, proxy: Any) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await proxy.call(RT + "NoSuchMethodAnywhere")
+    assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    fake_runtime.answer(FUTURE_UNARY, answer(payload=b"future"))
+    assert await proxy.call(FUTURE_UNARY, b"q") == b"future"
+    assert [c.payload for c in fake_runtime.received(FUTURE_UNARY)] == [b"q"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("method", [NATIVE, "/grpc.health.v1.Health/Check", RT + "a/b", "/runtime.v1.RuntimeService/"])
+async def test_non_cri_paths_are_unimplemented_and_never_reach_the_backend(
+    answer: Any, fake_runtime: Any, proxy: Any, method: str
+) -> None:
+    fake_runtime.answer(method, answer(payload=b"served"))  # the backend would answer OK
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await proxy.call(method, b"")
+    assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    assert "relays only the CRI services" in (err.value.details() or "")
+    assert fake_runtime.received(method) == []
+
+
+@pytest.mark.asyncio
+async def test_lifecycle_calls_reach_the_interception_server(fake_runtime: Any, proxy: Any) -> None:
+    reply = await proxy.call(RT + "RunPodSandbox", cri.RunPodSandboxRequest(
+        config=cri.PodSandboxConfig(metadata=cri.PodSandboxMetadata(name="p", namespace="n", uid="u"))
+    ).SerializeToString())
+    assert cri.RunPodSandboxResponse.FromString(reply).pod_sandbox_id == "sb-1"
+    # Counted by the interception server: the call went through Python, not past it.
+    assert proxy.calls_total(RT + "RunPodSandbox", "intercepted") == 1
+    # ... and a pass-through call did not (HAProxy relays it; the gRPC transport counts it).
+    await proxy.call(RT + "ListContainers")
+    counted = proxy.calls_total(RT + "ListContainers", "passthrough")
+    assert counted == (0 if proxy.app.data_plane is not None else 1)
+
+
+@pytest.mark.asyncio
+async def test_reload_rewrites_haproxy_but_keeps_what_needs_a_restart(
+    fake_runtime: Any, start_proxy: Any, short_dir: Any
+) -> None:
+    _need_haproxy()
+    proxy = await start_proxy(fake_runtime, data_plane="haproxy", config_file=True)
+    plane = proxy.app.data_plane
+    pid = plane.pid
+    cfg = plane.layout.config_file
+    assert "timeout server 86400000ms" in cfg.read_text()
+    doc = yaml.safe_load(proxy.config_path.read_text())
+    doc["data_plane_idle_timeout"] = "2h"
+    doc["backend"]["runtime_endpoint"] = str(short_dir / "elsewhere.sock")
+    proxy.config_path.write_text(yaml.safe_dump(doc))
+    assert await proxy.app.reload("test")
+    text = cfg.read_text()
+    assert "timeout server 7200000ms" in text
+    # Lifecycle calls still go to the old backend until a restart: so do pass-through calls.
+    assert "elsewhere.sock" not in text and str(fake_runtime.path) in text
+    assert plane.pid == pid  # reloaded in place (SIGUSR2), not restarted
+    assert await proxy.call(STATUS) == b""
+
+
+class _SlowEvents(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """A backend whose GetContainerEvents sends ``count`` events ``gap`` seconds apart
+    after ``quiet`` seconds; every other method answers empty (Version, List*: enough for
+    the proxy to start)."""
+
+    gap, count, quiet = 0.5, 1, 0.0
+
+    def service(self, details: Any) -> Any:
+        if details.method != EVENTS:
+            async def empty(_request: bytes, _context: Any) -> bytes:
+                return b""
+
+            return grpc.unary_unary_rpc_method_handler(empty)
+
+        async def events(_request: bytes, _context: Any) -> Any:
+            await asyncio.sleep(self.quiet)
+            for i in range(self.count):
+                yield cri.ContainerEventResponse(container_id=f"c{i}").SerializeToString()
+                await asyncio.sleep(self.gap)
+
+        return grpc.unary_stream_rpc_method_handler(events)
+
+
+@pytest.mark.asyncio
+async def test_an_active_stream_outlives_the_idle_timeout_a_quiet_one_is_cut(
+    fake_runtime: Any, start_proxy: Any, short_dir: Any
+) -> None:
+    """HAProxy's timeouts are inactivity timeouts: a GetContainerEvents stream with an event
+    every 0.5 s runs 4 s through a 2 s idle timeout; one quiet for 3.5 s is cut (which is
+    why the default idle timeout is 24 h: containerd may have nothing to say for hours)."""
+    _need_haproxy()
+    backend = _SlowEvents()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((backend,))
+    path = short_dir / "events.sock"
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    try:
+        proxy = await start_proxy(fake_runtime, backend_path=path, data_plane="haproxy",
+                                  data_plane_idle_timeout="2s")
+        for count, quiet, expect_cut in ((8, 0.0, False), (1, 3.5, True)):
+            backend.count, backend.quiet = count, quiet
+            got: list[bytes] = []
+            code = grpc.StatusCode.OK
+            start = time.monotonic()
+            try:
+                async for message in proxy.unary_stream(EVENTS)(b"", timeout=30):
+                    got.append(message)
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+            took = time.monotonic() - start
+            if expect_cut:
+                assert code is not grpc.StatusCode.OK and not got and 1.5 < took < 10, (code, got, took)
+            else:
+                assert code is grpc.StatusCode.OK and len(got) == 8 and took > 3.5, (code, len(got), took)
+    finally:
+        await server.stop(None)

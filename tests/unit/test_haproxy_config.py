@@ -1,0 +1,121 @@
+"""The HAProxy configuration generated from Settings (runtimeproxy.haproxy)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from runtimeproxy import haproxy
+from runtimeproxy.app import choose_data_plane
+from runtimeproxy.config import ConfigError, Settings, from_mapping
+from runtimeproxy.dataplane import find_haproxy
+from runtimeproxy.grpcserver import known_methods
+
+
+def _settings(tmp_path: Path, **doc: object) -> Settings:
+    base: dict[str, object] = {"listen": str(tmp_path / "k.sock"),
+                               "backend": {"runtime_endpoint": "/run/c.sock", "image_endpoint": "/run/i.sock"}}
+    return from_mapping({**base, **doc})
+
+
+def _lines(text: str, start: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip().startswith(start)]
+
+
+def test_lifecycle_methods_are_routed_by_exact_path_everything_else_of_cri_to_containerd(tmp_path: Path) -> None:
+    s = _settings(tmp_path)
+    layout = haproxy.Layout.for_listen(Path(s.listen))
+    text = haproxy.render(s, layout)
+    [acl] = _lines(text, "acl lifecycle")
+    assert acl.split()[:3] == ["acl", "lifecycle", "path"]  # exact match, not path_beg
+    assert set(acl.split()[3:]) == set(haproxy.LIFECYCLE_METHODS)
+    assert len(haproxy.LIFECYCLE_METHODS) == 8
+    assert all(m in known_methods() for m in haproxy.LIFECYCLE_METHODS)
+    assert _lines(text, "use_backend intercept") == ["use_backend intercept if lifecycle"]
+    assert f'server python "unix@{layout.intercept_socket}" proto h2' in text
+    assert 'server containerd "unix@/run/c.sock" proto h2' in text
+    assert 'server containerd "unix@/run/i.sock" proto h2' in text
+    assert f'bind "unix@{s.listen}" mode 660 proto h2' in text
+    [ret] = _lines(text, "http-request return")
+    assert ret.endswith("unless cri") and str(layout.not_cri_reply) in ret
+
+
+def test_image_backend_defaults_to_the_runtime_endpoint(tmp_path: Path) -> None:
+    s = _settings(tmp_path, backend={"runtime_endpoint": "/run/c.sock"})
+    text = haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)))
+    assert text.count('server containerd "unix@/run/c.sock" proto h2') == 2
+
+
+def test_measured_settings_and_idle_timeouts(tmp_path: Path) -> None:
+    s = _settings(tmp_path, data_plane_idle_timeout="2h", socket_mode="0640")
+    text = haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)))
+    assert "tune.bufsize 131072" in text and "tune.h2.max-concurrent-streams 1000" in text
+    for side in ("client", "server", "tunnel"):
+        assert f"timeout {side} 7200000ms" in text
+    assert " mode 640 proto h2" in text
+
+
+def test_the_not_cri_reply_is_trailers_only_unimplemented() -> None:
+    head, _, body = haproxy.NOT_CRI_REPLY.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "HTTP/1.1 200 OK" and body == b""
+    assert {"content-type: application/grpc", "grpc-status: 12", "content-length: 0"} <= set(lines)
+
+
+def test_a_path_haproxy_cannot_take_is_refused() -> None:
+    with pytest.raises(ValueError):
+        haproxy._quote("a\nb")
+
+
+def test_data_plane_keys_are_validated() -> None:
+    assert from_mapping({}).data_plane == "grpc"
+    assert from_mapping({"data_plane": "HAProxy"}).data_plane == "haproxy"
+    with pytest.raises(ConfigError, match="data_plane"):
+        from_mapping({"data_plane": "nginx"})
+    with pytest.raises(ConfigError, match="data_plane_idle_timeout"):
+        from_mapping({"data_plane_idle_timeout": "30d"})
+    assert from_mapping({"data_plane_idle_timeout": "90m"}).data_plane_idle_timeout == 5400.0
+
+
+def test_missing_haproxy_falls_back_to_grpc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr("runtimeproxy.app.find_haproxy", lambda: None)
+    assert choose_data_plane(_settings(tmp_path, data_plane="haproxy")) is None
+    assert choose_data_plane(_settings(tmp_path)) is None
+
+
+@pytest.mark.skipif(find_haproxy() is None, reason="haproxy not installed")
+def test_haproxy_accepts_the_generated_configuration_without_warnings(tmp_path: Path) -> None:
+    s = dataclasses.replace(_settings(tmp_path), shutdown_grace=5.0)
+    layout = haproxy.Layout.for_listen(Path(s.listen))
+    layout.run_dir.mkdir()
+    layout.not_cri_reply.write_bytes(haproxy.NOT_CRI_REPLY)
+    layout.config_file.write_text(haproxy.render(s, layout))
+    binary = find_haproxy()
+    assert binary is not None
+    out = subprocess.run([binary, "-c", "-f", str(layout.config_file)], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "WARNING" not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_check_config_reports_the_data_plane(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from runtimeproxy import cli
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"listen: {tmp_path}/k.sock\nhookserver_dir: ''\ndata_plane: haproxy\nstate_dir: ''\n")
+    path.chmod(0o600)
+    if find_haproxy() is not None:
+        assert cli.main(["check-config", "--config", str(path)]) == 0
+        assert "data_plane=haproxy (/" in capsys.readouterr().out.splitlines()[0]
+        # A configuration HAProxy refuses is exit 2 naming data_plane.
+        monkeypatch.setattr(haproxy, "render", lambda s, layout: "global\n    no-such-keyword 1\n")
+        assert cli.main(["check-config", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "data_plane" in err and "no-such-keyword" in err  # HAProxy's reason
+        monkeypatch.undo()
+    monkeypatch.setattr("runtimeproxy.dataplane.find_haproxy", lambda: None)
+    assert cli.main(["check-config", "--config", str(path)]) == 0
+    assert "falls back to grpc" in capsys.readouterr().out
