@@ -107,6 +107,8 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, default=1000)
     parser.add_argument("--every", type=int, default=100, help="cycles per table row")
     parser.add_argument("--behind", type=int, default=5, help="every k-th pod is removed directly at containerd")
+    parser.add_argument("--retention", default="",
+                        help="tasks.metrics retention (e.g. 2m; GC every 30s): bounds the store's per-pod state")
     parser.add_argument("--no-tasks", action="store_true",
                         help="hooks only (no metrics or QoS task): tells the proxy's own growth from the store's")
     args = parser.parse_args()
@@ -121,6 +123,9 @@ def main() -> int:
         doc |= {"log": {"level": "info", "format": "json"}, "hookserver_dir": "", "state_dir": str(work / "state")}
         if args.no_tasks:
             doc["tasks"] = {}
+        elif args.retention:
+            tiers = {"raw": "1m", "step": "10s", "coarse_step": "30s", "coarse_after": "1m"}
+            doc["tasks"]["metrics"] |= {"retention": args.retention, "gc_interval": "30s", "tiers": tiers}
         cfg = work / "config.yaml"
         cfg.write_text(yaml.safe_dump(doc, sort_keys=False))
         log = work / "proxy.log"
