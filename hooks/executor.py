@@ -22,7 +22,8 @@ Everything that goes wrong with host writes is handled once, here:
   its deadline (``runtimeproxy.hostwrites.check_deadline``, right before each write).
 * **Back-off** — a write the kernel refuses is retried with the same value only
   after an exponential back-off (1 s doubling to 5 min; another value after
-  1 s, so a changed desired state is not held up), and logged once per
+  1 s, so a changed desired state is not held up; a parent in a leveled write
+  whose children that write has just narrowed at once), and logged once per
   (path, cause): ``host_write_failed`` at warning, then ``repeat=True`` errors
   and at most one ``host_write_still_failing`` reminder per 5 min with
   ``repeats=N``; success logs ``host_write_recovered`` and clears the state.
