@@ -31,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import grpc
 from benchlib import BenchNode, cpu_seconds, percentile
 
 from criapi import cri_v1_pb2 as cri
@@ -131,6 +132,7 @@ def main() -> int:
     ap.add_argument("--idle", type=float, default=30.0, help="seconds of idle CPU measurement per mode")
     ap.add_argument("--fast-interval", default="100ms")
     ap.add_argument("--skip-slow", action="store_true", help="only the fast path (no 1 s loop baseline)")
+    ap.add_argument("--skip-fast", action="store_true", help="only the 1 s loop (no fast path)")
     ap.add_argument("--min-wide", type=int, default=20_000,
                     help="a run starts once the tier quota is at least this (µs per 100 ms), else it is skipped")
     ap.add_argument("--own-quota", type=int, default=0,
@@ -139,7 +141,8 @@ def main() -> int:
     results: dict[str, Any] = {}
     with BenchNode("q") as bench:
         modes = [("1 s loop (fast path off)", False), (f"fast path {args.fast_interval}", True)]
-        for mode, fast in modes[1:] if args.skip_slow else modes:
+        chosen = modes[1:] if args.skip_slow else modes[:1] if args.skip_fast else modes
+        for mode, fast in chosen:
             name = "fast" if fast else "slow"
             proc, sock, port = bench.proxy(name, _doc(name, bench.base, bench.prefix, fast, args.fast_interval))
             rt = bench.runtime(sock)
@@ -151,15 +154,25 @@ def main() -> int:
             pods = [be]
             if args.own_quota:
                 # runc cannot create a container whose quota exceeds its tier's (cgroup v1): wait for room.
-                assert node.wait(lambda q: q < 0 or q >= 2 * args.own_quota, 30) is not None, "tier never wide enough"
                 own = node.pod(f"own-{mode[:4]}", "besteffort", {"koordinator.sh/qosClass": "BE"}, {})
-                node.container(own[0], own[1], "own", SPIN2, quota=args.own_quota)
+                for attempt in range(5):  # the tier may shrink again between the check and runc's write
+                    assert node.wait(lambda q: q < 0 or q >= 2 * args.own_quota, 90) is not None, "tier never wide"
+                    try:
+                        node.container(own[0], own[1], f"own{attempt}", SPIN2, quota=args.own_quota)
+                        break
+                    except grpc.RpcError as exc:
+                        print(f"own container refused (tier shrank meanwhile), retrying: {exc.details()[:120]}",
+                              file=sys.stderr)
+                else:
+                    raise AssertionError("the container with its own quota could not be created")
                 pods.append(own)
             ls = node.pod(f"ls-{mode[:4]}", "burstable", {"koordinator.sh/qosClass": "LS"}, {})
             node.container(ls[0], ls[1], "idle", ["sleep", "36000"])
             times, missed, skipped = _runs(node, ls, args.runs, args.min_wide)
             idle = _idle_cpu(proc, args.idle)
             results[mode] = (times, missed, skipped, idle)
+            print(f"{mode}: halved {len(times)}, missed {missed}, skipped {skipped}, ms "
+                  f"{sorted(round(t * 1000) for t in times)}, idle CPU {idle:.2f} %", file=sys.stderr)
             for sid in (*(p[1] for p in pods), ls[1]):
                 rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sid), timeout=60)
                 rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sid), timeout=60)
