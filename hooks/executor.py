@@ -22,7 +22,8 @@ Everything that goes wrong with host writes is handled once, here:
   its deadline (``runtimeproxy.hostwrites.check_deadline``, right before each write).
 * **Back-off** — a write the kernel refuses is retried with the same value only
   after an exponential back-off (1 s doubling to 5 min; another value after
-  1 s, so a changed desired state is not held up), and logged once per
+  1 s, so a changed desired state is not held up; a parent in a leveled write
+  whose children that write has just narrowed at once), and logged once per
   (path, cause): ``host_write_failed`` at warning, then ``repeat=True`` errors
   and at most one ``host_write_still_failing`` reminder per 5 min with
   ``repeats=N``; success logs ``host_write_recovered`` and clears the state.
@@ -295,7 +296,7 @@ class CgroupExecutor:
             raise _os_error(exc, path, source) from exc
         return _Planned(update, path, value)
 
-    def _apply_one(self, planned: _Planned) -> Write:
+    def _apply_one(self, planned: _Planned, *, children_narrowed: bool = False) -> Write:
         update, path = planned.update, planned.path
         source = update.source or str(update.cgroup)
         version = self.layout.version
@@ -312,7 +313,8 @@ class CgroupExecutor:
             self.backoff.succeeded(path)
             return Write(path, old, new, update.reason, changed=False)
         check_deadline(str(path), new)
-        self.backoff.before(path, new, source)
+        if not children_narrowed:  # else the cause of the last refusal may just have gone
+            self.backoff.before(path, new, source)
         try:
             _write(path, new, source)
         except CgroupError as exc:
@@ -332,7 +334,11 @@ class CgroupExecutor:
         Pass 1, top-down: where a value must grow (cpuset gains CPUs, quota or
         memory limit rises) write the merged value (union or max of current and new) first.
         Pass 2, bottom-up: write the real values. Parents stay ≥ children at every
-        step, so the kernel never refuses a write for that reason."""
+        step, so the kernel never refuses a write for that reason. A parent whose
+        children this pass has just changed is written even while its back-off runs:
+        a refusal recorded before (a child above it, e.g. created between a scan and
+        the write) may be gone now, and holding the same value for up to minutes would
+        keep e.g. a BE tier unsuppressed. Unchanged children: the back-off applies."""
         planned = [[self._plan(u) for u in level] for level in levels]
         writes: list[Write] = []
         for level in planned:
@@ -340,8 +346,11 @@ class CgroupExecutor:
                 merged = self._merged(item)
                 if merged is not None:
                     writes.append(self._apply_one(merged))
+        narrowed = False
         for level in reversed(planned):
-            writes.extend(self._apply_one(item) for item in level)
+            done = [self._apply_one(item, children_narrowed=narrowed) for item in level]
+            narrowed = narrowed or any(w.changed for w in done)
+            writes.extend(done)
         return writes
 
     def _merged(self, item: _Planned) -> _Planned | None:

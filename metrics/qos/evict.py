@@ -8,8 +8,10 @@ the ``koordinator.sh/eviction-priority`` annotation, the priority value, the
 successful eviction a task cools down (cpu 20 s, memory 4 s by default) so the
 next decision sees the effect of the last one.
 
-``Evictor`` is the "how": ``CriEvictor`` stops every container through the
-runtime (koordlet's default); an API-based one is wired by the agent.
+``Evictor`` is the "how": ``CriEvictor`` stops every container and the sandbox
+through the runtime and checks nothing still runs; an API-based one is wired by the
+agent. An eviction that did not take raises ``EvictionError``: it is neither counted
+nor remembered (no cool-down, not pending), so the next round tries again.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ EVICTION_PRIORITY: Final = "koordinator.sh/eviction-priority"
 EVICTION_POLICY: Final = "koordinator.sh/eviction-policy"
 SUB_PRIORITY: Final = "koordinator.sh/priority"
 STOP_CONTAINER: Final = "/runtime.v1.RuntimeService/StopContainer"
+STOP_SANDBOX: Final = "/runtime.v1.RuntimeService/StopPodSandbox"
+LIST_CONTAINERS: Final = "/runtime.v1.RuntimeService/ListContainers"
 
 
 class EvictionError(Exception):
@@ -52,7 +56,16 @@ class Evictor(Protocol):
 
 
 class CriEvictor:
-    """Stops each container of the pod through the runtime (StopContainer, timeout 0)."""
+    """Stops the pod through the runtime: each container (StopContainer, timeout 0), then
+    its sandbox (StopPodSandbox), as kubelet kills a pod; then checks that nothing of it runs.
+
+    A container that is only CREATED is not stopped by StopContainer (containerd answers
+    OK and does nothing), and a pod seen at RunPodSandbox may have no container yet: an
+    eviction landing before StartContainer would stop nothing and still count as done,
+    and the pod, remembered as being evicted, would then run for good. Stopping the
+    sandbox makes the runtime refuse any later CreateContainer/StartContainer in it; a
+    container still RUNNING afterwards fails the eviction, so it is retried next round.
+    """
 
     def __init__(self, cri: CriCall, timeout: float = 10.0) -> None:
         self._cri = cri
@@ -62,13 +75,33 @@ class CriEvictor:
         failed: list[str] = []
         for ctr in pod.containers:
             request = cri_v1_pb2.StopContainerRequest(container_id=ctr.id, timeout=0).SerializeToString()
-            try:
-                await self._cri(STOP_CONTAINER, request, self._timeout)
-            except CriCallError as exc:
-                if exc.code != "NOT_FOUND":  # already gone is what we wanted
-                    failed.append(f"{ctr.name}: {exc.code}: {exc.message}")
+            await self._call(STOP_CONTAINER, request, ctr.name, failed)
+        if pod.sandbox_id:
+            stop = cri_v1_pb2.StopPodSandboxRequest(pod_sandbox_id=pod.sandbox_id).SerializeToString()
+            await self._call(STOP_SANDBOX, stop, "sandbox", failed)
+            failed += await self._still_running(pod)
         if failed:
             raise EvictionError(f"pod {pod.key}: stopping containers failed: {'; '.join(failed)}")
+
+    async def _call(self, method: str, request: bytes, what: str, failed: list[str]) -> None:
+        try:
+            await self._cri(method, request, self._timeout)
+        except CriCallError as exc:
+            if exc.code != "NOT_FOUND":  # already gone is what we wanted
+                failed.append(f"{what}: {exc.code}: {exc.message}")
+
+    async def _still_running(self, pod: PodView) -> list[str]:
+        """The runtime's own word, not the pod view's (it may predate a container)."""
+        running = cri_v1_pb2.ContainerStateValue(state=cri_v1_pb2.CONTAINER_RUNNING)
+        request = cri_v1_pb2.ListContainersRequest(filter=cri_v1_pb2.ContainerFilter(
+            pod_sandbox_id=pod.sandbox_id, state=running)).SerializeToString()
+        try:
+            reply = cri_v1_pb2.ListContainersResponse.FromString(
+                await self._cri(LIST_CONTAINERS, request, self._timeout))
+        except CriCallError as exc:
+            return [f"checking: {exc.code}: {exc.message}"]
+        return [f"{c.metadata.name}: still running" for c in reply.containers
+                if c.state == cri_v1_pb2.CONTAINER_RUNNING]
 
 
 #: koordlet's eviction reasons, the ``reason`` label (bounded, unlike the log line's text).

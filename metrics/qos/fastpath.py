@@ -269,10 +269,15 @@ class FastPath:
             return None
         value = suppress_cores(inputs, threshold).suppress
         if threshold.cpu_suppress_policy == "cpuset":
-            target = float(max(math.ceil(value), MIN_CPUSET))
+            wanted = float(math.ceil(value))
+            target = max(wanted, float(MIN_CPUSET))
         else:
+            wanted = value
             target = max(value * period, MIN_QUOTA) / period
-        if target < current - max(capacity * self.cfg.dead_band, self.cfg.noise_cores):
+        # The drop is judged on the headroom itself, not on the target floored at the
+        # minimum: a limit already small (a busy node) within the band of the floor must
+        # still go to the floor at once when LS takes everything, not a round later.
+        if target < current and wanted < current - max(capacity * self.cfg.dead_band, self.cfg.noise_cores):
             return f"headroom dropped: BE target {target:.2f} < limit {current:.2f} cores"
         return None
 

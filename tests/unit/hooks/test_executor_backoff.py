@@ -15,7 +15,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from hooks import executor as executor_mod
-from hooks.cgroups import CPU_SHARES, CgroupError, CgroupLayout
+from hooks.cgroups import CPU_CFS_QUOTA, CPU_SHARES, CgroupError, CgroupLayout
 from hooks.executor import CgroupExecutor, Update, WriteBackedOffError, WriteBackoff
 from runtimeproxy.hostwrites import FailureCollector, FailureCounter
 
@@ -164,3 +164,45 @@ def test_failing_files_are_bounded(tmp_path: Path, kernel: Kernel) -> None:
     for i in range(10):
         backoff.failed(tmp_path / str(i), "1", CgroupError("x"))
     assert sorted(backoff.failing()) == [str(tmp_path / str(i)) for i in (7, 8, 9)]
+
+
+def test_a_leveled_parent_is_retried_at_once_after_its_children_were_narrowed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 14, item 11 (reaction bench misses): a BE tier quota refused (EINVAL: a child
+    above it appeared between the scan and the write) was held by the back-off for the
+    same value (the floor, every tick of an LS burst) even after the next leveled write
+    had clamped that child: 1 s, then 2, 4, 8 s... The kernel is stubbed at the write
+    boundary: it refuses the tier's quota while the child's is above it (cgroup v1's rule)."""
+    root = tmp_path / "cg"
+    tier = PurePosixPath("kubepods/besteffort")
+    child = tier / "pod1" / "ctr"
+    (root / "cpu" / child).mkdir(parents=True)
+    (root / "cpu" / tier / "cpu.cfs_quota_us").write_text("100000\n")
+    (root / "cpu" / child / "cpu.cfs_quota_us").write_text("20000\n")
+    clock = Clock()
+    ex = CgroupExecutor(CgroupLayout(root, 1), backoff=WriteBackoff(clock=clock, counter=FailureCounter()))
+    tier_file = (root / "cpu" / tier / "cpu.cfs_quota_us").resolve()
+    child_file = (root / "cpu" / child / "cpu.cfs_quota_us").resolve()
+
+    def kernel(path: Path, text: str, source: str) -> None:
+        if path == tier_file and int(text) < int(child_file.read_text()):
+            os_error = OSError(errno.EINVAL, "Invalid argument")
+            raise CgroupError(f"{source}: writing {text!r} to {path} refused: {os_error.strerror}") from os_error
+        path.write_text(text)
+
+    monkeypatch.setattr(executor_mod, "_write", kernel)
+    with pytest.raises(CgroupError):  # the child was not known to the plan: refused
+        ex.apply([Update(tier, CPU_CFS_QUOTA, 2000, "suppress")])
+    # At once (the next fast-path tick): the child clamped first, then the same tier value.
+    writes = ex.leveled_update([[Update(tier, CPU_CFS_QUOTA, 2000, "suppress")],
+                                [Update(child, CPU_CFS_QUOTA, 2000, "clamped to the tier")]])
+    assert [w.changed for w in writes] == [True, True]
+    assert tier_file.read_text() == "2000"
+    assert ex.backoff.failing() == {}
+    # Nothing narrowed below (children unchanged): the back-off holds a refused value again.
+    (root / "cpu" / child / "cpu.cfs_quota_us").write_text("20000\n")
+    with pytest.raises(CgroupError):
+        ex.apply([Update(tier, CPU_CFS_QUOTA, 1500, "suppress")])
+    with pytest.raises(WriteBackedOffError):
+        ex.leveled_update([[Update(tier, CPU_CFS_QUOTA, 1500, "suppress")],
+                           [Update(child, CPU_CFS_QUOTA, 20000, "kept")]])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -16,8 +17,10 @@ from metrics.qos.evict import (
     CPU_NAME,
     EVICTION_POLICY,
     EVICTION_PRIORITY,
+    LIST_CONTAINERS,
     MEMORY_NAME,
     STOP_CONTAINER,
+    STOP_SANDBOX,
     CriEvictor,
     EvictConfig,
     EvictionError,
@@ -144,20 +147,51 @@ def test_memory_and_cpu_tasks_share_the_round() -> None:
 
 
 class FakeRuntime:
-    """The runtime behind the proxy (an OS boundary): records StopContainer calls."""
+    """The runtime behind the proxy (an OS boundary), with containerd's rules: StopContainer
+    on a container not yet started answers OK and does nothing; a stopped sandbox refuses
+    StartContainer. Records the stop calls."""
 
-    def __init__(self, errors: dict[str, str]) -> None:
+    def __init__(self, errors: dict[str, str], states: dict[str, Any] | None = None) -> None:
         self.errors = errors
         self.stopped: list[tuple[str, int]] = []
+        self.sandboxes_stopped: list[str] = []
+        #: container id -> CRI state (the runtime's own list; absent: the view's ids, RUNNING).
+        self.states = states
+
+    def start(self, cid: str) -> None:
+        """StartContainer as containerd answers it."""
+        if self.sandboxes_stopped:
+            raise CriCallError("StartContainer", "UNKNOWN", "sandbox container is not running")
+        assert self.states is not None
+        self.states[cid] = cri_v1_pb2.CONTAINER_RUNNING
 
     async def __call__(self, method: str, payload: bytes, timeout: float) -> bytes:
+        if method == STOP_SANDBOX:
+            sid = cri_v1_pb2.StopPodSandboxRequest.FromString(payload).pod_sandbox_id
+            self.sandboxes_stopped.append(sid)
+            for cid, state in (self.states or {}).items():
+                if state == cri_v1_pb2.CONTAINER_RUNNING:
+                    self.states[cid] = cri_v1_pb2.CONTAINER_EXITED  # type: ignore[index]
+            return b""
+        if method == LIST_CONTAINERS:
+            states = self.states or {}
+            return cri_v1_pb2.ListContainersResponse(containers=[
+                cri_v1_pb2.Container(id=cid, metadata=cri_v1_pb2.ContainerMetadata(name=cid), state=state)
+                for cid, state in states.items() if state == cri_v1_pb2.CONTAINER_RUNNING]).SerializeToString()
         assert method == STOP_CONTAINER
         request = cri_v1_pb2.StopContainerRequest.FromString(payload)
         self.stopped.append((request.container_id, request.timeout))
         code = self.errors.get(request.container_id)
         if code:
             raise CriCallError(method, code, "boom")
+        if self.states is not None and self.states.get(request.container_id) == cri_v1_pb2.CONTAINER_RUNNING:
+            self.states[request.container_id] = cri_v1_pb2.CONTAINER_EXITED
         return b""
+
+
+def _pod(*containers: str) -> PodView:
+    return PodView(uid="u", namespace="ns", name="n", sandbox_id="s", qos=QoSClass.BE, priority=0, priority_class="",
+                   cgroup_dir="d", containers=tuple(ContainerView(c, c, f"d/{c}") for c in containers))
 
 
 @pytest.mark.asyncio
@@ -167,10 +201,46 @@ async def test_cri_evictor_stops_every_container_now() -> None:
     runtime = FakeRuntime({"c1": "NOT_FOUND"})
     await CriEvictor(runtime).evict(pod, "test")
     assert runtime.stopped == [("c1", 0), ("c2", 0)]
+    assert runtime.sandboxes_stopped == ["s"]
     failing = FakeRuntime({"c1": "UNAVAILABLE"})
     with pytest.raises(EvictionError, match="a: UNAVAILABLE"):
         await CriEvictor(failing).evict(pod, "test")
     assert [c for c, _ in failing.stopped] == ["c1", "c2"]  # the rest are still tried
+
+
+@pytest.mark.asyncio
+async def test_an_eviction_before_start_container_keeps_the_pod_down() -> None:
+    # The race seen under load: the manager evicts a BE pod between RunPodSandbox /
+    # CreateContainer and StartContainer. StopContainer on a CREATED container is a no-op,
+    # and a container the pod view does not know yet is not stopped at all; the eviction
+    # used to count as done and the pod, remembered as evicted, then ran for good.
+    for view, states in (((), {}), (("c1",), {"c1": cri_v1_pb2.CONTAINER_CREATED})):
+        runtime = FakeRuntime({}, states)
+        await CriEvictor(runtime).evict(_pod(*view), "test")
+        assert runtime.sandboxes_stopped == ["s"]
+        with pytest.raises(CriCallError, match="sandbox container is not running"):
+            runtime.start("c1")  # kubelet's StartContainer, landing after the eviction
+        assert runtime.states == ({"c1": cri_v1_pb2.CONTAINER_CREATED} if view else {})
+
+
+@pytest.mark.asyncio
+async def test_an_eviction_that_leaves_a_container_running_fails() -> None:
+    # Still running after the stops (the runtime did not do it): not done, so it is
+    # neither counted nor remembered, and the next round tries again.
+    class Stubborn(FakeRuntime):
+        async def __call__(self, method: str, payload: bytes, timeout: float) -> bytes:
+            if method in (STOP_SANDBOX, STOP_CONTAINER):
+                return b""
+            return await super().__call__(method, payload, timeout)
+
+    runtime = Stubborn({}, {"c1": cri_v1_pb2.CONTAINER_RUNNING})
+    with pytest.raises(EvictionError, match="c1: still running"):
+        await CriEvictor(runtime).evict(_pod("c1"), "test")
+    registry = CollectorRegistry()
+    action = Evict("u", "ns/n", "node memory 75% >= 70%", 0.0, 50.0)
+    assert not await carry_out(CriEvictor(runtime), _pod("c1"), action, MEMORY_NAME, EvictionMetrics(registry, "n"))
+    assert registry.get_sample_value("koordlet_pod_eviction_total",
+                                     {"node": "n", "reason": "EvictPodByNodeMemoryUsage"}) is None
 
 
 @pytest.mark.asyncio

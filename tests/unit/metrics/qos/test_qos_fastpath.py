@@ -19,7 +19,7 @@ from metrics.qos.evict import CriEvictor
 from metrics.qos.fastpath import FastPath, FastPathConfig
 from metrics.qos.inputs import NodeInputs, TierUsage
 from metrics.qos.manager import ManagerConfig, QoSManager
-from metrics.qos.suppress import BEState, suppress_cores
+from metrics.qos.suppress import MIN_QUOTA, BEState, suppress_cores
 from metrics.store.tsdb import TSDB
 
 NOW = 5_000.0
@@ -271,6 +271,28 @@ async def test_a_drop_of_exactly_the_dead_band_does_not_replan(host: Host, store
     # capacity 8 x 50% = 4.0; non-BE = ls_cores; system = max(node - pods, reserved 0.5) = 0.5
     inputs = NodeInputs(now=NOW, capacity_cores=8.0, reserved_cores=0.5, pods=(LS, BE),
                         node_cpu_used=ls_cores + 0.5, tiers=TierUsage(pods=ls_cores + 0.5, be=0.5), source="fastpath")
+    why = fast.decide(inputs)
+    assert (why is not None) == replan, why
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("quota", "replan"), [(12_000, True), (MIN_QUOTA, False)])
+async def test_a_small_limit_goes_to_the_floor_at_once_when_ls_takes_everything(host: Host, store: TSDB,
+                                                                                quota: int, replan: bool) -> None:
+    """A busy node had left BE 0.12 cores; an LS burst then wants 2.5 cores less than there
+    is. The target, floored at the minimum quota (0.02), is within the noise of 0.12, and
+    the fast path left it to the regular round (a miss of the reaction bench when that
+    round had no fresh samples). The headroom itself dropped far beyond the band: re-plan.
+    At the floor already: nothing to do, no re-plan every tick."""
+    rules = parse_rules({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 50,
+                                                         "cpuSuppressPolicy": "cfsQuota"}})
+    manager, _, _ = await setup(host, store, rules=rules)
+    fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: rules,
+                    config=FastPathConfig(interval=0.2, dead_band=0.01, noise_cores=0.1), clock=lambda: 10.0)
+    manager.be_state = BEState(None, quota)
+    # capacity 8 x 50% = 4.0; non-BE 6.0; system 0.5: the headroom is 4.0 - 6.0 - 0.5 = -2.5 cores
+    inputs = NodeInputs(now=NOW, capacity_cores=8.0, reserved_cores=0.5, pods=(LS, BE),
+                        node_cpu_used=6.5, tiers=TierUsage(pods=6.5, be=0.5), source="fastpath")
     why = fast.decide(inputs)
     assert (why is not None) == replan, why
 

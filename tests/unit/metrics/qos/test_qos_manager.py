@@ -19,7 +19,7 @@ from hooks.rules import Rules, parse_rules
 from metrics import model
 from metrics.collect.topology import CPUInfo
 from metrics.model import ContainerView, PodView, Sample, labels
-from metrics.qos.evict import CriEvictor
+from metrics.qos.evict import STOP_CONTAINER, CriEvictor
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.store.tsdb import TSDB
 from runtimeproxy.hookapi import PodInfo, PodMeta
@@ -60,7 +60,8 @@ class FakeRuntime:
         self.stopped: list[str] = []
 
     async def __call__(self, method: str, payload: bytes, timeout: float) -> bytes:
-        self.stopped.append(cri_v1_pb2.StopContainerRequest.FromString(payload).container_id)
+        if method == STOP_CONTAINER:  # StopPodSandbox: done; ListContainers: nothing runs
+            self.stopped.append(cri_v1_pb2.StopContainerRequest.FromString(payload).container_id)
         return b""
 
 
