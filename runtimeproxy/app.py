@@ -21,7 +21,7 @@ import prometheus_client
 import structlog
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import __version__, fdlimits, heap, logsetup, plugins, sdnotify
+from runtimeproxy import __version__, fdlimits, haproxystats, heap, logsetup, plugins, sdnotify
 from runtimeproxy.backend import CallError
 from runtimeproxy.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.chain import HookChain, HookPools
@@ -81,6 +81,9 @@ class App:
         listen, mode = Path(settings.listen), settings.socket_mode
         if self.data_plane is not None:
             listen, mode = self.data_plane.intercept_socket, 0o600
+            # Pass-through calls are counted by HAProxy; its counters are read at scrape time.
+            haproxystats.install(self.registry, self.metrics.cri_calls, self.metrics.cri_errors,
+                                 self.data_plane.layout.stats_socket)
         self.server = ProxyServer(
             listen=listen, socket_mode=mode, max_message_bytes=settings.max_message_bytes, handler=self.handler,
         )
