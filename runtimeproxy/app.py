@@ -110,6 +110,7 @@ class App:
         for name, task in plugins.build_tasks(settings, base):
             self.supervisor.add(f"task:{name}", task)
         self._stop = asyncio.Event()
+        self._full_stop = False
         self._ready = False
         self._stopping = False
         self._oneshots: set[asyncio.Task[bool]] = set()
@@ -123,6 +124,7 @@ class App:
             loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             loop.add_signal_handler(signal.SIGINT, self._stop.set)
             loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
+            loop.add_signal_handler(signal.SIGQUIT, self.stop_all)
         try:
             if self.data_plane is not None:
                 self.data_plane.prepare()
@@ -172,6 +174,11 @@ class App:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def stop_all(self) -> None:
+        """SIGQUIT: stop, the data plane too even if it is to survive a restart."""
+        self._full_stop = True
+        self._stop.set()
+
     @property
     def ready(self) -> bool:
         return self._ready
@@ -199,7 +206,8 @@ class App:
         self.store.close()
         if self.data_plane is not None:
             # Last: kubelet's pass-through calls keep working while Python drains.
-            await self.data_plane.stop(self.settings.shutdown_grace)
+            # With data_plane_survives_restart only a full stop (SIGQUIT) stops HAProxy too.
+            await self.data_plane.stop(self.settings.shutdown_grace, full=self._full_stop)
         log.info("stopped")
         return 0
 
