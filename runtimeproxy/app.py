@@ -193,6 +193,9 @@ class App:
         sdnotify.notify("STOPPING=1")
         self._stopping = True
         self.metrics.up.set(0)
+        if self.data_plane is not None and self.data_plane.pid is not None:
+            # New lifecycle calls: UNAVAILABLE from HAProxy at once while this process drains.
+            await asyncio.to_thread(self.data_plane.intercept, False)
         # Unlisten before the "stopping" line: whoever sees it can rely on new connects failing.
         self.server.unlisten()
         log.info("stopping", grace_seconds=self.settings.shutdown_grace)

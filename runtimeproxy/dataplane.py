@@ -39,7 +39,7 @@ import grpc.aio
 import structlog
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import dataplanestate, haproxy
+from runtimeproxy import dataplanestate, haproxy, haproxystats
 from runtimeproxy.config import ConfigError, Settings
 from runtimeproxy.grpcserver import SocketInUse, prepare_socket
 
@@ -266,8 +266,24 @@ class HaproxyDataPlane:
             log.error("data_plane_reload_rejected", error=str(exc), kept="the adopted haproxy's configuration")
             changed = False
         if changed:
-            os.kill(pid, signal.SIGUSR2)
+            os.kill(pid, signal.SIGUSR2)  # the new worker starts with the interception server in
+        else:
+            await asyncio.to_thread(self.intercept, True)  # the previous process took it out
         log.info("data_plane_adopted", pid=pid, socket=self._settings.listen, reloaded=changed)
+
+    def intercept(self, ready: bool) -> None:
+        """Put the interception server in or out of HAProxy's rotation (runtime API). Out
+        (maint) before Python drains: a new lifecycle call gets 503 (UNAVAILABLE) from HAProxy
+        at once instead of racing the server's stop on an open connection; in again when a
+        Python process that adopted HAProxy listens."""
+        state = "ready" if ready else "maint"
+        try:
+            out = haproxystats.command(self.layout.stats_socket, f"set server intercept/python state {state}")
+        except OSError as exc:
+            log.warning("data_plane_intercept_state_failed", state=state, error=str(exc))
+            return
+        if out.strip():
+            log.warning("data_plane_intercept_state_failed", state=state, error=out.strip()[:500])
 
     async def wait_answering(self, stop: asyncio.Event, timeout: float = 2.0) -> bool:
         """Poll Version through kubelet's socket (HAProxy, then containerd) until it

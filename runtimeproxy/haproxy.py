@@ -145,8 +145,9 @@ def render(settings: Settings, layout: Layout) -> str:
         "    nbthread 1",
         f"    tune.bufsize {BUFSIZE}",
         f"    tune.h2.max-concurrent-streams {MAX_CONCURRENT_STREAMS}",
-        # Runtime API: per-method counters are read from it at scrape time; private to root like the run dir.
-        f"    stats socket {_quote('unix@' + str(layout.stats_socket))} mode 600 level operator expose-fd listeners",
+        # Runtime API: per-method counters are read from it at scrape time, the interception server is
+        # taken out (maint) before Python drains; private to root like the run dir.
+        f"    stats socket {_quote('unix@' + str(layout.stats_socket))} mode 600 level admin expose-fd listeners",
         # An old worker still serving a stream after a reload is stopped after this long.
         f"    hard-stop-after {_ms(max(settings.shutdown_grace, 60.0))}",
         "",
@@ -178,6 +179,10 @@ def render(settings: Settings, layout: Layout) -> str:
         "    default_backend runtime",
         "",
         "backend intercept",
+        # A lifecycle call the Python server never answered (the connection failed or closed with
+        # no reply, as when it drains): tried once more, on a fresh connection (HAProxy 2.6 has
+        # no refused-stream retry).
+        "    retry-on conn-failure empty-response",
         _server("python", str(layout.intercept_socket)),
         "",
         "backend runtime",

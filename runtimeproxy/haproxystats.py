@@ -48,16 +48,21 @@ _ENTRY: Final = re.compile(r"^0x[0-9a-f]+: key=(\S+) (.*)$")
 _TIMEOUT: Final = 0.5
 
 
-def read_table(stats_socket: Path, table: str = TABLE) -> dict[str, dict[str, int]]:
-    """``show table <table>`` over HAProxy's runtime API: key -> {field: value}."""
+def command(stats_socket: Path, line: str) -> str:
+    """One command over HAProxy's runtime API (the stats socket); its answer."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(_TIMEOUT)
         sock.connect(str(stats_socket))
-        sock.sendall(f"show table {table}\n".encode())
+        sock.sendall(f"{line}\n".encode())
         chunks = []
         while chunk := sock.recv(65536):
             chunks.append(chunk)
-    return parse_table(b"".join(chunks).decode(errors="replace"))
+    return b"".join(chunks).decode(errors="replace")
+
+
+def read_table(stats_socket: Path, table: str = TABLE) -> dict[str, dict[str, int]]:
+    """``show table <table>`` over HAProxy's runtime API: key -> {field: value}."""
+    return parse_table(command(stats_socket, f"show table {table}"))
 
 
 def parse_table(text: str) -> dict[str, dict[str, int]]:
