@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import json
 import signal
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,8 @@ class App:
         # Unlisten before the "stopping" line: whoever sees it can rely on new connects failing.
         self.server.unlisten()
         log.info("stopping", grace_seconds=self.settings.shutdown_grace)
+        if self.data_plane is not None and self.data_plane.pid is not None:
+            await self._quiesce(self.settings.shutdown_grace)
         await self.server.stop(self.settings.shutdown_grace)
         await self.supervisor.stop(timeout=5.0)
         if self.http is not None:
@@ -213,6 +216,15 @@ class App:
             await self.data_plane.stop(self.settings.shutdown_grace, full=self._full_stop)
         log.info("stopped")
         return 0
+
+    async def _quiesce(self, grace: float) -> None:
+        """Behind HAProxy: let the lifecycle calls in flight finish before the gRPC server
+        stops. Its stop sends GOAWAY on HAProxy's connection, and a call still running
+        then was seen to reach kubelet without its trailers (UNKNOWN) in ~1 of 3 drains."""
+        deadline = time.monotonic() + grace
+        while self.handler.intercepting and time.monotonic() < deadline:  # noqa: ASYNC110 - a counter, polled
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # the last reply's frames are written after its handler returns
 
     async def _start_http(self) -> None:
         if not self.settings.metrics_listen:
