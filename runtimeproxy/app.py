@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import json
 import signal
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import prometheus_client
 import structlog
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import __version__, fdlimits, heap, logsetup, plugins, sdnotify
+from runtimeproxy import __version__, fdlimits, haproxystats, heap, logsetup, plugins, sdnotify
 from runtimeproxy.backend import CallError
 from runtimeproxy.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.chain import HookChain, HookPools
@@ -81,6 +82,9 @@ class App:
         listen, mode = Path(settings.listen), settings.socket_mode
         if self.data_plane is not None:
             listen, mode = self.data_plane.intercept_socket, 0o600
+            # Pass-through calls are counted by HAProxy; its counters are read at scrape time.
+            haproxystats.install(self.registry, self.metrics.cri_calls, self.metrics.cri_errors,
+                                 self.data_plane.layout.stats_socket)
         self.server = ProxyServer(
             listen=listen, socket_mode=mode, max_message_bytes=settings.max_message_bytes, handler=self.handler,
         )
@@ -107,6 +111,7 @@ class App:
         for name, task in plugins.build_tasks(settings, base):
             self.supervisor.add(f"task:{name}", task)
         self._stop = asyncio.Event()
+        self._full_stop = False
         self._ready = False
         self._stopping = False
         self._oneshots: set[asyncio.Task[bool]] = set()
@@ -120,6 +125,7 @@ class App:
             loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             loop.add_signal_handler(signal.SIGINT, self._stop.set)
             loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
+            loop.add_signal_handler(signal.SIGQUIT, self.stop_all)
         try:
             if self.data_plane is not None:
                 self.data_plane.prepare()
@@ -169,6 +175,11 @@ class App:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def stop_all(self) -> None:
+        """SIGQUIT: stop, the data plane too even if it is to survive a restart."""
+        self._full_stop = True
+        self._stop.set()
+
     @property
     def ready(self) -> bool:
         return self._ready
@@ -183,9 +194,14 @@ class App:
         sdnotify.notify("STOPPING=1")
         self._stopping = True
         self.metrics.up.set(0)
+        if self.data_plane is not None and self.data_plane.pid is not None:
+            # New lifecycle calls: UNAVAILABLE from HAProxy at once while this process drains.
+            await asyncio.to_thread(self.data_plane.intercept, False)
         # Unlisten before the "stopping" line: whoever sees it can rely on new connects failing.
         self.server.unlisten()
         log.info("stopping", grace_seconds=self.settings.shutdown_grace)
+        if self.data_plane is not None and self.data_plane.pid is not None:
+            await self._quiesce(self.settings.shutdown_grace)
         await self.server.stop(self.settings.shutdown_grace)
         await self.supervisor.stop(timeout=5.0)
         if self.http is not None:
@@ -196,9 +212,19 @@ class App:
         self.store.close()
         if self.data_plane is not None:
             # Last: kubelet's pass-through calls keep working while Python drains.
-            await self.data_plane.stop(self.settings.shutdown_grace)
+            # With data_plane_survives_restart only a full stop (SIGQUIT) stops HAProxy too.
+            await self.data_plane.stop(self.settings.shutdown_grace, full=self._full_stop)
         log.info("stopped")
         return 0
+
+    async def _quiesce(self, grace: float) -> None:
+        """Behind HAProxy: let the lifecycle calls in flight finish before the gRPC server
+        stops. Its stop sends GOAWAY on HAProxy's connection, and a call still running
+        then was seen to reach kubelet without its trailers (UNKNOWN) in ~1 of 3 drains."""
+        deadline = time.monotonic() + grace
+        while self.handler.intercepting and time.monotonic() < deadline:  # noqa: ASYNC110 - a counter, polled
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # the last reply's frames are written after its handler returns
 
     async def _start_http(self) -> None:
         if not self.settings.metrics_listen:

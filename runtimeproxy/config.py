@@ -131,6 +131,9 @@ class Settings:
     data_plane: str = "grpc"
     #: haproxy: a call or stream sending nothing either way for this long is cut (dead peers).
     data_plane_idle_timeout: float = 86400.0
+    #: haproxy: the data plane outlives this process (SIGTERM, a crash) and the next ``run``
+    #: adopts it; only SIGQUIT stops it too (see docs/architecture.md, "Data plane").
+    data_plane_survives_restart: bool = False
     #: Risks the operator accepted (``allow_insecure:``), see INSECURE_OPT_INS.
     allow_insecure: frozenset[str] = frozenset()
     #: The accepted risks actually present: one warning line each at every start.
@@ -142,7 +145,7 @@ _TOP_KEYS: Final = frozenset(
         "listen", "socket_mode", "backend", "hooks", "hookserver_dir", "skip_label",
         "metrics", "log", "shutdown_grace", "max_message_bytes", "reload_poll_interval", "reconcile_interval",
         "host", "rules", "tasks", "allow_insecure", "resync_interval", "state_dir",
-        "data_plane", "data_plane_idle_timeout",
+        "data_plane", "data_plane_idle_timeout", "data_plane_survives_restart",
     }
 )
 #: ``allow_insecure.<key>: true`` accepts one risk that is otherwise refused (exit 2 at
@@ -402,6 +405,12 @@ def _data_plane(value: object) -> str:
     return value.lower()
 
 
+def _survives(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError("data_plane_survives_restart", value, "must be true or false")
+    return value
+
+
 def _idle_timeout(value: object) -> float:
     seconds = parse_duration(value, "data_plane_idle_timeout")
     if seconds < 1.0 or seconds > _MAX_IDLE_TIMEOUT:
@@ -463,6 +472,7 @@ def from_mapping(data: object) -> Settings:
         tasks=types.MappingProxyType(dict(_mapping(top.get("tasks"), "tasks"))),
         data_plane=_data_plane(top.get("data_plane", default.data_plane)),
         data_plane_idle_timeout=_idle_timeout(top.get("data_plane_idle_timeout", default.data_plane_idle_timeout)),
+        data_plane_survives_restart=_survives(top.get("data_plane_survives_restart", False)),
         allow_insecure=allow_insecure,
         accepted_risks=accepted_risks,
     )

@@ -14,6 +14,11 @@ HAProxy runs master-worker in the foreground (``-W -db``): the master is our chi
   connections), SIGTERM after ``grace``, SIGKILL if still there.
 - our own death: the master gets SIGTERM from the kernel (PR_SET_PDEATHSIG), so a killed
   proxy does not leave a HAProxy holding kubelet's socket for the next one.
+- ``data_plane_survives_restart: true`` instead: the master runs in its own session without
+  PR_SET_PDEATHSIG, is recorded in ``master.json`` (runtimeproxy.dataplanestate), outlives a
+  SIGTERM (an upgrade) or a crash of this process, and the next ``run`` adopts it (and
+  reloads it if the configuration changed): kubelet's socket never goes away. Only a full
+  stop (SIGQUIT) stops it.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import grpc.aio
 import structlog
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import haproxy
+from runtimeproxy import dataplanestate, haproxy, haproxystats
 from runtimeproxy.config import ConfigError, Settings
 from runtimeproxy.grpcserver import SocketInUse, prepare_socket
 
@@ -109,6 +114,9 @@ class HaproxyDataPlane:
         self._backoff = _Backoff()
         self.starts = 0
         self._rendered = ""
+        self._keep = settings.data_plane_survives_restart
+        self._adopted: int | None = None
+        self._candidate: int | None = None
 
     @property
     def intercept_socket(self) -> Path:
@@ -120,12 +128,15 @@ class HaproxyDataPlane:
     @property
     def pid(self) -> int | None:
         proc = self._proc
-        return proc.pid if proc is not None and proc.returncode is None else None
+        return proc.pid if proc is not None and proc.returncode is None else self._adopted
 
     def prepare(self) -> None:
         """Before anything listens: the private dir (0700) and kubelet's socket path free
         (a live socket there is another proxy: SocketInUse; a stale one is removed)."""
-        prepare_socket(Path(self._settings.listen))
+        if self._keep and self.layout.run_dir.is_dir():
+            self._candidate = dataplanestate.find_live(self.layout, self.binary)
+        if self._candidate is None:
+            prepare_socket(Path(self._settings.listen))
         try:
             self.layout.run_dir.mkdir(mode=0o700, exist_ok=True)
             os.chmod(self.layout.run_dir, 0o700)
@@ -175,10 +186,24 @@ class HaproxyDataPlane:
     async def _spawn(self) -> asyncio.subprocess.Process:
         await self._write_config(self._settings)
         self.layout.master_socket.unlink(missing_ok=True)
-        proc = await asyncio.create_subprocess_exec(
-            *_with_pdeathsig(haproxy.command(self.binary, self.layout)), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        )
+        argv = haproxy.command(self.binary, self.layout)
+        if self._keep:
+            # Outlives us: its own session, no death signal, and its messages (a few lines per
+            # start, reload or alert) go to a file in its private dir, not to a pipe that breaks
+            # when we exit; the file is started afresh with each new master.
+            fd = os.open(self.layout.run_dir / "haproxy.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True,
+                )
+            finally:
+                os.close(fd)
+            dataplanestate.record(self.layout, proc.pid)
+        else:
+            proc = await asyncio.create_subprocess_exec(
+                *_with_pdeathsig(argv), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+            )
         self.starts += 1
         log.info("data_plane_started", binary=self.binary, pid=proc.pid, socket=self._settings.listen,
                  intercept_socket=str(self.layout.intercept_socket), starts=self.starts)
@@ -204,18 +229,61 @@ class HaproxyDataPlane:
         alone (``stop`` ends it, last)."""
         while not self.stopping():
             started = time.monotonic()
-            self._proc = await self._spawn()
-            reader = asyncio.ensure_future(self._relay_log(self._proc))
-            try:
-                code = await self._proc.wait()
-                await asyncio.wait([reader], timeout=1.0)
-            finally:
-                reader.cancel()
+            if self._candidate is not None:
+                pid, self._candidate = self._candidate, None
+                await self._adopt(pid)
+                await dataplanestate.wait_exit(pid)
+                self._adopted, code = None, None
+            else:
+                self._proc = await self._spawn()
+                code = await self._wait_child(self._proc)
             if self.stopping():
                 return
             delay = self._backoff.after(time.monotonic() - started)
             log.error("data_plane_exited", code=code, restart_in=delay)
             await asyncio.sleep(delay)
+
+    async def _wait_child(self, proc: asyncio.subprocess.Process) -> int:
+        if proc.stderr is None:
+            return await proc.wait()
+        reader = asyncio.ensure_future(self._relay_log(proc))
+        try:
+            code = await proc.wait()
+            await asyncio.wait([reader], timeout=1.0)
+        finally:
+            reader.cancel()
+        return code
+
+    async def _adopt(self, pid: int) -> None:
+        """Take over the master a previous ``run`` left serving; reload it if the
+        configuration it runs is not the one these settings give."""
+        self._adopted = pid
+        with contextlib.suppress(OSError):
+            self._rendered = self.layout.config_file.read_text()
+        try:
+            changed = await self._write_config(self._settings)
+        except ConfigError as exc:
+            log.error("data_plane_reload_rejected", error=str(exc), kept="the adopted haproxy's configuration")
+            changed = False
+        if changed:
+            os.kill(pid, signal.SIGUSR2)  # the new worker starts with the interception server in
+        else:
+            await asyncio.to_thread(self.intercept, True)  # the previous process took it out
+        log.info("data_plane_adopted", pid=pid, socket=self._settings.listen, reloaded=changed)
+
+    def intercept(self, ready: bool) -> None:
+        """Put the interception server in or out of HAProxy's rotation (runtime API). Out
+        (maint) before Python drains: a new lifecycle call gets 503 (UNAVAILABLE) from HAProxy
+        at once instead of racing the server's stop on an open connection; in again when a
+        Python process that adopted HAProxy listens."""
+        state = "ready" if ready else "maint"
+        try:
+            out = haproxystats.command(self.layout.stats_socket, f"set server intercept/python state {state}")
+        except OSError as exc:
+            log.warning("data_plane_intercept_state_failed", state=state, error=str(exc))
+            return
+        if out.strip():
+            log.warning("data_plane_intercept_state_failed", state=state, error=out.strip()[:500])
 
     async def wait_answering(self, stop: asyncio.Event, timeout: float = 2.0) -> bool:
         """Poll Version through kubelet's socket (HAProxy, then containerd) until it
@@ -236,22 +304,29 @@ class HaproxyDataPlane:
                     delay = min(delay * 2, 1.0)
         return False
 
-    async def stop(self, grace: float) -> None:
-        """Soft stop (calls in flight finish), then SIGTERM, then SIGKILL."""
+    async def stop(self, grace: float, *, full: bool = True) -> None:
+        """Soft stop (calls in flight finish), then SIGTERM, then SIGKILL. With
+        ``data_plane_survives_restart`` and not ``full``: left running for the next ``run``."""
         self._stopping = True
-        proc = self._proc
-        if proc is None or proc.returncode is not None:
+        pid, proc = self.pid, self._proc
+        if pid is None:
             return
+        if self._keep and not full:
+            log.info("data_plane_kept", pid=pid, socket=self._settings.listen)
+            return
+        exited = proc.wait() if proc is not None and proc.pid == pid else dataplanestate.wait_exit(pid)
+        waiter = asyncio.ensure_future(exited)
         for sig, wait in ((signal.SIGUSR1, grace), (signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(sig)
+            dataplanestate.signal_pid(pid, sig)
             try:
-                await asyncio.wait_for(proc.wait(), wait)
+                await asyncio.wait_for(asyncio.shield(waiter), wait)
                 break
             except TimeoutError:
                 log.warning("data_plane_stop_slow", signal=sig.name, waited=wait)
         # HAProxy leaves its socket file: remove it (only if nothing answers on it), so a
         # stopped proxy looks like the gRPC transport's: no socket.
+        waiter.cancel()
+        dataplanestate.forget(self.layout)
         with contextlib.suppress(SocketInUse, ConfigError):
             prepare_socket(Path(self._settings.listen))
-        log.info("data_plane_stopped", code=proc.returncode)
+        log.info("data_plane_stopped", pid=pid, code=proc.returncode if proc is not None else None)

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Final
 
 from runtimeproxy.config import Settings
+from runtimeproxy.grpcserver import known_methods
+from runtimeproxy.haproxystats import NOT_CRI_KEY, TABLE
 
 #: The methods the interception server handles (hooks run there); matched exactly.
 LIFECYCLE_METHODS: Final = tuple(
@@ -87,6 +89,34 @@ NOT_CRI_REPLY: Final = (
 ).encode()
 
 
+#: gRPC status codes counted per method (1..16; the stick table's gpc1..gpc16).
+_GRPC_CODES: Final = range(1, 17)
+
+
+def _counting(lifecycle: tuple[str, ...]) -> list[str]:
+    """Per-method counters in HAProxy's stick table (read at scrape time by
+    runtimeproxy.haproxystats): the key is the method path for a method of our protos,
+    ``<service>/*`` for another method of a CRI service, ``*`` for any other path, so
+    the table (and the label set) stays bounded whatever a client calls."""
+    known = sorted(set(known_methods()) - set(lifecycle))
+    lines = [f"    acl known path {' '.join(known[i:i + 8])}" for i in range(0, len(known), 8)]
+    table = f"table {TABLE}"
+    lines += [
+        f"    http-request track-sc0 path {table} if known",
+        f"    http-request track-sc0 str(/runtime.v1.ImageService/*) {table} if cri image !known",
+        f"    http-request track-sc0 str(/runtime.v1.RuntimeService/*) {table} if cri !image !known !lifecycle",
+        f"    http-request track-sc0 str({NOT_CRI_KEY}) {table} unless cri",
+        # Only responses from a backend run these (not HAProxy's own 503 or not-CRI reply):
+        # gpc0 counts answered calls; an error before any reply message is trailers-only,
+        # its grpc-status in the response headers.
+        "    http-response sc-inc-gpc(0,0)",
+        "    http-response set-var(txn.grpc_status) res.hdr(grpc-status)",
+    ]
+    lines += [f"    http-response sc-inc-gpc({code},0) if {{ var(txn.grpc_status) -m str {code} }}"
+              for code in _GRPC_CODES]
+    return lines
+
+
 def _ms(seconds: float) -> str:
     return f"{max(1, min(int(seconds * 1000), MAX_TIMEOUT_SECONDS * 1000))}ms"
 
@@ -115,8 +145,9 @@ def render(settings: Settings, layout: Layout) -> str:
         "    nbthread 1",
         f"    tune.bufsize {BUFSIZE}",
         f"    tune.h2.max-concurrent-streams {MAX_CONCURRENT_STREAMS}",
-        # Runtime API for per-method counters (later); private to root like the run dir.
-        f"    stats socket {_quote('unix@' + str(layout.stats_socket))} mode 600 level operator expose-fd listeners",
+        # Runtime API: per-method counters are read from it at scrape time, the interception server is
+        # taken out (maint) before Python drains; private to root like the run dir.
+        f"    stats socket {_quote('unix@' + str(layout.stats_socket))} mode 600 level admin expose-fd listeners",
         # An old worker still serving a stream after a reload is stopped after this long.
         f"    hard-stop-after {_ms(max(settings.shutdown_grace, 60.0))}",
         "",
@@ -141,12 +172,17 @@ def render(settings: Settings, layout: Layout) -> str:
         "    acl lifecycle path " + " ".join(LIFECYCLE_METHODS),
         f"    acl cri path_reg {_CRI_PATH}",
         "    acl image path_beg /runtime.v1.ImageService/",
+        *_counting(LIFECYCLE_METHODS),
         f"    http-request return status 200 errorfile {_quote(str(layout.not_cri_reply))} unless cri",
         "    use_backend intercept if lifecycle",
         "    use_backend image if image",
         "    default_backend runtime",
         "",
         "backend intercept",
+        # A lifecycle call the Python server never answered (the connection failed or closed with
+        # no reply, as when it drains): tried once more, on a fresh connection (HAProxy 2.6 has
+        # no refused-stream retry).
+        "    retry-on conn-failure empty-response",
         _server("python", str(layout.intercept_socket)),
         "",
         "backend runtime",
@@ -154,6 +190,10 @@ def render(settings: Settings, layout: Layout) -> str:
         "",
         "backend image",
         _server("containerd", image),
+        "",
+        f"backend {TABLE}",
+        # No expiry: the keys are bounded (see _counting); the counters live as long as HAProxy.
+        f"    stick-table type string len 96 size 128 store http_req_cnt,conn_cur,gpc({_GRPC_CODES.stop})",
         "",
     ]
     return "\n".join(lines)

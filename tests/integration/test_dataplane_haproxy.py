@@ -266,3 +266,98 @@ def test_during_the_drain_pass_through_keeps_working_and_new_lifecycle_calls_fai
     assert proxy.wait_exit(30) == 0
     events = [e["event"] for e in proxy.events()]
     assert events.index("stopping") < events.index("data_plane_stopped") < events.index("stopped")
+
+
+class _Lifecycle:
+    """One client looping on a lifecycle call (RemovePodSandbox of a pod that does not
+    exist: containerd answers OK) while the Python process restarts."""
+
+    def __init__(self, socket: Any) -> None:
+        self.details: set[str] = set()
+        self.broken: list[tuple[float, float]] = []  # (start, end) of calls neither OK nor UNAVAILABLE
+        self.outcomes: Counter[str] = Counter()
+        self.slowest = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(socket,), daemon=True)
+
+    def _loop(self, socket: Any) -> None:
+        payload = cri.RemovePodSandboxRequest(pod_sandbox_id="krp-no-such-pod").SerializeToString()
+        with unix_channel(socket) as channel:
+            call = channel.unary_unary("/runtime.v1.RuntimeService/RemovePodSandbox")
+            while not self._stop.is_set():
+                start = time.monotonic()
+                try:
+                    call(payload, timeout=CALL_TIMEOUT)
+                    outcome = "OK"
+                except grpc.RpcError as exc:
+                    outcome = exc.code().name
+                    self.details.add(f"{outcome}: {exc.details()}")
+                end = time.monotonic()
+                self.slowest = max(self.slowest, end - start)
+                self.outcomes[outcome] += 1
+                if outcome not in ("OK", "UNAVAILABLE"):
+                    self.broken.append((start, end))
+                time.sleep(0.02)
+
+    def __enter__(self) -> _Lifecycle:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def test_python_restarts_are_invisible_to_pass_through(
+    proxy_factory: Any, haproxy_config: dict[str, Any]
+) -> None:
+    """data_plane_survives_restart: 5 restarts of the Python process (SIGTERM and kill -9
+    in turn) while 5 clients loop on Version/ListContainers: HAProxy is adopted by each
+    next process (same pid, same socket inode), no pass-through call fails, a lifecycle
+    call in the window is only UNAVAILABLE (or OK), never hung (one inside Python at a
+    kill -9 may be lost). SIGQUIT stops it all."""
+    config = {**haproxy_config, "data_plane_survives_restart": True}
+    proxy = proxy_factory.start(extra=config)
+    socket_path = proxy.socket
+    haproxy_pid = _haproxy_pid(proxy, 1)
+    inode = os.stat(socket_path).st_ino
+    killed: list[tuple[float, float]] = []
+    termed: list[tuple[float, float]] = []
+    try:
+        with Clients(socket_path, VERSION, 3) as version, Clients(socket_path, LIST, 2) as lists, \
+                _Lifecycle(socket_path) as lifecycle:
+            _wait(lambda: version.ok() > 10 and lists.ok() > 10, 10, "clients calling")
+            for i in range(5):
+                sig = signal.SIGTERM if i % 2 == 0 else signal.SIGKILL
+                sent = time.monotonic()
+                proxy.send(sig)
+                assert proxy.wait_exit() == (0 if sig == signal.SIGTERM else -9)
+                (killed if sig == signal.SIGKILL else termed).append((sent, time.monotonic()))
+                if sig == signal.SIGTERM:
+                    assert proxy.events("data_plane_kept", pid=haproxy_pid)
+                assert _alive(haproxy_pid) and os.stat(socket_path).st_ino == inode
+                before = version.ok() + lists.ok()
+                time.sleep(0.3)  # the window without Python: pass-through goes on
+                assert version.ok() + lists.ok() > before
+                proxy = proxy_factory.start(extra=config, socket_path=socket_path)
+                assert proxy.wait_event("data_plane_adopted")["pid"] == haproxy_pid
+                assert not proxy.events("data_plane_started")
+                assert os.stat(socket_path).st_ino == inode
+            time.sleep(0.3)
+        assert set(version.outcomes) == {"OK"} and set(lists.outcomes) == {"OK"}, (version.outcomes, lists.outcomes)
+        assert version.slowest < CALL_TIMEOUT and lists.slowest < CALL_TIMEOUT
+        # Only a call inside Python at a kill -9 may end otherwise (nobody is left to answer it:
+        # CANCELLED or UNKNOWN, kubelet retries). A SIGTERM drains: every call then is OK or
+        # UNAVAILABLE, as is every call that starts while Python is down.
+        in_flight = [(s, e) for s, e in lifecycle.broken if any(s <= k0 <= e for k0, _ in killed)]
+        assert lifecycle.broken == in_flight and len(in_flight) <= 2, (
+            lifecycle.outcomes, lifecycle.details, lifecycle.broken, killed, termed)
+        assert lifecycle.outcomes["UNAVAILABLE"] > 0 and lifecycle.outcomes["OK"] > 0, lifecycle.outcomes
+        assert lifecycle.slowest < CALL_TIMEOUT
+        # A full stop (SIGQUIT) stops HAProxy too and removes the socket.
+        proxy.send(signal.SIGQUIT)
+        assert proxy.wait_exit() == 0
+        assert not _alive(haproxy_pid) and not socket_path.exists()
+    finally:
+        if _alive(haproxy_pid):  # the HAProxy this test started, by pid
+            os.kill(haproxy_pid, signal.SIGKILL)
