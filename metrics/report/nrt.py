@@ -156,7 +156,10 @@ def _meta(obj: Mapping[str, Any] | None, key: str) -> Mapping[str, str]:
     return value if isinstance(value, Mapping) else {}
 
 
-def _node_reservation(annotations: Mapping[str, str], problems: list[str]) -> tuple[dict[str, Any], frozenset[int]]:
+def _node_reservation(annotations: Mapping[str, str], topology: CPUTopology,
+                      problems: list[str]) -> tuple[dict[str, Any], frozenset[int]]:
+    """The Node's reservation and its CPUs: ``reservedCPUs``, else ceil(``resources.cpu``)
+    CPUs taken by topology (as koordlet)."""
     raw = annotations.get(ANNOTATION_RESERVATION)
     if not raw:
         return {}, frozenset()
@@ -166,6 +169,9 @@ def _node_reservation(annotations: Mapping[str, str], problems: list[str]) -> tu
             raise ValueError(f"not a JSON object: {raw!r}")
         out: dict[str, Any] = {k: doc[k] for k in ("resources",) if doc.get(k)}
         cpus = parse_cpu_list(str(doc.get("reservedCPUs") or ""))
+        resources = doc.get("resources")
+        if not cpus and isinstance(resources, dict) and resources.get("cpu") is not None:
+            cpus = take_by_topology(topology, math.ceil(quantity_value(resources["cpu"], "resources.cpu")))
     except (ValueError, RecursionError, CpuListError) as exc:
         problems.append(f"node annotation {ANNOTATION_RESERVATION}={raw[:200]!r}: {exc}; ignored")
         return {}, frozenset()
@@ -321,7 +327,7 @@ def build_nrt(inputs: NRTInputs) -> NRTBuild:
     topology = inputs.topology
     all_cpus = frozenset(c.cpu for c in topology.cpus)
     node_annotations, node_labels = _meta(inputs.node, "annotations"), _meta(inputs.node, "labels")
-    reservation, reserved_cpus = _node_reservation(node_annotations, problems)
+    reservation, reserved_cpus = _node_reservation(node_annotations, topology, problems)
     system_qos, system_cpus = _system_qos(node_annotations, problems)
     policy = _cpu_manager_policy(inputs, topology)
     bound = _bound(inputs.pods, problems)

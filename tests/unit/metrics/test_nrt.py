@@ -205,6 +205,13 @@ def test_bad_pod_and_node_annotations_are_left_out_and_reported(tmp_path: Path) 
     validate_nrt(build.doc)
 
 
+def test_a_reservation_given_as_a_cpu_quantity_takes_cpus_by_topology(tmp_path: Path) -> None:
+    node = {"metadata": {"annotations": {"node.koordinator.sh/reservation": '{"resources": {"cpu": "1500m"}}'}}}
+    annotations = build_nrt(sources(host_tree(tmp_path), tmp_path, [], node).read()).doc["metadata"]["annotations"]
+    assert annotations["node.koordinator.sh/reservation"] == '{"resources":{"cpu":"1500m"},"reservedCPUs":"0,4"}'
+    assert json.loads(annotations["node.koordinator.sh/cpu-shared-pools"])[0]["cpuset"] == "1,5"
+
+
 def test_exclusive_system_qos_cpus_leave_both_pools_and_are_copied(tmp_path: Path) -> None:
     node = {"metadata": {"annotations": {"node.koordinator.sh/system-qos-resource": '{"cpuset":"0-1"}'}}}
     annotations = build_nrt(sources(host_tree(tmp_path), tmp_path, [], node).read()).doc["metadata"]["annotations"]
