@@ -84,8 +84,8 @@ class NRTInputs:
     memory: Mapping[int, NumaMemory]
     pods: Sequence[PodView] = ()
     kubelet: KubeletCPUConfig = KubeletCPUConfig()
-    #: Whether ``kubelet`` came from the kubelet's config file (else the checkpoint's
-    #: ``policyName`` tells the CPU manager policy).
+    #: Whether ``kubelet`` came from the kubelet's config file (absent or malformed: the
+    #: checkpoint's ``policyName`` tells the CPU manager policy).
     kubelet_known: bool = False
     cpu_state: CPUManagerState = CPUManagerState()
     cpu_basic: CPUBasicInfo = CPUBasicInfo()
@@ -372,7 +372,7 @@ def build_nrt(inputs: NRTInputs) -> NRTBuild:
         "system_qos_exclusive_cpus": format_cpu_list(system_cpus),
         "ls_pool": format_cpu_list(ls_pool),
         "be_pool": format_cpu_list(be_pool),
-        "kubelet_config": "file" if inputs.kubelet_known else "defaults (file absent)",
+        "kubelet_config": "file" if inputs.kubelet_known else "defaults (file absent or malformed)",
         "numa_reservation": numa_reservation,
     }
     return NRTBuild(doc, tuple(problems), explain)

@@ -244,15 +244,16 @@ def parse_kubelet_config(text: str) -> KubeletCPUConfig:
     )
 
 
-def read_kubelet_config(path: Path, problems: SourceProblems) -> KubeletCPUConfig:
+def read_kubelet_config(path: Path, problems: SourceProblems) -> KubeletCPUConfig | None:
+    """The kubelet's settings; None when the file is absent or malformed (logged)."""
     text = _read_optional(path, problems)
     if text is None:
-        return KubeletCPUConfig()
+        return None
     try:
         return parse_kubelet_config(text)
     except ValueError as exc:
         problems.invalid(path, str(exc))
-        return KubeletCPUConfig()
+        return None
 
 
 # --- CPU basic info ----------------------------------------------------------------------

@@ -39,6 +39,7 @@ from metrics.report.nrt import (
 )
 from metrics.report.nrtsources import (
     CPUBasicInfo,
+    KubeletCPUConfig,
     SourceProblems,
     read_cpu_basic_info,
     read_cpu_manager_state,
@@ -148,6 +149,14 @@ def merge_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[
     return patch
 
 
+def _changed_keys(patch: Mapping[str, Any]) -> list[str]:
+    """What a patch changes, for the log line: annotation and label names, other fields."""
+    keys = [k for k in sorted(patch) if k != "metadata"]
+    meta = patch.get("metadata")
+    sections = meta.values() if isinstance(meta, Mapping) else ()
+    return keys + sorted(str(name) for section in sections if isinstance(section, Mapping) for name in section)
+
+
 def create_doc(desired: Mapping[str, Any], node: Mapping[str, Any] | None) -> dict[str, Any]:
     """The object to create: ours, labelled as Koordinator's and owned by the Node (when
     its uid is known), so it goes away with the Node."""
@@ -201,14 +210,15 @@ class NRTSources:
 
     def read(self) -> NRTInputs:
         memory = read_numa_memory(self._host.sys, self.problems)
+        kubelet = read_kubelet_config(self.kubelet_config, self.problems)
         return NRTInputs(
             node_name=self.node_name,
             topology=self._topology(),
             memory=memory,
             memtotal=0 if memory else read_memtotal(self._host.proc, self.problems),
             pods=tuple(self._pods()),
-            kubelet=read_kubelet_config(self.kubelet_config, self.problems),
-            kubelet_known=self.kubelet_config.exists(),
+            kubelet=kubelet if kubelet is not None else KubeletCPUConfig(),
+            kubelet_known=kubelet is not None,
             cpu_state=read_cpu_manager_state(self.cpu_manager_state, self.problems),
             cpu_basic=self._basic_info(),
             node=self._node(),
@@ -299,11 +309,7 @@ class NRTReporter:
             return self._failed("create" if outcome == "created" else "patch", exc)
         self._synced, self._checked_at, self._written_at = desired, now, now
         self.writes[outcome] += 1
-        changed = sorted(body) if outcome == "patched" else ["*"]
-        meta = body.get("metadata")
-        if outcome == "patched" and isinstance(meta, Mapping):
-            changed = [k for k in changed if k != "metadata"] + sorted(
-                str(n) for section in meta.values() if isinstance(section, Mapping) for n in section)
+        changed = _changed_keys(body) if outcome == "patched" else ["*"]
         log.info(f"nrt_{outcome}", name=self._sources.node_name, changed=changed)
         if self._last_failure:
             self._last_failure = ""

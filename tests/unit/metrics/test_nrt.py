@@ -266,6 +266,19 @@ def test_reserved_cpus_from_kube_and_system_reserved_take_whole_cores(tmp_path: 
     assert policy == '{"policy":"static","reservedCPUs":"0,4"}'
 
 
+def test_a_malformed_kubelet_config_is_logged_and_the_checkpoint_policy_used(tmp_path: Path) -> None:
+    write(tmp_path / "kubelet/config.yaml", "cpuManagerPolicy: [static\n")
+    write(tmp_path / "kubelet/cpu_manager_state", '{"policyName":"static","entries":{"u9":{"c":"3"}}}')
+    with capture_logs() as logs:
+        build = build_nrt(sources(host_tree(tmp_path), tmp_path, []).read())
+    (error,) = [e for e in logs if e["event"] == "nrt_source_invalid"]
+    assert error["path"].endswith("config.yaml") and "not YAML" in error["reason"]
+    annotations = build.doc["metadata"]["annotations"]
+    assert annotations["kubelet.koordinator.sh/cpu-manager-policy"] == '{"policy":"static"}'
+    assert '"uid":"u9"' in annotations["node.koordinator.sh/pod-cpu-allocs"]
+    assert build.doc["topologyPolicies"] == ["None"]
+
+
 @pytest.mark.parametrize(("text", "field"), [
     ("reservedSystemCPUs: 0-x\n", "reservedSystemCPUs"),
     ("cpuManagerPolicyOptions: [a]\n", "cpuManagerPolicyOptions"),
