@@ -242,12 +242,13 @@ def _bound(pods: Sequence[PodView], problems: list[str]) -> list[tuple[PodView, 
 
 def _pod_allocs(inputs: NRTInputs, bound: list[tuple[PodView, ResourceStatus]],
                 static: bool) -> tuple[list[dict[str, Any]], frozenset[int]]:
-    """Our bound pods, then the kubelet's static allocations of the pods no one else
-    manages (as koordlet: LS/BE pods and resource-status pods are skipped), and the
-    CPUs the latter hold."""
+    """The pods bound by resource-status (whose cpusets the cpuset hook applies, whatever
+    their class), then the kubelet's static allocations of the pods no one else manages
+    (as koordlet: LS/BE pods and resource-status pods are skipped), and the CPUs the
+    latter hold."""
     allocs = [{"namespace": p.namespace, "name": p.name, "uid": p.uid, "cpuset": format_cpu_list(s.cpus),
                "managedByKubelet": False}
-              for p, s in sorted(bound, key=lambda b: b[0].uid) if p.qos not in (QoSClass.LS, QoSClass.BE)]
+              for p, s in sorted(bound, key=lambda b: b[0].uid)]
     if not static:
         return allocs, frozenset()
     by_uid = {p.uid: p for p in inputs.pods}

@@ -12,7 +12,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from hooks.qos import QoSClass
-from metrics.collect.topology import TopologyCollector
+from metrics.collect.topology import CPUTopology, TopologyCollector
 from metrics.model import PodView
 from metrics.report.nrt import build_nrt, format_binary, format_cpu, take_by_topology, topology_policy
 from metrics.report.nrtsources import parse_kubelet_config
@@ -257,6 +257,10 @@ def test_reserved_cpus_from_kube_and_system_reserved_take_whole_cores(tmp_path: 
     topology = TopologyCollector(host_tree(tmp_path)).latest()
     assert take_by_topology(topology, 2) == {0, 4}  # socket 0, core 0: both threads
     assert take_by_topology(topology, 3) == {0, 4, 1}
+    # cpu 5 offline: core (0,1) has one thread left; one CPU is taken from it, not from a whole core
+    partial = CPUTopology(tuple(c for c in topology.cpus if c.cpu != 5))
+    assert take_by_topology(partial, 1) == {1}
+    assert take_by_topology(partial, 3) == {0, 4, 1}
     config = parse_kubelet_config("cpuManagerPolicy: static\nkubeReserved: {cpu: 500m}\nsystemReserved: {cpu: \"1\"}\n")
     assert config.reserved_cpu_cores == 1.5
     write(tmp_path / "kubelet/config.yaml", "cpuManagerPolicy: static\nkubeReserved: {cpu: 500m}\n"
