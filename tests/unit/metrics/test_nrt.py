@@ -143,9 +143,11 @@ def test_defaults_without_kubelet_files_or_pods(tmp_path: Path) -> None:
 def test_checkpoint_of_the_none_policy_adds_no_kubelet_allocations(tmp_path: Path) -> None:
     roots = host_tree(tmp_path)
     write(tmp_path / "kubelet/cpu_manager_state", '{"policyName":"none","defaultCpuSet":"","checksum":3242152201}')
-    build = build_nrt(sources(roots, tmp_path, [pod("u-lsr", QoSClass.LSR, "1")]).read())
+    # an LS pod the scheduler bound anyway: the cpuset hook pins it, so it is listed too
+    build = build_nrt(sources(roots, tmp_path, [pod("u-lsr", QoSClass.LSR, "1"), pod("u-ls", QoSClass.LS, "3")]).read())
     annotations = build.doc["metadata"]["annotations"]
     assert json.loads(annotations["node.koordinator.sh/pod-cpu-allocs"]) == [
+        {"namespace": "default", "name": "u-ls", "uid": "u-ls", "cpuset": "3", "managedByKubelet": False},
         {"namespace": "default", "name": "u-lsr", "uid": "u-lsr", "cpuset": "1", "managedByKubelet": False}]
     assert annotations["kubelet.koordinator.sh/cpu-manager-policy"] == '{"policy":"none"}'
 
