@@ -42,6 +42,7 @@ from metrics.informer.kubetypes import Kind, KubeSettings, KubeUnavailable
 from metrics.informer.pods import PodViews
 from metrics.informer.states import KubeletPods, StatesInformer
 from metrics.model import PodView, Sample
+from metrics.report.nrtsync import NRTClient, NRTReporter, NRTSources
 from metrics.report.promexport import StoreValues, register_exporter
 from metrics.report.reporter import NodeMetricReporter
 from metrics.settings import MetricsSettings, parse_metrics, validate_metrics
@@ -111,6 +112,12 @@ class MetricsAgent:
             init.registry.register(_StoreHealth(self.tsdb))
         self.reporter = NodeMetricReporter(self.tsdb, self.pods, self.informer, self.kube)
         init.add_route("/apis/nodemetric", self.reporter.route)
+        self.nrt = NRTReporter(
+            NRTSources(settings.node_name, init.host, self.topology.latest, self.pods,
+                       lambda: self.informer.node() if self.informer is not None else None,
+                       cpu_manager_state=settings.kubelet_cpu_manager_state, kubelet_config=settings.kubelet_config),
+            _nrt_client(self.kube) if settings.nrt_report else None, interval=settings.nrt_interval)
+        init.add_route("/apis/noderesourcetopology", self.nrt.route)
         init.add_explainer("metrics", self.explain)
         self.ticks: dict[str, int] = {c.name: 0 for c in self.collectors}
         #: CPU seconds spent per part (a collector's name, "store", "flush", "gc"), measured
@@ -175,6 +182,8 @@ class MetricsAgent:
                     # Without a cluster nobody is sent the document: the loopback route
                     # builds it on request instead of every report interval.
                     group.create_task(self._guarded("nodemetric", self.reporter.run), name="nodemetric")
+                if self.nrt.connected:
+                    group.create_task(self._guarded("nrt", self.nrt.run), name="nrt")
                 if self.informer is not None:
                     group.create_task(self._guarded("informer", self.informer.run), name="informer")
         except asyncio.CancelledError:  # only the supervisor's stop cancels the task
@@ -306,7 +315,7 @@ class MetricsAgent:
         if pod is None:
             out: dict[str, Any] = {"db": str(self.settings.db), "ticks": dict(self.ticks), "pods": len(self._pods),
                                    "cpu_seconds": {k: round(v, 3) for k, v in self.cpu_seconds.items()},
-                                   "store": self.tsdb.state()}
+                                   "store": self.tsdb.state(), "noderesourcetopology": self.nrt.explain()}
             for metric in (m.NODE_CPU_USAGE, m.NODE_MEMORY_USED, m.SYSTEM_CPU_USAGE, m.BE_CPU_USAGE,
                            m.BE_CPU_LIMIT):
                 last = self.tsdb.last(metric, m.NO_LABELS, max_age=60, now=now)
@@ -364,6 +373,15 @@ def _connect(settings: MetricsSettings) -> KubeClient | None:
         # Not a config error: the node keeps measuring and serving NodeMetric locally.
         log.warning("kube_unavailable", reason=exc.reason)
         return None
+
+
+def _nrt_client(kube: KubeClient | None) -> NRTClient | None:
+    if kube is None:
+        return None
+    if not isinstance(kube, NRTClient):
+        log.warning("nrt_not_reported", reason="the API client has no NodeResourceTopology calls")
+        return None
+    return kube
 
 
 def _kubelet(settings: MetricsSettings) -> KubeletPods | None:

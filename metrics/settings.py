@@ -86,6 +86,13 @@ class MetricsSettings:
     kube: bool = False
     kubeconfig: str = ""
     report_interval: float = 60.0
+    #: NodeResourceTopology: rebuilt this often, written (create / merge patch) only on
+    #: change and at most once per interval (koordlet: --node-topology-sync-interval=3s).
+    nrt_interval: float = 3.0
+    #: With ``kube: true``: create and patch the NodeResourceTopology (else only served locally).
+    nrt_report: bool = True
+    kubelet_cpu_manager_state: Path = Path("/var/lib/kubelet/cpu_manager_state")
+    kubelet_config: Path = Path("/var/lib/kubelet/config.yaml")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +162,12 @@ class _Args:
             return str(value)
 
         return conv
+
+    def absolute_path(self, value: object, key: str) -> Path:
+        text = self.string(value, key)
+        if not text.startswith("/") or "\0" in text:
+            raise self.fail(key, value, "must be an absolute path")
+        return Path(text)
 
     def relative_dir(self, value: object, key: str) -> str:
         text = self.string(value, key).strip("/")
@@ -229,6 +242,11 @@ def parse_metrics(raw: Mapping[str, Any], key_path: str) -> MetricsSettings:
         kube=args.get("kube", base.kube, args.boolean),
         kubeconfig=args.get("kubeconfig", base.kubeconfig, args.string),
         report_interval=args.get("report_interval", base.report_interval, args.duration),
+        nrt_interval=args.get("nrt_interval", base.nrt_interval, args.duration),
+        nrt_report=args.get("nrt_report", base.nrt_report, args.boolean),
+        kubelet_cpu_manager_state=args.get("kubelet_cpu_manager_state", base.kubelet_cpu_manager_state,
+                                           args.absolute_path),
+        kubelet_config=args.get("kubelet_config", base.kubelet_config, args.absolute_path),
     )
 
 
