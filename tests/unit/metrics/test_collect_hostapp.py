@@ -125,3 +125,21 @@ def test_system_usage_excludes_host_applications(tmp_path: Path) -> None:
     assert samples[m.SYSTEM_MEMORY_USED] == pytest.approx(3e9)
     floor = {s.metric: s.value for s in agg.samples(node, pods, [], HostAppUsage({"x": 9.0}, {"x": 9e9}))}
     assert floor[m.SYSTEM_CPU_USAGE] == 0.0 and floor[m.SYSTEM_MEMORY_USED] == 0.0
+
+
+def test_exported_under_koordlets_name_and_labels() -> None:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from metrics.report.promexport import LatestValues, register_exporter
+
+    latest = LatestValues(clock=lambda: 1000.0)
+    registry = CollectorRegistry()
+    exporter = register_exporter(registry, latest, lambda: [], "node-a")
+    lbl = m.labels(host_app_name="nginx", priority_class="koord-prod", qos="LS")
+    latest.update([m.Sample(m.HOST_APP_CPU_USAGE, 0.75, lbl, 10), m.Sample(m.HOST_APP_MEMORY_USED, 320.0, lbl, 10)])
+    got = [(dict(s.labels), s.value) for f in text_string_to_metric_families(exporter.render().decode())
+           for s in f.samples if s.name == "koordlet_host_application_resource_usage"]
+    common = {"node": "node-a", "host_application_name": "nginx", "priority_class": "koord-prod", "qos": "LS"}
+    assert sorted(got, key=lambda g: g[0]["resource"]) == [({**common, "resource": "cpu"}, 0.75),
+                                                            ({**common, "resource": "memory"}, 320.0)]
