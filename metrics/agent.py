@@ -30,10 +30,12 @@ from prometheus_client.registry import Collector as PromCollector
 from hooks.qos import QoSClass
 from hooks.rules import LiveRules, Rules, rules_from_nodeslo
 from metrics import model as m
+from metrics.analysis.predictor_task import PredictionTask
 from metrics.collect.base import Collector
 from metrics.collect.be import BEAggregator
 from metrics.collect.cgroupfs import PodCollector
 from metrics.collect.cpi import CPICollector
+from metrics.collect.hostapp import HostAppCollector, parse_host_apps
 from metrics.collect.procfs import NodeCollector
 from metrics.collect.psi import PSICollector
 from metrics.collect.schedlat import SchedLatencyCollector
@@ -98,7 +100,10 @@ class MetricsAgent:
         self.pod_collector = PodCollector(init.host, interval=iv.pods)
         self.topology = TopologyCollector(init.host, interval=iv.topology)
         self.be = BEAggregator(init.host, besteffort_dir=settings.besteffort_dir)
-        self.collectors: list[Collector] = [self.node, self.pod_collector, self.topology,
+        # Host applications before pods, in the same tick: system usage subtracts both.
+        self.hostapps = HostAppCollector(init.host, interval=iv.pods)
+        self.hostapps.set_apps(settings.host_applications)
+        self.collectors: list[Collector] = [self.node, self.hostapps, self.pod_collector, self.topology,
                                             PSICollector(init.host, interval=iv.psi)]
         if settings.schedlat_source != "off":
             self.collectors.append(SchedLatencyCollector(init.host, prefer=settings.schedlat_source,
@@ -110,7 +115,12 @@ class MetricsAgent:
                                          settings.node_name)
             init.add_exposition(exporter.render)
             init.registry.register(_StoreHealth(self.tsdb))
-        self.reporter = NodeMetricReporter(self.tsdb, self.pods, self.informer, self.kube)
+        self.prediction = (PredictionTask(settings.prediction, settings.prediction_checkpoint, self.tsdb, self.pods,
+                                          self.informer) if settings.prediction.enabled else None)
+        if self.prediction is not None and init.registry is not None:
+            init.registry.register(self.prediction.gauges(settings.node_name))
+        self.reporter = NodeMetricReporter(self.tsdb, self.pods, self.informer, self.kube,
+                                           prediction=self.prediction.latest if self.prediction is not None else None)
         init.add_route("/apis/nodemetric", self.reporter.route)
         self.nrt = NRTReporter(
             NRTSources(settings.node_name, init.host, self.topology.latest, self.pods,
@@ -144,6 +154,18 @@ class MetricsAgent:
                         applied="yaml rules")
             overlay = None
         self._init.set_rules_overlay("nodeslo", overlay)
+        self._host_apps_from(spec)
+
+    def _host_apps_from(self, spec: Mapping[str, Any] | None) -> None:
+        """A NodeSLO's ``hostApplications`` replace the YAML's; a refused item is logged
+        (field and value) and left out, the others are measured."""
+        if spec is None or spec.get("hostApplications") is None:
+            self.hostapps.set_apps(self.settings.host_applications)
+            return
+        apps, problems = parse_host_apps(spec.get("hostApplications"), self.settings.cgroup_driver)
+        for problem in problems:
+            log.warning("host_application_refused", reason=problem, source="nodeslo")
+        self.hostapps.set_apps(apps)
 
     def _guaranteed(self) -> QoSClass:
         return self.rules().guaranteed_class
@@ -178,6 +200,8 @@ class MetricsAgent:
                     names = "+".join(c.name for c in collectors)
                     group.create_task(self._collect_loop(interval, collectors, worker), name=f"collect:{names}")
                 group.create_task(self._every(self.settings.gc_interval, self._gc), name="tsdb:gc")
+                if self.prediction is not None:
+                    group.create_task(self._guarded("prediction", self.prediction.run), name="prediction")
                 if self.kube is not None:
                     # Without a cluster nobody is sent the document: the loopback route
                     # builds it on request instead of every report interval.
@@ -290,7 +314,7 @@ class MetricsAgent:
             return []
 
     def _derived(self, pods: Sequence[PodView]) -> list[Sample]:
-        return self.be.samples(self.node.latest(), self.pod_collector.latest(), pods)
+        return self.be.samples(self.node.latest(), self.pod_collector.latest(), pods, self.hostapps.latest())
 
     async def _every(self, interval: float, job: Callable[[], Awaitable[None]]) -> None:
         while True:
@@ -320,6 +344,9 @@ class MetricsAgent:
                            m.BE_CPU_LIMIT):
                 last = self.tsdb.last(metric, m.NO_LABELS, max_age=60, now=now)
                 out[metric] = None if last is None else round(last.value, 4)
+            out["host_applications"] = [app.name for app in self.hostapps.apps]
+            if self.prediction is not None:
+                out["prediction"] = self.prediction.explain()
             return out
         labels = m.labels(pod_uid=pod.meta.uid)
         view: dict[str, Any] = {}

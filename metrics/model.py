@@ -26,6 +26,9 @@ RESOURCE: Final = "resource"  # psi: cpu | memory | io
 KIND: Final = "kind"  # psi: some | full
 WINDOW: Final = "window"  # psi: avg10 | avg60 | avg300
 SOURCE: Final = "source"  # sched latency: ebpf | schedstat
+HOST_APP_NAME: Final = "host_app_name"  # host applications (NodeSLO hostApplications[].name)
+PRIORITY_CLASS: Final = "priority_class"  # host applications: their priority
+QOS: Final = "qos"  # host applications: their QoS class
 
 # --- node -------------------------------------------------------------------------
 NODE_CPU_USAGE: Final = "node_cpu_usage_cores"
@@ -34,8 +37,11 @@ NODE_MEMORY_USED: Final = "node_memory_used_bytes"  # MemTotal - MemAvailable
 NODE_MEMORY_TOTAL: Final = "node_memory_total_bytes"
 NUMA_CPU_USAGE: Final = "numa_cpu_usage_cores"  # {numa_node_id}
 NUMA_MEMORY_USED: Final = "numa_memory_used_bytes"  # {numa_node_id}
-SYSTEM_CPU_USAGE: Final = "system_cpu_usage_cores"  # max(node - sum(pods), 0)
+SYSTEM_CPU_USAGE: Final = "system_cpu_usage_cores"  # max(node - sum(pods) - sum(host apps), 0)
 SYSTEM_MEMORY_USED: Final = "system_memory_used_bytes"
+#: Host applications (non-pod services named by the NodeSLO), {host_app_name, priority_class, qos}.
+HOST_APP_CPU_USAGE: Final = "host_app_cpu_usage_cores"
+HOST_APP_MEMORY_USED: Final = "host_app_memory_used_bytes"  # anon + unevictable
 
 # --- pods / containers ({pod_uid} / {pod_uid, container_id}) --------------------------
 POD_CPU_USAGE: Final = "pod_cpu_usage_cores"

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
 from hooks.cgroups import CgroupError, CgroupLayout, Driver
+from metrics.analysis.prediction import PredictionSettings
+from metrics.collect.hostapp import HostApp, parse_host_apps
 from metrics.store.tsdb import (
     DEFAULT_COARSE_AFTER,
     DEFAULT_COARSE_STEP,
@@ -93,6 +95,17 @@ class MetricsSettings:
     nrt_report: bool = True
     kubelet_cpu_manager_state: Path = Path("/var/lib/kubelet/cpu_manager_state")
     kubelet_config: Path = Path("/var/lib/kubelet/config.yaml")
+    #: koordlet's peak predictor (``metrics.analysis.prediction``).
+    prediction: PredictionSettings = PredictionSettings()
+    #: NodeSLO ``hostApplications`` shape; a NodeSLO's list replaces these.
+    host_applications: tuple[HostApp, ...] = ()
+
+    @property
+    def prediction_checkpoint(self) -> Path:
+        """``prediction.checkpoint``, or next to the metrics db."""
+        if self.prediction.checkpoint:
+            return Path(self.prediction.checkpoint)
+        return self.db.with_name(self.db.name + ".prediction.json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +232,35 @@ def _kubelet(args: _Args) -> KubeletSettings:
     )
 
 
+def _prediction(args: _Args) -> PredictionSettings:
+    base = PredictionSettings()
+    args.reject_unknown(frozenset(PredictionSettings.__slots__))
+    margin = args.raw.get("safety_margin_percent", base.safety_margin_percent)
+    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= 100:
+        raise args.fail("safety_margin_percent", margin, "must be an integer from 0 to 100")
+    settings = PredictionSettings(
+        enabled=args.get("enabled", base.enabled, args.boolean),
+        training_interval=args.get("training_interval", base.training_interval, args.duration),
+        checkpoint_interval=args.get("checkpoint_interval", base.checkpoint_interval, args.duration),
+        model_ttl=args.get("model_ttl", base.model_ttl, args.duration),
+        cold_start=args.get("cold_start", base.cold_start, args.duration),
+        safety_margin_percent=margin,
+        checkpoint=args.get("checkpoint", base.checkpoint, args.string),
+    )
+    if settings.model_ttl <= settings.training_interval:
+        raise args.fail("model_ttl", args.raw.get("model_ttl", f"{settings.model_ttl:g}s (the default)"),
+                        f"must be longer than training_interval ({settings.training_interval:g}s)")
+    return settings
+
+
+def _host_apps(args: _Args, driver: str) -> tuple[HostApp, ...]:
+    raw = args.raw.get("host_applications")
+    apps, problems = parse_host_apps(raw, driver, where=f"{args.key_path}.host_applications")
+    if problems:
+        raise args.fail("host_applications", raw, problems[0])
+    return apps
+
+
 def parse_metrics(raw: Mapping[str, Any], key_path: str) -> MetricsSettings:
     args = _Args(raw, key_path)
     args.reject_unknown(frozenset(MetricsSettings.__slots__))
@@ -247,6 +289,8 @@ def parse_metrics(raw: Mapping[str, Any], key_path: str) -> MetricsSettings:
         kubelet_cpu_manager_state=args.get("kubelet_cpu_manager_state", base.kubelet_cpu_manager_state,
                                            args.absolute_path),
         kubelet_config=args.get("kubelet_config", base.kubelet_config, args.absolute_path),
+        prediction=_prediction(args.section("prediction")),
+        host_applications=_host_apps(args, driver),
     )
 
 

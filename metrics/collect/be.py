@@ -7,7 +7,9 @@ As koordlet's beresource and sysresource collectors:
 * BE request: the sum of the pods' batch-cpu requests.
 * BE real limit: what the BE tier can actually use = min(CPUs in its cpuset, its CFS
   quota / period when a quota is set).
-* System usage: node - sum(pods), floored at 0 (kernel threads, daemons, page tables...).
+* System usage: node - sum(pods) - sum(host applications), floored at 0 (kernel threads,
+  daemons, page tables...); host applications (``metrics.collect.hostapp``) are the
+  services a NodeSLO names, subtracted with what was measured of them this tick.
 
 A figure is only emitted when every input it sums is there: a tick where one pod has
 no value yet would understate a sum (and overstate "system"), so it is skipped.
@@ -25,6 +27,7 @@ from hooks.cpusets import CpuListError, parse_cpu_list
 from hooks.qos import QoSClass
 from metrics.collect.base import OnceLog, ReadError, parse_int
 from metrics.collect.cgroupfs import CgroupReader, Clock, PodUsage, parse_cpu_usage_ns
+from metrics.collect.hostapp import HostAppUsage
 from metrics.collect.openfiles import OpenFiles
 from metrics.collect.procfs import NodeUsage
 from metrics.model import (
@@ -70,10 +73,14 @@ class BEAggregate:
     def _text(self, path: Path) -> str:
         return self._files.read(str(path)).decode("ascii", "replace")
 
-    def samples(self, node: NodeUsage, pod_usage: PodUsage, pods: Sequence[PodView]) -> list[Sample]:
+    def samples(self, node: NodeUsage, pod_usage: PodUsage, pods: Sequence[PodView],
+                host_apps: HostAppUsage | None = None) -> list[Sample]:
         """BE usage / request / real limit and system usage for this tick. Call it right
-        after the pod collector (``pod_usage`` = ``PodCollector.latest()``)."""
+        after the pod collector (``pod_usage`` = ``PodCollector.latest()``; ``host_apps`` =
+        ``HostAppCollector.latest()`` of the same tick)."""
         out: list[Sample] = []
+        apps_cpu = sum(host_apps.cpu.values()) if host_apps is not None else 0.0
+        apps_memory = sum(host_apps.memory.values()) if host_apps is not None else 0.0
         usage = self._be_usage(pods, pod_usage)
         if usage is not None:
             out.append(Sample(BE_CPU_USAGE, usage))
@@ -82,9 +89,9 @@ class BEAggregate:
         if limit is not None:
             out.append(Sample(BE_CPU_LIMIT, limit))
         if node.cpu is not None and pod_usage.cpu_complete:
-            out.append(Sample(SYSTEM_CPU_USAGE, max(node.cpu - sum(pod_usage.cpu.values()), 0.0)))
+            out.append(Sample(SYSTEM_CPU_USAGE, max(node.cpu - sum(pod_usage.cpu.values()) - apps_cpu, 0.0)))
         if node.memory is not None and pod_usage.memory_complete:
-            out.append(Sample(SYSTEM_MEMORY_USED, max(node.memory - sum(pod_usage.memory.values()), 0.0)))
+            out.append(Sample(SYSTEM_MEMORY_USED, max(node.memory - sum(pod_usage.memory.values()) - apps_memory, 0.0)))
         return out
 
     def _be_usage(self, pods: Sequence[PodView], pod_usage: PodUsage) -> float | None:

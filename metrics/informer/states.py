@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -47,6 +48,12 @@ class KubeletPod:
     phase: str
     qos_class: str
     priority_class_name: str
+    #: Pod requests as the scheduler counts them (containers summed, max'ed with each init
+    #: container, plus overhead): cores and bytes; what the Prod reclaimable estimate needs.
+    cpu_request: float = 0.0
+    memory_request: float = 0.0
+    #: ``metadata.creationTimestamp`` as Unix time (the prediction's cold start), None: absent.
+    created: float | None = None
 
 
 def _quantity(raw: object) -> float:
@@ -62,6 +69,46 @@ def _mapping(value: object) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
 
 
+def _resource_list(raw: object) -> tuple[float, float]:
+    """(cpu cores, memory bytes) of a ResourceList; a missing or bad quantity counts 0."""
+    values = _mapping(raw)
+    out = [0.0, 0.0]
+    for i, name in enumerate(("cpu", "memory")):
+        try:
+            out[i] = _quantity(values[name]) if name in values else 0.0
+        except (ValueError, TypeError, ArithmeticError):
+            out[i] = 0.0
+    return out[0], out[1]
+
+
+def _requests(spec: Mapping[str, Any]) -> tuple[float, float]:
+    """(cpu cores, memory bytes) requested, as koordinator's ``GetPodRequest``: containers
+    summed, max'ed with each init container, plus the pod overhead."""
+
+    def of(container: object) -> tuple[float, float]:
+        return _resource_list(_mapping(_mapping(container).get("resources")).get("requests"))
+
+    def items(key: str) -> list[object]:
+        value = spec.get(key)
+        return value if isinstance(value, list) else []
+
+    cpu = sum(of(c)[0] for c in items("containers"))
+    memory = sum(of(c)[1] for c in items("containers"))
+    for init in items("initContainers"):
+        cpu, memory = max(cpu, of(init)[0]), max(memory, of(init)[1])
+    overhead = _resource_list(spec.get("overhead"))
+    return cpu + overhead[0], memory + overhead[1]
+
+
+def _timestamp(raw: object) -> float | None:
+    if not isinstance(raw, str):
+        return None
+    try:
+        return datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
 def _pod_of(item: object) -> KubeletPod | None:
     if not isinstance(item, Mapping):
         return None
@@ -70,11 +117,13 @@ def _pod_of(item: object) -> KubeletPod | None:
     if not uid:
         return None
     priority = spec.get("priority")
+    cpu_request, memory_request = _requests(spec)
     return KubeletPod(
         name=_str(meta.get("name")), namespace=_str(meta.get("namespace")), uid=uid,
         priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else None,
         phase=_str(status.get("phase")), qos_class=_str(status.get("qosClass")),
         priority_class_name=_str(spec.get("priorityClassName")),
+        cpu_request=cpu_request, memory_request=memory_request, created=_timestamp(meta.get("creationTimestamp")),
     )
 
 

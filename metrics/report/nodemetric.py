@@ -14,6 +14,11 @@ Memory follows ``nodeMemoryCollectPolicy``:
 - ``usageWithHotPageCache``: needs kidled's cold-page data, which no collector
   provides; reported like ``usageWithoutPageCache`` (the reporter logs it once).
 
+``hostApplicationMetric`` lists each host application (NodeSLO ``hostApplications``,
+``metrics.collect.hostapp``) with samples in the window; ``systemUsage`` excludes them.
+``prodReclaimableMetric`` / ``prodPeakMetric`` come from the peak predictor
+(``metrics.analysis.prediction``) and are left out until it has a system model.
+
 Summed statistics (used + cache) add the same statistic of each series (e.g. p90 +
 p90): an upper bound of the percentile of the sum, never an under-estimate.
 """
@@ -27,7 +32,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
 
+from metrics.analysis.prediction import Reclaimable
 from metrics.model import (
+    HOST_APP_CPU_USAGE,
+    HOST_APP_MEMORY_USED,
+    HOST_APP_NAME,
     NO_LABELS,
     NODE_CPU_USAGE,
     NODE_MEMORY_USED,
@@ -38,6 +47,8 @@ from metrics.model import (
     POD_MEMORY_CACHE,
     POD_MEMORY_USED,
     POD_UID,
+    PRIORITY_CLASS,
+    QOS,
     SYSTEM_CPU_USAGE,
     SYSTEM_MEMORY_USED,
     Aggregate,
@@ -284,14 +295,47 @@ def _numa_usages(window: _Window) -> list[dict[str, Any]]:
     return out
 
 
+def _host_applications(window: _Window) -> list[dict[str, Any]]:
+    """``hostApplicationMetric``: each host application's usage (avg over the window)."""
+    cpu = window.reader.aggregate_all(HOST_APP_CPU_USAGE, window.start, window.end)
+    memory = window.reader.aggregate_all(HOST_APP_MEMORY_USED, window.start, window.end)
+    out: list[dict[str, Any]] = []
+    for key in sorted(cpu.keys() | memory.keys()):
+        lbl = dict(key)
+        c, m = cpu.get(key), memory.get(key)
+        resources = _resources(_Usage((c,)) if c is not None else None, _Usage((m,)) if m is not None else None,
+                               "avg")
+        if not resources or not lbl.get(HOST_APP_NAME):
+            continue
+        entry: dict[str, Any] = {"name": lbl[HOST_APP_NAME], "usage": _resource_map(resources)}
+        if lbl.get(PRIORITY_CLASS):  # omitempty, as the Go type
+            entry["priority"] = lbl[PRIORITY_CLASS]
+        if lbl.get(QOS):
+            entry["qos"] = lbl[QOS]
+        out.append(entry)
+    return out
+
+
+def prediction_fields(result: Reclaimable | None) -> dict[str, Any]:
+    """``prodReclaimableMetric`` and ``prodPeakMetric`` (none without a prediction)."""
+    if result is None:
+        return {}
+
+    def metric(value: tuple[float, float]) -> dict[str, Any]:
+        return {"resource": _resource_map({"cpu": cpu_quantity(value[0]), "memory": memory_quantity(value[1])})}
+
+    return {"prodReclaimableMetric": metric(result.reclaimable), "prodPeakMetric": metric(result.peak)}
+
+
 def rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def build_status(reader: MetricReader, pods: Sequence[PodView], policy: CollectPolicy, now: float) -> dict[str, Any]:
+def build_status(reader: MetricReader, pods: Sequence[PodView], policy: CollectPolicy, now: float,
+                 prediction: Reclaimable | None = None) -> dict[str, Any]:
     """The NodeMetric ``status``: usage averaged over ``aggregate_duration`` (node,
-    system, each NUMA node), the aggregated windows (dropped while cold), and every pod
-    with samples."""
+    system, each NUMA node, each host application), the aggregated windows (dropped
+    while cold), every pod with samples, and the Prod prediction when there is one."""
     series = [(m, NO_LABELS) for m in (NODE_CPU_USAGE, NODE_MEMORY_USED, SYSTEM_CPU_USAGE, SYSTEM_MEMORY_USED)]
     series += [(m, labels(**{POD_UID: p.uid})) for p in pods for m in (POD_CPU_USAGE, POD_MEMORY_USED)]
     window = _Window(reader, policy, pods, now, policy.aggregate_duration, series)
@@ -308,4 +352,9 @@ def build_status(reader: MetricReader, pods: Sequence[PodView], policy: CollectP
     numa = _numa_usages(window)
     if numa:  # omitempty, as the Go type
         node_metric["numaUsages"] = numa
-    return {"updateTime": rfc3339(now), "nodeMetric": node_metric, "podsMetric": pods_metric}
+    status: dict[str, Any] = {"updateTime": rfc3339(now), "nodeMetric": node_metric, "podsMetric": pods_metric}
+    host_apps = _host_applications(window)
+    if host_apps:
+        status["hostApplicationMetric"] = host_apps
+    status.update(prediction_fields(prediction))
+    return status

@@ -91,6 +91,7 @@ class Export:
 
 _PSI_WINDOWED: Final = (*PSI_LABELS,)
 _PSI_TOTAL: Final = ((RESOURCE, "psi_resource_type"), (KIND, "psi_degree"))
+_HOST_APP: Final = ((m.HOST_APP_NAME, "host_application_name"), (m.PRIORITY_CLASS, "priority_class"), (m.QOS, "qos"))
 
 EXPORTS: Final[tuple[Export, ...]] = (
     Export(m.NODE_CPU_USAGE, "koordlet_node_used_cpu_cores", "Number of cpu cores used by node in realtime", "node"),
@@ -140,6 +141,13 @@ EXPORTS: Final[tuple[Export, ...]] = (
            "Number of cpu cores used by LS. We consider non-BE pods and podMeta-missing pods as LS.", "node"),
     Export(BE_SUPPRESS_BE_USED_CPU, "koordlet_be_suppress_be_used_cpu_cores", "Number of cpu cores used by BE.",
                "node"),
+    # koordlet's host_application.go: cores and bytes, one gauge by resource.
+    Export(m.HOST_APP_CPU_USAGE, "koordlet_host_application_resource_usage",
+           "Host application resource usage collected by koordlet", "node", extra=_HOST_APP,
+           const=(("resource", "cpu"),)),
+    Export(m.HOST_APP_MEMORY_USED, "koordlet_host_application_resource_usage",
+           "Host application resource usage collected by koordlet", "node", extra=_HOST_APP,
+           const=(("resource", "memory"),)),
 )
 _BY_METRIC: Final = {e.metric: e for e in EXPORTS}
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from metrics.analysis.prediction import Reclaimable
 from metrics.informer.kubetypes import KubeError
 from metrics.informer.states import StatesInformer
 from metrics.model import MetricReader, PodView
@@ -49,6 +50,7 @@ class NodeMetricReporter:
         policy_default: CollectPolicy | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        prediction: Callable[[], Reclaimable | None] | None = None,
     ) -> None:
         self._reader = reader
         self._pods = pods
@@ -56,6 +58,7 @@ class NodeMetricReporter:
         self._kube = kube
         self._default = policy_default or CollectPolicy()
         self._clock = clock
+        self._prediction = prediction
         self._latest: tuple[dict[str, Any], bytes] | None = None
         self._built_at = 0.0
         self._problems: set[str] = set()
@@ -97,7 +100,8 @@ class NodeMetricReporter:
         """In a worker thread. The build decodes up to 30 minutes of node and pod samples
         (as arrays, ``metrics.store.tsdbcols``) and frees them at once; trimmed after (110 pods,
         4 builds: RSS 63.7-64.3 MiB from 62.8)."""
-        doc = build_status(self._reader, pods, policy, self._clock())
+        prediction = self._prediction() if self._prediction is not None else None
+        doc = build_status(self._reader, pods, policy, self._clock(), prediction)
         heap.trim()
         return doc
 

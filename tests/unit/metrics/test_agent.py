@@ -107,7 +107,7 @@ async def test_the_tick_flushes_and_its_cost_is_accounted(host: HostRoots, tmp_p
         finally:
             before_close.close()
         cost = agent.cpu_seconds
-        assert set(cost) == {"node", "pods", "topology", "psi", "store", "flush", "gc"}
+        assert set(cost) == {"node", "hostapps", "pods", "topology", "psi", "store", "flush", "gc"}
         assert cost["node"] > 0 and cost["pods"] > 0 and cost["store"] > 0 and cost["flush"] > 0
         view = agent.explain(None)
         assert view["cpu_seconds"]["node"] == round(cost["node"], 3)

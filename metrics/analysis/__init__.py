@@ -1,0 +1,1 @@
+"""Analyses over the metrics store: koordlet's peak prediction (``prediction``)."""

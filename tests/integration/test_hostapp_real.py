@@ -1,0 +1,86 @@
+"""Host applications on this machine's real cgroups: a process burning CPU and holding
+memory in a cgroup under the test's unique parent shows up through the NodeSLO-shaped
+``hostApplications`` item, with its CPU cores and memory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from metrics import model as m
+from metrics.collect.hostapp import HostAppCollector, parse_host_apps
+from runtimeproxy.hookapi import HostRoots
+
+MIB = 1 << 20
+ANON = 32 * MIB
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+_BURNER = f"""
+import sys, time
+held = bytearray(b"a" * {ANON})
+print("ready", flush=True)
+while True:
+    pass
+"""
+
+
+def _dirs(collector: HostAppCollector, rel: str) -> list[Path]:
+    reader = collector.reader
+    return list(dict.fromkeys([reader.cpuacct_dir(rel), reader.memory_dir(rel)]))
+
+
+def _rmdir(directory: Path) -> None:
+    deadline = time.monotonic() + 5
+    while directory.exists():
+        try:
+            directory.rmdir()
+        except OSError:  # a cgroup stays busy for a moment after its last task exits
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def burner(cgroup_prefix: str) -> Iterator[tuple[HostAppCollector, str]]:
+    rel = f"{cgroup_prefix}/hostapp-{uuid.uuid4().hex[:8]}"
+    collector = HostAppCollector(HostRoots(cgroup=CGROUP_ROOT))
+    dirs = _dirs(collector, rel)
+    for directory in dirs:
+        directory.mkdir(parents=True)
+    child = subprocess.Popen([sys.executable, "-c", _BURNER], stdout=subprocess.PIPE, text=True)
+    try:
+        for directory in dirs:
+            (directory / "cgroup.procs").write_text(f"{child.pid}\n")
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        yield collector, rel
+    finally:
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+        for directory in dirs:
+            _rmdir(directory)
+
+
+def test_a_real_cgroup_with_a_busy_process_has_usage(burner: tuple[HostAppCollector, str]) -> None:
+    collector, rel = burner
+    parent, leaf = rel.rsplit("/", 1)
+    spec = {"name": "burner", "priority": "koord-prod", "qos": "LS",
+            "cgroupPath": {"base": "CgroupRoot", "parentDir": parent, "relativePath": leaf}}
+    apps, problems = parse_host_apps([spec])
+    assert problems == [] and apps[0].cgroup_dir == rel.strip("/")
+    collector.set_apps(apps)
+    collector.collect(time.time(), [])
+    time.sleep(1.0)
+    samples = {s.metric: s for s in collector.collect(time.time(), [])}
+    cpu, memory = samples[m.HOST_APP_CPU_USAGE], samples[m.HOST_APP_MEMORY_USED]
+    assert dict(cpu.labels) == {"host_app_name": "burner", "priority_class": "koord-prod", "qos": "LS"}
+    # one busy thread: most of a core even on a shared 2-core machine
+    assert 0.2 < cpu.value < 1.5, cpu.value
+    assert memory.value >= ANON, memory.value
