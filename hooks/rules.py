@@ -375,6 +375,13 @@ def parse_rules(raw: Mapping[str, Any] | None, path: str = "rules", base: Rules 
     return rules
 
 
+def parse_memory_qos(raw: object, path: str, base: MemoryQOS) -> MemoryQOS:
+    """A ``memoryQOS`` mapping (a pod's ``koordinator.sh/memoryQOS`` fields) merged over
+    ``base``, with the NodeSLO's key names and ranges."""
+    memory: MemoryQOS = _MEMORY_QOS(raw, path, base)
+    return memory
+
+
 def parse_cpu_burst(raw: object, path: str, base: CPUBurstStrategy) -> CPUBurstStrategy:
     """A pod's ``koordinator.sh/cpuBurst`` config (already JSON-decoded) merged over
     the node's; ``sharePoolThresholdPercent`` is node-level only, as in Koordinator."""
