@@ -240,3 +240,17 @@ def test_bad_args(tmp_path: Path) -> None:
     with pytest.raises(HookConfigError) as exc:
         make(tmp_path, {}, dry_run=1)
     assert exc.value.key_path == "hooks[6].args.dry_run"
+
+
+def test_systemd_be_tier(tmp_path: Path) -> None:
+    slice_ = f"kubepods-besteffort-pod{UID.replace('-', '_')}.slice"
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("io\n")
+    tier = root / "kubepods.slice/kubepods-besteffort.slice"
+    (tier / slice_).mkdir(parents=True)
+    for d in (tier, tier / slice_):
+        (d / "io.max").write_text("")
+    hook = make(tmp_path, blocks(writeBPS=2048), cgroup_driver="systemd")
+    hook.pre_run_pod_sandbox(pctx(slice_, "BE"))
+    assert (tier / "io.max").read_text() == "253:16 rbps=max wbps=2048 riops=max wiops=max"

@@ -308,3 +308,21 @@ def test_bad_args(tmp_path: Path, args: dict[str, Any], key: str) -> None:
 def test_meminfo_total() -> None:
     assert meminfo_total("MemTotal:       16384000 kB\n") == 16_384_000 * 1024
     assert meminfo_total("garbage") == 0
+
+
+def test_systemd_layout_tiers(tmp_path: Path) -> None:
+    slice_ = f"kubepods-burstable-pod{UID.replace('-', '_')}.slice"
+    pod_rel = f"kubepods.slice/kubepods-burstable.slice/{slice_}"
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("memory\n")
+    for rel in ("kubepods.slice", "kubepods.slice/kubepods-burstable.slice", pod_rel,
+                f"{pod_rel}/cri-containerd-{CID}.scope"):
+        (root / rel).mkdir(parents=True, exist_ok=True)
+        for name in FILES:
+            (root / rel / name).write_text(DEFAULTS[name] + "\n")
+    hook = make(tmp_path, cgroup_driver="systemd")
+    hook.reconcile_container(cctx(parent=slice_, unified={"memory.min": str(GiB)}))
+    assert (root / "kubepods.slice/kubepods-burstable.slice/memory.min").read_text() == "536870912"
+    assert (root / "kubepods.slice/memory.min").read_text() == "536870912"
+    assert (root / pod_rel / f"cri-containerd-{CID}.scope/memory.high").read_text() == "1932734464"
