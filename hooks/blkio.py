@@ -35,7 +35,8 @@ written for the pod; repeats are logged below warning). Nothing is written while
 class enables ``blkioQOS``.
 
 args: ``cgroup_driver``, ``cgroup_version``, ``dry_run`` (plans logged once per
-change as ``blkio_dry_run``, nothing written).
+change as ``blkio_dry_run``, nothing written; at PreRunPodSandbox the patch reports the
+planned writes marked "dry-run: not written", for ``explain``).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from hooks.blkiodev import (
 from hooks.blkiorules import BlkioBlock
 from hooks.cgroups import CgroupError, CgroupGoneError, CgroupLayout, pod_cgroup_dir
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_args, host_writes, reject_unknown
+from hooks.hookargs import cgroup_args, host_writes, planned_writes, reject_unknown
 from hooks.qos import QoSClass, pod_name
 from hooks.rules import LiveRules, Rules
 from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostRoots, PodContext, PodInfo, PodPatch
@@ -243,7 +244,10 @@ class Blkio:
             if changed:
                 log.info("blkio_dry_run", pod=pod_name(pod), target=str(target),
                          plan=[f"{k}={v}" for k, v in plan])
-            return None if reconcile else PodPatch(reason=f"dry-run (nothing written): {reason}")
+            if reconcile:
+                return None
+            return PodPatch(reason=f"dry-run (nothing written): {reason}",
+                            writes=planned_writes(self.executor, updates))
         writes = host_writes(self.executor.apply(updates))
         with self._lock:
             if devices:

@@ -36,7 +36,9 @@ None values back (min 0, low 0, high max).
 
 args: ``cgroup_driver``, ``cgroup_version`` (as every cgroup hook),
 ``node_allocatable_memory`` (bytes, default: MemTotal), ``dry_run`` (bool, default
-false: plans are computed and logged, ``memory_qos_dry_run``, nothing is written).
+false: plans are computed and logged, ``memory_qos_dry_run``, nothing is written; at
+PostStartContainer the patch reports the planned writes, marked "dry-run: not written",
+so ``explain`` shows them).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from hooks.cgroups import (
     pod_cgroup_dir,
 )
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_args, host_writes, reject_unknown
+from hooks.hookargs import cgroup_args, host_writes, planned_writes, reject_unknown
 from hooks.memoryqoscalc import (
     EXTRAS,
     MEMORY_HIGH,
@@ -324,7 +326,10 @@ class MemoryQoS:
         reason = levels[-1][0].reason if levels[-1] else "memory QoS"
         if self.dry_run:
             self._log_dry_run(ctx, levels)
-            return None if reconcile else ContainerPatch(reason=f"dry-run (nothing written): {reason}")
+            if reconcile:
+                return None
+            planned = planned_writes(self.executor, [u for level in levels for u in level])
+            return ContainerPatch(reason=f"dry-run (nothing written): {reason}", writes=planned)
         writes: tuple[HostWrite, ...] = host_writes(self.executor.leveled_update(levels))
         if reconcile and not writes:
             return None

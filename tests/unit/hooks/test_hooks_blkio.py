@@ -229,7 +229,8 @@ def test_dry_run(tmp_path: Path) -> None:
     with capture_logs() as logs:
         patch = hook.pre_run_pod_sandbox(pctx(BE_PARENT, "BE"))
         assert hook.reconcile_pod_sandbox(pctx(BE_PARENT, "BE", Stage.RECONCILE_POD_SANDBOX)) is None
-    assert patch is not None and patch.reason.startswith("dry-run") and not patch.writes
+    assert patch is not None and patch.reason.startswith("dry-run")
+    assert [w.new for w in patch.writes] == ["253:16 1048576 (dry-run: not written)"]  # for explain
     plans = [e for e in logs if e["event"] == "blkio_dry_run"]
     assert len(plans) == 1 and "blkio.throttle.read_bps_device[253:16]=1048576" in plans[0]["plan"]
     assert read(tmp_path, 1, "kubepods/besteffort", "blkio.throttle.read_bps_device") == ""

@@ -279,7 +279,10 @@ def test_dry_run_writes_nothing_and_logs_the_plan_once(tmp_path: Path) -> None:
     with capture_logs() as logs:
         patch = hook.post_start_container(cctx(unified={"memory.min": str(GiB)}))
         assert hook.reconcile_container(cctx(unified={"memory.min": str(GiB)})) is None
-    assert patch is not None and not patch.writes and patch.reason.startswith("dry-run")
+    assert patch is not None and patch.reason.startswith("dry-run")
+    shown = {Path(w.target).relative_to((tmp_path / "cgroup").resolve()).as_posix(): w.new for w in patch.writes}
+    assert shown[f"kubepods/burstable/pod{UID}/{CID}/memory.min"] == "536870912 (dry-run: not written)"
+    assert shown["kubepods/memory.min"] == "536870912 (dry-run: not written)"
     plans = [e for e in logs if e["event"] == "memory_qos_dry_run"]
     assert len(plans) == 1 and f"kubepods/burstable/pod{UID}/{CID}/memory.min=536870912" in plans[0]["plan"]
     assert {p: p.read_text() for p in (tmp_path / "cgroup").rglob("memory.*")} == before
