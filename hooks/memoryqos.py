@@ -275,7 +275,9 @@ class MemoryQoS:
             record.config = cfg
             record.containers[container.meta.name] = spec
             specs = list(record.containers.values())
-            others = list(self._pods.items())
+            # copies: other worker threads add containers while this one sums
+            others = [(uid, _PodRecord(r.cgroup, r.kube, r.config, dict(r.containers)))
+                      for uid, r in self._pods.items()]
         label = qos.value or "no-class"
         inputs = f"{label} pod, {why}: {describe(cfg)}"
         if cfg.enable:
@@ -303,7 +305,8 @@ class MemoryQoS:
                 continue
             if not self.executor.path(rec.cgroup, MEMORY_MIN, source).parent.is_dir():
                 with self._lock:
-                    self._pods.pop(uid, None)  # its cgroup is gone: it no longer counts
+                    if self._pods.get(uid) is not None and self._pods[uid].cgroup == rec.cgroup:
+                        del self._pods[uid]  # its cgroup is gone: it no longer counts
                 continue
             values = pod_values(rec.containers.values(), rec.config) if rec.config.enable else disabled_values()
             pods.append(PodProtection(rec.cgroup, rec.kube, values.min, values.low))

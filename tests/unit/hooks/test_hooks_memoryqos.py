@@ -329,3 +329,18 @@ def test_systemd_layout_tiers(tmp_path: Path) -> None:
     assert (root / "kubepods.slice/kubepods-burstable.slice/memory.min").read_text() == "536870912"
     assert (root / "kubepods.slice/memory.min").read_text() == "536870912"
     assert (root / pod_rel / f"cri-containerd-{CID}.scope/memory.high").read_text() == "1932734464"
+
+
+def test_a_pod_whose_cgroup_is_gone_leaves_the_tier_sums(tmp_path: Path) -> None:
+    import shutil
+
+    other = f"/kubepods/burstable/pod{OTHER}"
+    _tree(tmp_path / "cgroup", 2, FILES, (LS_PARENT, f"{LS_PARENT}/{CID}", other, f"{other}/{CID2}"))
+    hook = make(tmp_path)
+    hook.reconcile_container(cctx(unified={"memory.min": str(1 * GiB)}))
+    hook.reconcile_container(cctx(uid=OTHER, cid=CID2, parent=other, unified={"memory.min": str(2 * GiB)}))
+    root = tmp_path / "cgroup"
+    assert _mem(root, 2, "kubepods/burstable", "memory.min") == "1610612736"
+    shutil.rmtree(root / other.lstrip("/"))  # torn down while the proxy missed the stop
+    hook.reconcile_container(cctx(unified={"memory.min": str(1 * GiB)}))
+    assert _mem(root, 2, "kubepods/burstable", "memory.min") == "536870912"
