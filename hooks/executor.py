@@ -368,12 +368,16 @@ class CgroupExecutor:
         return _Planned(Update(item.update.cgroup, resource, merged, reason, item.update.source), item.path, merged)
 
 
+#: Memory QoS files (hooks.memoryqoscalc): koordlet's leveled update raises them top-down too.
+_GROW_FIRST = frozenset({"memory.min", "memory.low", "memory.high"})
+
+
 def _merge(resource: Resource, current: Value, new: Value) -> Value | None:
     """The value a parent must hold *before* its children get ``new``; None = no widening."""
     if resource in (CPUSET_CPUS, CPUSET_MEMS):
         have, want = parse_cpu_list(str(current)), parse_cpu_list(str(new))
         return None if want <= have else format_cpu_list(have | want)
-    if resource in (CPU_CFS_QUOTA, MEMORY_LIMIT):
+    if resource in (CPU_CFS_QUOTA, MEMORY_LIMIT) or resource.name in _GROW_FIRST:
         cur, val = int(current), int(new)
         if cur == -1 or (val != -1 and val <= cur):
             return None

@@ -24,6 +24,7 @@ from typing import Any, Final, TypeVar
 
 import structlog
 
+from hooks.blkiorules import BlkioQOS, parse_blkio_qos
 from hooks.qos import QoSClass, pod_qos
 from runtimeproxy.hookapi import HookConfigError, HookInit, PodInfo
 
@@ -67,6 +68,7 @@ class ClassQOS:
     cpu_qos: CPUQOS = CPUQOS()
     resctrl_qos: ResctrlQOS = ResctrlQOS()
     memory_qos: MemoryQOS = MemoryQOS()
+    blkio_qos: BlkioQOS = BlkioQOS()
 
 
 NONE_CLASS: Final = ClassQOS()  # Koordinator's "None" (disabled) config
@@ -174,6 +176,7 @@ class Rules:
             cpu_qos=chosen.cpu_qos if chosen.cpu_qos.enable else NONE_CLASS.cpu_qos,
             resctrl_qos=chosen.resctrl_qos if chosen.resctrl_qos.enable else NONE_CLASS.resctrl_qos,
             memory_qos=chosen.memory_qos if chosen.memory_qos.enable else NONE_CLASS.memory_qos,
+            blkio_qos=chosen.blkio_qos if chosen.blkio_qos.enable else NONE_CLASS.blkio_qos,
         )
 
 
@@ -268,12 +271,15 @@ _MEMORY_QOS: Final = _section(
         "oomKillGroup": ("oom_kill_group", _int(0, 1)),
     },
 )
+_BLKIO_QOS: Final[Parser] = parse_blkio_qos
+_KEYS[_BLKIO_QOS] = ("enable", "blocks")
 _CLASS: Final = _section(
     ClassQOS,
     {
         "cpuQOS": ("cpu_qos", _CPU_QOS),
         "resctrlQOS": ("resctrl_qos", _RESCTRL_QOS),
         "memoryQOS": ("memory_qos", _MEMORY_QOS),
+        "blkioQOS": ("blkio_qos", _BLKIO_QOS),
     },
 )
 _STRATEGY: Final = _section(
@@ -375,6 +381,13 @@ def parse_rules(raw: Mapping[str, Any] | None, path: str = "rules", base: Rules 
     return rules
 
 
+def parse_memory_qos(raw: object, path: str, base: MemoryQOS) -> MemoryQOS:
+    """A ``memoryQOS`` mapping (a pod's ``koordinator.sh/memoryQOS`` fields) merged over
+    ``base``, with the NodeSLO's key names and ranges."""
+    memory: MemoryQOS = _MEMORY_QOS(raw, path, base)
+    return memory
+
+
 def parse_cpu_burst(raw: object, path: str, base: CPUBurstStrategy) -> CPUBurstStrategy:
     """A pod's ``koordinator.sh/cpuBurst`` config (already JSON-decoded) merged over
     the node's; ``sharePoolThresholdPercent`` is node-level only, as in Koordinator."""
@@ -388,12 +401,12 @@ def parse_cpu_burst(raw: object, path: str, base: CPUBurstStrategy) -> CPUBurstS
 # --- one source of rules -------------------------------------------------------------
 
 #: NodeSLO keys we model, by level; anything else in a NodeSLO (systemStrategy,
-#: extensions, hostApplications, blkioQOS, networkQOS, page-cache and allocatable-
+#: extensions, hostApplications, networkQOS, page-cache and allocatable-
 #: eviction fields) is a feature this agent does not implement, so it is left out
 #: instead of failing the whole document.
 _NODESLO_KNOWN: Final[Mapping[str, Any]] = {
     "resourceQOSStrategy": {
-        cls: {"cpuQOS": _CPU_QOS, "resctrlQOS": _RESCTRL_QOS, "memoryQOS": _MEMORY_QOS}
+        cls: {"cpuQOS": _CPU_QOS, "resctrlQOS": _RESCTRL_QOS, "memoryQOS": _MEMORY_QOS, "blkioQOS": _BLKIO_QOS}
         for cls in ("lsrClass", "lsClass", "beClass", "systemClass", "cgroupRoot")
     },
     "resourceUsedThresholdWithBE": _THRESHOLD,

@@ -87,7 +87,7 @@ def demo_config(workdir: Path, socket: Path, backend: Path, port: int, prefix: s
 
 def kubelet_creates_pod_cgroup(parent: str) -> None:
     """kubelet makes the pod cgroup before RunPodSandbox; pod-level hooks write into it."""
-    for controller in ("cpu", "cpuacct", "memory", "cpuset", "pids"):
+    for controller in ("cpu", "cpuacct", "memory", "cpuset", "pids", "blkio"):
         (CGROUP_ROOT / controller / parent.lstrip("/")).mkdir(parents=True, exist_ok=True)
     rel = Path(parent.lstrip("/"))
     for level in [*reversed(rel.parents[:-1]), rel]:

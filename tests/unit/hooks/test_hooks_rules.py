@@ -163,7 +163,8 @@ def test_a_full_nodeslo_spec_becomes_rules_without_the_features_we_do_not_model(
     out = rules_from_nodeslo(spec)
     assert out == {
         "resourceQOSStrategy": {"beClass": {"cpuQOS": {"enable": True, "groupIdentity": -1, "schedIdle": 1},
-                                            "memoryQOS": {"enable": False}}},
+                                            "memoryQOS": {"enable": False},
+                                            "blkioQOS": {"enable": False, "blocks": []}}},
         "resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"},
         "cpuBurstStrategy": {"policy": "auto"},
         "policies": {"cpuPolicy": "coreSched", "netQOSPolicy": "tc"},

@@ -1,0 +1,265 @@
+"""Block I/O QoS: per-device throttles and weights for a QoS class's tier and pods.
+
+Why: one BE pod streaming to the node's disk can starve the latency-sensitive pods
+reading from it; CPU and memory isolation do nothing about that. koordlet's
+``BlkIOReconcile`` (reference §4) throttles the classes per device from
+``resourceQOSStrategy.<class>.blkioQOS.blocks`` (``hooks.blkiorules``)::
+
+    beClass: {blkioQOS: {enable: true, blocks: [
+      {name: /dev/vdb, type: device, ioCfg: {readBPS: 104857600, writeIOPS: 2000, ioWeightPercent: 50}}]}}
+
+Where, per pod as it is seen (PreRunPodSandbox: kubelet created the pod cgroup before;
+ReconcilePodSandbox: drift, rule changes, pods from before the proxy):
+
+* BE pods → their class tier ``kubepods/besteffort``, LS pods → ``kubepods/burstable``:
+  the whole tier shares the limit, as koordlet throttles the BE QoS directory;
+* LSR / LSE pods (Guaranteed: their tier is the ``kubepods`` root, which every pod
+  shares) → their own pod cgroup.
+
+What, per block (``type: device``; the name resolved to ``major:minor`` through the
+injected ``/sys``, see ``hooks.blkiodev``): cgroup v1 ``blkio.throttle.{read,write}_
+{bps,iops}_device`` = ``<maj:min> <value>``; v2 ``io.max`` = ``<maj:min> rbps=.. wbps=..
+riops=.. wiops=..`` (0 = ``max``: no limit). ``ioWeightPercent``, when set: v1
+``blkio.cost.weight`` (Anolis iocost; else ``blkio.bfq.weight_device``), v2
+``io.weight``, ``<maj:min> <percent>`` (100 is the kernel's default weight). A device
+this hook limited that a rule no longer names (or whose class was disabled) gets its
+limits removed (0 / ``max``). ``volumegroup`` and ``podvolume`` blocks need koordlet's
+local-storage inventory (LVM, kubelet volumes), which this agent does not have: they are
+skipped with one log line. The root class's blk-iocost QoS/model is not written.
+
+Detected once, at the first pod, and logged in one line: the throttle files (v1
+``blkio`` controller, v2 ``io.max``) and a weight file in the pod's parent cgroup.
+Without throttle files the hook writes nothing. A block name that is not a device of
+this node is a HookError naming ``…blkioQOS.blocks[i].name`` and the value (nothing is
+written for the pod; repeats are logged below warning). Nothing is written while no
+class enables ``blkioQOS``.
+
+args: ``cgroup_driver``, ``cgroup_version``, ``dry_run`` (plans logged once per
+change as ``blkio_dry_run``, nothing written; at PreRunPodSandbox the patch reports the
+planned writes marked "dry-run: not written", for ``explain``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any, Final
+
+import structlog
+
+from hooks.blkiodev import (
+    THROTTLES,
+    WEIGHT_FILES,
+    DeviceError,
+    io_max,
+    io_max_value,
+    resolve_device,
+    throttle,
+    weight,
+)
+from hooks.blkiorules import BlkioBlock
+from hooks.cgroups import CgroupError, CgroupGoneError, CgroupLayout, pod_cgroup_dir
+from hooks.executor import CgroupExecutor, Update
+from hooks.hookargs import cgroup_args, host_writes, planned_writes, reject_unknown
+from hooks.qos import QoSClass, pod_name
+from hooks.rules import LiveRules, Rules
+from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostRoots, PodContext, PodInfo, PodPatch
+
+_ARGS: Final = frozenset({"cgroup_driver", "cgroup_version", "dry_run"})
+_CLASSES: Final = (QoSClass.LSR, QoSClass.LS, QoSClass.BE, QoSClass.SYSTEM)
+_CLASS_KEY: Final = {QoSClass.LSE: "lsrClass", QoSClass.LSR: "lsrClass", QoSClass.LS: "lsClass",
+                     QoSClass.BE: "beClass", QoSClass.SYSTEM: "systemClass"}
+_TIER: Final = {QoSClass.BE: ("besteffort", "kubepods-besteffort.slice"),
+                QoSClass.LS: ("burstable", "kubepods-burstable.slice")}
+_CFG_KEYS: Final = {"read_bps": "readBPS", "write_bps": "writeBPS", "read_iops": "readIOPS", "write_iops": "writeIOPS"}
+
+log = structlog.get_logger("hooks.blkio")
+
+
+@dataclass(frozen=True, slots=True)
+class Support:
+    throttle: bool
+    weight: tuple[str, str | None, int, int] | None
+    where: str
+    version: int
+
+    def describe(self) -> str:
+        if not self.throttle:
+            return f"block I/O QoS off: no {'io.max' if self.version == 2 else 'blkio throttle files'} in {self.where}"
+        weights = self.weight[0] if self.weight else "none (ioWeightPercent ignored)"
+        return f"cgroup v{self.version} throttles in {self.where}; weight file: {weights}"
+
+
+class Blkio:
+    """Stages: PreRunPodSandbox, ReconcilePodSandbox."""
+
+    def __init__(self, init: HookInit) -> None:
+        args: dict[str, Any] = dict(init.args)
+        reject_unknown(init, args, _ARGS)
+        driver, version = cgroup_args(init, args)
+        dry_run = args.get("dry_run", False)
+        if not isinstance(dry_run, bool):
+            raise HookConfigError(f"{init.key_path}.dry_run", dry_run, "expected true or false")
+        self.dry_run = dry_run
+        self._host: HostRoots = init.host
+        self._rules = LiveRules(init)
+        try:
+            self.executor = CgroupExecutor(CgroupLayout(init.host.cgroup, version, driver))
+        except CgroupError as exc:
+            raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
+        self._lock = threading.Lock()
+        self._support: Support | None = None
+        #: target cgroup -> devices this hook set limits on (to remove them when a rule drops one).
+        self._applied: dict[PurePosixPath, set[str]] = {}
+        self._said: set[str] = set()
+        self._dry_logged: dict[PurePosixPath, tuple[tuple[str, str], ...]] = {}
+
+    @property
+    def rules(self) -> Rules:
+        return self._rules()
+
+    @property
+    def support(self) -> Support | None:
+        return self._support
+
+    def _once(self, key: str) -> bool:
+        with self._lock:
+            if key in self._said:
+                return False
+            self._said.add(key)
+            return True
+
+    def _detect(self, pod_dir: PurePosixPath, source: str) -> Support:
+        with self._lock:
+            if self._support is not None:
+                return self._support
+            version = self.executor.layout.version
+            probe = pod_dir.parent if len(pod_dir.parts) > 1 else pod_dir
+            file = (throttle("read_bps", "0:0") if version == 1 else io_max("0:0"))
+            path = self.executor.path(probe, file, source)
+            if not path.parent.is_dir():
+                raise CgroupGoneError(f"{source}: cgroup {path.parent} does not exist (gone or not created yet)")
+            chosen = None
+            for candidate in WEIGHT_FILES[version]:
+                if self.executor.path(probe, weight(*candidate[:2], "0:0", *candidate[2:]), source).is_file():
+                    chosen = candidate
+                    break
+            self._support = Support(path.is_file(), chosen, str(path.parent), version)
+            log.info("blkio_detected", enabled=self._support.throttle, where=self._support.where,
+                     weight=chosen[0] if chosen else None, detail=self._support.describe())
+            return self._support
+
+    def target(self, pod: PodInfo, qos: QoSClass, pod_dir: PurePosixPath) -> PurePosixPath | None:
+        """Where the class's limits go for this pod: its class tier (BE, LS) or the pod (LSR, LSE)."""
+        if qos in (QoSClass.LSR, QoSClass.LSE):
+            return pod_dir
+        names = _TIER.get(qos)
+        if names is None:
+            return None
+        for ancestor in pod_dir.parents:
+            if ancestor.name in ("kubepods", "kubepods.slice"):
+                return ancestor / names[1 if ancestor.name.endswith(".slice") else 0]
+        return None
+
+    def _block_updates(self, index: int, block: BlkioBlock, qos: QoSClass, target: PurePosixPath,
+                       source: str, support: Support) -> tuple[str, list[Update]] | None:
+        where = f"resourceQOSStrategy.{_CLASS_KEY[qos]}.blkioQOS.blocks[{index}]"
+        if block.type != "device":
+            if self._once(f"type:{block.type}:{block.name}"):
+                log.warning("blkio_block_unsupported", block=where, name=block.name, type=block.type,
+                            reason="volumegroup / podvolume need koordlet's local storage inventory; skipped")
+            return None
+        try:
+            dev = resolve_device(block.name, self._host.sys)
+        except DeviceError as exc:
+            error = HookError(f"{where}.name={block.name!r}: {exc}")
+            error.repeat = not self._once(f"dev:{block.name}")
+            raise error from exc
+        io = block.io
+        why = f"{qos.value} class {where} {block.name} ({dev})"
+        limits = {k: getattr(io, k) for k in THROTTLES}
+        shown = ", ".join(f"{_CFG_KEYS[k]} {v}" for k, v in limits.items())
+        updates: list[Update] = []
+        if support.version == 1:
+            updates.extend(Update(target, throttle(k, dev), v, f"{why}: {_CFG_KEYS[k]} {v} (0: no limit)", source)
+                           for k, v in limits.items())
+        else:
+            updates.append(Update(target, io_max(dev), io_max_value(limits), f"{why}: {shown} (0: max)", source))
+        if io.io_weight_percent is not None and support.weight is not None:
+            file, controller, low, high = support.weight
+            updates.append(Update(target, weight(file, controller, dev, low, high), io.io_weight_percent,
+                                  f"{why}: ioWeightPercent {io.io_weight_percent}", source))
+        return dev, updates
+
+    def plan(self, pod: PodInfo) -> tuple[PurePosixPath, list[Update], set[str]] | None:
+        """The pod's target and the updates there (including removals of devices no rule
+        names any more); None when there is nothing to do."""
+        rules = self.rules
+        qos = rules.qos_of(pod)
+        cfg = rules.for_class(qos).blkio_qos
+        if not any(rules.for_class(c).blkio_qos.enable for c in _CLASSES) and not self._applied:
+            return None
+        try:
+            pod_dir = pod_cgroup_dir(pod.cgroup_parent, self.executor.layout.driver)
+        except CgroupError as exc:
+            raise HookError(f"pod {pod_name(pod)}: {exc}") from exc
+        target = self.target(pod, qos, pod_dir)
+        if target is None:
+            return None
+        source = f"pod {pod_name(pod)}: cgroup_parent {pod.cgroup_parent!r}"
+        support = self._detect(pod_dir, source)
+        if not support.throttle:
+            return None
+        updates: list[Update] = []
+        devices: set[str] = set()
+        for index, block in enumerate(cfg.blocks if cfg.enable else ()):
+            done = self._block_updates(index, block, qos, target, source, support)
+            if done is not None:
+                devices.add(done[0])
+                updates.extend(done[1])
+        with self._lock:
+            stale = sorted(self._applied.get(target, set()) - devices)
+        for dev in stale:
+            why = f"{qos.value or 'no-class'} class: no blkioQOS block names {dev} any more: limit removed"
+            if support.version == 1:
+                updates.extend(Update(target, throttle(k, dev), 0, why, source) for k in THROTTLES)
+            else:
+                updates.append(Update(target, io_max(dev), io_max_value({}), why, source))
+        if not updates:
+            return None
+        return target, updates, devices
+
+    def _apply(self, pod: PodInfo, reconcile: bool) -> PodPatch | None:
+        planned = self.plan(pod)
+        if planned is None:
+            return None
+        target, updates, devices = planned
+        reason = updates[0].reason
+        if self.dry_run:
+            plan = tuple((u.resource.name, str(u.value)) for u in updates)
+            with self._lock:
+                changed = self._dry_logged.get(target) != plan
+                self._dry_logged[target] = plan
+            if changed:
+                log.info("blkio_dry_run", pod=pod_name(pod), target=str(target),
+                         plan=[f"{k}={v}" for k, v in plan])
+            if reconcile:
+                return None
+            return PodPatch(reason=f"dry-run (nothing written): {reason}",
+                            writes=planned_writes(self.executor, updates))
+        writes = host_writes(self.executor.apply(updates))
+        with self._lock:
+            if devices:
+                self._applied[target] = set(devices)
+            else:
+                self._applied.pop(target, None)
+        if reconcile and not writes:
+            return None
+        return PodPatch(reason=f"{reason}{' (reconciled)' if reconcile else ''}", writes=writes)
+
+    def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
+        return self._apply(ctx.pod, reconcile=False)
+
+    def reconcile_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
+        return self._apply(ctx.pod, reconcile=True)

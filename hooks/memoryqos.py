@@ -1,0 +1,360 @@
+"""Memory QoS: memory.min / memory.low / memory.high per container, pod and kube-QoS tier.
+
+Why: on a co-located node the kernel reclaims memory from whoever it finds first; a
+latency-sensitive pod's page cache and anon memory go as easily as a batch job's.
+koordlet's memory QoS (``CgroupReconcile``, reference §4.4) protects a share of each
+container's request (``memory.min``: never reclaimed, ``memory.low``: reclaimed last)
+and throttles it before its limit (``memory.high``: direct reclaim above it), from
+``resourceQOSStrategy.<class>.memoryQOS`` and the pod annotation
+``koordinator.sh/memoryQOS``. Formulas and the annotation: ``hooks.memoryqoscalc``.
+
+Inputs, per container (the proxy never sees a pod spec, so the request comes from what
+the node has): a BE pod's ``kubernetes.io/batch-memory`` request/limit from
+``node.koordinator.sh/extended-resource-spec`` (as koordlet); else a ``memory`` entry
+there; else the limit from the CRI request (or the container cgroup's memory limit) and
+the request from kubelet's own ``memory.min`` in the CRI ``unified`` map (kubelet's
+MemoryQoS gate sets it to the request), or = the limit for a Guaranteed pod, else 0
+(koordlet: "use 0 if requests.memory is not set"). An unlimited container's
+``memory.high`` is measured against ``args.node_allocatable_memory`` (koordlet: the
+Node's allocatable) or, unset, the node's MemTotal.
+
+Writes, at PostStartContainer and ReconcileContainer (the container's cgroup exists
+then), as one leveled update from the top: the ``kubepods`` root and the pod's
+burstable/besteffort tier (min/low = the sum of their pods', ``tier_sums``), the pod
+(min/low of its containers' summed requests, Anolis extras), the container (min, low,
+high, extras) — parents raised before children, children lowered before parents.
+Tier sums cover the pods this hook has seen (all of them after the first reconciler
+pass); a pod leaves them at PostStopPodSandbox or when its cgroup is gone.
+
+Support is detected once, at the first container, and logged in one line: the
+``memory.min`` file in the pod's parent cgroup (cgroup v2: upstream; v1: only Anolis
+kernels have it). Without it the hook is off: nothing written, nothing more logged.
+The Anolis-only files (wmark_*, priority, use_priority_oom; oom.group on v1) are
+written only where they exist. Nothing is written while no class rule and no pod
+annotation enables memory QoS; once one did, a pod whose config is off gets koordlet's
+None values back (min 0, low 0, high max).
+
+args: ``cgroup_driver``, ``cgroup_version`` (as every cgroup hook),
+``node_allocatable_memory`` (bytes, default: MemTotal), ``dry_run`` (bool, default
+false: plans are computed and logged, ``memory_qos_dry_run``, nothing is written; at
+PostStartContainer the patch reports the planned writes, marked "dry-run: not written",
+so ``explain`` shows them).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any, Final
+
+import structlog
+
+from hooks.annotations import BATCH_MEMORY, extended_resource_spec
+from hooks.cgroups import (
+    MEMORY_LIMIT,
+    CgroupError,
+    CgroupGoneError,
+    CgroupLayout,
+    Resource,
+    container_cgroup_dir,
+    pod_cgroup_dir,
+)
+from hooks.executor import CgroupExecutor, Update
+from hooks.hookargs import cgroup_args, host_writes, planned_writes, reject_unknown
+from hooks.memoryqoscalc import (
+    EXTRAS,
+    MEMORY_HIGH,
+    MEMORY_LOW,
+    MEMORY_MIN,
+    MEMORY_QOS_ANNOTATION,
+    UNLIMITED,
+    MemorySpec,
+    MemoryValues,
+    PodProtection,
+    container_values,
+    describe,
+    disabled_values,
+    pod_config,
+    pod_values,
+    tier_sums,
+    tiers_of,
+)
+from hooks.qos import KubeQoS, QoSClass, kube_qos_from_cgroup_parent, pod_name
+from hooks.rules import LiveRules, MemoryQOS, Rules
+from runtimeproxy.hookapi import (
+    ContainerContext,
+    ContainerInfo,
+    ContainerPatch,
+    HookConfigError,
+    HookError,
+    HookInit,
+    HostWrite,
+    PodContext,
+    PodInfo,
+)
+
+_ARGS: Final = frozenset({"cgroup_driver", "cgroup_version", "node_allocatable_memory", "dry_run"})
+_SHOWN: Final = 200
+_CLASSES: Final = (QoSClass.LSR, QoSClass.LS, QoSClass.BE, QoSClass.SYSTEM)
+
+log = structlog.get_logger("hooks.memoryqos")
+
+
+@dataclass(frozen=True, slots=True)
+class Support:
+    """What the kernel offers, detected once: the files present in ``where``."""
+
+    files: frozenset[str]
+    where: str
+    version: int
+
+    @property
+    def enabled(self) -> bool:
+        return MEMORY_MIN.name in self.files
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return (f"memory QoS off: cgroup v{self.version} without memory.min in {self.where} "
+                    "(upstream v1 has none; Anolis kernels add it)")
+        return f"memory QoS files in {self.where}: {', '.join(sorted(self.files))}"
+
+
+@dataclass(slots=True)
+class _PodRecord:
+    cgroup: PurePosixPath
+    kube: KubeQoS | None
+    config: MemoryQOS
+    containers: dict[str, MemorySpec] = field(default_factory=dict)
+
+
+def meminfo_total(text: str) -> int:
+    """MemTotal in bytes from /proc/meminfo text (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith("MemTotal:"):
+            parts = line.split()
+            return int(parts[1]) * 1024 if len(parts) >= 2 and parts[1].isdigit() else 0
+    return 0
+
+
+class MemoryQoS:
+    """Stages: PostStartContainer, ReconcileContainer, PostStopPodSandbox."""
+
+    def __init__(self, init: HookInit) -> None:
+        args: dict[str, Any] = dict(init.args)
+        reject_unknown(init, args, _ARGS)
+        driver, version = cgroup_args(init, args)
+        allocatable = args.get("node_allocatable_memory")
+        if allocatable is not None and (isinstance(allocatable, bool) or not isinstance(allocatable, int)
+                                        or allocatable <= 0):
+            raise HookConfigError(f"{init.key_path}.node_allocatable_memory", allocatable,
+                                  "expected a positive number of bytes")
+        dry_run = args.get("dry_run", False)
+        if not isinstance(dry_run, bool):
+            raise HookConfigError(f"{init.key_path}.dry_run", dry_run, "expected true or false")
+        self.dry_run = dry_run
+        self._allocatable: int | None = allocatable
+        self._meminfo = init.host.proc / "meminfo"
+        self._rules = LiveRules(init)
+        try:
+            self.executor = CgroupExecutor(CgroupLayout(init.host.cgroup, version, driver))
+        except CgroupError as exc:
+            raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
+        self._lock = threading.Lock()
+        self._support: Support | None = None
+        self._pods: dict[str, _PodRecord] = {}
+        self._dry_logged: dict[str, tuple[tuple[str, str], ...]] = {}
+        self._was_enabled = any(self.rules.for_class(c).memory_qos.enable for c in _CLASSES)
+
+    @property
+    def rules(self) -> Rules:
+        return self._rules()
+
+    @property
+    def support(self) -> Support | None:
+        """What was detected at the first container (``None`` before)."""
+        return self._support
+
+    @property
+    def allocatable(self) -> int:
+        if self._allocatable is None:
+            try:
+                self._allocatable = meminfo_total(self._meminfo.read_text())
+            except OSError as exc:
+                log.warning("memory_qos_no_meminfo", path=str(self._meminfo), error=str(exc),
+                            effect="memory.high of unlimited containers stays max")
+                self._allocatable = 0
+        return self._allocatable
+
+    # --- decisions ---------------------------------------------------------------
+
+    def config(self, pod: PodInfo) -> tuple[MemoryQOS, str, QoSClass]:
+        qos = self.rules.qos_of(pod)
+        raw = pod.annotations.get(MEMORY_QOS_ANNOTATION)
+        try:
+            cfg, why = pod_config(self.rules.for_class(qos).memory_qos, qos, raw)
+        except ValueError as exc:
+            shown = raw if raw is None or len(raw) <= _SHOWN else raw[:_SHOWN] + "..."
+            raise HookError(f"pod {pod_name(pod)}: annotation {MEMORY_QOS_ANNOTATION}={shown!r}: {exc}") from exc
+        return cfg, why, qos
+
+    def container_spec(self, pod: PodInfo, container: ContainerInfo, qos: QoSClass, kube: KubeQoS | None,
+                       cgroup: PurePosixPath) -> MemorySpec:
+        """The container's memory request and limit, from the best source the node has."""
+        spec = extended_resource_spec(pod)  # HookError naming pod/key/value when malformed
+        res = spec.containers.get(container.meta.name) if spec is not None else None
+        if res is not None:
+            for name in ((BATCH_MEMORY,) if qos is QoSClass.BE else ()) + ("memory",):
+                if name in res.requests or name in res.limits:
+                    limit = res.limits.get(name, UNLIMITED)
+                    return MemorySpec(res.requests.get(name, 0), limit if limit > 0 else UNLIMITED,
+                                      f"{name} from node.koordinator.sh/extended-resource-spec")
+        limit = container.resources.memory_limit_in_bytes
+        limit_from = "CRI memory_limit_in_bytes"
+        if limit <= 0:
+            try:
+                current = MEMORY_LIMIT.parse(self.executor.read(cgroup, MEMORY_LIMIT), self.executor.layout.version)
+                limit, limit_from = int(current), "container cgroup memory limit"
+            except (CgroupError, ValueError):
+                limit = UNLIMITED
+        limit = limit if limit > 0 else UNLIMITED
+        kubelet_min = container.resources.unified.get("memory.min", "")
+        if kubelet_min.isdigit():
+            return MemorySpec(int(kubelet_min), limit, f"request = kubelet's unified memory.min; limit: {limit_from}")
+        if kube is KubeQoS.GUARANTEED and limit > 0:
+            return MemorySpec(limit, limit, f"Guaranteed pod: request = limit ({limit_from})")
+        return MemorySpec(0, limit, f"no memory request known (0); limit: {limit_from}")
+
+    def _detect(self, pod_dir: PurePosixPath, source: str) -> Support:
+        with self._lock:
+            if self._support is not None:
+                return self._support
+            probe = pod_dir.parent if len(pod_dir.parts) > 1 else pod_dir
+            path = self.executor.path(probe, MEMORY_MIN, source)
+            if not path.parent.is_dir():
+                raise CgroupGoneError(f"{source}: cgroup {path.parent} does not exist (gone or not created yet)")
+            files = frozenset(r.name for r in (MEMORY_MIN, MEMORY_LOW, MEMORY_HIGH, *EXTRAS)
+                              if self.executor.path(probe, r, source).is_file())
+            self._support = Support(files, str(path.parent), self.executor.layout.version)
+            log.info("memory_qos_detected", enabled=self._support.enabled, where=self._support.where,
+                     files=sorted(files), detail=self._support.describe())
+            return self._support
+
+    def _updates(self, cgroup: PurePosixPath, values: MemoryValues, why: str, source: str,
+                 files: frozenset[str]) -> list[Update]:
+        wanted: list[tuple[Resource, int]] = [(MEMORY_MIN, values.min), (MEMORY_LOW, values.low)]
+        if values.high is not None:
+            wanted.append((MEMORY_HIGH, values.high))
+        wanted.extend(values.extras)
+        return [Update(cgroup, r, v, f"{r.name} {v if v != UNLIMITED else 'max'}: {why}", source)
+                for r, v in wanted if r.name in files]
+
+    def plan(self, pod: PodInfo, container: ContainerInfo) -> list[list[Update]] | None:
+        """The leveled update for a container (tiers, pod, container); None when the hook
+        has nothing to do (memory QoS never enabled, or the kernel lacks it)."""
+        cfg, why, qos = self.config(pod)
+        if not cfg.enable and not self._was_enabled:
+            return None
+        try:
+            pod_dir = pod_cgroup_dir(pod.cgroup_parent, self.executor.layout.driver)
+            cdir = container_cgroup_dir(pod.cgroup_parent, container.id, self.executor.layout.driver)
+        except CgroupError as exc:
+            raise HookError(f"pod {pod_name(pod)}: {exc}") from exc
+        source = f"pod {pod_name(pod)}: cgroup_parent {pod.cgroup_parent!r}"
+        support = self._detect(pod_dir, source)
+        if not support.enabled:
+            return None
+        if cfg.enable:
+            self._was_enabled = True
+        kube = kube_qos_from_cgroup_parent(pod.cgroup_parent)
+        spec = self.container_spec(pod, container, qos, kube, cdir)
+        with self._lock:
+            record = self._pods.get(pod.meta.uid)
+            if record is None or record.cgroup != pod_dir:
+                record = self._pods[pod.meta.uid] = _PodRecord(pod_dir, kube, cfg)
+            record.config = cfg
+            record.containers[container.meta.name] = spec
+            specs = list(record.containers.values())
+            # copies: other worker threads add containers while this one sums
+            others = [(uid, _PodRecord(r.cgroup, r.kube, r.config, dict(r.containers)))
+                      for uid, r in self._pods.items()]
+        label = qos.value or "no-class"
+        inputs = f"{label} pod, {why}: {describe(cfg)}"
+        if cfg.enable:
+            cvalues = container_values(spec, cfg, self.allocatable)
+            pvalues = pod_values(specs, cfg)
+        else:
+            cvalues = pvalues = disabled_values()
+            inputs = f"{label} pod, {why}: memory QoS off, koordlet's None values"
+        levels: list[list[Update]] = []
+        if kube is not None:
+            levels = self._tier_levels(pod_dir, kube, others, source, support.files)
+        total = sum(max(s.request, 0) for s in specs)
+        levels.append(self._updates(pod_dir, pvalues, f"{inputs}; pod request {total} (sum of containers)",
+                                    source, support.files))
+        limit = "none" if spec.limit == UNLIMITED else str(spec.limit)
+        levels.append(self._updates(cdir, cvalues, f"{inputs}; request {spec.request}, limit {limit} "
+                                    f"({spec.source}), allocatable {self.allocatable}", source, support.files))
+        return levels
+
+    def _tier_levels(self, pod_dir: PurePosixPath, kube: KubeQoS, records: list[tuple[str, _PodRecord]],
+                     source: str, files: frozenset[str]) -> list[list[Update]]:
+        pods: list[PodProtection] = []
+        for uid, rec in records:
+            if rec.kube is None:
+                continue
+            if not self.executor.path(rec.cgroup, MEMORY_MIN, source).parent.is_dir():
+                with self._lock:
+                    if self._pods.get(uid) is not None and self._pods[uid].cgroup == rec.cgroup:
+                        del self._pods[uid]  # its cgroup is gone: it no longer counts
+                continue
+            values = pod_values(rec.containers.values(), rec.config) if rec.config.enable else disabled_values()
+            pods.append(PodProtection(rec.cgroup, rec.kube, values.min, values.low))
+        sums = tier_sums(pods)
+        levels: list[list[Update]] = []
+        for where in tiers_of(pod_dir, kube):
+            if where is None or where not in sums:
+                continue
+            low_min, low = sums[where]
+            why = f"kube-QoS tier {where}: sum of its {len(pods)} known pods' memory.min/low"
+            levels.append(self._updates(where, MemoryValues(low_min, low), why, source, files))
+        return levels
+
+    # --- stages --------------------------------------------------------------------
+
+    def _apply(self, ctx: ContainerContext, reconcile: bool) -> ContainerPatch | None:
+        levels = self.plan(ctx.pod, ctx.container)
+        if levels is None:
+            return None
+        reason = levels[-1][0].reason if levels[-1] else "memory QoS"
+        if self.dry_run:
+            self._log_dry_run(ctx, levels)
+            if reconcile:
+                return None
+            planned = planned_writes(self.executor, [u for level in levels for u in level])
+            return ContainerPatch(reason=f"dry-run (nothing written): {reason}", writes=planned)
+        writes: tuple[HostWrite, ...] = host_writes(self.executor.leveled_update(levels))
+        if reconcile and not writes:
+            return None
+        return ContainerPatch(reason=f"{reason}{' (reconciled)' if reconcile else ''}", writes=writes)
+
+    def _log_dry_run(self, ctx: ContainerContext, levels: list[list[Update]]) -> None:
+        plan = tuple((f"{u.cgroup}/{u.resource.name}", str(u.value)) for level in levels for u in level)
+        key = f"{ctx.pod.meta.uid}/{ctx.container.meta.name}"
+        if self._dry_logged.get(key) != plan:
+            self._dry_logged[key] = plan
+            log.info("memory_qos_dry_run", pod=pod_name(ctx.pod), container=ctx.container.meta.name,
+                     plan=[f"{k}={v}" for k, v in plan], reason=levels[-1][0].reason if levels[-1] else "")
+
+    def post_start_container(self, ctx: ContainerContext) -> ContainerPatch | None:
+        return self._apply(ctx, reconcile=False)
+
+    def reconcile_container(self, ctx: ContainerContext) -> ContainerPatch | None:
+        return self._apply(ctx, reconcile=True)
+
+    def post_stop_pod_sandbox(self, ctx: PodContext) -> None:
+        """The pod leaves the tier sums (rewritten at the next container of its tier)."""
+        with self._lock:
+            self._pods.pop(ctx.pod.meta.uid, None)
+            for key in [k for k in self._dry_logged if k.startswith(f"{ctx.pod.meta.uid}/")]:
+                del self._dry_logged[key]
