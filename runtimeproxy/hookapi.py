@@ -415,6 +415,9 @@ class TaskInit:
     add_exposition: Callable[[Exposition], None] = _no_exposition
     cri: CriCall = _no_cri
     shared: MutableMapping[str, Any] = field(default_factory=dict)
+    #: The config's ``state_dir`` (None: empty, keep state in memory only): what a task
+    #: must remember across restarts (e.g. sysctl values to restore) goes under it.
+    state_dir: Path | None = None
 
 
 class HookError(Exception):

@@ -17,7 +17,7 @@ nor remembered (no cool-down, not pending), so the next round tries again.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -204,7 +204,7 @@ def _cpu_request(pod: PodView) -> float:
 
 
 @dataclass
-class _Round:
+class EvictRound:
     """Victims chosen so far in this round (shared by the tasks)."""
 
     chosen: list[PodView] = field(default_factory=list)
@@ -213,34 +213,74 @@ class _Round:
         return {p.uid for p in self.chosen}
 
 
+def round_of(scratch: dict[str, Any]) -> EvictRound:
+    """The victims chosen so far this round, shared by every evicting strategy
+    (``RoundInputs.scratch``): a pod picked by one task is not picked again, and
+    counts towards the next task's release."""
+    found = scratch.setdefault("evict.round", EvictRound())
+    assert isinstance(found, EvictRound)
+    return found
+
+
+#: koordlet's evictors: the tasks of one evictor share its cool-down (a successful
+#: eviction by any of them pauses all of them), as ``CPUEvict`` / ``MemoryEvict`` do.
+EVICTOR_OF: Final[dict[str, str]] = {CPU_NAME: "cpu", MEMORY_NAME: "memory"}
+
+
+@dataclass
+class SharedEviction:
+    """What the evicting strategies share: the pods being evicted and the cool-downs."""
+
+    tracker: EvictionTracker = field(default_factory=EvictionTracker)
+    #: evictor ("cpu" | "memory") -> time of its last successful eviction.
+    last: dict[str, float] = field(default_factory=dict)
+
+    def on_evicted(self, task: str, pod: PodView, inputs: NodeInputs) -> None:
+        """Record a successful eviction: pending release and the evictor's cool-down."""
+        self.last[EVICTOR_OF.get(task, task)] = inputs.now
+        self.tracker.add(Pending(pod.uid, inputs.now, _cpu_request(pod), inputs.pod_memory_used.get(pod.uid, 0.0)))
+
+    def cooling(self, task: str, now: float, cool_down: float) -> float | None:
+        """Until when ``task``'s evictor cools down (None: it does not)."""
+        last = self.last.get(EVICTOR_OF.get(task, task))
+        return None if last is None or now - last >= cool_down else last + cool_down
+
+
+def shared_eviction(shared: MutableMapping[str, Any]) -> SharedEviction:
+    """The one ``SharedEviction`` of a manager (``StrategyInit.shared``)."""
+    found = shared.setdefault("evict.shared", SharedEviction())
+    assert isinstance(found, SharedEviction)
+    return found
+
+
 class EvictionStrategy:
-    def __init__(self, cfg: EvictConfig, tracker: EvictionTracker | None = None) -> None:
+    def __init__(self, cfg: EvictConfig, tracker: EvictionTracker | None = None,
+                 shared: SharedEviction | None = None) -> None:
         self.cfg = cfg
-        self.tracker = tracker if tracker is not None else EvictionTracker()
-        self._last: dict[str, float] = {}  # task -> time of its last successful eviction
+        self.state = shared if shared is not None else SharedEviction(tracker or EvictionTracker())
+        self.tracker = self.state.tracker
 
     def on_evicted(self, task: str, pod: PodView, inputs: NodeInputs) -> None:
         """Record a successful eviction: pending release and the task's cool-down."""
-        self._last[task] = inputs.now
-        self.tracker.add(Pending(pod.uid, inputs.now, _cpu_request(pod), inputs.pod_memory_used.get(pod.uid, 0.0)))
+        self.state.on_evicted(task, pod, inputs)
 
     def _cooling(self, task: str, now: float, cool_down: float) -> float | None:
-        last = self._last.get(task)
-        return None if last is None or now - last >= cool_down else last + cool_down
+        return self.state.cooling(task, now, cool_down)
 
-    def plan(self, inputs: NodeInputs, window: BECPUWindow | None, threshold: ResourceThresholdStrategy) -> list[Plan]:
+    def plan(self, inputs: NodeInputs, window: BECPUWindow | None, threshold: ResourceThresholdStrategy,
+             current: EvictRound | None = None) -> list[Plan]:
         """Memory task first, then CPU; the CPU task sees the memory task's victims."""
         self.tracker.prune(p.uid for p in inputs.pods)
-        current = _Round()
+        current = current if current is not None else EvictRound()
         return [self.plan_memory(inputs, threshold, current), self.plan_cpu(inputs, window, threshold, current)]
 
-    def _candidates(self, inputs: NodeInputs, feature: str, current: _Round) -> list[PodView]:
+    def _candidates(self, inputs: NodeInputs, feature: str, current: EvictRound) -> list[PodView]:
         taken = current.uids()
         return [p for p in inputs.pods if is_be(p) and p.uid not in self.tracker and p.uid not in taken
                 and allowed(p, feature)]
 
-    def plan_memory(self, inputs: NodeInputs, t: ResourceThresholdStrategy, current: _Round | None = None) -> Plan:
-        current = current if current is not None else _Round()
+    def plan_memory(self, inputs: NodeInputs, t: ResourceThresholdStrategy, current: EvictRound | None = None) -> Plan:
+        current = current if current is not None else EvictRound()
         if not t.enable:
             return Plan(MEMORY_NAME, Priority.EVICTION, (), {"enable": False}, "disabled")
         until = self._cooling(MEMORY_NAME, inputs.now, self.cfg.memory_cool_down)
@@ -269,8 +309,8 @@ class EvictionStrategy:
         return Plan(MEMORY_NAME, Priority.EVICTION, actions, info, reason if actions else "no BE pod to evict")
 
     def plan_cpu(self, inputs: NodeInputs, window: BECPUWindow | None, t: ResourceThresholdStrategy,
-                 current: _Round | None = None) -> Plan:
-        current = current if current is not None else _Round()
+                 current: EvictRound | None = None) -> Plan:
+        current = current if current is not None else EvictRound()
         lower, upper = t.cpu_evict_be_satisfaction_lower_percent, t.cpu_evict_be_satisfaction_upper_percent
         if not t.enable or lower is None or upper is None:
             return Plan(CPU_NAME, Priority.EVICTION, (), {"enable": t.enable}, "disabled or satisfaction unset")
