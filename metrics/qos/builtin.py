@@ -117,7 +117,7 @@ def record_evictions(state: evict.SharedEviction, plan: Plan, outcomes: Sequence
         if outcome.result == "evicted" and isinstance(outcome.action, Evict):
             pod = by_uid.get(outcome.action.pod_uid)
             if pod is not None:
-                state.on_evicted(plan.strategy, pod, node)
+                state.on_evicted(plan.strategy, pod, node, outcome.action)
 
 
 class Resctrl(Strategy):

@@ -105,7 +105,9 @@ class CriEvictor:
 
 
 #: koordlet's eviction reasons, the ``reason`` label (bounded, unlike the log line's text).
-REASONS: Final = {MEMORY_NAME: "EvictPodByNodeMemoryUsage", CPU_NAME: "EvictPodByBECPUSatisfaction"}
+REASONS: Final = {MEMORY_NAME: "EvictPodByNodeMemoryUsage", CPU_NAME: "EvictPodByBECPUSatisfaction",
+                  "cpu_evict": "EvictPodByNodeCPUUsage", "cpu_allocatable_evict": "EvictPodByNodeCPUAllocatable",
+                  "memory_allocatable_evict": "EvictPodByNodeMemoryAllocatable"}
 
 
 class EvictionMetrics:
@@ -188,7 +190,7 @@ def order_victims(pods: Sequence[PodView], usage: Callable[[PodView], float]) ->
                                          _int_annotation(p.labels, SUB_PRIORITY), -usage(p)))
 
 
-def _pick(victims: Sequence[PodView], need: float, amount: Callable[[PodView], float]) -> list[PodView]:
+def pick(victims: Sequence[PodView], need: float, amount: Callable[[PodView], float]) -> list[PodView]:
     chosen: list[PodView] = []
     got = 0.0
     for pod in victims:
@@ -199,7 +201,7 @@ def _pick(victims: Sequence[PodView], need: float, amount: Callable[[PodView], f
     return chosen
 
 
-def _cpu_request(pod: PodView) -> float:
+def batch_cpu_cores(pod: PodView) -> float:
     return pod.batch_cpu_request_milli / 1000
 
 
@@ -224,7 +226,8 @@ def round_of(scratch: dict[str, Any]) -> EvictRound:
 
 #: koordlet's evictors: the tasks of one evictor share its cool-down (a successful
 #: eviction by any of them pauses all of them), as ``CPUEvict`` / ``MemoryEvict`` do.
-EVICTOR_OF: Final[dict[str, str]] = {CPU_NAME: "cpu", MEMORY_NAME: "memory"}
+EVICTOR_OF: Final[dict[str, str]] = {CPU_NAME: "cpu", MEMORY_NAME: "memory", "cpu_evict": "cpu",
+                                     "cpu_allocatable_evict": "cpu", "memory_allocatable_evict": "memory"}
 
 
 @dataclass
@@ -235,10 +238,14 @@ class SharedEviction:
     #: evictor ("cpu" | "memory") -> time of its last successful eviction.
     last: dict[str, float] = field(default_factory=dict)
 
-    def on_evicted(self, task: str, pod: PodView, inputs: NodeInputs) -> None:
-        """Record a successful eviction: pending release and the evictor's cool-down."""
+    def on_evicted(self, task: str, pod: PodView, inputs: NodeInputs, action: Evict | None = None) -> None:
+        """Record a successful eviction: pending release (what ``action`` counted on
+        getting back; else the batch-cpu request and memory used) and the evictor's cool-down."""
         self.last[EVICTOR_OF.get(task, task)] = inputs.now
-        self.tracker.add(Pending(pod.uid, inputs.now, _cpu_request(pod), inputs.pod_memory_used.get(pod.uid, 0.0)))
+        if action is not None:
+            self.tracker.add(Pending(pod.uid, inputs.now, action.released_cpu, action.released_memory))
+            return
+        self.tracker.add(Pending(pod.uid, inputs.now, batch_cpu_cores(pod), inputs.pod_memory_used.get(pod.uid, 0.0)))
 
     def cooling(self, task: str, now: float, cool_down: float) -> float | None:
         """Until when ``task``'s evictor cools down (None: it does not)."""
@@ -302,10 +309,10 @@ class EvictionStrategy:
         def mem(p: PodView) -> float:
             return inputs.pod_memory_used.get(p.uid, 0.0)
 
-        victims = _pick(order_victims(self._candidates(inputs, MEMORY_FEATURE, current), mem), need, mem)
+        victims = pick(order_victims(self._candidates(inputs, MEMORY_FEATURE, current), mem), need, mem)
         current.chosen += victims
         reason = f"node memory {percent:.1f}% >= {t.memory_evict_threshold_percent}%"
-        actions = tuple(Evict(p.uid, p.key, reason, _cpu_request(p), mem(p)) for p in victims)
+        actions = tuple(Evict(p.uid, p.key, reason, batch_cpu_cores(p), mem(p)) for p in victims)
         return Plan(MEMORY_NAME, Priority.EVICTION, actions, info, reason if actions else "no BE pod to evict")
 
     def plan_cpu(self, inputs: NodeInputs, window: BECPUWindow | None, t: ResourceThresholdStrategy,
@@ -320,21 +327,21 @@ class EvictionStrategy:
         need, info, why = self.cpu_release(inputs, window, t, lower, upper)
         if need is None:
             return Plan(CPU_NAME, Priority.EVICTION, (), info, why)
-        pending = self.tracker.pending_cpu() + sum(_cpu_request(p) for p in current.chosen)
+        pending = self.tracker.pending_cpu() + sum(batch_cpu_cores(p) for p in current.chosen)
         need -= pending
         info |= {"release_cores": need, "pending_cores": pending}
         if need <= 0:
             return Plan(CPU_NAME, Priority.EVICTION, (), info, "covered by pods already being evicted")
 
         def ratio(p: PodView) -> float:
-            req = _cpu_request(p)
+            req = batch_cpu_cores(p)
             return inputs.pod_cpu_used.get(p.uid, 0.0) / req if req > 0 else 0.0
 
         # A pod without a batch-cpu request frees no request: evicting it cannot help.
-        pool = [p for p in self._candidates(inputs, CPU_FEATURE, current) if _cpu_request(p) > 0]
-        victims = _pick(order_victims(pool, ratio), need, _cpu_request)
+        pool = [p for p in self._candidates(inputs, CPU_FEATURE, current) if batch_cpu_cores(p) > 0]
+        victims = pick(order_victims(pool, ratio), need, batch_cpu_cores)
         current.chosen += victims
-        actions = tuple(Evict(p.uid, p.key, why, _cpu_request(p), inputs.pod_memory_used.get(p.uid, 0.0))
+        actions = tuple(Evict(p.uid, p.key, why, batch_cpu_cores(p), inputs.pod_memory_used.get(p.uid, 0.0))
                         for p in victims)
         return Plan(CPU_NAME, Priority.EVICTION, actions, info, why if actions else "no BE pod to evict")
 

@@ -25,6 +25,10 @@ WSF = Path("/proc/sys/vm/watermark_scale_factor")
 MIN_FREE = Path("/proc/sys/vm/min_free_kbytes")
 
 
+def read(path: Path) -> str:
+    return path.read_text().strip()
+
+
 async def _no_runtime(method: str, payload: bytes, timeout: float) -> bytes:
     return b""
 
@@ -33,7 +37,7 @@ async def _no_runtime(method: str, payload: bytes, timeout: float) -> bytes:
 def original() -> Iterator[int]:
     if os.geteuid() != 0:
         pytest.skip("writing /proc/sys needs root")
-    before = int(WSF.read_text())
+    before = int(read(WSF))
     try:
         yield before
     finally:
@@ -43,7 +47,7 @@ def original() -> Iterator[int]:
 @pytest.mark.asyncio
 async def test_watermark_scale_factor_is_set_and_restored(original: int, tmp_path: Path) -> None:
     wanted = original + 1 if original < 400 else original - 1  # koordlet's range [10, 400]
-    min_free_before = MIN_FREE.read_text().strip()
+    min_free_before = read(MIN_FREE)
     executor = CgroupExecutor(CgroupLayout(Path("/sys/fs/cgroup")))
     config = ManagerConfig()
     init = StrategyInit(name="system-config", args={}, key_path="strategies", config=config, topology=[],
@@ -56,13 +60,13 @@ async def test_watermark_scale_factor_is_set_and_restored(original: int, tmp_pat
                              evictor=CriEvictor(_no_runtime), rules=lambda: rules[0], config=config,
                              strategies=[strategy])
         await manager.run_once()
-        assert int(WSF.read_text()) == wanted
-        saved = json.loads((tmp_path / "state" / STATE_FILE).read_text())
+        assert int(read(WSF)) == wanted
+        saved = json.loads(read(tmp_path / "state" / STATE_FILE))
         assert saved == {"proc:sys/vm/watermark_scale_factor": str(original)}
-        assert MIN_FREE.read_text().strip() == min_free_before  # unset: untouched
+        assert read(MIN_FREE) == min_free_before  # unset: untouched
         rules[0] = parse_rules({})
         await manager.run_once()
-        assert int(WSF.read_text()) == original
-        assert json.loads((tmp_path / "state" / STATE_FILE).read_text()) == {}
+        assert int(read(WSF)) == original
+        assert json.loads(read(tmp_path / "state" / STATE_FILE)) == {}
     finally:
         store.close()

@@ -125,8 +125,9 @@ def test_without_a_list_every_installed_strategy_runs_in_the_documented_order(tm
     loaded = load_strategies(None, base_init(tmp_path, executor), installed_plus(TINY))
     names = [s.name for s in loaded.enabled]
     # no resctrl mount under the injected root: that strategy says so and stays out
-    assert names[:3] == ["be-evict", "cpu-suppress", "cpu-burst"] and names[-1] == "tiny"
-    assert "resctrl" not in names and loaded.disabled == []
+    assert names == ["be-evict", "allocatable-evict", "cpu-evict", "cpu-suppress", "cpu-burst", "system-config",
+                     "tiny"]
+    assert loaded.disabled == []
 
 
 def test_a_listed_but_disabled_strategy_is_built_aside(tmp_path: Path) -> None:
