@@ -28,6 +28,7 @@ log = structlog.get_logger("metrics.qos.builtin")
 #: ``StrategyInit.shared`` keys the task (or a test) may fill.
 WRITER: Final = "writer"  # MetricWriter for the koordlet_be_suppress_* series
 RESCTRL: Final = "resctrl"  # a ResctrlSync (else built from host.resctrl when mounted)
+AGENT: Final = "agent"  # the MetricsAgent (its informer: the Node object)
 
 
 def _state_summary(state: BEState) -> dict[str, Any]:
