@@ -233,7 +233,11 @@ class SystemConfig(Strategy):
         if changed:
             if not restoring and action.target not in self.originals:
                 self.originals[action.target] = current
-                self._save()  # before the write: a crash right after it must not lose the original
+                try:
+                    self._save()  # before the write: a crash right after it must not lose the original
+                except HostFileError:
+                    del self.originals[action.target]  # not kept: the next round tries again, still unwritten
+                    raise
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
                 try:

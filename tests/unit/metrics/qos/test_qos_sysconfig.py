@@ -197,3 +197,15 @@ async def test_a_symlinked_knob_is_refused_not_followed(envs: Any, tmp_path: Pat
     await env.manager.run_once()
     assert outside.read_text() == "10\n"
     assert "not readable" in env.manager.explain()["strategies"]["system_config"]["plan"]["reason"]
+
+
+@pytest.mark.asyncio
+async def test_no_write_without_the_original_saved(envs: Any) -> None:
+    env = envs()
+    env.state.write_text("not a directory")  # state_dir unusable: the original cannot be kept
+    env.rules = parse_rules({"systemStrategy": {"watermarkScaleFactor": 150}})
+    for _ in range(2):  # and not on the next round either
+        await env.manager.run_once()
+        assert env.read(env.proc, WSF) == "10"
+        applied = env.manager.explain()["strategies"]["system_config"]["applied"]
+        assert applied[0]["result"].startswith("failed") and "cannot save the original" in applied[0]["result"]
