@@ -398,7 +398,9 @@ class TaskInit:
       so a clash is still refused; same validity as ``add_route``;
     - ``cri``: unary calls to the runtime behind the proxy (not through the hook chain);
     - ``shared``: one mapping per process, for tasks of one plugin family to share an
-      object (e.g. the metrics store) whatever their order in the YAML.
+      object (e.g. the metrics store) whatever their order in the YAML;
+    - ``state_dir``: the config's ``state_dir`` (None when empty), for what must survive
+      a restart.
     """
 
     name: str
