@@ -196,7 +196,7 @@ class QoSManager:
                            capacity_cores=self.capacity)
         active = [s for s in strategies if s.enabled(rules)]
         given = {NODE.name: node} if node is not None else None
-        inputs = read_inputs(ctx, [NODE, *(key for s in active for key in s.reads)], given)
+        inputs = read_inputs(ctx, [key for s in active for key in s.reads], given)
         plans: list[Plan] = []
         for chosen in active:
             made = chosen.plan(inputs)
@@ -222,7 +222,7 @@ class QoSManager:
             outcomes = await asyncio.to_thread(self._write_all, plan.strategy, writes)
             for action in plan.actions:
                 if isinstance(action, Evict):
-                    outcomes.append(await self._evict(plan.strategy, action, inputs[NODE]))
+                    outcomes.append(await self._evict(plan.strategy, action, inputs.pods))
             result.outcomes[plan.strategy] = outcomes
             owner = self._owners.get(plan.strategy)
             if owner is not None:
@@ -289,8 +289,8 @@ class QoSManager:
             raise ResctrlError(f"no strategy {strategy!r} to carry out {action.describe()['kind']}")
         return owner.apply(action)
 
-    async def _evict(self, strategy: str, action: Evict, inputs: NodeInputs) -> Outcome:
-        pod = next((p for p in inputs.pods if p.uid == action.pod_uid), None)
+    async def _evict(self, strategy: str, action: Evict, pods: Sequence[PodView]) -> Outcome:
+        pod = next((p for p in pods if p.uid == action.pod_uid), None)
         if pod is None:
             return Outcome(action, "gone")
         if not await evict.carry_out(self._evictor, pod, action, strategy, self._metrics):

@@ -99,6 +99,7 @@ async def test_tuned_then_restored_when_the_section_goes_away(envs: Any) -> None
     assert {a["result"] for a in entry["applied"]} == {"written"}
     assert entry["plan"]["inputs"]["mem_total_kb"] == MEM_KB and entry["plan"]["priority"] == "system"
     assert env.manager.explain()["inputs"]["system_files"][f"proc:{WSF}"] == "10"  # as read before the round
+    assert set(env.manager.explain()["inputs"]) == {"system_files"}  # the store is not queried for it
     await env.manager.run_once()  # in place: nothing changes, originals kept
     assert {a["result"] for a in env.manager.explain()["strategies"]["system_config"]["applied"]} == {"unchanged"}
     assert env.saved() == {f"proc:{MIN_FREE}": "67584", f"proc:{WSF}": "10"}
