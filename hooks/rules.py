@@ -118,6 +118,19 @@ class ResourceThresholdStrategy:
     #: Averaging window of BE CPU eviction (unset: the collect interval).
     cpu_evict_time_window_seconds: int | None = None
     cpu_evict_policy: str = "evictByRealLimit"
+    #: Node CPU eviction (``CPUEvict``): node CPU usage % over the window; unset = off.
+    cpu_evict_threshold_percent: int | None = None
+    #: Release down to this % (unset: threshold - 2, as koordlet).
+    cpu_evict_lower_percent: int | None = None
+    #: Highest priority value the usage evictors (``CPUEvict``) may evict (unset: BE pods only).
+    evict_enabled_priority_threshold: int | None = None
+    #: Highest priority value the allocatable evictors may evict (must be below koord-prod).
+    allocatable_evict_priority_threshold: int | None = None
+    #: Σ requests of those pods over allocatable, %: evict above threshold (110), down to lower (100).
+    cpu_allocatable_evict_threshold_percent: int | None = None
+    cpu_allocatable_evict_lower_percent: int | None = None
+    memory_allocatable_evict_threshold_percent: int | None = None
+    memory_allocatable_evict_lower_percent: int | None = None
 
     @property
     def memory_evict_lower(self) -> int:
@@ -148,11 +161,23 @@ class CPUBurstStrategy:
 
 
 @dataclass(frozen=True, slots=True)
+class SystemStrategy:
+    """NodeSLO ``systemStrategy`` (host memory tuning); unset fields are not touched."""
+
+    #: min_free_kbytes = MemTotal_kB x factor / 10000 (Koordinator recommends 100).
+    min_free_kbytes_factor: int | None = None
+    watermark_scale_factor: int | None = None
+    #: ``/sys/kernel/mm/memcg_reaper/reap_background`` (Anolis kernels), 0 or 1.
+    memcg_reap_background: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Rules:
     resource_qos_strategy: ResourceQOSStrategy = field(default_factory=ResourceQOSStrategy)
     policies: Policies = Policies()
     resource_used_threshold_with_be: ResourceThresholdStrategy = ResourceThresholdStrategy()
     cpu_burst_strategy: CPUBurstStrategy = CPUBurstStrategy()
+    system_strategy: SystemStrategy = SystemStrategy()
     #: Our extension (not a NodeSLO key): the class of Guaranteed pods without a
     #: ``koordinator.sh/qosClass`` label. Koordinator treats them as LSR.
     guaranteed_class: QoSClass = QoSClass.LSR
@@ -313,6 +338,23 @@ _THRESHOLD: Final = _section(
         "cpuEvictBEUsageThresholdPercent": ("cpu_evict_be_usage_threshold_percent", _PCT),
         "cpuEvictTimeWindowSeconds": ("cpu_evict_time_window_seconds", _int(1, 3600)),
         "cpuEvictPolicy": ("cpu_evict_policy", _choice("evictByRealLimit", "evictByAllocatable")),
+        "cpuEvictThresholdPercent": ("cpu_evict_threshold_percent", _int(1, 99)),
+        "cpuEvictLowerPercent": ("cpu_evict_lower_percent", _PCT),
+        "evictEnabledPriorityThreshold": ("evict_enabled_priority_threshold", _int(0, 9999)),
+        "allocatableEvictPriorityThreshold": ("allocatable_evict_priority_threshold", _int(0, 8999)),
+        "cpuAllocatableEvictThresholdPercent": ("cpu_allocatable_evict_threshold_percent", _int(1, 1000)),
+        "cpuAllocatableEvictLowerPercent": ("cpu_allocatable_evict_lower_percent", _int(0, 1000)),
+        "memoryAllocatableEvictThresholdPercent": ("memory_allocatable_evict_threshold_percent", _int(1, 1000)),
+        "memoryAllocatableEvictLowerPercent": ("memory_allocatable_evict_lower_percent", _int(0, 1000)),
+    },
+)
+#: Ranges as koordlet's file validators (min_free_kbytes itself is checked once computed).
+_SYSTEM: Final = _section(
+    SystemStrategy,
+    {
+        "minFreeKbytesFactor": ("min_free_kbytes_factor", _int(1, 10_000)),
+        "watermarkScaleFactor": ("watermark_scale_factor", _int(10, 400)),
+        "memcgReapBackGround": ("memcg_reap_background", _int(0, 1)),
     },
 )
 _BURST_FIELDS: Final[Mapping[str, tuple[str, Parser]]] = {
@@ -340,6 +382,7 @@ _RULES: Final = _section(
         "policies": ("policies", _POLICIES),
         "resourceUsedThresholdWithBE": ("resource_used_threshold_with_be", _THRESHOLD),
         "cpuBurstStrategy": ("cpu_burst_strategy", _BURST),
+        "systemStrategy": ("system_strategy", _SYSTEM),
         "guaranteedQoSClass": ("guaranteed_class", _guaranteed),
     },
 )
@@ -368,6 +411,16 @@ def _check_thresholds(rules: Rules, path: str) -> None:
     if t.memory_evict_lower_percent is not None and t.memory_evict_lower_percent >= t.memory_evict_threshold_percent:
         raise HookConfigError(f"{where}.memoryEvictLowerPercent", t.memory_evict_lower_percent,
                               f"must be below memoryEvictThresholdPercent ({t.memory_evict_threshold_percent})")
+    if (t.cpu_evict_lower_percent is not None and t.cpu_evict_threshold_percent is not None
+            and t.cpu_evict_lower_percent >= t.cpu_evict_threshold_percent):
+        raise HookConfigError(f"{where}.cpuEvictLowerPercent", t.cpu_evict_lower_percent,
+                              f"must be below cpuEvictThresholdPercent ({t.cpu_evict_threshold_percent})")
+    for kind in ("cpu", "memory"):
+        low = getattr(t, f"{kind}_allocatable_evict_lower_percent")
+        high = getattr(t, f"{kind}_allocatable_evict_threshold_percent")
+        if low is not None and low >= (high if high is not None else 110):
+            raise HookConfigError(f"{where}.{kind}AllocatableEvictLowerPercent", low,
+                                  f"must be below {kind}AllocatableEvictThresholdPercent ({high or 110})")
     if t.cpu_suppress_min_percent is not None and t.cpu_suppress_min_percent > t.cpu_suppress_threshold_percent:
         raise HookConfigError(f"{where}.cpuSuppressMinPercent", t.cpu_suppress_min_percent,
                               f"must not exceed cpuSuppressThresholdPercent ({t.cpu_suppress_threshold_percent})")
@@ -400,9 +453,9 @@ def parse_cpu_burst(raw: object, path: str, base: CPUBurstStrategy) -> CPUBurstS
 
 # --- one source of rules -------------------------------------------------------------
 
-#: NodeSLO keys we model, by level; anything else in a NodeSLO (systemStrategy,
-#: extensions, hostApplications, networkQOS, page-cache and allocatable-
-#: eviction fields) is a feature this agent does not implement, so it is left out
+#: NodeSLO keys we model, by level; anything else in a NodeSLO (the systemStrategy
+#: fields other than the three memory knobs, extensions, hostApplications,
+#: networkQOS, page-cache fields) is a feature this agent does not implement, so it is left out
 #: instead of failing the whole document.
 _NODESLO_KNOWN: Final[Mapping[str, Any]] = {
     "resourceQOSStrategy": {
@@ -411,6 +464,7 @@ _NODESLO_KNOWN: Final[Mapping[str, Any]] = {
     },
     "resourceUsedThresholdWithBE": _THRESHOLD,
     "cpuBurstStrategy": _BURST,
+    "systemStrategy": _SYSTEM,
 }
 
 

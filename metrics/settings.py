@@ -17,6 +17,7 @@ from typing import Any, Final, Literal, TypeVar
 from hooks.cgroups import CgroupError, CgroupLayout, Driver
 from metrics.analysis.prediction import PredictionSettings
 from metrics.collect.hostapp import HostApp, parse_host_apps
+from metrics.qos.specs import StrategySpec, check_specs, parse_specs
 from metrics.store.tsdb import (
     DEFAULT_COARSE_AFTER,
     DEFAULT_COARSE_STEP,
@@ -122,6 +123,8 @@ class QoSSettings:
     cgroup_driver: Driver = "cgroupfs"
     #: Reserved CPUs for the suppress formula when no Node object says (cores).
     reserved_cpu: float = 0.0
+    #: ``strategies:`` in planning order (None: every installed one, metrics.qos.strategy.DEFAULT_ORDER).
+    strategies: tuple[StrategySpec, ...] | None = None
 
 
 class _Args:
@@ -316,6 +319,7 @@ def parse_qos(raw: Mapping[str, Any], key_path: str) -> QoSSettings:
         besteffort_dir=args.get("besteffort_dir", base.besteffort_dir, args.relative_dir),
         cgroup_driver=args.get("cgroup_driver", base.cgroup_driver, args.choice("cgroupfs", "systemd")),
         reserved_cpu=float(reserved),
+        strategies=parse_specs(raw.get("strategies"), f"{key_path}.strategies"),
     )
 
 
@@ -349,4 +353,5 @@ def validate_qos(init: TaskInit) -> QoSSettings:
         CgroupLayout(init.host.cgroup, "auto", settings.cgroup_driver)
     except CgroupError as exc:
         raise HookConfigError(f"{init.key_path}.cgroup_driver", settings.cgroup_driver, str(exc)) from exc
+    check_specs(settings.strategies)
     return settings

@@ -107,6 +107,7 @@ class App:
             current_rules=self.rules.current, set_rules_overlay=self.rules.set_overlay, registry=self.registry,
             add_route=self._add_route, add_explainer=self._add_explainer, cri=self._cri_call,
             add_exposition=self._add_exposition,
+            state_dir=Path(settings.state_dir) if settings.state_dir else None,
         )
         for name, task in plugins.build_tasks(settings, base):
             self.supervisor.add(f"task:{name}", task)

@@ -398,7 +398,9 @@ class TaskInit:
       so a clash is still refused; same validity as ``add_route``;
     - ``cri``: unary calls to the runtime behind the proxy (not through the hook chain);
     - ``shared``: one mapping per process, for tasks of one plugin family to share an
-      object (e.g. the metrics store) whatever their order in the YAML.
+      object (e.g. the metrics store) whatever their order in the YAML;
+    - ``state_dir``: the config's ``state_dir`` (None when empty), for what must survive
+      a restart.
     """
 
     name: str
@@ -415,6 +417,9 @@ class TaskInit:
     add_exposition: Callable[[Exposition], None] = _no_exposition
     cri: CriCall = _no_cri
     shared: MutableMapping[str, Any] = field(default_factory=dict)
+    #: The config's ``state_dir`` (None: empty, keep state in memory only): what a task
+    #: must remember across restarts (e.g. sysctl values to restore) goes under it.
+    state_dir: Path | None = None
 
 
 class HookError(Exception):

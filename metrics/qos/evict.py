@@ -17,7 +17,7 @@ nor remembered (no cool-down, not pending), so the next round tries again.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -105,7 +105,9 @@ class CriEvictor:
 
 
 #: koordlet's eviction reasons, the ``reason`` label (bounded, unlike the log line's text).
-REASONS: Final = {MEMORY_NAME: "EvictPodByNodeMemoryUsage", CPU_NAME: "EvictPodByBECPUSatisfaction"}
+REASONS: Final = {MEMORY_NAME: "EvictPodByNodeMemoryUsage", CPU_NAME: "EvictPodByBECPUSatisfaction",
+                  "cpu_evict": "EvictPodByNodeCPUUsage", "cpu_allocatable_evict": "EvictPodByNodeCPUAllocatable",
+                  "memory_allocatable_evict": "EvictPodByNodeMemoryAllocatable"}
 
 
 class EvictionMetrics:
@@ -188,7 +190,7 @@ def order_victims(pods: Sequence[PodView], usage: Callable[[PodView], float]) ->
                                          _int_annotation(p.labels, SUB_PRIORITY), -usage(p)))
 
 
-def _pick(victims: Sequence[PodView], need: float, amount: Callable[[PodView], float]) -> list[PodView]:
+def pick(victims: Sequence[PodView], need: float, amount: Callable[[PodView], float]) -> list[PodView]:
     chosen: list[PodView] = []
     got = 0.0
     for pod in victims:
@@ -199,12 +201,12 @@ def _pick(victims: Sequence[PodView], need: float, amount: Callable[[PodView], f
     return chosen
 
 
-def _cpu_request(pod: PodView) -> float:
+def batch_cpu_cores(pod: PodView) -> float:
     return pod.batch_cpu_request_milli / 1000
 
 
 @dataclass
-class _Round:
+class EvictRound:
     """Victims chosen so far in this round (shared by the tasks)."""
 
     chosen: list[PodView] = field(default_factory=list)
@@ -213,34 +215,79 @@ class _Round:
         return {p.uid for p in self.chosen}
 
 
+def round_of(scratch: dict[str, Any]) -> EvictRound:
+    """The victims chosen so far this round, shared by every evicting strategy
+    (``RoundInputs.scratch``): a pod picked by one task is not picked again, and
+    counts towards the next task's release."""
+    found = scratch.setdefault("evict.round", EvictRound())
+    assert isinstance(found, EvictRound)
+    return found
+
+
+#: koordlet's evictors: the tasks of one evictor share its cool-down (a successful
+#: eviction by any of them pauses all of them), as ``CPUEvict`` / ``MemoryEvict`` do.
+EVICTOR_OF: Final[dict[str, str]] = {CPU_NAME: "cpu", MEMORY_NAME: "memory", "cpu_evict": "cpu",
+                                     "cpu_allocatable_evict": "cpu", "memory_allocatable_evict": "memory"}
+
+
+@dataclass
+class SharedEviction:
+    """What the evicting strategies share: the pods being evicted and the cool-downs."""
+
+    tracker: EvictionTracker = field(default_factory=EvictionTracker)
+    #: evictor ("cpu" | "memory") -> time of its last successful eviction.
+    last: dict[str, float] = field(default_factory=dict)
+
+    def on_evicted(self, task: str, pod: PodView, inputs: NodeInputs, action: Evict | None = None) -> None:
+        """Record a successful eviction: pending release (what ``action`` counted on
+        getting back; else the batch-cpu request and memory used) and the evictor's cool-down."""
+        self.last[EVICTOR_OF.get(task, task)] = inputs.now
+        if action is not None:
+            self.tracker.add(Pending(pod.uid, inputs.now, action.released_cpu, action.released_memory))
+            return
+        self.tracker.add(Pending(pod.uid, inputs.now, batch_cpu_cores(pod), inputs.pod_memory_used.get(pod.uid, 0.0)))
+
+    def cooling(self, task: str, now: float, cool_down: float) -> float | None:
+        """Until when ``task``'s evictor cools down (None: it does not)."""
+        last = self.last.get(EVICTOR_OF.get(task, task))
+        return None if last is None or now - last >= cool_down else last + cool_down
+
+
+def shared_eviction(shared: MutableMapping[str, Any]) -> SharedEviction:
+    """The one ``SharedEviction`` of a manager (``StrategyInit.shared``)."""
+    found = shared.setdefault("evict.shared", SharedEviction())
+    assert isinstance(found, SharedEviction)
+    return found
+
+
 class EvictionStrategy:
-    def __init__(self, cfg: EvictConfig, tracker: EvictionTracker | None = None) -> None:
+    def __init__(self, cfg: EvictConfig, tracker: EvictionTracker | None = None,
+                 shared: SharedEviction | None = None) -> None:
         self.cfg = cfg
-        self.tracker = tracker if tracker is not None else EvictionTracker()
-        self._last: dict[str, float] = {}  # task -> time of its last successful eviction
+        self.state = shared if shared is not None else SharedEviction(tracker or EvictionTracker())
+        self.tracker = self.state.tracker
 
     def on_evicted(self, task: str, pod: PodView, inputs: NodeInputs) -> None:
         """Record a successful eviction: pending release and the task's cool-down."""
-        self._last[task] = inputs.now
-        self.tracker.add(Pending(pod.uid, inputs.now, _cpu_request(pod), inputs.pod_memory_used.get(pod.uid, 0.0)))
+        self.state.on_evicted(task, pod, inputs)
 
     def _cooling(self, task: str, now: float, cool_down: float) -> float | None:
-        last = self._last.get(task)
-        return None if last is None or now - last >= cool_down else last + cool_down
+        return self.state.cooling(task, now, cool_down)
 
-    def plan(self, inputs: NodeInputs, window: BECPUWindow | None, threshold: ResourceThresholdStrategy) -> list[Plan]:
+    def plan(self, inputs: NodeInputs, window: BECPUWindow | None, threshold: ResourceThresholdStrategy,
+             current: EvictRound | None = None) -> list[Plan]:
         """Memory task first, then CPU; the CPU task sees the memory task's victims."""
         self.tracker.prune(p.uid for p in inputs.pods)
-        current = _Round()
+        current = current if current is not None else EvictRound()
         return [self.plan_memory(inputs, threshold, current), self.plan_cpu(inputs, window, threshold, current)]
 
-    def _candidates(self, inputs: NodeInputs, feature: str, current: _Round) -> list[PodView]:
+    def _candidates(self, inputs: NodeInputs, feature: str, current: EvictRound) -> list[PodView]:
         taken = current.uids()
         return [p for p in inputs.pods if is_be(p) and p.uid not in self.tracker and p.uid not in taken
                 and allowed(p, feature)]
 
-    def plan_memory(self, inputs: NodeInputs, t: ResourceThresholdStrategy, current: _Round | None = None) -> Plan:
-        current = current if current is not None else _Round()
+    def plan_memory(self, inputs: NodeInputs, t: ResourceThresholdStrategy, current: EvictRound | None = None) -> Plan:
+        current = current if current is not None else EvictRound()
         if not t.enable:
             return Plan(MEMORY_NAME, Priority.EVICTION, (), {"enable": False}, "disabled")
         until = self._cooling(MEMORY_NAME, inputs.now, self.cfg.memory_cool_down)
@@ -262,15 +309,15 @@ class EvictionStrategy:
         def mem(p: PodView) -> float:
             return inputs.pod_memory_used.get(p.uid, 0.0)
 
-        victims = _pick(order_victims(self._candidates(inputs, MEMORY_FEATURE, current), mem), need, mem)
+        victims = pick(order_victims(self._candidates(inputs, MEMORY_FEATURE, current), mem), need, mem)
         current.chosen += victims
         reason = f"node memory {percent:.1f}% >= {t.memory_evict_threshold_percent}%"
-        actions = tuple(Evict(p.uid, p.key, reason, _cpu_request(p), mem(p)) for p in victims)
+        actions = tuple(Evict(p.uid, p.key, reason, batch_cpu_cores(p), mem(p)) for p in victims)
         return Plan(MEMORY_NAME, Priority.EVICTION, actions, info, reason if actions else "no BE pod to evict")
 
     def plan_cpu(self, inputs: NodeInputs, window: BECPUWindow | None, t: ResourceThresholdStrategy,
-                 current: _Round | None = None) -> Plan:
-        current = current if current is not None else _Round()
+                 current: EvictRound | None = None) -> Plan:
+        current = current if current is not None else EvictRound()
         lower, upper = t.cpu_evict_be_satisfaction_lower_percent, t.cpu_evict_be_satisfaction_upper_percent
         if not t.enable or lower is None or upper is None:
             return Plan(CPU_NAME, Priority.EVICTION, (), {"enable": t.enable}, "disabled or satisfaction unset")
@@ -280,21 +327,21 @@ class EvictionStrategy:
         need, info, why = self.cpu_release(inputs, window, t, lower, upper)
         if need is None:
             return Plan(CPU_NAME, Priority.EVICTION, (), info, why)
-        pending = self.tracker.pending_cpu() + sum(_cpu_request(p) for p in current.chosen)
+        pending = self.tracker.pending_cpu() + sum(batch_cpu_cores(p) for p in current.chosen)
         need -= pending
         info |= {"release_cores": need, "pending_cores": pending}
         if need <= 0:
             return Plan(CPU_NAME, Priority.EVICTION, (), info, "covered by pods already being evicted")
 
         def ratio(p: PodView) -> float:
-            req = _cpu_request(p)
+            req = batch_cpu_cores(p)
             return inputs.pod_cpu_used.get(p.uid, 0.0) / req if req > 0 else 0.0
 
         # A pod without a batch-cpu request frees no request: evicting it cannot help.
-        pool = [p for p in self._candidates(inputs, CPU_FEATURE, current) if _cpu_request(p) > 0]
-        victims = _pick(order_victims(pool, ratio), need, _cpu_request)
+        pool = [p for p in self._candidates(inputs, CPU_FEATURE, current) if batch_cpu_cores(p) > 0]
+        victims = pick(order_victims(pool, ratio), need, batch_cpu_cores)
         current.chosen += victims
-        actions = tuple(Evict(p.uid, p.key, why, _cpu_request(p), inputs.pod_memory_used.get(p.uid, 0.0))
+        actions = tuple(Evict(p.uid, p.key, why, batch_cpu_cores(p), inputs.pod_memory_used.get(p.uid, 0.0))
                         for p in victims)
         return Plan(CPU_NAME, Priority.EVICTION, actions, info, why if actions else "no BE pod to evict")
 

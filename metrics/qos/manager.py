@@ -1,18 +1,21 @@
 """The QoS manager: every second, plan all strategies, arbitrate, carry out.
 
-One round: read the node's state (store samples, the BE tree's knobs, quotas)
-in a worker thread, let each strategy plan from it, ``arbitrate`` the plans,
-then write through ``CgroupExecutor`` (confined to the cgroup root, idempotent)
-and evict through the ``Evictor``. Blocking reads and writes run in
-``asyncio.to_thread`` so kubelet's CRI calls on the same loop never wait for
-cgroupfs. Rounds never overlap: the fast path's immediate re-plan of the
+One round: read every input the enabled strategies declare (store samples, the
+BE tree's knobs, quotas; each once) and let each strategy plan from them, in a
+worker thread; ``arbitrate`` the plans, then write through ``CgroupExecutor``
+(confined to the cgroup root, idempotent), evict through the ``Evictor``, and
+hand any other action kind (resctrl, host files) to the strategy that owns it.
+Strategies are ``metrics.qos.strategy.Strategy`` objects, in the configured order
+(see ``strategy`` for the interface and the registry). Blocking reads and writes
+run in ``asyncio.to_thread`` so kubelet's CRI calls on the same loop never wait
+for cgroupfs. Rounds never overlap: the fast path's immediate re-plan of the
 suppress strategy takes the same lock and goes through the same arbitration and
 executor.
 
 ``explain`` shows the last plan of every strategy with its inputs and what
-became of each action (written, unchanged, dry-run, rejected and why, failed).
-In dry-run mode plans are computed, logged and explained, and nothing is
-written or evicted.
+became of each action (written, unchanged, dry-run, rejected and why, failed),
+the planning order and a summary of every input read. In dry-run mode plans are
+computed, logged and explained, and nothing is written or evicted.
 """
 
 from __future__ import annotations
@@ -21,52 +24,31 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
 from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry
 
-from hooks.cgroups import CgroupError, CgroupGoneError
+from hooks.cgroups import CgroupGoneError
 from hooks.executor import CgroupExecutor, Update
 from hooks.resctrlfs import ResctrlError
 from hooks.rules import Rules
 from metrics.model import MetricReader, MetricWriter, PodView
-from metrics.qos import burst, evict, suppress
-from metrics.qos.inputs import BECPUWindow, NodeInputs, build_be_cpu_window, build_node_inputs
-from metrics.qos.plan import Action, AddTasks, Evict, LeveledWrite, Plan, Rejected, SetCgroup, SetSchemata, arbitrate
-from metrics.qos.resctrlsync import ResctrlSync, apply_resctrl
-from metrics.qos.suppress import NAME as SUPPRESS_NAME
-from metrics.qos.suppress import BEState, CPULike, SuppressConfig, SuppressStrategy
-from runtimeproxy.hookapi import PodInfo
+from metrics.qos import builtin, evict, suppress
+from metrics.qos.builtin import CPUSuppress
+from metrics.qos.config import ManagerConfig
+from metrics.qos.inputs import NodeInputs
+from metrics.qos.plan import Action, Evict, LeveledWrite, Outcome, Plan, Rejected, SetCgroup, SetSchemata, arbitrate
+from metrics.qos.resctrlsync import ResctrlSync
+from metrics.qos.strategy import NODE, RoundContext, RoundInputs, Strategy, StrategyInit, read_inputs
+from metrics.qos.suppress import BEState, CPULike, SuppressStrategy
+from runtimeproxy.hookapi import HookError, PodInfo
+
+__all__ = ["ManagerConfig", "Outcome", "QoSManager", "Round"]
 
 log = structlog.get_logger("metrics.qos.manager")
-
-
-@dataclass(frozen=True, slots=True)
-class ManagerConfig:
-    #: Seconds between rounds (koordlet: 1 s for every strategy).
-    interval: float = 1.0
-    #: The collectors' interval: samples older than twice this are stale.
-    collect_interval: float = 1.0
-    dry_run: bool = False
-    node_name: str = ""
-    #: Node CPU capacity in cores (default: the number of logical CPUs in the topology).
-    capacity_cores: float | None = None
-    #: max(kubelet reserved, ``node.koordinator.sh/reservation``), in cores.
-    reserved_cores: float = 0.0
-    suppress: SuppressConfig = SuppressConfig()
-    evict: evict.EvictConfig = evict.EvictConfig()
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    action: Action
-    result: str  # written | unchanged | dry-run | failed: ... | gone
-
-    def describe(self) -> dict[str, Any]:
-        return {**self.action.describe(), "result": self.result}
 
 
 @dataclass
@@ -80,12 +62,10 @@ class Round:
 
 
 @dataclass(frozen=True, slots=True)
-class _Snapshot:
-    inputs: NodeInputs
-    window: BECPUWindow | None
-    be: BEState
-    quotas: Mapping[str, int]
-    resctrl: Plan | None
+class _Planned:
+    inputs: RoundInputs
+    plans: list[Plan]
+    idle: list[str]
 
 
 class QoSManager:
@@ -103,7 +83,10 @@ class QoSManager:
         registry: CollectorRegistry | None = None,
         writer: MetricWriter | None = None,
         clock: Callable[[], float] = time.time,
+        strategies: Sequence[Strategy] | None = None,
     ) -> None:
+        """``strategies`` in planning order; None: the built-in CPU strategies
+        (``builtin.defaults``; resctrl when ``resctrl`` is given)."""
         self.cfg = config
         self.capacity = config.capacity_cores if config.capacity_cores is not None else float(len(topology))
         self._reader = reader
@@ -112,20 +95,46 @@ class QoSManager:
         self._evictor = evictor
         self._rules = rules
         self._clock = clock
-        self._writer = writer
-        self.suppress = SuppressStrategy(config.suppress, topology)
-        self.burst = burst.BurstStrategy()
-        self.eviction = evict.EvictionStrategy(config.evict)
-        self.resctrl = resctrl
+        if strategies is None:
+            shared: dict[str, Any] = {builtin.WRITER: writer}
+            if resctrl is not None:
+                shared[builtin.RESCTRL] = resctrl
+            init = StrategyInit(name="", args={}, key_path="strategies", config=config, topology=topology,
+                                executor=executor, shared=shared)
+            strategies = builtin.defaults(init)
+        self.strategies: tuple[Strategy, ...] = tuple(strategies)
+        names = [s.name for s in self.strategies]
+        if len(set(names)) != len(names):
+            raise ValueError(f"strategy names must be unique: {names}")
+        #: The fast path's strategy (None when suppression is not configured).
+        self.suppress_strategy = next((s for s in self.strategies if isinstance(s, CPUSuppress)), None)
         self._metrics = evict.EvictionMetrics(registry, config.node_name)
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._explain: dict[str, dict[str, Any]] = {}
+        self._round_info: dict[str, Any] = {}
+        #: plan name -> the strategy that made it; strategy name -> its plan names.
+        self._owners: dict[str, Strategy] = {s.name: s for s in self.strategies}
+        self._plan_names: dict[str, set[str]] = {}
         #: target(s) -> (cause, consecutive failures) of writes failing now: warned once each.
         self._failing: dict[str, tuple[str, int]] = {}
-        #: The BE limit and pods as of the last round (read by the fast path).
-        self.be_state: BEState | None = None
+        #: The pods as of the last round (read by the fast path).
         self.pods: tuple[PodView, ...] = ()
+
+    @property
+    def suppress(self) -> SuppressStrategy | None:
+        """The suppress planner (its ``decision``, ``cfg``), if configured."""
+        return self.suppress_strategy.inner if self.suppress_strategy is not None else None
+
+    @property
+    def be_state(self) -> BEState | None:
+        """The BE limit as of the last round or write (read by the fast path)."""
+        return self.suppress_strategy.be_state if self.suppress_strategy is not None else None
+
+    @be_state.setter
+    def be_state(self, state: BEState | None) -> None:
+        if self.suppress_strategy is not None:
+            self.suppress_strategy.be_state = state
 
     # --- loop ---------------------------------------------------------------------
 
@@ -146,55 +155,62 @@ class QoSManager:
     async def run_once(self) -> Round:
         async with self._lock:
             rules = self._rules()
-            snap = await asyncio.to_thread(self._snapshot, rules)
-            self.be_state, self.pods = snap.be, snap.inputs.pods
-            threshold = rules.resource_used_threshold_with_be
-            plans = [
-                self.suppress.plan(snap.inputs, threshold, snap.be),
-                self.burst.plan(snap.inputs, rules.cpu_burst_strategy, snap.quotas),
-                *self.eviction.plan(snap.inputs, snap.window, threshold),
-            ]
-            if snap.resctrl is not None:
-                plans.append(snap.resctrl)
-            result = await self._execute(plans, snap.inputs)
+            planned = await asyncio.to_thread(self._plan_round, rules, self.strategies)
+            self.pods = planned.inputs.pods
+            result = await self._execute(planned.plans, planned.inputs)
+            self._round_info = {"order": [s.name for s in self.strategies], "idle": planned.idle,
+                                "inputs": planned.inputs.summaries}
+            for name in planned.idle:
+                for plan_name in self._plan_names.pop(name, set()):
+                    self._explain.pop(plan_name, None)
             await self._refresh_be_state()
             return result
 
     async def replan_suppress(self, inputs: NodeInputs, why: str) -> Round:
         """The fast path's immediate re-plan: suppress only, from its own inputs."""
         async with self._lock:
+            chosen = self.suppress_strategy
+            if chosen is None:
+                return Round(inputs.now, [])
             rules = self._rules()
-            state = await asyncio.to_thread(suppress.read_be_state, self._executor, self.cfg.suppress, inputs.pods)
-            self.be_state = state
-            plan = self.suppress.plan(inputs, rules.resource_used_threshold_with_be, state)
-            log.info("suppress_replanned", trigger=why, source=inputs.source, reason=plan.reason)
-            result = await self._execute([plan], inputs)
+            planned = await asyncio.to_thread(self._plan_round, rules, (chosen,), inputs)
+            for plan in planned.plans:
+                log.info("suppress_replanned", trigger=why, source=inputs.source, reason=plan.reason)
+            result = await self._execute(planned.plans, planned.inputs)
             await self._refresh_be_state()
             return result
 
     async def _refresh_be_state(self) -> None:
         """The BE limit as written, so the fast path compares against what is in force."""
-        if not self.cfg.dry_run:
-            self.be_state = await asyncio.to_thread(suppress.read_be_state, self._executor, self.cfg.suppress)
+        chosen = self.suppress_strategy
+        if not self.cfg.dry_run and chosen is not None:
+            chosen.be_state = await asyncio.to_thread(suppress.read_be_state, self._executor, chosen.inner.cfg)
 
-    def _snapshot(self, rules: Rules) -> _Snapshot:
-        """Everything a round reads from the host and the store (worker thread)."""
-        now = self._clock()
-        pods = list(self._pods())
-        inputs = build_node_inputs(self._reader, pods, now=now, capacity_cores=self.capacity,
-                                   reserved_cores=self.cfg.reserved_cores, collect_interval=self.cfg.collect_interval)
-        threshold = rules.resource_used_threshold_with_be
-        span = max(self.cfg.collect_interval, float(threshold.cpu_evict_time_window_seconds or 0))
-        window = build_be_cpu_window(self._reader, now=now, window=span) if threshold.enable else None
-        dirs = self.burst.quota_dirs(pods, rules.cpu_burst_strategy)
-        quotas = burst.read_quotas(self._executor, dirs)
-        resctrl = self.resctrl.plan(rules, pods) if self.resctrl is not None else None
-        be = suppress.read_be_state(self._executor, self.cfg.suppress, pods)
-        return _Snapshot(inputs, window, be, quotas, resctrl)
+    def _plan_round(self, rules: Rules, strategies: Sequence[Strategy], node: NodeInputs | None = None
+                    ) -> _Planned:
+        """Read every declared input once, then plan (worker thread). ``node``: the
+        fast path's own node inputs, used instead of the store's."""
+        pods = node.pods if node is not None else tuple(self._pods())
+        ctx = RoundContext(now=node.now if node is not None else self._clock(), rules=rules, pods=pods,
+                           reader=self._reader, executor=self._executor, config=self.cfg,
+                           capacity_cores=self.capacity)
+        active = [s for s in strategies if s.enabled(rules)]
+        given = {NODE.name: node} if node is not None else None
+        inputs = read_inputs(ctx, [key for s in active for key in s.reads], given)
+        plans: list[Plan] = []
+        for chosen in active:
+            made = chosen.plan(inputs)
+            names: set[str] = set()
+            for plan in [made] if isinstance(made, Plan) else made:
+                plans.append(replace(plan, priority=chosen.priority))
+                self._owners[plan.strategy] = chosen
+                names.add(plan.strategy)
+            self._plan_names[chosen.name] = names
+        return _Planned(inputs, plans, [s.name for s in strategies if s not in active])
 
     # --- carrying out ---------------------------------------------------------------
 
-    async def _execute(self, plans: list[Plan], inputs: NodeInputs) -> Round:
+    async def _execute(self, plans: list[Plan], inputs: RoundInputs) -> Round:
         applied, rejected = arbitrate(plans)
         result = Round(inputs.now, plans, rejected=rejected)
         for plan in applied:
@@ -206,34 +222,33 @@ class QoSManager:
             outcomes = await asyncio.to_thread(self._write_all, plan.strategy, writes)
             for action in plan.actions:
                 if isinstance(action, Evict):
-                    outcomes.append(await self._evict(plan.strategy, action, inputs))
+                    outcomes.append(await self._evict(plan.strategy, action, inputs.pods))
             result.outcomes[plan.strategy] = outcomes
-            if plan.strategy == SUPPRESS_NAME:
-                self._report_suppress(outcomes, inputs.now)
+            owner = self._owners.get(plan.strategy)
+            if owner is not None:
+                owner.after(plan, outcomes, inputs)
         for item in rejected:
             log.debug("qos_action_rejected", **item.describe())
         self._record(result)
         return result
 
-    def _report_suppress(self, outcomes: Sequence[Outcome], now: float) -> None:
-        """The BE limit now in force, for the ``koordlet_be_suppress_*`` series: only
-        once it is written (not in dry-run, not after a failed write)."""
-        decision = self.suppress.decision
-        if self._writer is None or decision is None or any(o.result.startswith("failed") for o in outcomes):
-            return
-        self._writer.write(decision.samples(now))
-
-    def release(self) -> list[Outcome]:
-        """Give BE its CPUs back (quota -1, cpuset = recovery set): called when the task
-        stops. A suppressed limit that nobody revises any more would throttle BE for
-        good, and on cgroup v1 a parent quota below a new BE container's own quota
-        makes runc fail to create that container. Skipped in dry-run."""
+    def release(self, strategies: Sequence[Strategy] | None = None) -> list[Outcome]:
+        """Undo what the strategies hold (``Strategy.release``: suppress gives BE its
+        CPUs back, system-config restores the sysctls it changed): called when the
+        task stops, and at start for strategies listed but disabled. Skipped in dry-run."""
         if self.cfg.dry_run:
             return []
-        actions = self.suppress.recover(list(self._pods()), cpuset=True, quota=True, why="QoS manager stopped")
-        outcomes = self._write_all(SUPPRESS_NAME, actions)
-        log.info("be_limits_released", results=[o.result for o in outcomes])
-        return outcomes
+        out: list[Outcome] = []
+        pods = list(self._pods())
+        for chosen in strategies if strategies is not None else self.strategies:
+            actions = chosen.release(pods)
+            if not actions:
+                continue
+            self._owners.setdefault(chosen.name, chosen)
+            outcomes = self._write_all(chosen.name, actions)
+            log.info("qos_strategy_released", strategy=chosen.name, results=[o.result for o in outcomes])
+            out += outcomes
+        return out
 
     def _write_all(self, strategy: str, actions: Sequence[Action]) -> list[Outcome]:
         return [self._write(strategy, a) for a in actions]
@@ -243,11 +258,11 @@ class QoSManager:
         # changes every tick, and a refused write must not warn at the tick rate.
         key = f"{strategy}:{_targets(action)}"
         try:
-            changed = self._apply(action)
+            changed = self._apply(strategy, action)
         except CgroupGoneError as exc:
             log.debug("qos_write_skipped", strategy=strategy, reason=str(exc))
             return Outcome(action, "gone")
-        except (CgroupError, ResctrlError) as exc:
+        except HookError as exc:  # CgroupError, ResctrlError, a strategy's own write error
             cause = f"{type(exc).__name__}: {str(exc).rsplit(':', 1)[-1].strip()}"
             before, failures = self._failing.get(key, ("", 0))
             count = failures + 1 if before == cause else 1
@@ -263,32 +278,33 @@ class QoSManager:
             log.info("qos_write", strategy=strategy, **action.describe())
         return Outcome(action, "written" if changed else "unchanged")
 
-    def _apply(self, action: Action) -> bool:
+    def _apply(self, strategy: str, action: Action) -> bool:
         if isinstance(action, SetCgroup):
             return any(w.changed for w in self._executor.apply([_update(action)]))
         if isinstance(action, LeveledWrite):
             levels = [[_update(i) for i in level] for level in action.levels]
             return any(w.changed for w in self._executor.leveled_update(levels))
-        if isinstance(action, SetSchemata | AddTasks):
-            if self.resctrl is None:
-                raise ResctrlError("no resctrl root configured")
-            return apply_resctrl(self.resctrl.fs, action)
-        raise TypeError(f"not a write: {action!r}")
+        owner = self._owners.get(strategy)
+        if owner is None:
+            raise ResctrlError(f"no strategy {strategy!r} to carry out {action.describe()['kind']}")
+        return owner.apply(action)
 
-    async def _evict(self, strategy: str, action: Evict, inputs: NodeInputs) -> Outcome:
-        pod = next((p for p in inputs.pods if p.uid == action.pod_uid), None)
+    async def _evict(self, strategy: str, action: Evict, pods: Sequence[PodView]) -> Outcome:
+        pod = next((p for p in pods if p.uid == action.pod_uid), None)
         if pod is None:
             return Outcome(action, "gone")
         if not await evict.carry_out(self._evictor, pod, action, strategy, self._metrics):
             return Outcome(action, "failed")
-        self.eviction.on_evicted(strategy, pod, inputs)
         return Outcome(action, "evicted")
 
     # --- explain --------------------------------------------------------------------
 
     def _record(self, result: Round) -> None:
         for plan in result.plans:
+            owner = self._owners.get(plan.strategy)
             self._explain[plan.strategy] = {
+                "owner": owner.name if owner is not None else plan.strategy,
+                "reads": [k.name for k in owner.reads] if owner is not None else [],
                 "ts": result.ts,
                 "dry_run": self.cfg.dry_run,
                 "plan": plan.describe(),
@@ -300,7 +316,7 @@ class QoSManager:
         """The last plan of every strategy; for a pod, only the strategies and
         actions that concern it."""
         if pod is None:
-            return {"strategies": dict(self._explain), "dry_run": self.cfg.dry_run}
+            return {"strategies": dict(self._explain), "dry_run": self.cfg.dry_run, **self._round_info}
         uid = pod if isinstance(pod, str) else pod.meta.uid if isinstance(pod, PodInfo) else pod.uid
         out: dict[str, Any] = {}
         for name, entry in self._explain.items():

@@ -11,7 +11,10 @@ them — and ``arbitrate`` decides, in one place, what is done in a round:
   different values are a conflict, won by the plan of higher priority
   (``EVICTION > SUPPRESS > BURST > RESCTRL``: releasing resources beats
   limiting them, limiting BE beats lending LS pods more, cache partitioning
-  changes nothing urgent); equal priorities are broken by strategy name;
+  changes nothing urgent); equal priorities are broken by strategy name. The
+  priority is part of each strategy's declaration (``Strategy.priority``, an
+  int: ``Priority`` names the built-in levels, a new strategy picks its own
+  number between them) and the manager stamps it on every plan of the strategy;
 * the same value planned twice is done once (the later copy is reported as a
   duplicate, not as a conflict).
 
@@ -31,10 +34,23 @@ from hooks.cgroups import Resource, Value
 
 
 class Priority(enum.IntEnum):
+    """The built-in levels (any int is a valid priority; higher wins)."""
+
+    #: Host-wide sysctls (``system-config``): never on a cgroup file, so no conflict
+    #: with the others in practice; below every cgroup writer.
+    SYSTEM = 5
     RESCTRL = 10
     BURST = 20
     SUPPRESS = 30
     EVICTION = 40
+
+
+def priority_name(priority: int) -> str:
+    """``Priority`` member name in lower case, else the number (for explain)."""
+    try:
+        return Priority(priority).name.lower()
+    except ValueError:
+        return str(priority)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +136,27 @@ class AddTasks:
                 "reason": self.reason, "pods": list(self.pod_uids)}
 
 
-Action = SetCgroup | LeveledWrite | Evict | SetSchemata | AddTasks
+@dataclass(frozen=True, slots=True)
+class SetFile:
+    """``value`` into a host file outside cgroupfs (a sysctl under ``/proc/sys``, a
+    ``/sys/kernel/mm`` knob). ``root`` names the injected host root the strategy
+    writes under, ``path`` is relative to it; the owning strategy carries it out
+    (``Strategy.apply``), confined to that root."""
+
+    root: str
+    path: str
+    value: str
+    reason: str
+
+    @property
+    def target(self) -> str:
+        return f"{self.root}:{self.path}"
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "file", "target": self.target, "value": self.value, "reason": self.reason}
+
+
+Action = SetCgroup | LeveledWrite | Evict | SetSchemata | AddTasks | SetFile
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +164,7 @@ class Plan:
     """What one strategy wants this round, and why."""
 
     strategy: str
-    priority: Priority
+    priority: int
     actions: tuple[Action, ...] = ()
     #: The numbers the decision was made from (JSON-able), for explain and the debug log.
     inputs: Mapping[str, Any] = field(default_factory=dict)
@@ -136,8 +172,19 @@ class Plan:
     reason: str = ""
 
     def describe(self) -> dict[str, Any]:
-        return {"strategy": self.strategy, "priority": self.priority.name.lower(), "reason": self.reason,
+        return {"strategy": self.strategy, "priority": priority_name(self.priority), "reason": self.reason,
                 "inputs": dict(self.inputs), "actions": [a.describe() for a in self.actions]}
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of one action."""
+
+    action: Action
+    result: str  # written | unchanged | dry-run | failed: ... | gone | evicted
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.action.describe(), "result": self.result}
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +258,8 @@ class _Arbiter:
             return kept if kept.items() else None
         if isinstance(action, SetSchemata):
             return action if self._claim(strategy, action.target, action.text, action) else None
+        if isinstance(action, SetFile):
+            return action if self._claim(strategy, action.target, action.value, action) else None
         # AddTasks appends: only the evicted pods' pids would be wrong, and those
         # exit anyway; keep the action unless every pod in it is being evicted.
         if action.pod_uids and all(uid in self.evicted for uid in action.pod_uids):

@@ -17,16 +17,16 @@ import structlog
 
 from hooks.cgroups import CgroupError, CgroupLayout
 from hooks.executor import CgroupExecutor
-from hooks.resctrlfs import ResctrlFS
 from metrics.agent import MetricsAgent, shared_agent
 from metrics.collect.cgroupfs import CgroupReader
 from metrics.informer.kubetypes import EvictionRefused, KubeError
 from metrics.model import PodView
-from metrics.qos.evict import CriEvictor, EvictionError, Evictor
+from metrics.qos import builtin
+from metrics.qos.evict import CriEvictor, EvictConfig, EvictionError, Evictor
 from metrics.qos.fastpath import FastPath, FastPathConfig
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.psitrigger import PsiTriggers
-from metrics.qos.resctrlsync import ResctrlSync
+from metrics.qos.strategy import StrategyInit, load_strategies
 from metrics.qos.suppress import SuppressConfig
 from metrics.settings import QoSSettings, parse_qos, validate_qos
 from runtimeproxy.hookapi import HookConfigError, TaskInit
@@ -61,13 +61,6 @@ def _evictor(init: TaskInit, settings: QoSSettings, agent: MetricsAgent) -> Evic
     return ApiEvictor(agent.kube)
 
 
-def _resctrl(init: TaskInit, layout: CgroupLayout) -> ResctrlSync | None:
-    # No resctrl mount (VMs, AMD without RDT): the strategy is simply absent.
-    if not (init.host.resctrl / "schemata").exists():
-        return None
-    return ResctrlSync(ResctrlFS(init.host.resctrl), init.host.cgroup, layout.version)
-
-
 def _reserved(settings: QoSSettings, agent: MetricsAgent) -> float:
     if settings.reserved_cpu:
         return settings.reserved_cpu
@@ -84,22 +77,33 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
         raise HookConfigError(f"{init.key_path}.cgroup_driver", settings.cgroup_driver, str(exc)) from exc
     agent.topology.collect(time.time(), [])  # the CPU list is needed before the first round
     cpus = agent.topology.latest().cpus
+    config = ManagerConfig(
+        interval=settings.interval, collect_interval=agent.settings.intervals.pods, dry_run=settings.dry_run,
+        node_name=agent.settings.node_name, reserved_cores=_reserved(settings, agent),
+        suppress=SuppressConfig(besteffort_dir=PurePosixPath(settings.besteffort_dir)),
+        evict=EvictConfig(collect_interval=agent.settings.intervals.pods,
+                          cpu_cool_down=settings.cpu_evict_cool_down,
+                          memory_cool_down=settings.memory_evict_cool_down),
+    )
+    executor = CgroupExecutor(layout)
+    strategy_init = StrategyInit(name="", args={}, key_path=f"{init.key_path}.strategies", config=config,
+                                 topology=cpus, executor=executor, host=init.host, state_dir=init.state_dir,
+                                 shared={builtin.WRITER: agent.tsdb, builtin.AGENT: agent})
+    loaded = load_strategies(settings.strategies, strategy_init)
+    log.info("qos_strategies", enabled=[s.name for s in loaded.enabled], disabled=[s.name for s in loaded.disabled])
     manager = QoSManager(
-        reader=agent.tsdb, pods=agent.pods, topology=cpus, executor=CgroupExecutor(layout),
-        evictor=_evictor(init, settings, agent), rules=agent.rules,
-        config=ManagerConfig(
-            interval=settings.interval, collect_interval=agent.settings.intervals.pods, dry_run=settings.dry_run,
-            node_name=agent.settings.node_name, reserved_cores=_reserved(settings, agent),
-            suppress=SuppressConfig(besteffort_dir=PurePosixPath(settings.besteffort_dir)),
-        ),
-        resctrl=_resctrl(init, layout), registry=init.registry, writer=agent.tsdb,
+        reader=agent.tsdb, pods=agent.pods, topology=cpus, executor=executor,
+        evictor=_evictor(init, settings, agent), rules=agent.rules, config=config,
+        registry=init.registry, writer=agent.tsdb, strategies=loaded.enabled,
     )
     fast = FastPath(manager, cgroups=CgroupReader(init.host.cgroup), rules=agent.rules,
-                    config=FastPathConfig(interval=settings.fast_interval,
-                                                 min_gap=settings.fast_interval)) if settings.fast_path else None
+                    config=FastPathConfig(interval=settings.fast_interval, min_gap=settings.fast_interval)
+                    ) if settings.fast_path and manager.suppress_strategy is not None else None
     init.add_explainer("qos", manager.explain)
 
     async def run() -> None:
+        if loaded.disabled:  # listed but off: undo what an earlier run left (e.g. sysctls)
+            await asyncio.to_thread(manager.release, loaded.disabled)
         triggers = _triggers(init.host.proc, settings) if fast is not None else None
         try:
             if triggers is not None and fast is not None:

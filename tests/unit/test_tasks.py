@@ -156,6 +156,9 @@ BAD_TASKS = [
     ({"metrics": {}, "qos-manager": {"evict_mode": "api"}}, "tasks.qos-manager.evict_mode"),  # needs kube
     ({"metrics": {}, "qos-manager": {"fast_interval": "10ms"}}, "tasks.qos-manager.fast_interval"),
     ({"metrics": {}, "qos-manager": {"cgroup_driver": "cgroup"}}, "tasks.qos-manager.cgroup_driver"),
+    ({"metrics": {}, "qos-manager": {"strategies": ["cpu-suppress", "no-such"]}}, "tasks.qos-manager.strategies[1]"),
+    ({"metrics": {}, "qos-manager": {"strategies": [{"name": "cpu-suppress", "enabled": "no"}]}},
+     "tasks.qos-manager.strategies[0].enabled"),
 ]
 
 
@@ -204,3 +207,28 @@ async def test_reload_refuses_bad_tasks_and_keeps_the_running_config(
     assert proxy.app.settings is old_settings and proxy.app.chain is old_chain
     assert proxy.sample("koord_runtime_proxy_config_reloads_total", {"result": "error"}) == 1
     assert proxy.sample("koord_runtime_proxy_config_reloads_total", {"result": "ok"}) == 0
+
+
+STATE_MODULE = '''
+import asyncio
+from pathlib import Path
+
+def make(init):
+    Path(init.args["out"]).write_text(str(init.state_dir))
+
+    async def run():
+        await asyncio.sleep(3600)
+
+    return run
+'''
+
+
+@pytest.mark.asyncio
+async def test_tasks_get_the_state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_runtime: Any,
+                                       start_proxy: Any) -> None:
+    name = f"krp_state_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(STATE_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out, state = tmp_path / "out.txt", tmp_path / "state"
+    await start_proxy(fake_runtime, tasks={f"{name}:make": {"out": str(out)}}, state_dir=str(state))
+    assert out.read_text() == str(state)

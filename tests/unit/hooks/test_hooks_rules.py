@@ -165,8 +165,10 @@ def test_a_full_nodeslo_spec_becomes_rules_without_the_features_we_do_not_model(
         "resourceQOSStrategy": {"beClass": {"cpuQOS": {"enable": True, "groupIdentity": -1, "schedIdle": 1},
                                             "memoryQOS": {"enable": False},
                                             "blkioQOS": {"enable": False, "blocks": []}}},
-        "resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"},
+        "resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota",
+                                        "cpuAllocatableEvictThresholdPercent": 80},  # allocatable-evict
         "cpuBurstStrategy": {"policy": "auto"},
+        "systemStrategy": {"minFreeKbytesFactor": 100},  # system-config
         "policies": {"cpuPolicy": "coreSched", "netQOSPolicy": "tc"},
     }
     rules = parse_rules(out)
@@ -183,6 +185,13 @@ def test_a_full_nodeslo_spec_becomes_rules_without_the_features_we_do_not_model(
         ({"resourceQOSStrategy": {"beClass": []}}, "nodeslo.spec.resourceQOSStrategy.beClass", []),
         ({"resourceUsedThresholdWithBE": {"cpuSuppressPolicy": "quota"}},
          "nodeslo.spec.resourceUsedThresholdWithBE.cpuSuppressPolicy", "quota"),
+        ({"systemStrategy": {"watermarkScaleFactor": 5000}}, "nodeslo.spec.systemStrategy.watermarkScaleFactor", 5000),
+        ({"systemStrategy": {"minFreeKbytesFactor": 0}}, "nodeslo.spec.systemStrategy.minFreeKbytesFactor", 0),
+        ({"systemStrategy": {"memcgReapBackGround": 2}}, "nodeslo.spec.systemStrategy.memcgReapBackGround", 2),
+        ({"resourceUsedThresholdWithBE": {"cpuEvictThresholdPercent": 60, "cpuEvictLowerPercent": 70}},
+         "nodeslo.spec.resourceUsedThresholdWithBE.cpuEvictLowerPercent", 70),
+        ({"resourceUsedThresholdWithBE": {"memoryAllocatableEvictLowerPercent": 120}},
+         "nodeslo.spec.resourceUsedThresholdWithBE.memoryAllocatableEvictLowerPercent", 120),
     ],
 )
 def test_a_bad_nodeslo_value_is_named(spec: dict[str, Any], path: str, value: object) -> None:

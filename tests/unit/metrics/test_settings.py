@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from metrics.qos.specs import default_specs, installed
 from metrics.settings import Intervals, MetricsSettings, QoSSettings, StoreTiers, parse_metrics, parse_qos
 from runtimeproxy.hookapi import HookConfigError
 
@@ -20,7 +22,10 @@ def test_shipped_tasks_are_the_documented_defaults() -> None:
     metrics = parse_metrics(tasks["metrics"], "tasks.metrics")
     assert metrics == MetricsSettings(node_name=metrics.node_name)
     assert metrics.intervals == Intervals(node=1, pods=1, psi=10, schedlat=10, cpi=60, topology=60)
-    assert parse_qos(tasks["qos-manager"], "tasks.qos-manager") == QoSSettings()
+    qos = parse_qos(tasks["qos-manager"], "tasks.qos-manager")
+    assert replace(qos, strategies=None) == QoSSettings()
+    # the shipped list is what no list means: every installed strategy, in the documented order
+    assert [s.name for s in qos.strategies or ()] == [s.name for s in default_specs(installed())]
 
 
 def test_durations_and_nested_sections_parse() -> None:

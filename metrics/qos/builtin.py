@@ -1,0 +1,177 @@
+"""The CPU strategies on the ``Strategy`` interface (entry points ``cpu-suppress``,
+``cpu-burst``, ``be-evict``, ``resctrl``).
+
+Each adapter declares what it reads and plans through the strategy it wraps
+(``suppress``, ``burst``, ``evict``, ``resctrlsync``: their planning code and tests
+are unchanged). Plan names stay koordlet-like (``cpu_suppress``, ``cpu_burst``,
+``be_memory_evict``, ``be_cpu_evict``, ``resctrl``): explain and the logs key on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import structlog
+
+from hooks.resctrlfs import ResctrlFS
+from metrics.model import MetricWriter, PodView
+from metrics.qos import evict
+from metrics.qos.burst import BurstStrategy, read_quotas
+from metrics.qos.plan import Action, AddTasks, Evict, Outcome, Plan, Priority, SetSchemata
+from metrics.qos.resctrlsync import ResctrlSync, apply_resctrl
+from metrics.qos.strategy import BE_CPU_WINDOW, NODE, Input, RoundContext, RoundInputs, Strategy, StrategyInit
+from metrics.qos.suppress import BEState, SuppressStrategy, read_be_state
+
+log = structlog.get_logger("metrics.qos.builtin")
+
+#: ``StrategyInit.shared`` keys the task (or a test) may fill.
+WRITER: Final = "writer"  # MetricWriter for the koordlet_be_suppress_* series
+RESCTRL: Final = "resctrl"  # a ResctrlSync (else built from host.resctrl when mounted)
+AGENT: Final = "agent"  # the MetricsAgent (its informer: the Node object)
+
+
+def _state_summary(state: BEState) -> dict[str, Any]:
+    return {"cpuset": sorted(state.cpuset) if state.cpuset is not None else None, "quota": state.quota,
+            "children": len(state.children)}
+
+
+class CPUSuppress(Strategy):
+    """BE CPU suppression (§4.1). Also the fast path's strategy: ``be_state`` is the
+    BE limit as last read."""
+
+    name = "cpu-suppress"
+    priority = Priority.SUPPRESS
+
+    def __init__(self, inner: SuppressStrategy, writer: MetricWriter | None = None) -> None:
+        self.inner = inner
+        self.writer = writer
+        self.be_state: BEState | None = None
+        self.state_input: Input[BEState] = Input("be_state", self._read_state, _state_summary)
+        self.reads = (NODE, self.state_input)
+
+    def _read_state(self, ctx: RoundContext) -> BEState:
+        return read_be_state(ctx.executor, self.inner.cfg, ctx.pods)
+
+    def plan(self, inputs: RoundInputs) -> Plan:
+        state = inputs[self.state_input]
+        self.be_state = state
+        return self.inner.plan(inputs[NODE], inputs.rules.resource_used_threshold_with_be, state)
+
+    def after(self, plan: Plan, outcomes: Sequence[Outcome], inputs: RoundInputs) -> None:
+        """The BE limit now in force, for the ``koordlet_be_suppress_*`` series: only
+        once it is written (not in dry-run, not after a failed write)."""
+        decision = self.inner.decision
+        if self.writer is None or decision is None or any(o.result.startswith("failed") for o in outcomes):
+            return
+        self.writer.write(decision.samples(inputs[NODE].now))
+
+    def release(self, pods: Sequence[PodView]) -> list[Action]:
+        """Give BE its CPUs back (quota -1, cpuset = recovery set): a suppressed limit
+        that nobody revises any more would throttle BE for good, and on cgroup v1 a
+        parent quota below a new BE container's own quota makes runc fail to create it."""
+        return self.inner.recover(list(pods), cpuset=True, quota=True, why="QoS manager stopped")
+
+
+class CPUBurst(Strategy):
+    """CPU burst (§4.2)."""
+
+    name = "cpu-burst"
+    priority = Priority.BURST
+
+    def __init__(self, inner: BurstStrategy | None = None) -> None:
+        self.inner = inner if inner is not None else BurstStrategy()
+        self.quotas: Input[Mapping[str, int]] = Input("burst_quotas", self._read_quotas, len)
+        self.reads = (NODE, self.quotas)
+
+    def _read_quotas(self, ctx: RoundContext) -> dict[str, int]:
+        return read_quotas(ctx.executor, self.inner.quota_dirs(ctx.pods, ctx.rules.cpu_burst_strategy))
+
+    def plan(self, inputs: RoundInputs) -> Plan:
+        return self.inner.plan(inputs[NODE], inputs.rules.cpu_burst_strategy, inputs[self.quotas])
+
+
+class BEEvict(Strategy):
+    """BE eviction by node memory usage and by BE CPU satisfaction (§4.3)."""
+
+    name = "be-evict"
+    priority = Priority.EVICTION
+    reads = (NODE, BE_CPU_WINDOW)
+
+    def __init__(self, inner: evict.EvictionStrategy) -> None:
+        self.inner = inner
+
+    def plan(self, inputs: RoundInputs) -> list[Plan]:
+        return self.inner.plan(inputs[NODE], inputs[BE_CPU_WINDOW], inputs.rules.resource_used_threshold_with_be,
+                               evict.round_of(inputs.scratch))
+
+    def after(self, plan: Plan, outcomes: Sequence[Outcome], inputs: RoundInputs) -> None:
+        record_evictions(self.inner.state, plan, outcomes, inputs)
+
+
+def record_evictions(state: evict.SharedEviction, plan: Plan, outcomes: Sequence[Outcome],
+                     inputs: RoundInputs) -> None:
+    """Pods evicted by ``plan`` become pending release; its evictor cools down."""
+    node = inputs[NODE]
+    by_uid = {p.uid: p for p in node.pods}
+    for outcome in outcomes:
+        if outcome.result == "evicted" and isinstance(outcome.action, Evict):
+            pod = by_uid.get(outcome.action.pod_uid)
+            if pod is not None:
+                state.on_evicted(plan.strategy, pod, node, outcome.action)
+
+
+class Resctrl(Strategy):
+    """Class resctrl groups (koordlet's ResctrlReconcile). Reads the resctrl tree and
+    the pods' thread lists itself while planning (worker thread)."""
+
+    name = "resctrl"
+    priority = Priority.RESCTRL
+
+    def __init__(self, sync: ResctrlSync) -> None:
+        self.sync = sync
+
+    def plan(self, inputs: RoundInputs) -> Plan:
+        return self.sync.plan(inputs.rules, inputs.pods)
+
+    def apply(self, action: Action) -> bool:
+        if isinstance(action, SetSchemata | AddTasks):
+            return apply_resctrl(self.sync.fs, action)
+        return super().apply(action)
+
+
+# --- factories (the entry points) ---------------------------------------------------------------
+
+def cpu_suppress(init: StrategyInit) -> CPUSuppress:
+    writer = init.shared.get(WRITER)
+    return CPUSuppress(SuppressStrategy(init.config.suppress, init.topology), writer)
+
+
+def cpu_burst(init: StrategyInit) -> CPUBurst:
+    return CPUBurst()
+
+
+def be_evict(init: StrategyInit) -> BEEvict:
+    return BEEvict(evict.EvictionStrategy(init.config.evict, shared=evict.shared_eviction(init.shared)))
+
+
+def resctrl(init: StrategyInit) -> Resctrl | None:
+    sync = init.shared.get(RESCTRL)
+    if isinstance(sync, ResctrlSync):
+        return Resctrl(sync)
+    # No resctrl mount (VMs, AMD without RDT): the strategy is simply absent.
+    if not (init.host.resctrl / "schemata").exists():
+        log.info("qos_strategy_unavailable", strategy="resctrl", reason=f"no resctrl at {init.host.resctrl}")
+        return None
+    layout = init.executor.layout
+    return Resctrl(ResctrlSync(ResctrlFS(init.host.resctrl), layout.root, layout.version))
+
+
+def defaults(init: StrategyInit) -> list[Strategy]:
+    """The built-in CPU strategies in the historic planning order (suppress, burst,
+    evictions, resctrl), for a manager given no list; resctrl only with a
+    ``ResctrlSync`` in ``init.shared``."""
+    out: list[Strategy] = [cpu_suppress(init), cpu_burst(init), be_evict(init)]
+    if isinstance(init.shared.get(RESCTRL), ResctrlSync):
+        out.append(Resctrl(init.shared[RESCTRL]))
+    return out
