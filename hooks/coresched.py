@@ -25,12 +25,15 @@ koordlet's ``CoreSched`` hook (``runtimehooks/hooks/coresched``), with its names
   containers are moved to it (koordlet instead re-reads the cookies first).
 * **cpu.idle** — at ``ReconcilePodSandbox`` the pod's kube-QoS tier directory
   (``kubepods/besteffort``, ``kubepods/burstable``, ``kubepods``) gets
-  ``cpu.idle`` = 1 when its class says ``cpuQOS.schedIdle: 1`` (koordlet's
-  kube-QoS reconciler), else 0 — only while the policy is ``coreSched`` or after
-  it was (then reset to 0). ``cpu.idle`` is a cgroup v2 / Linux >= 5.15 file; on
-  a v1 hierarchy it is absent: logged once (``core_sched_cpu_idle_absent``), then
-  that part does nothing. (koordlet later moved cpu.idle to pod cgroups, since
-  kubelet's weight writes on an idle tier fail; see docs/hooks.md.)
+  ``cpu.idle`` = 1 (SCHED_IDLE for the whole tier) when the policy is
+  ``coreSched`` and its class says ``cpuQOS.schedIdle: 1`` (Guaranteed: LSR if
+  enabled else LS, Burstable: LS, BestEffort: BE), else 0, as koordlet's kube-QoS
+  reconciler does; only a value that differs is written, so a node that never had
+  it set sees no write. ``cpu.idle`` needs Linux >= 5.15 (cpu controller, v1 and
+  v2); without it: logged once (``core_sched_cpu_idle_absent``, only when the
+  policy asks for it), then that part does nothing. (koordlet later moved
+  cpu.idle to pod cgroups: the kernel refuses ``cpu.shares`` / ``cpu.weight``
+  writes to an idle group, which kubelet makes on the tiers.)
 
 Support is detected once, at the first pod that needs a cookie (``detect``: one
 ``prctl GET``); the result is logged once (``core_sched_detected``). Unsupported
@@ -165,8 +168,8 @@ class CoreSched:
         self._containers: OrderedDict[str, str] = OrderedDict()  # "<pod uid>/<container id>" -> group
         self._noted: OrderedDict[str, None] = OrderedDict()  # pods told "unsupported" in explain
         self._ledger = DryRunLedger()
+        self._idle_absent = False  # no cpu.idle in the kube-QoS tiers (found at the first try)
         self._idle_absent_logged = False
-        self._idle_was_set = False
 
     @property
     def rules(self) -> Rules:
@@ -330,11 +333,12 @@ class CoreSched:
     # --- cpu.idle of the kube-QoS tier -----------------------------------------------------
 
     def _tier_idle(self, pod: PodInfo) -> list[HostWrite]:
-        if self.rules.policies.cpu_policy == "coreSched":
-            self._idle_was_set = True
-        elif not self._idle_was_set:
+        core_sched = self.rules.policies.cpu_policy == "coreSched"
+        if self._idle_absent:
+            if core_sched:
+                self._say_idle_absent()
             return []
-        if self._idle_absent_logged or kube_qos_from_cgroup_parent(pod.cgroup_parent) is None:
+        if kube_qos_from_cgroup_parent(pod.cgroup_parent) is None:
             return []
         value = tier_idle(self.rules, pod)
         try:
@@ -345,8 +349,7 @@ class CoreSched:
             return []
         source = f"pod {pod_name(pod)}: kube-QoS tier of cgroup_parent {pod.cgroup_parent!r}"
         reason = (f"cpuPolicy coreSched: kube-QoS tier {tier} cpu.idle {value} (class cpuQOS.schedIdle)"
-                  if self.rules.policies.cpu_policy == "coreSched" else
-                  f"cpuPolicy no longer coreSched: kube-QoS tier {tier} cpu.idle reset to 0")
+                  if core_sched else f"cpuPolicy is not coreSched: kube-QoS tier {tier} cpu.idle reset to 0")
         try:
             if self.dry_run:
                 current = self.executor.read(tier, CPU_IDLE, source)
@@ -355,16 +358,19 @@ class CoreSched:
                 return self._planned(str(self.executor.path(tier, CPU_IDLE, source)), str(value), reason)
             return list(host_writes(self.executor.apply([Update(tier, CPU_IDLE, value, reason, source)])))
         except NotSupportedError:
-            self._say_idle_absent(tier)
+            self._idle_absent = True
+            if core_sched:
+                self._say_idle_absent()
             return []
 
-    def _say_idle_absent(self, tier: PurePosixPath) -> None:
+    def _say_idle_absent(self) -> None:
         with self._lock:
             if self._idle_absent_logged:
                 return
             self._idle_absent_logged = True
-        log.warning("core_sched_cpu_idle_absent", tier=str(tier), cgroup_version=self.layout.version,
-                    detail="no cpu.idle (cgroup v2, Linux >= 5.15): the schedIdle part of core-sched does nothing")
+        log.warning("core_sched_cpu_idle_absent", cgroup_root=str(self.layout.root),
+                    cgroup_version=self.layout.version,
+                    detail="the kube-QoS tiers have no cpu.idle (needs Linux >= 5.15): schedIdle does nothing")
 
     # --- stages -------------------------------------------------------------------------
 

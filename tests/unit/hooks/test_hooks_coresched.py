@@ -381,3 +381,25 @@ def test_cpu_idle_dry_run(tmp_path: Path) -> None:
     patch = node.hook.reconcile_pod_sandbox(PodContext(Stage.RECONCILE_POD_SANDBOX, pod))
     assert patch is not None and patch.writes[0].new == "1" + DRY_RUN_SUFFIX
     assert (node.root / "kubepods" / "besteffort" / "cpu.idle").read_text().strip() == "0"
+
+
+def test_a_tier_left_idle_is_reset_by_a_fresh_hook_and_an_unset_one_not_written(tmp_path: Path) -> None:
+    """As koordlet: the tier's value follows the rules (0 without coreSched); a reload builds a new hook."""
+    node = Node(tmp_path, rules_doc=rules("groupIdentity", lsrClass={}, lsClass={}, beClass={}))
+    pod = node.pod(tier="besteffort")
+    idle = node.root / "kubepods" / "besteffort" / "cpu.idle"
+    assert node.hook.reconcile_pod_sandbox(PodContext(Stage.RECONCILE_POD_SANDBOX, pod)) is None  # 0 already
+    idle.write_text("1\n")
+    patch = node.hook.reconcile_pod_sandbox(PodContext(Stage.RECONCILE_POD_SANDBOX, pod))
+    assert patch is not None and idle.read_text().strip() == "0"
+
+
+def test_no_cpu_idle_is_not_worth_a_warning_without_core_sched(tmp_path: Path) -> None:
+    node = Node(tmp_path, version=1, rules_doc={})
+    pod = node.pod(tier="besteffort")
+    with structlog.testing.capture_logs() as logs:
+        assert node.hook.reconcile_pod_sandbox(PodContext(Stage.RECONCILE_POD_SANDBOX, pod)) is None
+        node.rules = rules(beClass={"schedIdle": 1})  # the NodeSLO asks for it now
+        assert node.hook.reconcile_pod_sandbox(PodContext(Stage.RECONCILE_POD_SANDBOX, pod)) is None
+        assert node.hook.reconcile_pod_sandbox(PodContext(Stage.RECONCILE_POD_SANDBOX, pod)) is None
+    assert [e["event"] for e in logs] == ["core_sched_cpu_idle_absent"]
