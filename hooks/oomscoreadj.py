@@ -56,6 +56,7 @@ OOM_SCORE_ADJ_MAX: Final = 1000
 _ARGS: Final = frozenset({"cgroup_driver", "cgroup_version", "dry_run"})
 _INT: Final = re.compile(r"[+-]?[0-9]{1,19}")  # Go's strconv.ParseInt(s, 10, 64) syntax
 _SHOWN: Final = 200
+_PER_PROCESS: Final = 4  # more changed processes than this are reported as one entry
 
 log = structlog.get_logger("hooks.oomscoreadj")
 
@@ -102,6 +103,18 @@ def container_oom_score_adj(annotations: Mapping[str, str], container: str) -> t
             raise OOMAnnotationError(OOM_SCORE_ADJ, raw, "not an integer")
         return _check_range(int(raw), OOM_SCORE_ADJ, raw), OOM_SCORE_ADJ
     return None
+
+
+def _summarised(writes: list[HostWrite], pids: list[int]) -> list[HostWrite]:
+    """Up to ``_PER_PROCESS`` writes one by one; more as one entry, so a container of
+    many processes does not push every other change out of the pod's explain history."""
+    if len(writes) <= _PER_PROCESS:
+        return writes
+    first = writes[0]
+    shown = ",".join(w.target.rsplit("/", 2)[-2] for w in writes[:_PER_PROCESS])
+    target = first.target.rsplit("/", 2)[0] + f"/{{{shown},...}}/oom_score_adj"
+    olds = ",".join(sorted({w.old for w in writes}))
+    return [HostWrite(target, olds, first.new, f"{first.reason}: {len(writes)} of {len(pids)} process(es)")]
 
 
 class OOMScoreAdj:
@@ -171,6 +184,8 @@ class OOMScoreAdj:
                 failed.append(f"pid {pid}: {exc}")
                 continue
             writes.append(HostWrite(target, old, str(value), reason))
+        changed = len(writes)
+        writes = _summarised(writes, pids)
         if failed:
             log.warning("oom_score_adj_failed", pod=pod_name(pod), container=container.meta.name, value=value,
                         failed=len(failed), of=len(pids), first=failed[0])
@@ -180,7 +195,7 @@ class OOMScoreAdj:
         if not writes:
             return None
         log.info("oom_score_adj_set", pod=pod_name(pod), container=container.meta.name, value=value, annotation=key,
-                 processes=len(writes), dry_run=self.dry_run)
+                 processes=changed, dry_run=self.dry_run)
         return ContainerPatch(reason=reason, writes=tuple(writes))
 
     def post_start_container(self, ctx: ContainerContext) -> ContainerPatch | None:

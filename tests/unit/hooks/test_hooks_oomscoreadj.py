@@ -246,3 +246,16 @@ def test_bad_args_name_the_key(tmp_path: Path, args: dict[str, Any], key: str) -
     with pytest.raises(HookConfigError) as err:
         host.hook(**args)
     assert err.value.key_path == key
+
+
+def test_many_processes_are_one_explain_entry(tmp_path: Path) -> None:
+    """A container of many processes must not push every other change out of the pod's history."""
+    host = Host(tmp_path)
+    for pid in range(100, 110):
+        host.spawn(pid, 0 if pid % 2 else 5)
+    patch = host.hook().reconcile_container(ctx({OOM_SCORE_ADJ: "-10"}))
+    assert patch is not None and len(patch.writes) == 1
+    write = patch.writes[0]
+    assert write.target == str(host.proc) + "/{100,101,102,103,...}/oom_score_adj"
+    assert (write.old, write.new) == ("0,5", "-10") and "10 of 10 process(es)" in write.reason
+    assert all(host.value(pid) == "-10" for pid in range(100, 110))
