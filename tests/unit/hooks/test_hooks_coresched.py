@@ -20,7 +20,7 @@ import structlog
 from hooks.coresched import EXPELLER_SUFFIX, GROUP_LABEL, POLICY_LABEL, CoreSched, pod_group, tier_idle
 from hooks.coreschedsys import CookieOps, Scope, detect
 from hooks.dryrun import DRY_RUN_SUFFIX
-from hooks.rules import parse_rules
+from hooks.rules import LiveRules, parse_rules, rules_from_nodeslo
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerInfo,
@@ -31,6 +31,7 @@ from runtimeproxy.hookapi import (
     PodContext,
     PodInfo,
     PodMeta,
+    RulesProvider,
     Stage,
     frozen_map,
 )
@@ -403,3 +404,17 @@ def test_no_cpu_idle_is_not_worth_a_warning_without_core_sched(tmp_path: Path) -
         assert node.hook.reconcile_pod_sandbox(PodContext(Stage.RECONCILE_POD_SANDBOX, pod)) is None
         assert node.hook.reconcile_pod_sandbox(PodContext(Stage.RECONCILE_POD_SANDBOX, pod)) is None
     assert [e["event"] for e in logs] == ["core_sched_cpu_idle_absent"]
+
+
+def test_a_nodeslo_turns_it_on_through_the_rules_provider(tmp_path: Path) -> None:
+    """The NodeSLO's resourceQOSStrategy.policies.cpuPolicy reaches the hook as the metrics task merges it."""
+    provider = RulesProvider({})
+    node = Node(tmp_path, rules_doc={})
+    node.hook._rules = LiveRules(base={}, current=provider.current, owner="core-sched")
+    pod = node.pod(labels={QOS: "BE"})
+    assert node.hook.reconcile_container(node.container(pod, cid(1), [100])) is None
+    spec = {"resourceQOSStrategy": {"policies": {"cpuPolicy": "coreSched"},
+                                    "beClass": {"cpuQOS": {"enable": True, "schedIdle": 1}}}}
+    provider.set_overlay("nodeslo", rules_from_nodeslo(spec))
+    assert node.hook.reconcile_container(node.container(pod, cid(1), [100])) is not None
+    assert node.cookie(100) != 0
