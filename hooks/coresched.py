@@ -249,10 +249,14 @@ class CoreSched:
                 if self.dry_run:
                     return self._planned(what, f"group {group!r} cookie {entry.cookie:#x} to pids {todo}", reason)
                 check_deadline(what, f"cookie {entry.cookie:#x}")
-                failed = ops.assign(source, todo)
-                entry.pids.update(pid for pid in alive if pid not in failed)
-                self._remember(key, group)
-                return self._wrote(what, cookies, todo, failed, entry.cookie, group, reason)
+                try:
+                    failed = ops.assign(source, todo)
+                except OSError:  # the source exited meanwhile: the group starts over below
+                    failed = None
+                if failed is not None:
+                    entry.pids.update(pid for pid in alive if pid not in failed)
+                    self._remember(key, group)
+                    return self._wrote(what, cookies, todo, failed, entry.cookie, group, reason)
             del self._groups[group]  # no process holds the group's cookie any more: a new one
         if self.dry_run:
             return self._planned(what, f"a new cookie for group {group!r} on pids {alive}", reason)
@@ -261,7 +265,10 @@ class CoreSched:
             cookie = ops.create(alive[0])
         except OSError as exc:
             raise HookError(f"{what}: creating a cookie for pid {alive[0]} failed: {exc.strerror}") from exc
-        failed = ops.assign(alive[0], alive[1:])
+        try:
+            failed = ops.assign(alive[0], alive[1:])
+        except OSError:
+            failed = alive[1:]  # the first process exited after getting the cookie: the rest next pass
         self._groups[group] = _Group(cookie, {pid for pid in alive if pid not in failed})
         _bound(self._groups)
         self._remember(key, group)

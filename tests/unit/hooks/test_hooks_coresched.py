@@ -418,3 +418,20 @@ def test_a_nodeslo_turns_it_on_through_the_rules_provider(tmp_path: Path) -> Non
     provider.set_overlay("nodeslo", rules_from_nodeslo(spec))
     assert node.hook.reconcile_container(node.container(pod, cid(1), [100])) is not None
     assert node.cookie(100) != 0
+
+
+def test_a_source_exiting_during_the_share_starts_the_group_over(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    a, b = node.pod(UID, labels={QOS: "BE"}), node.pod(UID2, labels={QOS: "BE"})
+    node.hook.reconcile_container(node.container(a, cid(1), [100]))
+    old = node.cookie(100)
+    ctx = node.container(b, cid(2), [200])
+    share_from = node.kernel.share_from
+
+    def exits_first(pid: int) -> None:
+        node.kernel.kill(100)  # between the hook's GET and the SHARE_FROM
+        share_from(pid)
+
+    node.kernel.share_from = exits_first  # type: ignore[method-assign]
+    patch = node.hook.reconcile_container(ctx)
+    assert patch is not None and node.cookie(200) not in (0, old)
