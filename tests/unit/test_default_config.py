@@ -17,7 +17,7 @@ def test_shipped_config_validates_and_keeps_yaml_order() -> None:
     settings = config.load(SHIPPED, {"hookserver_dir": ""})
     hooks = plugins.build_hooks(settings)
     assert [h.name for h in hooks] == ["batch-resource", "cpuset", "cpu-normalization", "group-identity", "resctrl",
-                                          "memory-qos", "blkio"]
+                                          "memory-qos", "blkio", "oom-score-adj", "core-sched"]
     assert all(h.policy is config.FailurePolicy.IGNORE for h in hooks)
     assert settings.listen == "/var/run/koord-runtimeproxy/runtimeproxy.sock"
     assert settings.metrics_listen == "127.0.0.1:9316"
@@ -32,8 +32,8 @@ def test_reversed_yaml_gives_reversed_chain(tmp_path: Path) -> None:
     path = tmp_path / "reversed.yaml"
     path.write_text(yaml.safe_dump(doc))
     hooks = plugins.build_hooks(config.load(path))
-    assert [h.name for h in hooks] == ["blkio", "memory-qos", "resctrl", "group-identity", "cpu-normalization",
-                                          "cpuset", "batch-resource"]
+    assert [h.name for h in hooks] == ["core-sched", "oom-score-adj", "blkio", "memory-qos", "resctrl",
+                                          "group-identity", "cpu-normalization", "cpuset", "batch-resource"]
 
 
 # --- one source: the built-in default is the shipped file (issue 14, item 8) ----------
@@ -60,7 +60,7 @@ def test_no_file_runs_the_shipped_file(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert chain == [(h.name, h.policy, h.stages, h.timeout) for h in plugins.validate(shipped)[0]]
     assert tasks == plugins.validate(shipped)[1] == ["metrics", "qos-manager"]
     assert [name for name, *_ in chain] == ["batch-resource", "cpuset", "cpu-normalization", "group-identity",
-                                             "resctrl", "memory-qos", "blkio"]
+                                             "resctrl", "memory-qos", "blkio", "oom-score-adj", "core-sched"]
     # Same tasks, valid as shipped: the whole agent, not a bare pass-through.
     assert dict(builtin.tasks) == dict(shipped.tasks) and list(builtin.tasks) == ["metrics", "qos-manager"]
     assert builtin.rules == shipped.rules and builtin.rules
@@ -76,7 +76,7 @@ def test_check_config_without_a_file_checks_the_built_in_default(
     shipped = capsys.readouterr().out.splitlines()
     assert builtin[0].endswith(f"source=built-in default ({config.DEFAULT_CONFIG_PATH} absent)")
     assert builtin[0].rpartition(" source=")[0] == shipped[0].rpartition(" source=")[0]
-    assert builtin[1:] == shipped[1:] and len(builtin) == 9  # the seven shipped hooks, the tasks
+    assert builtin[1:] == shipped[1:] and len(builtin) == 11  # the nine shipped hooks, the tasks
     assert builtin[-1] == "tasks: metrics, qos-manager"
 
 
