@@ -3,7 +3,8 @@
 Dashboards and alerts written for koordlet keep working: where koordlet exports a
 series (``koordlet_node_used_cpu_cores{node}``, ``koordlet_pod_psi{...}``,
 ``koordlet_container_cpi{cpi_field}``, ``koordlet_be_suppress_*``) we use its name
-and labels; what koordlet lacks is exported as ``koord_runtime_proxy_*``. The table
+and labels; what koordlet lacks is exported as ``koord_runtime_proxy_*``, and the
+interference detection (Koordetector) signals as ``koordetector_*``. The table
 ``EXPORTS`` is the whole mapping (docs/metrics.md shows it).
 
 The exporter reads the newest value of each series from a ``LatestSource`` at scrape
