@@ -233,3 +233,30 @@ def test_no_source_collects_nothing_and_says_why(tmp_path: Path) -> None:
 def test_a_bad_preference_is_refused() -> None:
     with pytest.raises(ValueError, match="memlat prefer='bpf'"):
         MemLatencyCollector(HostRoots(), prefer="bpf")  # type: ignore[arg-type]
+
+
+# --- export ---------------------------------------------------------------------------
+
+
+def test_samples_are_exported_as_koordetector_series_with_the_seed_labels() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.registry import CollectorRegistry
+
+    from metrics.report.promexport import LatestValues, register_exporter
+
+    p = pod("c1")
+    latest = LatestValues(clock=lambda: 1000.0)
+    exporter = register_exporter(CollectorRegistry(), latest, lambda: [p], "node-a")
+    samples = stall_samples(p, p.containers[0], {"memcg_reclaim": StallStat(0.5, 50, 0.02)}, 10.0, "ebpf")
+    samples.append(m.Sample(m.NODE_MEMORY_ALLOC_STALLS, 2.0, m.labels(kind="direct_reclaim", source="vmstat")))
+    latest.update([s._replace(ts=10) for s in samples])
+    got = {(s.name, s.labels.get("kind", "")): s for f in text_string_to_metric_families(exporter.render().decode())
+           for s in f.samples}
+    ratio = got[("koordetector_container_memory_alloc_stall_ratio", "memcg_reclaim")]
+    assert ratio.value == pytest.approx(0.05)
+    assert ratio.labels == {"node": "node-a", "container_id": "c1", "container_name": "c1", "pod_uid": "u1",
+                            "pod_name": "p", "pod_namespace": "ns", "kind": "memcg_reclaim", "source": "ebpf"}
+    assert got[("koordetector_container_memory_alloc_stall_ratio", "compaction")].value == 0.0
+    assert got[("koordetector_container_memory_alloc_latency_p99_seconds", "memcg_reclaim")].value == 0.02
+    node = got[("koordetector_node_memory_alloc_stalls_per_second", "direct_reclaim")]
+    assert node.labels == {"node": "node-a", "kind": "direct_reclaim", "source": "vmstat"} and node.value == 2.0
