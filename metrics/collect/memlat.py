@@ -107,15 +107,16 @@ def aggregate(totals: Sequence[tuple[bytes, bytes]], hists: Sequence[tuple[bytes
 
 def stall_samples(pod: PodView, container: ContainerView, stalls: Mapping[str, StallStat], elapsed: float,
                   source: str) -> list[Sample]:
-    """Every kind for every container (zeros when it did not stall, so an idle container
-    reads 0, not "no data"); mean and p99 only where there were stalls."""
+    """The stalled share for every kind of every container (0 when it did not stall, so an
+    idle container reads 0, not "no data"); the rest only where there were stalls (fewer
+    rows in the store: most containers never stall)."""
     out: list[Sample] = []
     base = dict(container_labels(pod, container))
     for kind in KINDS:
         lbls = labels(**base, **{KIND: kind, SOURCE: source})
         stat = stalls.get(kind)
         if stat is None:
-            out += [Sample(CONTAINER_MEMORY_ALLOC_STALL, 0.0, lbls), Sample(CONTAINER_MEMORY_ALLOC_STALLS, 0.0, lbls)]
+            out.append(Sample(CONTAINER_MEMORY_ALLOC_STALL, 0.0, lbls))
             continue
         out += [Sample(CONTAINER_MEMORY_ALLOC_STALL, stat.seconds / elapsed, lbls),
                 Sample(CONTAINER_MEMORY_ALLOC_STALLS, stat.events / elapsed, lbls)]
@@ -139,6 +140,7 @@ class EbpfStallSource:
         self._maps: dict[str, BpfMap] = {}
         self._events: list[int] = []
         self._last = 0.0
+        self._ids: dict[str, int] = {}  # container id -> its v2 cgroup's inode
         self._once = OnceLog(log)
 
     def start(self) -> None:
@@ -178,14 +180,19 @@ class EbpfStallSource:
         at = self._clock()
         elapsed, self._last = max(at - self._last, 1e-3), at
         self._once.keep_owners(pod.uid for pod, _ in containers)
+        ids: dict[str, int] = {}
         out: list[Sample] = []
         for pod, container in containers:
-            cgid = self._cgroup_id(pod.uid, container.cgroup_dir)
+            cgid = self._ids.get(container.id) or self._cgroup_id(pod.uid, container.cgroup_dir)
             if cgid is not None:
+                ids[container.id] = cgid
                 out += stall_samples(pod, container, by_cgroup.get(cgid, {}), elapsed, self.name)
+        self._ids = ids
         return out
 
     def _cgroup_id(self, owner: str, rel: str) -> int | None:
+        """A container's cgroup keeps its inode for the container's life (a container id is
+        never reused), so it is looked up once per container, not per interval."""
         directory = self._reader.unified_dir(rel)
         if directory is None:
             return None
@@ -254,6 +261,7 @@ class CounterSource:
         self._reader = reader
         self._clock = clock
         self._prev: dict[tuple[str, str], tuple[float, int]] = {}
+        self._paths: dict[str, str] = {}  # container id -> its limit-hits file
         self._once = OnceLog(log)
 
     def start(self) -> None:
@@ -284,8 +292,10 @@ class CounterSource:
             else:
                 out.append(Sample(NODE_MEMORY_ALLOC_STALLS, rate, labels(**{KIND: field, SOURCE: "vmstat"})))
         self._once.keep_owners(["node", *(pod.uid for pod, _ in containers)])
+        paths: dict[str, str] = {}
         for pod, container in containers:
-            path = f"{self._reader.memory_dir(container.cgroup_dir)}/{self._hits_file}"
+            path = self._paths.get(container.id) or f"{self._reader.memory_dir(container.cgroup_dir)}/{self._hits_file}"
+            paths[container.id] = path
             try:
                 hits = parse_limit_hits(read_bytes(path), path, self._reader.version)
             except ReadError as exc:
@@ -296,6 +306,7 @@ class CounterSource:
                 lbls = labels(**dict(container_labels(pod, container)), **{KIND: "memcg_reclaim", SOURCE: self.name})
                 out.append(Sample(CONTAINER_MEMORY_ALLOC_STALLS, rate, lbls))
         self._prev = {k: v for k, v in self._prev.items() if k in live}
+        self._paths = paths
         return out
 
     def _rate(self, key: tuple[str, str], at: float, value: int, live: set[tuple[str, str]]) -> float | None:
