@@ -46,7 +46,8 @@ def _doc(name: str, base: Path, prefix: str, fast: bool, interval: str) -> dict[
         "hooks": [{"name": "batch", "plugin": "batch-resource", "failure_policy": "Ignore"}],
         "rules": {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 65,
                                                   "cpuSuppressPolicy": "cfsQuota"}},
-        "tasks": {"metrics": {"db": str(base / f"{name}.db"), "schedlat_source": "off", "cpi": False},
+        "tasks": {"metrics": {"db": str(base / f"{name}.db"), "schedlat_source": "off", "cpi": False,
+                              "memlat_source": "off"},
                   "qos-manager": {"besteffort_dir": f"{prefix.strip('/')}/kubepods/besteffort", "fast_path": fast,
                                   "fast_interval": interval, "psi_trigger": False}},
     }

@@ -36,6 +36,7 @@ from metrics.collect.be import BEAggregator
 from metrics.collect.cgroupfs import PodCollector
 from metrics.collect.cpi import CPICollector
 from metrics.collect.hostapp import HostAppCollector, parse_host_apps
+from metrics.collect.memlat import MemLatencyCollector
 from metrics.collect.procfs import NodeCollector
 from metrics.collect.psi import PSICollector
 from metrics.collect.schedlat import SchedLatencyCollector
@@ -108,6 +109,10 @@ class MetricsAgent:
         if settings.schedlat_source != "off":
             self.collectors.append(SchedLatencyCollector(init.host, prefer=settings.schedlat_source,
                                                          interval=iv.schedlat))
+        self.memlat = (MemLatencyCollector(init.host, prefer=settings.memlat_source, interval=iv.memlat)
+                       if settings.memlat_source != "off" else None)
+        if self.memlat is not None:
+            self.collectors.append(self.memlat)
         if settings.cpi:
             self.collectors.append(CPICollector(init.host, interval=iv.cpi))
         if init.registry is not None:
@@ -345,6 +350,7 @@ class MetricsAgent:
                 last = self.tsdb.last(metric, m.NO_LABELS, max_age=60, now=now)
                 out[metric] = None if last is None else round(last.value, 4)
             out["host_applications"] = [app.name for app in self.hostapps.apps]
+            out["memlat"] = None if self.memlat is None else self.memlat.explain()
             if self.prediction is not None:
                 out["prediction"] = self.prediction.explain()
             return out

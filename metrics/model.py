@@ -23,7 +23,7 @@ POD_UID: Final = "pod_uid"
 CONTAINER_ID: Final = "container_id"
 NUMA_NODE: Final = "numa_node_id"
 RESOURCE: Final = "resource"  # psi: cpu | memory | io
-KIND: Final = "kind"  # psi: some | full
+KIND: Final = "kind"  # psi: some | full; memory stalls: direct_reclaim | memcg_reclaim | compaction
 WINDOW: Final = "window"  # psi: avg10 | avg60 | avg300
 SOURCE: Final = "source"  # sched latency: ebpf | schedstat
 HOST_APP_NAME: Final = "host_app_name"  # host applications (NodeSLO hostApplications[].name)
@@ -56,6 +56,18 @@ CONTAINER_CPU_THROTTLED: Final = "container_cpu_throttled_ratio"
 CONTAINER_SCHED_LATENCY: Final = "container_sched_latency_seconds"
 #: p99 of run-queue waits over the interval (eBPF histograms only).
 CONTAINER_SCHED_LATENCY_P99: Final = "container_sched_latency_p99_seconds"
+#: Memory allocation stalls (reclaim, compaction) per container, {pod_uid, container_id, kind, source}
+#: (``metrics.collect.memlat``): seconds stalled per second of the interval, summed over the
+#: container's tasks (eBPF; 0 when it did not stall) ...
+CONTAINER_MEMORY_ALLOC_STALL: Final = "container_memory_alloc_stall_ratio"
+#: ... stalls per second (eBPF; counters source: limit hits, kind=memcg_reclaim) ...
+CONTAINER_MEMORY_ALLOC_STALLS: Final = "container_memory_alloc_stalls_per_second"
+#: ... and, when it stalled, the mean and the p99 (log2 histogram) stall, in seconds.
+CONTAINER_MEMORY_ALLOC_LATENCY: Final = "container_memory_alloc_latency_seconds"
+CONTAINER_MEMORY_ALLOC_LATENCY_P99: Final = "container_memory_alloc_latency_p99_seconds"
+#: Node-wide /proc/vmstat stall counters as rates (the counters source), {kind, source=vmstat}.
+NODE_MEMORY_ALLOC_STALLS: Final = "node_memory_alloc_stalls_per_second"
+NODE_MEMORY_RECLAIM_SCANNED: Final = "node_memory_direct_reclaim_scanned_pages_per_second"  # {source}
 CONTAINER_CPI: Final = "container_cpi"  # cycles / instructions
 CONTAINER_CYCLES: Final = "container_cycles"
 CONTAINER_INSTRUCTIONS: Final = "container_instructions"

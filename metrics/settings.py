@@ -32,6 +32,7 @@ T = TypeVar("T")
 
 DEFAULT_DB: Final = Path("/var/lib/koord-runtime-proxy/metrics.db")
 SchedSource = Literal["auto", "ebpf", "schedstat", "off"]
+MemlatSource = Literal["auto", "ebpf", "counters", "off"]
 EvictMode = Literal["cri", "api"]
 
 
@@ -43,6 +44,7 @@ class Intervals:
     schedlat: float = 10.0
     cpi: float = 60.0
     topology: float = 60.0
+    memlat: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,8 @@ class MetricsSettings:
     besteffort_dir: str = "kubepods/besteffort"
     intervals: Intervals = Intervals()
     schedlat_source: SchedSource = "auto"
+    #: Memory allocation latency (reclaim / compaction stalls, ``metrics.collect.memlat``).
+    memlat_source: MemlatSource = "auto"
     cpi: bool = True
     kubelet: KubeletSettings = KubeletSettings()
     #: Connect to the API server (NodeSLO/NodeMetric/Node watch, NodeMetric status).
@@ -282,6 +286,7 @@ def parse_metrics(raw: Mapping[str, Any], key_path: str) -> MetricsSettings:
         besteffort_dir=args.get("besteffort_dir", base.besteffort_dir, args.relative_dir),
         intervals=_intervals(args.section("intervals")),
         schedlat_source=source,
+        memlat_source=args.get("memlat_source", base.memlat_source, args.choice("auto", "ebpf", "counters", "off")),
         cpi=args.get("cpi", base.cpi, args.boolean),
         kubelet=_kubelet(args.section("kubelet")),
         kube=args.get("kube", base.kube, args.boolean),

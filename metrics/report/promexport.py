@@ -3,7 +3,8 @@
 Dashboards and alerts written for koordlet keep working: where koordlet exports a
 series (``koordlet_node_used_cpu_cores{node}``, ``koordlet_pod_psi{...}``,
 ``koordlet_container_cpi{cpi_field}``, ``koordlet_be_suppress_*``) we use its name
-and labels; what koordlet lacks is exported as ``koord_runtime_proxy_*``. The table
+and labels; what koordlet lacks is exported as ``koord_runtime_proxy_*``, and the
+interference detection (Koordetector) signals as ``koordetector_*``. The table
 ``EXPORTS`` is the whole mapping (docs/metrics.md shows it).
 
 The exporter reads the newest value of each series from a ``LatestSource`` at scrape
@@ -91,6 +92,7 @@ class Export:
 
 _PSI_WINDOWED: Final = (*PSI_LABELS,)
 _PSI_TOTAL: Final = ((RESOURCE, "psi_resource_type"), (KIND, "psi_degree"))
+_MEMLAT: Final = ((KIND, "kind"), (SOURCE, "source"))
 _HOST_APP: Final = ((m.HOST_APP_NAME, "host_application_name"), (m.PRIORITY_CLASS, "priority_class"), (m.QOS, "qos"))
 
 EXPORTS: Final[tuple[Export, ...]] = (
@@ -119,6 +121,19 @@ EXPORTS: Final[tuple[Export, ...]] = (
            "Mean run-queue wait per scheduling event", "container", extra=((SOURCE, "source"),)),
     Export(m.CONTAINER_SCHED_LATENCY_P99, _P + "container_sched_latency_p99_seconds",
            "p99 run-queue wait (eBPF histograms)", "container", extra=((SOURCE, "source"),)),
+    # Koordetector's (the interference detection proposal's) names, container labels as the seed's.
+    Export(m.CONTAINER_MEMORY_ALLOC_STALL, "koordetector_container_memory_alloc_stall_ratio",
+           "Seconds stalled in reclaim/compaction per second", "container", extra=_MEMLAT),
+    Export(m.CONTAINER_MEMORY_ALLOC_STALLS, "koordetector_container_memory_alloc_stalls_per_second",
+           "Reclaim/compaction stalls (counters source: limit hits) per second", "container", extra=_MEMLAT),
+    Export(m.CONTAINER_MEMORY_ALLOC_LATENCY, "koordetector_container_memory_alloc_latency_seconds",
+           "Mean reclaim/compaction stall", "container", extra=_MEMLAT),
+    Export(m.CONTAINER_MEMORY_ALLOC_LATENCY_P99, "koordetector_container_memory_alloc_latency_p99_seconds",
+           "p99 reclaim/compaction stall (eBPF histograms)", "container", extra=_MEMLAT),
+    Export(m.NODE_MEMORY_ALLOC_STALLS, "koordetector_node_memory_alloc_stalls_per_second",
+           "Direct reclaims / direct compactions per second (/proc/vmstat)", "node", extra=_MEMLAT),
+    Export(m.NODE_MEMORY_RECLAIM_SCANNED, "koordetector_node_memory_direct_reclaim_scanned_pages_per_second",
+           "Pages scanned by direct reclaim per second (/proc/vmstat)", "node", extra=((SOURCE, "source"),)),
     Export(m.CONTAINER_CYCLES, "koordlet_container_cpi", "Container cpi collected by koordlet", "container",
            const=(("cpi_field", "cycles"),)),
     Export(m.CONTAINER_INSTRUCTIONS, "koordlet_container_cpi", "Container cpi collected by koordlet", "container",

@@ -174,7 +174,7 @@ def test_the_proxy_keeps_measuring_on_a_full_disk_and_closes_the_store_at_sigter
     db_path = small_fs / "metrics.db"
     proxy = proxy_factory.start(extra={"tasks": {"metrics": {
         "db": str(db_path), "flush_interval": "500ms", "node_name": "krpt-node",
-        "intervals": {"node": "500ms", "pods": "500ms", "psi": "2s"}, "schedlat_source": "off",
+        "intervals": {"node": "500ms", "pods": "500ms", "psi": "2s"}, "schedlat_source": "off", "memlat_source": "off",
     }}})
     port = proxy.metrics_port
     deadline = time.monotonic() + 20

@@ -27,6 +27,7 @@ def _numa_nodes() -> int:
 def test_the_proxy_serves_this_hosts_nrt(proxy_factory: Any, tmp_path: Path) -> None:
     proxy = proxy_factory.start(extra={"tasks": {"metrics": {
         "db": str(tmp_path / "metrics.db"), "node_name": "krpt-nrt-node", "schedlat_source": "off",
+        "memlat_source": "off",
         "kubelet_cpu_manager_state": str(tmp_path / "cpu_manager_state"),
         "kubelet_config": str(tmp_path / "config.yaml"),
     }}})

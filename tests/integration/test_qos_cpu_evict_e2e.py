@@ -34,7 +34,7 @@ def proxy_config(cgroup_prefix: str) -> dict[str, Any]:
             "enable": True, "cpuEvictThresholdPercent": 1, "cpuEvictLowerPercent": 0,
             "cpuEvictTimeWindowSeconds": 10}},
         "tasks": {
-            "metrics": {"db": str(DB_DIR / "m.db"), "schedlat_source": "off", "cpi": False},
+            "metrics": {"db": str(DB_DIR / "m.db"), "schedlat_source": "off", "memlat_source": "off", "cpi": False},
             "qos-manager": {"besteffort_dir": f"{cgroup_prefix.strip('/')}/kubepods/besteffort",
                             "fast_path": False, "strategies": ["cpu-evict"]},
         },

@@ -37,7 +37,7 @@ def proxy_config(cgroup_prefix: str) -> dict[str, Any]:
             "enable": True, "cpuSuppressPolicy": "cfsQuota",
             "memoryEvictThresholdPercent": 1, "memoryEvictLowerPercent": 0}},
         "tasks": {
-            "metrics": {"db": str(DB_DIR / "m.db"), "schedlat_source": "off", "cpi": False},
+            "metrics": {"db": str(DB_DIR / "m.db"), "schedlat_source": "off", "memlat_source": "off", "cpi": False},
             "qos-manager": {"besteffort_dir": f"{cgroup_prefix.strip('/')}/kubepods/besteffort"},
         },
     }

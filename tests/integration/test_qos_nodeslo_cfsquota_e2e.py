@@ -156,7 +156,8 @@ def proxy_config(cgroup_prefix: str, api: FakeApiServer) -> dict[str, Any]:
             "enable": True, "cpuSuppressThresholdPercent": 90, "cpuSuppressPolicy": "cpuset"}},
         "tasks": {
             "metrics": {"db": str(DB_DIR / "m.db"), "schedlat_source": "off", "cpi": False, "kube": True,
-                        "kubeconfig": str(kubeconfig), "node_name": NODE, "report_interval": "1h"},
+                        "kubeconfig": str(kubeconfig), "node_name": NODE, "report_interval": "1h",
+                        "memlat_source": "off"},
             "qos-manager": {"besteffort_dir": f"{cgroup_prefix.strip('/')}/kubepods/besteffort",
                             "fast_interval": "100ms"},
         },

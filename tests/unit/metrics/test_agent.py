@@ -42,6 +42,7 @@ def _agent(host: HostRoots, tmp_path: Path, **extra: Any) -> tuple[MetricsAgent,
                     add_route=routes.__setitem__, add_explainer=lambda _name, _explainer: None,
                     args={"db": str(tmp_path / "m.db"), "schedlat_source": "off", "cpi": False,
                           "flush_interval": "100ms",
+                          "memlat_source": "off",
                           "intervals": {"node": "100ms", "pods": "100ms", "psi": "300ms", "topology": "1h"},
                           **extra})
     run = metrics_task(init)

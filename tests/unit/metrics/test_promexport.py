@@ -224,7 +224,7 @@ def test_render_follows_pod_changes_and_forgets_series() -> None:
 def test_export_table_is_consistent() -> None:
     by_name: dict[str, tuple[str, ...]] = {}
     for e in EXPORTS:
-        assert e.name.startswith(("koordlet_", "koord_runtime_proxy_")), e.name
+        assert e.name.startswith(("koordlet_", "koord_runtime_proxy_", "koordetector_")), e.name
         # One family, one label set, even when two of our series share it (cpi cycles/instructions).
         assert by_name.setdefault(e.name, e.label_names) == e.label_names
     assert len({e.metric for e in EXPORTS}) == len(EXPORTS)

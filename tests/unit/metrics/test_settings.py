@@ -48,6 +48,8 @@ def test_durations_and_nested_sections_parse() -> None:
     ({"intervals": {"gpu": "1s"}}, "tasks.metrics.intervals.gpu", "1s"),
     ({"max_bytes": 0}, "tasks.metrics.max_bytes", 0),
     ({"schedlat_source": "perf"}, "tasks.metrics.schedlat_source", "perf"),
+    ({"memlat_source": "bpf"}, "tasks.metrics.memlat_source", "bpf"),
+    ({"intervals": {"memlat": "often"}}, "tasks.metrics.intervals.memlat", "often"),
     ({"cgroup_driver": "cgroup"}, "tasks.metrics.cgroup_driver", "cgroup"),
     ({"besteffort_dir": "../etc"}, "tasks.metrics.besteffort_dir", "../etc"),
     ({"kubelet": {"url": "127.0.0.1:10255"}}, "tasks.metrics.kubelet.url", "127.0.0.1:10255"),
