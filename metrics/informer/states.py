@@ -105,11 +105,11 @@ class KubeletPods:
             headers["Authorization"] = "Bearer " + self._token_path.read_text().strip()
         return urllib.request.Request(self.url, headers=headers)
 
-    def _problem(self, event: str, **kw: object) -> None:
+    def _problem(self, event: str, *, level: str = "warning", **kw: object) -> None:
         key = f"{event}:{sorted(kw.items())}"
         if key != self._last_problem:
             self._last_problem = key
-            log.warning(event, url=self.url, **kw)
+            getattr(log, level)(event, url=self.url, **kw)
 
     def fetch(self) -> dict[str, KubeletPod] | None:
         """Pods by uid; None when there is nothing to update from (an error, or an empty
@@ -120,12 +120,15 @@ class KubeletPods:
         except (urllib.error.URLError, OSError, ValueError, RecursionError) as exc:  # deep nesting: RecursionError
             self._problem("kubelet_pods_failed", error=str(exc))
             return None
-        items = doc.get("items") if isinstance(doc, Mapping) else None
+        items = doc.get("items", ()) if isinstance(doc, Mapping) else ()
+        if items is None:
+            items = []  # Go marshals an empty (nil) slice as null: kubelet with no pods
         if not isinstance(items, list):
             self._problem("kubelet_pods_garbled", error="no items list")
             return None
         if not items:
-            self._problem("kubelet_pods_empty_ignored")
+            # Normal on a node without pods, and while kubelet starts: not a warning.
+            self._problem("kubelet_pods_empty_ignored", level="info")
             return None
         pods = {pod.uid: pod for pod in map(_pod_of, items) if pod is not None}
         if self._last_problem:
