@@ -109,7 +109,8 @@ class MetricsAgent:
                                          settings.node_name)
             init.add_exposition(exporter.render)
             init.registry.register(_StoreHealth(self.tsdb))
-        self.reporter = NodeMetricReporter(self.tsdb, self.pods, self.informer, self.kube)
+        self.reporter = NodeMetricReporter(self.tsdb, self.pods, self.informer, self.kube,
+                                           ready=lambda: self._views_key is not None)
         init.add_route("/apis/nodemetric", self.reporter.route)
         init.add_explainer("metrics", self.explain)
         self.ticks: dict[str, int] = {c.name: 0 for c in self.collectors}

@@ -213,6 +213,7 @@ class StatesInformer:
         self._interval = sync_interval
         self._lock = threading.Lock()
         self._objects: dict[Kind, dict[str, Any] | None] = {}
+        self._synced: set[Kind] = set()
         self._pods: Mapping[str, KubeletPod] = {}
         self._warned: set[str] = set()
         self._listeners: list[tuple[Kind, Callable[[Mapping[str, Any] | None], None]]] = []
@@ -252,6 +253,7 @@ class StatesInformer:
     def _on_event(self, kind: Kind, etype: str, obj: dict[str, Any] | None) -> None:
         value = None if etype == "DELETED" else obj
         with self._lock:
+            self._synced.add(kind)
             before = self._objects.get(kind)
             self._objects[kind] = value
         if _spec(before) != _spec(value) and kind is not Kind.NODE:
@@ -273,6 +275,11 @@ class StatesInformer:
             log.warning("node_fact_ignored", reason=message)
 
     # --- accessors --------------------------------------------------------------------
+    def has_synced(self, kind: Kind) -> bool:
+        """Whether ``kind``'s object was listed (present or not) since the start."""
+        with self._lock:
+            return kind in self._synced
+
     def pods(self) -> Mapping[str, KubeletPod]:
         with self._lock:
             return self._pods

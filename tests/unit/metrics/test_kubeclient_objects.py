@@ -163,3 +163,60 @@ def test_store_changes_reach_a_watch(api: KubeApiServer, kube: KubeClient) -> No
                     ("DELETED", {"resourceUsedThresholdWithBE": {"enable": False}})]
     with pytest.raises(ValueError, match="NodeSLO is invalid"):
         api.put("nodeslos", {"metadata": {"name": NODE}, "spec": {"cpuBurstStrategy": {"policy": 7}}})
+
+
+@pytest.mark.asyncio
+async def test_first_report_waits_for_the_nodemetric_spec_and_the_pods(api: KubeApiServer, kube: KubeClient,
+                                                                        tmp_path: Path) -> None:
+    """After a restart the first PATCH went out before the NodeMetric was listed (default
+    policy) and before the first pod listing (empty podsMetric)."""
+    import asyncio
+
+    from metrics.informer.states import StatesInformer
+    from metrics.model import NODE_CPU_USAGE, Sample
+    from metrics.report.reporter import NodeMetricReporter
+    from metrics.store.tsdb import TSDB
+
+    now = time.time()
+    api.put("nodemetrics", {"metadata": {"name": NODE}, "spec": {"metricCollectPolicy": {
+        "reportIntervalSeconds": 30, "aggregateDurationSeconds": 60}}})
+    listed = threading.Event()
+    real = api._serve
+
+    def gated(req: Any) -> Any:
+        listed.wait(10)
+        return real(req)
+
+    api.routes[("GET", "/apis/slo.koordinator.sh/v1alpha1/nodemetrics")] = gated
+    pods_listed = False
+    informer = StatesInformer(kube, None)
+    task = asyncio.create_task(informer.run())
+    patch = f"/apis/slo.koordinator.sh/v1alpha1/nodemetrics/{NODE}/status"
+    with TSDB(tmp_path / "m.db", clock=lambda: now) as store:
+        store.write([Sample(NODE_CPU_USAGE, 2.0, (), now - k) for k in range(30)])
+        store.flush()
+        reporter = NodeMetricReporter(store, lambda: [], informer, kube, clock=lambda: now,
+                                      ready=lambda: pods_listed)
+        with structlog.testing.capture_logs() as logs:
+            run = asyncio.create_task(reporter.run())
+            await asyncio.sleep(0.5)
+            assert api.seen("PATCH", patch) == [] and reporter.not_ready() == "NodeMetric spec not read yet"
+            listed.set()
+            deadline = time.monotonic() + 10
+            while reporter.not_ready() != "pods not listed yet":
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            assert api.seen("PATCH", patch) == []
+            pods_listed = True
+            while not api.seen("PATCH", patch):
+                assert time.monotonic() < deadline, "no report once ready"
+                await asyncio.sleep(0.01)
+            run.cancel()
+        assert reporter.policy().report_interval == 30  # the CR's, not the default 60
+        assert api.get("nodemetrics", NODE)["status"]["nodeMetric"]["nodeUsage"] == {"resources": {"cpu": "2000m"}}
+    task.cancel()
+    for t in (run, task):
+        with pytest.raises(asyncio.CancelledError):
+            await t
+    assert not [e for e in logs if e["log_level"] == "warning"]
