@@ -29,7 +29,7 @@ from hooks.annotations import quantity_value
 from hooks.cpusets import CpuListError, parse_cpu_list
 from metrics.informer.kubetypes import Kind
 
-if TYPE_CHECKING:  # the client (and ``kubernetes``) is imported only when configured
+if TYPE_CHECKING:  # the API client is imported only when configured
     from metrics.informer.kubeclient import KubeClient
 
 log = structlog.get_logger("metrics.informer.states")

@@ -8,6 +8,7 @@ the plans through ``explain``. The agent must be listed before it under ``tasks:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePosixPath
@@ -23,15 +24,17 @@ from metrics.collect.cgroupfs import CgroupReader
 from metrics.informer.kubetypes import EvictionRefused, KubeError
 from metrics.model import PodView
 from metrics.qos.evict import CriEvictor, EvictionError, Evictor
+from metrics.qos.evictevents import RecordingEvictor
 from metrics.qos.fastpath import FastPath, FastPathConfig
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.psitrigger import PsiTriggers
 from metrics.qos.resctrlsync import ResctrlSync
 from metrics.qos.suppress import SuppressConfig
+from metrics.report.events import WARNING, EventRecorder
 from metrics.settings import QoSSettings, parse_qos, validate_qos
 from runtimeproxy.hookapi import HookConfigError, TaskInit
 
-if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
+if TYPE_CHECKING:  # the API client: imported only when configured
     from metrics.informer.kubeclient import KubeClient
 
 log = structlog.get_logger("metrics.qos.task")
@@ -61,6 +64,11 @@ def _evictor(init: TaskInit, settings: QoSSettings, agent: MetricsAgent) -> Evic
     return ApiEvictor(agent.kube)
 
 
+def _write_failed_event(events: EventRecorder, strategy: str, target: str, cause: str) -> None:
+    """A QoS write (mostly the BE suppression's) that cannot be applied: a Node event."""
+    events.record(events.node(), WARNING, "QoSWriteFailed", f"{strategy}: cannot write {target}: {cause}")
+
+
 def _resctrl(init: TaskInit, layout: CgroupLayout) -> ResctrlSync | None:
     # No resctrl mount (VMs, AMD without RDT): the strategy is simply absent.
     if not (init.host.resctrl / "schemata").exists():
@@ -86,13 +94,14 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
     cpus = agent.topology.latest().cpus
     manager = QoSManager(
         reader=agent.tsdb, pods=agent.pods, topology=cpus, executor=CgroupExecutor(layout),
-        evictor=_evictor(init, settings, agent), rules=agent.rules,
+        evictor=RecordingEvictor(_evictor(init, settings, agent), agent.events), rules=agent.rules,
         config=ManagerConfig(
             interval=settings.interval, collect_interval=agent.settings.intervals.pods, dry_run=settings.dry_run,
             node_name=agent.settings.node_name, reserved_cores=_reserved(settings, agent),
             suppress=SuppressConfig(besteffort_dir=PurePosixPath(settings.besteffort_dir)),
         ),
         resctrl=_resctrl(init, layout), registry=init.registry, writer=agent.tsdb,
+        on_write_failed=functools.partial(_write_failed_event, agent.events),
     )
     fast = FastPath(manager, cgroups=CgroupReader(init.host.cgroup), rules=agent.rules,
                     config=FastPathConfig(interval=settings.fast_interval,

@@ -29,7 +29,7 @@ from metrics.model import MetricReader, PodView
 from metrics.report.nodemetric import WITH_HOT_PAGE_CACHE, CollectPolicy, build_status
 from runtimeproxy import heap
 
-if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
+if TYPE_CHECKING:  # the API client: imported only when configured
     from metrics.informer.kubeclient import KubeClient
 
 log = structlog.get_logger("metrics.report.reporter")

@@ -383,6 +383,11 @@ async def test_the_watched_nodeslo_feeds_hooks_and_tasks_through_one_provider(
         assert not agent.rules().resource_used_threshold_with_be.enable
         out = capsys.readouterr().out
         assert "nodeslo_rejected" in out and "nodeslo.spec.resourceQOSStrategy.beClass.cpuQOS.enable" in out
+        # ... and an Event on the Node (issue 16 §4), as kubectl describe node shows it.
+        assert await asyncio.to_thread(agent.events.flush)
+        [event] = [e for e in api.objects("events") if e["reason"] == "NodeSLORejected"]
+        assert event["involvedObject"]["kind"] == "Node" and event["involvedObject"]["name"] == NODE
+        assert event["message"].startswith("nodeslo.spec.resourceQOSStrategy.beClass.cpuQOS.enable='no'")
     finally:
         await stop_informer(task)
         agent.tsdb.close()
