@@ -214,7 +214,8 @@ async def test_first_report_waits_for_the_nodemetric_spec_and_the_pods(api: Kube
                 await asyncio.sleep(0.01)
             run.cancel()
         assert reporter.policy().report_interval == 30  # the CR's, not the default 60
-        assert api.get("nodemetrics", NODE)["status"]["nodeMetric"]["nodeUsage"] == {"resources": {"cpu": "2000m"}}
+        stored = api.get("nodemetrics", NODE)
+        assert stored is not None and stored["status"]["nodeMetric"]["nodeUsage"] == {"resources": {"cpu": "2000m"}}
     task.cancel()
     for t in (run, task):
         with pytest.raises(asyncio.CancelledError):
