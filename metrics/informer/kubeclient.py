@@ -179,7 +179,10 @@ class KubeClient:
             headers["Authorization"] = auth
         data = None
         if body is not None:
-            data = json.dumps(body).encode()
+            try:
+                data = json.dumps(body, allow_nan=False).encode()
+            except (ValueError, TypeError) as exc:  # NaN/inf or a non-JSON value: refused before sending
+                raise KubeApiError(what, 0, f"request body is not JSON: {exc}") from exc
             headers["Content-Type"] = content_type
         url = self.config.host + path
         if query:

@@ -108,6 +108,12 @@ def test_garbage_answers_are_errors_naming_the_request(api: KubeApiServer, kube:
     assert str(err.value).startswith(message)
 
 
+def test_a_body_that_is_not_json_is_refused_before_sending(api: KubeApiServer, kube: KubeClient) -> None:
+    with pytest.raises(KubeApiError, match="patch noderesourcetopology: HTTP 0: request body is not JSON"):
+        kube.patch_nrt({"zones": [{"name": "node-0", "costs": float("nan")}]})
+    assert not api.requests
+
+
 def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
