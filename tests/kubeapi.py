@@ -27,6 +27,7 @@ import copy
 import itertools
 import json
 import re
+import sys
 import threading
 import time
 import uuid
@@ -153,6 +154,13 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up mid-request (a stopped agent) is not an error of the server."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
+
 class KubeApiServer:
     """See the module docstring. ``url`` is where it listens (loopback, a free port)."""
 
@@ -203,7 +211,7 @@ class KubeApiServer:
 
             do_GET = do_PATCH = do_POST = do_PUT = do_DELETE = _handle
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True,
