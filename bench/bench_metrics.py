@@ -26,8 +26,10 @@ also fetches ``/metrics`` every 15 s (what Prometheus costs).
 ``--kube`` measures the agent with a cluster connection (``kube: true``) against the
 shared test API server (``tests/kubeapi.py``, in this process): the Node, NodeSLO and
 NodeMetric (report interval 30 s) are served and watched, each status PATCH validated
-against the CRD. Variants: no tasks, metrics without a cluster, metrics with ``kube: true``;
-``--kube-baseline DIR`` adds the same ``kube: true`` run with the code of another checkout
+against the CRD. Variants: no tasks, metrics without a cluster, metrics with ``kube: true``,
+everything on (shipped hooks and rules, metrics with ``kube: true``, the QoS manager with
+``evict_mode: api``);
+``--kube-baseline DIR`` adds the same ``kube: true`` runs with the code of another checkout
 (e.g. ``git archive <commit> | tar -x -C DIR`` of a commit still on the ``kubernetes``
 client) for a comparison in the same run.
 """
@@ -45,12 +47,14 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from benchlib import BenchNode, cpu_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.kubeapi
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy import devpods, embedded
+from runtimeproxy.demo import DEFAULT_CONFIG
 
 
 def _status_kib(pid: int, key: str) -> int:
@@ -177,19 +181,32 @@ def _api_server(base: Path) -> tuple[Any, Path]:
 def _kube(node: BenchNode, args: argparse.Namespace) -> int:
     api, kubeconfig = _api_server(node.base)
     kube = {"kube": True, "kubeconfig": str(kubeconfig), "node_name": BENCH_NODE}
-    variants: list[tuple[str, dict[str, Any], Path | None]] = [
+    variants: list[tuple[str, dict[str, Any], Path | None]] = [  # name, tasks (then the whole doc), code
         ("no tasks", {}, None),
         ("metrics, no cluster", {"metrics": {"db": str(node.base / "a.db")}}, None),
         ("metrics, kube: true", {"metrics": {"db": str(node.base / "b.db"), **kube}}, None),
     ]
+    # Everything on: the shipped hooks and rules, metrics with the cluster, the QoS manager
+    # evicting through the API (its cgroup writes under this bench's own parent).
+    shipped = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    qos = {"besteffort_dir": f"{node.prefix.strip('/')}/kubepods/besteffort", "evict_mode": "api"}
+
+    def everything(db: str) -> dict[str, Any]:
+        return {"hooks": shipped["hooks"], "rules": shipped["rules"],
+                "tasks": {"metrics": {"db": str(node.base / db), **kube}, "qos-manager": qos}}
+
+    variants = [(name, {"tasks": tasks}, cwd) for name, tasks, cwd in variants]
+    variants.append(("everything on, kube: true", everything("d.db"), None))
     if args.kube_baseline:
-        variants.append((f"metrics, kube: true, code of {args.kube_baseline}",
-                         {"metrics": {"db": str(node.base / "c.db"), **kube}}, Path(args.kube_baseline)))
+        old = Path(args.kube_baseline)
+        variants.append((f"metrics, kube: true, code of {old}",
+                         {"tasks": {"metrics": {"db": str(node.base / "c.db"), **kube}}}, old))
+        variants.append((f"everything on, kube: true, code of {old}", everything("e.db"), old))
     rows = []
     patch = f"/apis/slo.koordinator.sh/v1alpha1/nodemetrics/{BENCH_NODE}/status"
     for i, (name, tasks, cwd) in enumerate(variants):
         before = len(api.seen("PATCH", patch))
-        proc, _sock, port = node.proxy(f"k{i}", {"tasks": tasks}, cwd=cwd)
+        proc, _sock, port = node.proxy(f"k{i}", tasks, cwd=cwd)
         row = _measure(proc, port, args.warmup, args.window)
         row["patches"] = len(api.seen("PATCH", patch)) - before
         rows.append((name, row))
