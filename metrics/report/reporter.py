@@ -110,7 +110,7 @@ class NodeMetricReporter:
 
     def not_ready(self) -> str:
         """Why a report may not be sent yet ("" when it may)."""
-        if self._informer is not None and not self._informer.has_synced(Kind.NODEMETRIC):
+        if self._kube is not None and self._informer is not None and not self._informer.has_synced(Kind.NODEMETRIC):
             return "NodeMetric spec not read yet"
         if self._ready is not None and not self._ready():
             return "pods not listed yet"
