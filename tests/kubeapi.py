@@ -27,6 +27,7 @@ import copy
 import itertools
 import json
 import re
+import ssl
 import sys
 import threading
 import time
@@ -164,7 +165,8 @@ class _Server(ThreadingHTTPServer):
 class KubeApiServer:
     """See the module docstring. ``url`` is where it listens (loopback, a free port)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: serve HTTPS with this server-side context (e.g. requiring client certificates)."""
         self.routes: dict[tuple[str, str], Answer | Callable[[Request], Answer]] = {}
         self.watch_scripts: dict[str, list[list[object]]] = {}
         self.requests: list[Request] = []
@@ -213,7 +215,9 @@ class KubeApiServer:
 
         self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        if tls is not None:
+            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True,
                                         name="kubeapi")
         self._thread.start()

@@ -6,6 +6,7 @@ import base64
 import json
 import ssl
 import stat
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +104,50 @@ def test_in_cluster_reads_the_service_account(tmp_path: Path) -> None:
 def test_default_kubeconfig_follows_the_environment() -> None:
     assert default_kubeconfig({"KUBECONFIG": "/a/b:/c/d"}) == Path("/a/b")
     assert default_kubeconfig({}).name == "config"
+
+
+def openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+def test_tls_with_a_ca_and_a_client_certificate_from_kubeconfig_data(tmp_path: Path) -> None:
+    """A real TLS handshake with the loader's context: server verified against the
+    kubeconfig's CA (data), the client authenticated by its certificate/key (data)."""
+    from metrics.informer.kubeclient import KubeApiError, KubeClient, KubeSettings
+    from tests.kubeapi import KubeApiServer
+
+    d = tmp_path
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+            "-keyout", str(d / "ca.key"), "-out", str(d / "ca.crt"))
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name, ext in (("server", ["-extfile", str(d / "san.ext")]), ("client", [])):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", str(d / f"{name}.key"),
+                "-out", str(d / f"{name}.csr"))
+        openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.crt"), "-CAkey", str(d / "ca.key"),
+                "-CAcreateserial", "-days", "1", "-out", str(d / f"{name}.crt"), *ext)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(d / "server.crt", d / "server.key")
+    server_ctx.load_verify_locations(d / "ca.crt")
+    server_ctx.verify_mode = ssl.CERT_REQUIRED  # no client certificate: no handshake
+    api = KubeApiServer(tls=server_ctx)
+    try:
+        api.put("nodes", {"metadata": {"name": "node-a"}})
+
+        def data(name: str) -> str:
+            return base64.b64encode((d / name).read_bytes()).decode()
+
+        path = write(tmp_path, {"client-certificate-data": data("client.crt"), "client-key-data": data("client.key")},
+                     {"server": api.url, "certificate-authority-data": data("ca.crt")})
+        client = KubeClient.connect(KubeSettings("node-a", kubeconfig=path, timeout=5))
+        assert client.get_node()["metadata"]["name"] == "node-a"
+        client.close()
+        # Without the client certificate the server refuses the handshake: KubeUnavailable, not a crash.
+        from metrics.informer.kubetypes import KubeUnavailable
+
+        anonymous = KubeClient.connect(KubeSettings("node-a", kubeconfig=write(
+            tmp_path, {"token": "t"}, {"server": api.url, "certificate-authority-data": data("ca.crt")}), timeout=5))
+        with pytest.raises((KubeUnavailable, KubeApiError)):
+            anonymous.get_node()
+        anonymous.close()
+    finally:
+        api.close()
