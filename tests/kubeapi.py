@@ -122,7 +122,11 @@ def _strict(schema: Any) -> Any:
 @cache
 def crd_validator(crd_file: str, version: str) -> jsonschema.protocols.Validator:
     """A validator of ``version`` of the CRD in ``CRD_DIR/crd_file``."""
-    doc = yaml.safe_load((CRD_DIR / crd_file).read_text())
+    path = CRD_DIR / crd_file
+    if not path.is_file():
+        raise FileNotFoundError(f"CRD schema {path} not found: the reference material (shared/reference/crds) "
+                                f"must be checked out next to the repository")
+    doc = yaml.safe_load(path.read_text())
     for v in doc["spec"]["versions"]:
         if v["name"] == version:
             schema = _strict(v["schema"]["openAPIV3Schema"])
