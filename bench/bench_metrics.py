@@ -22,6 +22,16 @@ with a cluster the reporter builds it that often (the fetch runs the same build;
 PATCH through the kubernetes client is not included); ``--no-nodemetric`` leaves that
 out, as the shipped config (no cluster) has no reporter. During minutes 46-56 a scraper
 also fetches ``/metrics`` every 15 s (what Prometheus costs).
+
+``--kube`` measures the agent with a cluster connection (``kube: true``) against the
+shared test API server (``tests/kubeapi.py``, in this process): the Node, NodeSLO and
+NodeMetric (report interval 30 s) are served and watched, each status PATCH validated
+against the CRD. Variants: no tasks, metrics without a cluster, metrics with ``kube: true``,
+everything on (shipped hooks and rules, metrics with ``kube: true``, the QoS manager with
+``evict_mode: api``);
+``--kube-baseline DIR`` adds the same ``kube: true`` runs with the code of another checkout
+(e.g. ``git archive <commit> | tar -x -C DIR`` of a commit still on the ``kubernetes``
+client) for a comparison in the same run.
 """
 
 from __future__ import annotations
@@ -37,10 +47,14 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from benchlib import BenchNode, cpu_seconds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.kubeapi
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy import devpods, embedded
+from runtimeproxy.demo import DEFAULT_CONFIG
 
 
 def _status_kib(pid: int, key: str) -> int:
@@ -141,6 +155,73 @@ def _steady(node: BenchNode, nodemetric: bool) -> int:
     return 0
 
 
+BENCH_NODE = "bench-node"
+
+
+def _api_server(base: Path) -> tuple[Any, Path]:
+    """The test API server with the node's objects, and a kubeconfig pointing at it."""
+    from tests.kubeapi import KubeApiServer
+
+    api = KubeApiServer()
+    api.put("nodes", {"metadata": {"name": BENCH_NODE}, "status": {
+        "capacity": {"cpu": "8", "memory": "16Gi"}, "allocatable": {"cpu": "7500m", "memory": "15Gi"}}})
+    api.put("nodeslos", {"metadata": {"name": BENCH_NODE}, "spec": {
+        "resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 65}}})
+    api.put("nodemetrics", {"metadata": {"name": BENCH_NODE}, "spec": {"metricCollectPolicy": {
+        "reportIntervalSeconds": 30, "aggregateDurationSeconds": 300}}})
+    kubeconfig = base / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "bench",
+        "clusters": [{"name": "bench", "cluster": {"server": api.url}}],
+        "users": [{"name": "agent", "user": {"token": "bench"}}],
+        "contexts": [{"name": "bench", "context": {"cluster": "bench", "user": "agent"}}]}))
+    return api, kubeconfig
+
+
+def _kube(node: BenchNode, args: argparse.Namespace) -> int:
+    api, kubeconfig = _api_server(node.base)
+    kube = {"kube": True, "kubeconfig": str(kubeconfig), "node_name": BENCH_NODE}
+    variants: list[tuple[str, dict[str, Any], Path | None]] = [  # name, tasks (then the whole doc), code
+        ("no tasks", {}, None),
+        ("metrics, no cluster", {"metrics": {"db": str(node.base / "a.db")}}, None),
+        ("metrics, kube: true", {"metrics": {"db": str(node.base / "b.db"), **kube}}, None),
+    ]
+    # Everything on: the shipped hooks and rules, metrics with the cluster, the QoS manager
+    # evicting through the API (its cgroup writes under this bench's own parent).
+    shipped = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    qos = {"besteffort_dir": f"{node.prefix.strip('/')}/kubepods/besteffort", "evict_mode": "api"}
+
+    def everything(db: str) -> dict[str, Any]:
+        return {"hooks": shipped["hooks"], "rules": shipped["rules"],
+                "tasks": {"metrics": {"db": str(node.base / db), **kube}, "qos-manager": qos}}
+
+    variants = [(name, {"tasks": tasks}, cwd) for name, tasks, cwd in variants]
+    variants.append(("everything on, kube: true", everything("d.db"), None))
+    if args.kube_baseline:
+        old = Path(args.kube_baseline)
+        variants.append((f"metrics, kube: true, code of {old}",
+                         {"tasks": {"metrics": {"db": str(node.base / "c.db"), **kube}}}, old))
+        variants.append((f"everything on, kube: true, code of {old}", everything("e.db"), old))
+    rows = []
+    patch = f"/apis/slo.koordinator.sh/v1alpha1/nodemetrics/{BENCH_NODE}/status"
+    for i, (name, tasks, cwd) in enumerate(variants):
+        before = len(api.seen("PATCH", patch))
+        proc, _sock, port = node.proxy(f"k{i}", tasks, cwd=cwd)
+        row = _measure(proc, port, args.warmup, args.window)
+        row["patches"] = len(api.seen("PATCH", patch)) - before
+        rows.append((name, row))
+        node.stop(proc)
+    api.close()
+    print(f"\n### Metrics agent with a cluster connection, {args.pods} pods x 1 container, window "
+          f"{args.window:.0f} s after {args.warmup:.0f} s warm-up (test API server, NodeMetric every 30 s)\n")
+    print("| proxy | CPU % of a core | RSS MiB | peak RSS MiB | NodeMetric PATCHes |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in rows:
+        print(f"| {name} | {r['cpu_pct']:.2f} | {r['rss_mib']:.1f} | {r['hwm_mib']:.1f} | {r['patches']} |")
+    _print_parts(rows)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pods", type=int, default=110)
@@ -149,6 +230,8 @@ def main() -> int:
     ap.add_argument("--steady", action="store_true", help="the 56-minute steady-state run (see the docstring)")
     ap.add_argument("--no-nodemetric", action="store_true",
                     help="--steady without the NodeMetric fetch: the shipped default (no cluster, no reporter)")
+    ap.add_argument("--kube", action="store_true", help="with kube: true against the test API server")
+    ap.add_argument("--kube-baseline", default="", help="--kube: also run this checkout's code (a directory)")
     args = ap.parse_args()
     with BenchNode("m") as node:
         rt = node.runtime()
@@ -157,6 +240,8 @@ def main() -> int:
         print(f"{args.pods} pods running after {time.monotonic() - t:.0f} s", file=sys.stderr)
         if args.steady:
             return _steady(node, not args.no_nodemetric)
+        if args.kube:
+            return _kube(node, args)
         rows = []
         variants: tuple[tuple[str, dict[str, Any]], ...] = (("no tasks", {}),
                     ("metrics (defaults)", {"metrics": {"db": str(node.base / "m.db")}}),

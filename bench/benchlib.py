@@ -63,16 +63,19 @@ class BenchNode:
     def runtime(self, socket: Path | None = None) -> Any:
         return embedded.runtime_stub(embedded.unix_channel(socket or self.ctd.socket))
 
-    def proxy(self, name: str, doc: dict[str, Any]) -> tuple[subprocess.Popen[bytes], Path, int]:
+    def proxy(
+        self, name: str, doc: dict[str, Any], cwd: Path | None = None
+    ) -> tuple[subprocess.Popen[bytes], Path, int]:
         """Start ``koord-runtime-proxy run`` on ``doc`` (listen, backend, metrics port, no
-        hookserver.d and warning logs filled in) and wait until it is healthy."""
+        hookserver.d and warning logs filled in) and wait until it is healthy. ``cwd``: run
+        the code of another checkout (``python -m`` imports from the working directory first)."""
         port, sock = free_port(), self.base / f"{name}.sock"
         full = {"listen": str(sock), "backend": {"runtime_endpoint": str(self.ctd.socket)},
                 "metrics": {"listen": f"127.0.0.1:{port}"}, "hookserver_dir": "", "log": {"level": "warning"},
                 "hooks": [], "state_dir": str(self.base / f"{name}-state"), **doc}
         cfg = self.base / f"{name}.yaml"
         cfg.write_text(yaml.safe_dump(full, sort_keys=False))
-        proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg)])
+        proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg)], cwd=cwd)
         self._procs.append(proc)
         wait_healthy(port, proc)
         return proc, sock, port

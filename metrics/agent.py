@@ -45,6 +45,7 @@ from metrics.informer.kubetypes import Kind, KubeSettings, KubeUnavailable
 from metrics.informer.pods import PodViews
 from metrics.informer.states import KubeletPods, StatesInformer
 from metrics.model import PodView, Sample
+from metrics.report.events import WARNING, EventRecorder
 from metrics.report.nrtsync import NRTClient, NRTReporter, NRTSources
 from metrics.report.promexport import StoreValues, register_exporter
 from metrics.report.reporter import NodeMetricReporter
@@ -54,7 +55,7 @@ from metrics.topcmd import pod_meta_record
 from runtimeproxy import heap
 from runtimeproxy.hookapi import HookConfigError, PodInfo, TaskInit
 
-if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
+if TYPE_CHECKING:  # the API client: imported only when configured
     from metrics.informer.kubeclient import KubeClient
 
 log = structlog.get_logger("metrics.agent")
@@ -82,6 +83,8 @@ class MetricsAgent:
         except TSDBError as exc:
             raise HookConfigError(f"{init.key_path}.db", str(settings.db), str(exc)) from exc
         self.kube = _connect(settings)
+        #: Events on pods and the node (no-op without a cluster), shared with the QoS manager.
+        self.events = EventRecorder(self.kube, settings.node_name)
         kubelet = _kubelet(settings)
         self.informer = (
             StatesInformer(self.kube, kubelet, sync_interval=settings.kubelet.sync_interval)
@@ -125,7 +128,8 @@ class MetricsAgent:
         if self.prediction is not None and init.registry is not None:
             init.registry.register(self.prediction.gauges(settings.node_name))
         self.reporter = NodeMetricReporter(self.tsdb, self.pods, self.informer, self.kube,
-                                           prediction=self.prediction.latest if self.prediction is not None else None)
+                                           prediction=self.prediction.latest if self.prediction is not None else None,
+                                           ready=lambda: self._views_key is not None)
         init.add_route("/apis/nodemetric", self.reporter.route)
         self.nrt = NRTReporter(
             NRTSources(settings.node_name, init.host, self.topology.latest, self.pods,
@@ -157,6 +161,8 @@ class MetricsAgent:
         except HookConfigError as exc:
             log.warning("nodeslo_rejected", key=exc.key_path, value=repr(exc.value)[:200], reason=exc.message,
                         applied="yaml rules")
+            self.events.record(self.events.node(), WARNING, "NodeSLORejected",
+                               f"{exc.key_path}={repr(exc.value)[:200]}: {exc.message}; the YAML rules apply")
             overlay = None
         self._init.set_rules_overlay("nodeslo", overlay)
         self._host_apps_from(spec)
@@ -224,6 +230,7 @@ class MetricsAgent:
             # is closed (WAL checkpointed and removed); after a crash the supervisor
             # runs this again on the same store.
             await asyncio.to_thread(self._stop_worker, worker)
+            await asyncio.to_thread(self.events.close)
             await asyncio.to_thread(self.tsdb.close if stopping else self.tsdb.flush)
 
     def _stop_worker(self, worker: ThreadPoolExecutor) -> None:
@@ -344,7 +351,8 @@ class MetricsAgent:
         if pod is None:
             out: dict[str, Any] = {"db": str(self.settings.db), "ticks": dict(self.ticks), "pods": len(self._pods),
                                    "cpu_seconds": {k: round(v, 3) for k, v in self.cpu_seconds.items()},
-                                   "store": self.tsdb.state(), "noderesourcetopology": self.nrt.explain()}
+                                   "store": self.tsdb.state(), "noderesourcetopology": self.nrt.explain(),
+                                   "events": self.events.explain()}
             for metric in (m.NODE_CPU_USAGE, m.NODE_MEMORY_USED, m.SYSTEM_CPU_USAGE, m.BE_CPU_USAGE,
                            m.BE_CPU_LIMIT):
                 last = self.tsdb.last(metric, m.NO_LABELS, max_age=60, now=now)
@@ -396,7 +404,7 @@ def _by_interval(collectors: Sequence[Collector]) -> dict[float, list[Collector]
 def _connect(settings: MetricsSettings) -> KubeClient | None:
     if not settings.kube:
         return None
-    from metrics.informer.kubeclient import KubeClient  # ~20 MiB of client: only when asked for
+    from metrics.informer.kubeclient import KubeClient  # the API client: only when asked for
 
     kube_settings = KubeSettings(node_name=settings.node_name,
                                  kubeconfig=Path(settings.kubeconfig) if settings.kubeconfig else None)
@@ -409,12 +417,7 @@ def _connect(settings: MetricsSettings) -> KubeClient | None:
 
 
 def _nrt_client(kube: KubeClient | None) -> NRTClient | None:
-    if kube is None:
-        return None
-    if not isinstance(kube, NRTClient):
-        log.warning("nrt_not_reported", reason="the API client has no NodeResourceTopology calls")
-        return None
-    return kube
+    return kube  # KubeClient implements NRTClient (get_nrt, create_nrt, patch_nrt)
 
 
 def _kubelet(settings: MetricsSettings) -> KubeletPods | None:

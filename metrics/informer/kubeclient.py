@@ -1,17 +1,18 @@
-"""A thin, blocking wrapper over the ``kubernetes`` client for what a node agent needs.
+"""A thin, blocking client of the Kubernetes API for what a node agent needs.
 
 The agent reads its own Node, its NodeSLO and NodeMetric (koordinator's CRDs, named
-after the node), writes the NodeMetric status and evicts pods. Everything here
-blocks: callers on the event loop go through ``asyncio.to_thread`` and watches run
-in daemon threads.
+after the node), writes the NodeMetric status, keeps its NodeResourceTopology, records
+Events and evicts pods. Everything here blocks: callers on the event loop go through
+``asyncio.to_thread`` and watches run in daemon threads.
 
-Responses are read raw (``_preload_content=False``) and JSON-decoded into plain
-dicts instead of the client's generated models: the agent only reads a handful of
-fields, the CRDs have no models anyway, and plain dicts keep one representation for
-Node and CRs alike.
+Requests go straight through one ``urllib3`` pool and answers are JSON-decoded into
+plain dicts: the agent reads a handful of fields, the CRDs have no models anyway.
+The official ``kubernetes`` package was used before; importing it (its generated
+models) cost ~17 MiB of RSS for nothing we used (docs/benchmarks.md, "Memory with a
+cluster connection"); the configuration is loaded by ``metrics.informer.kubeconfig``.
 
-The Python client has no client-side rate limiter (client-go's QPS), so one is
-kept here: a minimum spacing between calls, shared by all threads.
+There is no client-side rate limiter in urllib3 (client-go's QPS), so one is kept
+here: a minimum spacing between calls, shared by all threads.
 """
 
 from __future__ import annotations
@@ -19,15 +20,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
+from urllib.parse import quote, urlencode
 
 import structlog
 import urllib3
-from kubernetes import client as k8s
-from kubernetes import config as _k8s_config
-from kubernetes.client.exceptions import ApiException
 
+from metrics.informer.kubeconfig import ClusterConfig, ConfigError, default_kubeconfig, from_kubeconfig, in_cluster
 from metrics.informer.kubetypes import (
     EvictionRefused,
     Kind,
@@ -40,14 +40,15 @@ from metrics.informer.kubetypes import (
 __all__ = ["EvictionRefused", "Kind", "KubeApiError", "KubeClient", "KubeError", "KubeSettings", "KubeUnavailable"]
 
 log = structlog.get_logger("metrics.informer.kubeclient")
-# The config helpers are untyped; one Any-typed handle instead of an ignore per call.
-k8s_config: Any = _k8s_config
 
 GROUP: Final = "slo.koordinator.sh"
 VERSION: Final = "v1alpha1"
 NODESLOS: Final = "nodeslos"
 NODEMETRICS: Final = "nodemetrics"
+SLO_API: Final = f"/apis/{GROUP}/{VERSION}"
+NRT_API: Final = "/apis/topology.node.k8s.io/v1alpha1/noderesourcetopologies"
 MERGE_PATCH: Final = "application/merge-patch+json"
+JSON_TYPE: Final = "application/json"
 
 #: ``on_event(type, object)``: type is ADDED / MODIFIED / DELETED from the stream, or
 #: SYNC after a (re)list with the object or None when it does not exist.
@@ -73,41 +74,37 @@ class _RateLimiter:
             time.sleep(delay)
 
 
-def _load_api_client(settings: KubeSettings) -> k8s.ApiClient:
-    api: k8s.ApiClient
+def _load_config(settings: KubeSettings) -> ClusterConfig:
     if settings.kubeconfig is not None:
-        api = k8s_config.new_client_from_config(config_file=str(settings.kubeconfig))
-        return api
-    cfg = k8s.Configuration()
+        return from_kubeconfig(settings.kubeconfig)
     try:
-        k8s_config.load_incluster_config(client_configuration=cfg)
-        return k8s.ApiClient(cfg)
-    except k8s_config.ConfigException:
+        return in_cluster()
+    except ConfigError:
         if settings.in_cluster:
             raise
-    api = k8s_config.new_client_from_config()
-    return api
+    return from_kubeconfig(default_kubeconfig())
 
 
-def _error_message(exc: ApiException) -> str:
-    body = exc.body
-    if body:
+def _error_message(data: bytes, reason: str | None) -> str:
+    if data:
         try:
-            decoded = json.loads(body)
+            decoded = json.loads(data)
         except ValueError:
-            return body[:200]
+            return data[:200].decode("utf-8", "replace")
         if isinstance(decoded, dict) and isinstance(decoded.get("message"), str):
             return str(decoded["message"])
-    return str(exc.reason or "")
+    return reason or ""
 
 
 def _decode(what: str, resp: Any) -> dict[str, Any]:
+    """The JSON object of an answer; garbage (not JSON, not an object) is a KubeApiError
+    naming the request, never an exception of another type."""
     try:
         decoded = json.loads(resp.data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise KubeApiError(what, int(resp.status), f"response is not JSON: {exc}") from exc
     if not isinstance(decoded, dict):
-        raise KubeApiError(what, int(resp.status), "response is not a JSON object")
+        raise KubeApiError(what, int(resp.status), f"response is not a JSON object but {type(decoded).__name__}")
     return decoded
 
 
@@ -117,7 +114,7 @@ def _resource_version(obj: Mapping[str, Any]) -> str | None:
     return rv if isinstance(rv, str) and rv else None
 
 
-def _lines(resp: Any) -> Any:
+def _lines(resp: Any) -> Iterator[bytes]:
     """Lines of a chunked watch stream, as they arrive (a chunk may hold part of a line)."""
     buffer = b""
     for chunk in resp.stream(None, decode_content=True):
@@ -128,14 +125,19 @@ def _lines(resp: Any) -> Any:
         yield buffer
 
 
+def _name(value: str) -> str:
+    return quote(value, safe="")
+
+
 class KubeClient:
     """Blocking calls for one node. Build it with ``connect``."""
 
-    def __init__(self, api: k8s.ApiClient, settings: KubeSettings) -> None:
-        self._api = api
-        self._core = k8s.CoreV1Api(api)
-        self._custom = k8s.CustomObjectsApi(api)
+    def __init__(self, config: ClusterConfig, settings: KubeSettings) -> None:
+        self.config = config
         self.settings = settings
+        # One pool per host: the watch threads and the callers share it (maxsize: 3
+        # watches held open plus calls in flight).
+        self._pool = urllib3.PoolManager(num_pools=2, maxsize=8, ssl_context=config.ssl_context)
         self._limiter = _RateLimiter(settings.qps)
         self._streams: set[Any] = set()
         self._streams_lock = threading.Lock()
@@ -146,11 +148,11 @@ class KubeClient:
     def connect(cls, settings: KubeSettings) -> KubeClient:
         """Load the configuration (no request is made). Raises KubeUnavailable."""
         try:
-            api = _load_api_client(settings)
-        except (k8s_config.ConfigException, OSError, ValueError, TypeError) as exc:
+            config = _load_config(settings)
+        except (ConfigError, OSError, ValueError) as exc:
             raise KubeUnavailable(f"no Kubernetes configuration: {exc}") from exc
-        log.info("kube_configured", host=api.configuration.host, node=settings.node_name)
-        return cls(api, settings)
+        log.info("kube_configured", host=config.host, node=settings.node_name)
+        return cls(config, settings)
 
     @property
     def node_name(self) -> str:
@@ -158,22 +160,55 @@ class KubeClient:
 
     def close(self) -> None:
         self.interrupt_watches()
-        closer: Any = self._api.close
-        closer()
+        self._pool.clear()
 
     # --- requests -------------------------------------------------------------------
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, timeout: Any = None, **kw: Any) -> Any:
+    def _call(
+        self, what: str, method: str, path: str, *, query: Mapping[str, object] | None = None,
+        body: object = None, content_type: str = JSON_TYPE, timeout: Any = None, stream: bool = False,
+    ) -> Any:
+        """One request; an error status raises KubeApiError, no answer KubeUnavailable.
+        With ``stream`` the response is returned unread (the caller releases it)."""
         self._limiter.wait()
+        headers = {"Accept": JSON_TYPE, "User-Agent": "koord-runtime-proxy"}
         try:
-            return fn(*args, _preload_content=False, _request_timeout=timeout or self.settings.timeout, **kw)
-        except ApiException as exc:
-            raise KubeApiError(what, int(exc.status or 0), _error_message(exc)) from exc
+            auth = self.config.authorization()
+        except ConfigError as exc:
+            raise KubeUnavailable(f"{what}: {exc}") from exc
+        if auth is not None:
+            headers["Authorization"] = auth
+        data = None
+        if body is not None:
+            try:
+                data = json.dumps(body, allow_nan=False).encode()
+            except (ValueError, TypeError) as exc:  # NaN/inf or a non-JSON value: refused before sending
+                raise KubeApiError(what, 0, f"request body is not JSON: {exc}") from exc
+            headers["Content-Type"] = content_type
+        url = self.config.host + path
+        if query:
+            url += "?" + urlencode({k: str(v).lower() if isinstance(v, bool) else v for k, v in query.items()})
+        t = timeout or self.settings.timeout
+        connect, read = t if isinstance(t, tuple) else (t, t)
+        try:
+            resp = self._pool.request(method, url, body=data, headers=headers, preload_content=not stream,
+                                      retries=False, redirect=False,
+                                      timeout=urllib3.Timeout(connect=connect, read=read))
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise KubeUnavailable(f"{what}: {exc}") from exc
+        if resp.status >= 400:
+            try:
+                payload = resp.data if stream is False else resp.read()
+            except (urllib3.exceptions.HTTPError, OSError):
+                payload = b""
+            finally:
+                if stream:
+                    resp.release_conn()
+            raise KubeApiError(what, int(resp.status), _error_message(payload, resp.reason))
+        return resp
 
-    def _get(self, what: str, fn: Callable[..., Any], *args: Any) -> dict[str, Any] | None:
+    def _get(self, what: str, path: str) -> dict[str, Any] | None:
         try:
-            resp = self._call(what, fn, *args)
+            resp = self._call(what, "GET", path)
         except KubeApiError as exc:
             if exc.status == 404:
                 return None
@@ -181,29 +216,23 @@ class KubeClient:
         return _decode(what, resp)
 
     def get_node(self) -> dict[str, Any]:
-        node = self._get("get node", self._core.read_node, self.node_name)
+        node = self._get("get node", f"/api/v1/nodes/{_name(self.node_name)}")
         if node is None:
             raise KubeApiError("get node", 404, f"node {self.node_name!r} not found")
         return node
 
     def get_nodeslo(self) -> dict[str, Any] | None:
-        return self._get(
-            "get nodeslo", self._custom.get_cluster_custom_object, GROUP, VERSION, NODESLOS, self.node_name
-        )
+        return self._get("get nodeslo", f"{SLO_API}/{NODESLOS}/{_name(self.node_name)}")
 
     def get_nodemetric(self) -> dict[str, Any] | None:
-        return self._get(
-            "get nodemetric", self._custom.get_cluster_custom_object, GROUP, VERSION, NODEMETRICS, self.node_name
-        )
+        return self._get("get nodemetric", f"{SLO_API}/{NODEMETRICS}/{_name(self.node_name)}")
 
     def update_nodemetric_status(self, status: Mapping[str, Any]) -> bool:
         """Merge-patch the NodeMetric's status subresource. False when the CR does not
         exist: slo-controller creates it, the agent never does (logged once per absence)."""
         try:
-            self._call(
-                "patch nodemetric status", self._custom.patch_cluster_custom_object_status,
-                GROUP, VERSION, NODEMETRICS, self.node_name, {"status": dict(status)}, _content_type=MERGE_PATCH,
-            )
+            self._call("patch nodemetric status", "PATCH", f"{SLO_API}/{NODEMETRICS}/{_name(self.node_name)}/status",
+                       body={"status": dict(status)}, content_type=MERGE_PATCH)
         except KubeApiError as exc:
             if exc.status != 404:
                 raise
@@ -216,18 +245,42 @@ class KubeClient:
             log.info("nodemetric_found", node=self.node_name)
         return True
 
+    # --- NodeResourceTopology (topology.node.k8s.io/v1alpha1, cluster-scoped) ----------
+    def get_nrt(self) -> dict[str, Any] | None:
+        """The NodeResourceTopology named after the node, None if it does not exist."""
+        return self._get("get noderesourcetopology", f"{NRT_API}/{_name(self.node_name)}")
+
+    def create_nrt(self, doc: Mapping[str, Any]) -> dict[str, Any]:
+        what = "create noderesourcetopology"
+        return _decode(what, self._call(what, "POST", NRT_API, body=dict(doc)))
+
+    def patch_nrt(self, patch: Mapping[str, Any]) -> dict[str, Any]:
+        """A JSON merge patch of the whole object (metadata.annotations and zones)."""
+        what = "patch noderesourcetopology"
+        resp = self._call(what, "PATCH", f"{NRT_API}/{_name(self.node_name)}", body=dict(patch),
+                          content_type=MERGE_PATCH)
+        return _decode(what, resp)
+
+    # --- Events -----------------------------------------------------------------------
+    def create_event(self, event: Mapping[str, Any]) -> None:
+        """Create a core/v1 Event in the event's ``metadata.namespace`` ("default" if unset)."""
+        meta = event.get("metadata")
+        namespace = meta.get("namespace") if isinstance(meta, Mapping) else None
+        if not isinstance(namespace, str) or not namespace:
+            namespace = "default"
+        self._call("create event", "POST", f"/api/v1/namespaces/{_name(namespace)}/events", body=dict(event))
+
     def evict(self, namespace: str, name: str, uid: str, reason: str) -> None:
         """policy/v1 Eviction with a UID precondition (a new pod of the same name is never
         evicted). A pod already gone (404, or 409 for a different UID) counts as done.
         Raises EvictionRefused on 429 (a disruption budget forbids it now)."""
-        body = k8s.V1Eviction(
-            api_version="policy/v1", kind="Eviction",
-            metadata=k8s.V1ObjectMeta(name=name, namespace=namespace),
-            delete_options=k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=uid)),
-        )
+        body = {"apiVersion": "policy/v1", "kind": "Eviction",
+                "metadata": {"name": name, "namespace": namespace},
+                "deleteOptions": {"preconditions": {"uid": uid}}}
         pod = f"{namespace}/{name}"
         try:
-            self._call("evict pod", self._core.create_namespaced_pod_eviction, name, namespace, body)
+            self._call("evict pod", "POST", f"/api/v1/namespaces/{_name(namespace)}/pods/{_name(name)}/eviction",
+                       body=body)
         except KubeApiError as exc:
             if exc.status == 429:
                 log.warning("eviction_refused", pod=pod, uid=uid, reason=reason, message=exc.message)
@@ -239,30 +292,32 @@ class KubeClient:
         log.info("pod_evicted", pod=pod, uid=uid, reason=reason)
 
     # --- watch ----------------------------------------------------------------------
-    def _list_fn(self, kind: Kind) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    def _list_path(self, kind: Kind) -> str:
         if kind is Kind.NODE:
-            return self._core.list_node, ()
-        plural = NODESLOS if kind is Kind.NODESLO else NODEMETRICS
-        return self._custom.list_cluster_custom_object, (GROUP, VERSION, plural)
+            return "/api/v1/nodes"
+        return f"{SLO_API}/{NODESLOS if kind is Kind.NODESLO else NODEMETRICS}"
 
     def _relist(self, kind: Kind, on_event: WatchHandler) -> str | None:
-        fn, args = self._list_fn(kind)
         what = f"list {kind.value}"
-        listed = _decode(what, self._call(what, fn, *args, field_selector=f"metadata.name={self.node_name}"))
-        items = listed.get("items") or []
-        item = items[0] if isinstance(items, list) and items and isinstance(items[0], dict) else None
-        on_event("SYNC", item)
+        listed = _decode(what, self._call(what, "GET", self._list_path(kind),
+                                          query={"fieldSelector": f"metadata.name={self.node_name}"}))
+        items = listed.get("items")
+        if items is None:
+            items = []
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            raise KubeApiError(what, 200, f"items is not a list of objects: {str(items)[:200]}")
+        on_event("SYNC", items[0] if items else None)
         return _resource_version(listed)
 
     def _stream(self, kind: Kind, rv: str | None, on_event: WatchHandler, stop: threading.Event) -> str | None:
-        fn, args = self._list_fn(kind)
         what = f"watch {kind.value}"
         seconds = self.settings.watch_seconds
-        kwargs: dict[str, Any] = {"watch": True, "allow_watch_bookmarks": True, "timeout_seconds": seconds,
-                                  "field_selector": f"metadata.name={self.node_name}"}
+        query: dict[str, object] = {"watch": True, "allowWatchBookmarks": True, "timeoutSeconds": seconds,
+                                    "fieldSelector": f"metadata.name={self.node_name}"}
         if rv:
-            kwargs["resource_version"] = rv
-        resp = self._call(what, fn, *args, timeout=(self.settings.timeout, seconds + self.settings.timeout), **kwargs)
+            query["resourceVersion"] = rv
+        resp = self._call(what, "GET", self._list_path(kind), query=query, stream=True,
+                          timeout=(self.settings.timeout, seconds + self.settings.timeout))
         with self._streams_lock:
             self._streams.add(resp)
         try:
@@ -288,13 +343,14 @@ class KubeClient:
         try:
             event = json.loads(line)
             etype, obj = event["type"], event["object"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
             log.warning("watch_event_garbled", kind=kind.value, line=line[:200].decode("utf-8", "replace"))
             return rv
         if not isinstance(obj, dict):
             return rv
         if etype == "ERROR":
-            code = int(obj.get("code") or 0)
+            code = obj.get("code")
+            code = code if isinstance(code, int) else 0
             if code == 410:
                 raise _Expired()
             raise KubeApiError(f"watch {kind.value}", code, str(obj.get("message", "")))

@@ -1,6 +1,6 @@
 """What the rest of the agent needs to know about the Kubernetes API client without
 importing it: the kinds watched, the error taxonomy and the connection settings.
-``metrics.informer.kubeclient`` (which imports ``kubernetes``, ~20 MiB) is imported only when
+``metrics.informer.kubeclient`` (urllib3, the kubeconfig loader) is imported only when
 ``kube: true`` is configured.
 """
 

@@ -30,7 +30,7 @@ from hooks.annotations import quantity_value
 from hooks.cpusets import CpuListError, parse_cpu_list
 from metrics.informer.kubetypes import Kind
 
-if TYPE_CHECKING:  # the client (and ``kubernetes``) is imported only when configured
+if TYPE_CHECKING:  # the API client is imported only when configured
     from metrics.informer.kubeclient import KubeClient
 
 log = structlog.get_logger("metrics.informer.states")
@@ -154,11 +154,11 @@ class KubeletPods:
             headers["Authorization"] = "Bearer " + self._token_path.read_text().strip()
         return urllib.request.Request(self.url, headers=headers)
 
-    def _problem(self, event: str, **kw: object) -> None:
+    def _problem(self, event: str, *, level: str = "warning", **kw: object) -> None:
         key = f"{event}:{sorted(kw.items())}"
         if key != self._last_problem:
             self._last_problem = key
-            log.warning(event, url=self.url, **kw)
+            getattr(log, level)(event, url=self.url, **kw)
 
     def fetch(self) -> dict[str, KubeletPod] | None:
         """Pods by uid; None when there is nothing to update from (an error, or an empty
@@ -169,12 +169,15 @@ class KubeletPods:
         except (urllib.error.URLError, OSError, ValueError, RecursionError) as exc:  # deep nesting: RecursionError
             self._problem("kubelet_pods_failed", error=str(exc))
             return None
-        items = doc.get("items") if isinstance(doc, Mapping) else None
+        items = doc.get("items", ()) if isinstance(doc, Mapping) else ()
+        if items is None:
+            items = []  # Go marshals an empty (nil) slice as null: kubelet with no pods
         if not isinstance(items, list):
             self._problem("kubelet_pods_garbled", error="no items list")
             return None
         if not items:
-            self._problem("kubelet_pods_empty_ignored")
+            # Normal on a node without pods, and while kubelet starts: not a warning.
+            self._problem("kubelet_pods_empty_ignored", level="info")
             return None
         pods = {pod.uid: pod for pod in map(_pod_of, items) if pod is not None}
         if self._last_problem:
@@ -259,6 +262,7 @@ class StatesInformer:
         self._interval = sync_interval
         self._lock = threading.Lock()
         self._objects: dict[Kind, dict[str, Any] | None] = {}
+        self._synced: set[Kind] = set()
         self._pods: Mapping[str, KubeletPod] = {}
         self._warned: set[str] = set()
         self._listeners: list[tuple[Kind, Callable[[Mapping[str, Any] | None], None]]] = []
@@ -298,6 +302,7 @@ class StatesInformer:
     def _on_event(self, kind: Kind, etype: str, obj: dict[str, Any] | None) -> None:
         value = None if etype == "DELETED" else obj
         with self._lock:
+            self._synced.add(kind)
             before = self._objects.get(kind)
             self._objects[kind] = value
         if _spec(before) != _spec(value) and kind is not Kind.NODE:
@@ -319,6 +324,11 @@ class StatesInformer:
             log.warning("node_fact_ignored", reason=message)
 
     # --- accessors --------------------------------------------------------------------
+    def has_synced(self, kind: Kind) -> bool:
+        """Whether ``kind``'s object was listed (present or not) since the start."""
+        with self._lock:
+            return kind in self._synced
+
     def pods(self) -> Mapping[str, KubeletPod]:
         with self._lock:
             return self._pods

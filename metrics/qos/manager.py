@@ -84,10 +84,13 @@ class QoSManager:
         writer: MetricWriter | None = None,
         clock: Callable[[], float] = time.time,
         strategies: Sequence[Strategy] | None = None,
+        on_write_failed: Callable[[str, str, str], None] | None = None,
     ) -> None:
         """``strategies`` in planning order; None: the built-in CPU strategies
         (``builtin.defaults``; resctrl when ``resctrl`` is given)."""
         self.cfg = config
+        #: ``(strategy, target, cause)`` on a write's first failure in a row (an Event).
+        self._on_write_failed = on_write_failed
         self.capacity = config.capacity_cores if config.capacity_cores is not None else float(len(topology))
         self._reader = reader
         self._pods = pods
@@ -269,6 +272,8 @@ class QoSManager:
             self._failing[key] = (cause, count)
             if count == 1:
                 log.warning("qos_write_failed", strategy=strategy, error=str(exc), cause=cause)
+                if self._on_write_failed is not None:
+                    self._on_write_failed(strategy, _targets(action), cause)
             return Outcome(action, f"failed: {exc}")
         failed = self._failing.pop(key, None)
         if failed is not None:

@@ -8,6 +8,7 @@ the plans through ``explain``. The agent must be listed before it under ``tasks:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePosixPath
@@ -23,15 +24,17 @@ from metrics.informer.kubetypes import EvictionRefused, KubeError
 from metrics.model import PodView
 from metrics.qos import builtin
 from metrics.qos.evict import CriEvictor, EvictConfig, EvictionError, Evictor
+from metrics.qos.evictevents import RecordingEvictor
 from metrics.qos.fastpath import FastPath, FastPathConfig
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.psitrigger import PsiTriggers
 from metrics.qos.strategy import StrategyInit, load_strategies
 from metrics.qos.suppress import SuppressConfig
+from metrics.report.events import WARNING, EventRecorder
 from metrics.settings import QoSSettings, parse_qos, validate_qos
 from runtimeproxy.hookapi import HookConfigError, TaskInit
 
-if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
+if TYPE_CHECKING:  # the API client: imported only when configured
     from metrics.informer.kubeclient import KubeClient
 
 log = structlog.get_logger("metrics.qos.task")
@@ -59,6 +62,11 @@ def _evictor(init: TaskInit, settings: QoSSettings, agent: MetricsAgent) -> Evic
         raise HookConfigError(f"{init.key_path}.evict_mode", "api",
                               "needs a cluster connection (tasks.metrics.kube: true)")
     return ApiEvictor(agent.kube)
+
+
+def _write_failed_event(events: EventRecorder, strategy: str, target: str, cause: str) -> None:
+    """A QoS write (mostly the BE suppression's) that cannot be applied: a Node event."""
+    events.record(events.node(), WARNING, "QoSWriteFailed", f"{strategy}: cannot write {target}: {cause}")
 
 
 def _reserved(settings: QoSSettings, agent: MetricsAgent) -> float:
@@ -93,8 +101,9 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
     log.info("qos_strategies", enabled=[s.name for s in loaded.enabled], disabled=[s.name for s in loaded.disabled])
     manager = QoSManager(
         reader=agent.tsdb, pods=agent.pods, topology=cpus, executor=executor,
-        evictor=_evictor(init, settings, agent), rules=agent.rules, config=config,
+        evictor=RecordingEvictor(_evictor(init, settings, agent), agent.events), rules=agent.rules, config=config,
         registry=init.registry, writer=agent.tsdb, strategies=loaded.enabled,
+        on_write_failed=functools.partial(_write_failed_event, agent.events),
     )
     fast = FastPath(manager, cgroups=CgroupReader(init.host.cgroup), rules=agent.rules,
                     config=FastPathConfig(interval=settings.fast_interval, min_gap=settings.fast_interval)

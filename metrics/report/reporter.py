@@ -7,6 +7,10 @@ runs off the event loop; so does the PATCH.
 
 A document without any node usage (no samples yet, e.g. right after the first start)
 is served but never sent: it would overwrite the last good status with an empty one.
+Nor is one sent before the NodeMetric was listed (its spec says how to aggregate; koordlet
+waits for its informer's sync too) or before the agent's first pod listing (``ready``):
+right after a restart the first report went out 0.6 s early with the default policy and
+an empty ``podsMetric``. ``run`` waits for both, at most one default report interval.
 """
 
 from __future__ import annotations
@@ -20,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from metrics.analysis.prediction import Reclaimable
-from metrics.informer.kubetypes import KubeError
+from metrics.informer.kubetypes import Kind, KubeError
 from metrics.informer.states import StatesInformer
 from metrics.model import MetricReader, PodView
 from metrics.report.nodemetric import WITH_HOT_PAGE_CACHE, CollectPolicy, build_status
 from runtimeproxy import heap
 
-if TYPE_CHECKING:  # imports ``kubernetes``: only when configured
+if TYPE_CHECKING:  # the API client: imported only when configured
     from metrics.informer.kubeclient import KubeClient
 
 log = structlog.get_logger("metrics.report.reporter")
@@ -51,6 +55,7 @@ class NodeMetricReporter:
         *,
         clock: Callable[[], float] = time.time,
         prediction: Callable[[], Reclaimable | None] | None = None,
+        ready: Callable[[], bool] | None = None,
     ) -> None:
         self._reader = reader
         self._pods = pods
@@ -59,6 +64,8 @@ class NodeMetricReporter:
         self._default = policy_default or CollectPolicy()
         self._clock = clock
         self._prediction = prediction
+        self._ready = ready
+        self._deferred = ""
         self._latest: tuple[dict[str, Any], bytes] | None = None
         self._built_at = 0.0
         self._problems: set[str] = set()
@@ -105,7 +112,20 @@ class NodeMetricReporter:
         heap.trim()
         return doc
 
+    def not_ready(self) -> str:
+        """Why a report may not be sent yet ("" when it may)."""
+        if self._kube is not None and self._informer is not None and not self._informer.has_synced(Kind.NODEMETRIC):
+            return "NodeMetric spec not read yet"
+        if self._ready is not None and not self._ready():
+            return "pods not listed yet"
+        return ""
+
     async def _send(self, kube: KubeClient, doc: dict[str, Any]) -> None:
+        if reason := self.not_ready():
+            if reason != self._deferred:
+                self._deferred = reason
+                log.info("nodemetric_report_deferred", reason=reason)
+            return
         if not doc["nodeMetric"]["nodeUsage"]["resources"]:
             self._send_problem("nodemetric_not_sent", "no node usage samples yet")
             return
@@ -126,8 +146,13 @@ class NodeMetricReporter:
             self._last_send_problem = f"{event}:{reason}"
             log.warning(event, reason=reason)
 
-    async def run(self) -> None:
-        """Report every interval until cancelled."""
+    async def run(self, poll: float = 0.05) -> None:
+        """Report every interval until cancelled; the first once ready (or after one
+        default interval: then deferred until the next while still not ready)."""
+        deadline = time.monotonic() + self._default.report_interval
+        # Readiness comes from watch threads and the pod tick: polled, not signalled.
+        while self.not_ready() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(poll)
         while True:
             policy = await self.report_once()
             await asyncio.sleep(policy.report_interval)

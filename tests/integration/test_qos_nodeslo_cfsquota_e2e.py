@@ -1,7 +1,7 @@
 """Issue 14, items 10 and 11 on a real node: cfsQuota suppression switched on through the NodeSLO.
 
 The proxy (batch-resource hook, metrics and qos-manager tasks) runs with YAML rules
-saying ``cpuSuppressPolicy: cpuset`` and watches a NodeSLO on a fake API server (the
+saying ``cpuSuppressPolicy: cpuset`` and watches a NodeSLO on the test API server (``tests/kubeapi.py``; the
 one boundary we cannot create here). Two BE pods carry quotas of their own, as on the
 cluster where cfsQuota suppression did nothing: a batch pod whose batch-cpu limit gave
 its pod and container cgroups a quota, and a pod whose container has a CPU limit of its
@@ -25,124 +25,42 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.demo import kubelet_creates_pod_cgroup
+from tests.kubeapi import KubeApiServer
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 SPEC = "node.koordinator.sh/extended-resource-spec"
 NODE = "krp-test-node"
-CRD = "/apis/slo.koordinator.sh/v1alpha1"
 #: Made by ``_remove_db_dir`` (not at import: a module collected but not run left it behind).
 DB_DIR = Path(tempfile.gettempdir(), f"krpt-nodeslo-{uuid.uuid4().hex}")
 SPIN2 = ("sh", "-c", "while :; do :; done & while :; do :; done")
 OWN_QUOTA = 100_000  # the second BE pod's container: 1 core of its own
 
 
-class FakeApiServer:
-    """Answers the three lists the informer makes and streams NodeSLO changes to its watch."""
-
-    def __init__(self) -> None:
-        self.version = 1
-        self.spec: dict[str, Any] = {}
-        self.changed = threading.Condition()
-        self.closing = False
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-            def _send(self, status: int, doc: object) -> None:
-                data = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _handle(self) -> None:
-                url = urlsplit(self.path)
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                query = parse_qs(url.query)
-                if url.path == f"{CRD}/nodeslos":
-                    if query.get("watch", [""])[0] == "true":
-                        fake.stream(self, int(query.get("resourceVersion", ["0"])[0] or 0))
-                        return
-                    self._send(200, {"kind": "NodeSLOList", "metadata": {"resourceVersion": str(fake.version)},
-                                     "items": [fake.nodeslo()]})
-                elif url.path in ("/api/v1/nodes", f"{CRD}/nodemetrics") and "watch" not in query:
-                    self._send(200, {"kind": "List", "metadata": {"resourceVersion": "1"}, "items": []})
-                elif "watch" in query:
-                    fake.stream(self, None)
-                else:
-                    self._send(404, {"kind": "Status", "code": 404, "message": "not found"})
-
-            do_GET = do_PATCH = do_POST = do_PUT = _handle
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
-
-    def nodeslo(self) -> dict[str, Any]:
-        return {"apiVersion": "slo.koordinator.sh/v1alpha1", "kind": "NodeSLO",
-                "metadata": {"name": NODE, "resourceVersion": str(self.version)}, "spec": self.spec}
-
-    def set_spec(self, spec: dict[str, Any]) -> None:
-        with self.changed:
-            self.spec, self.version = spec, self.version + 1
-            self.changed.notify_all()
-
-    def stream(self, handler: BaseHTTPRequestHandler, since: int | None) -> None:
-        """A chunked watch: NodeSLO versions after ``since`` as MODIFIED events (none for
-        other kinds), ended after a few seconds so the client re-watches."""
-        handler.send_response(200)
-        handler.send_header("Content-Type", "application/json")
-        handler.send_header("Transfer-Encoding", "chunked")
-        handler.end_headers()
-        end = time.monotonic() + 5
-        try:
-            while time.monotonic() < end and not self.closing:
-                with self.changed:
-                    if since is None or self.version <= since:
-                        self.changed.wait(0.2)
-                        continue
-                    since, event = self.version, {"type": "MODIFIED", "object": self.nodeslo()}
-                line = json.dumps(event).encode() + b"\n"
-                handler.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
-                handler.wfile.flush()
-            handler.wfile.write(b"0\r\n\r\n")
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self.closing = True
-        self.httpd.shutdown()
-        self.httpd.server_close()
+def set_spec(api: KubeApiServer, spec: dict[str, Any]) -> None:
+    """A new NodeSLO version (as slo-controller writes it); the agent's watch gets MODIFIED."""
+    api.put("nodeslos", {"metadata": {"name": NODE}, "spec": spec})
 
 
 @pytest.fixture(scope="module")
-def api() -> Iterator[FakeApiServer]:
-    server = FakeApiServer()
+def api() -> Iterator[KubeApiServer]:
+    server = KubeApiServer()  # validates the NodeSLOs put below against the real CRD
+    server.put("nodeslos", {"metadata": {"name": NODE}, "spec": {}})
     yield server
     server.close()
 
 
 @pytest.fixture(scope="module")
-def proxy_config(cgroup_prefix: str, api: FakeApiServer) -> dict[str, Any]:
+def proxy_config(cgroup_prefix: str, api: KubeApiServer) -> dict[str, Any]:
     kubeconfig = DB_DIR / "kubeconfig"
     kubeconfig.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "fake",
@@ -185,7 +103,7 @@ def _wait_for(what: str, check: Callable[[], bool], timeout: float, poll: float 
 
 
 def test_nodeslo_switches_to_cfs_quota_and_an_ls_spike_shrinks_the_tier_below_be_quotas(
-    proxy: Any, pods: Any, cgroup_prefix: str, api: FakeApiServer
+    proxy: Any, pods: Any, cgroup_prefix: str, api: KubeApiServer
 ) -> None:
     rt = proxy.runtime()
     tier = CPU_ROOT / cgroup_prefix.strip("/") / "kubepods" / "besteffort"
@@ -219,7 +137,7 @@ def test_nodeslo_switches_to_cfs_quota_and_an_ls_spike_shrinks_the_tier_below_be
     assert _quota(tier) == -1  # the cpuset policy: no tier quota
 
     # The NodeSLO switches the policy (slo-controller writes more than we model).
-    api.set_spec({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 90,
+    set_spec(api, {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 90,
                                                   "cpuSuppressPolicy": "cfsQuota"},
                   "resourceQOSStrategy": {"beClass": {"blkioQOS": {"enable": False}}},
                   "systemStrategy": {"minFreeKbytesFactor": 100}})
@@ -245,7 +163,7 @@ def test_nodeslo_switches_to_cfs_quota_and_an_ls_spike_shrinks_the_tier_below_be
     rt.StopContainer(cri.StopContainerRequest(container_id=burner, timeout=0), timeout=30)
 
     # Back to the cpuset policy: the tier quota is recovered, the clamped quota restored.
-    api.set_spec({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 90,
+    set_spec(api, {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 90,
                                                   "cpuSuppressPolicy": "cpuset"}})
     _wait_for("the tier quota lifted and the container's own quota restored",
               lambda: _quota(tier) == -1 and _quota(own_ctr) == OWN_QUOTA, timeout=30)

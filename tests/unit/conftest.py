@@ -10,7 +10,8 @@
   so hooks are configured exactly as operators configure them (``module:attr``).
 * ``FakeHookServer``: a minimal Koordinator RuntimeHookService v1alpha1 server.
 
-Tests never import from ``tests``: everything shared is reached through fixtures.
+Tests never import from ``tests``: everything shared is reached through fixtures; the one
+exception is ``tests/kubeapi.py``, the local API server stand-in shared with bench/.
 """
 
 from __future__ import annotations

@@ -107,6 +107,18 @@ def test_empty_list_and_errors_are_ignored_and_logged_once(kubelet: Kubelet) -> 
     ]
 
 
+def test_items_null_is_an_empty_list_not_a_warning(kubelet: Kubelet) -> None:
+    """kubelet (Go) answers a node without pods with ``"items": null``."""
+    client = KubeletPods(kubelet.url)
+    kubelet.answer = (200, b'{"kind":"PodList","apiVersion":"v1","metadata":{},"items":null}')
+    with structlog.testing.capture_logs() as logs:
+        assert client.fetch() is None  # ignored like an empty list (koordlet does too)
+        kubelet.answer = (200, b'{"kind":"PodList","items":{}}')
+        assert client.fetch() is None
+    assert [(e["event"], e["log_level"]) for e in logs] == [
+        ("kubelet_pods_empty_ignored", "info"), ("kubelet_pods_garbled", "warning")]
+
+
 @pytest.mark.asyncio
 async def test_informer_priority_from_kubelet(kubelet: Kubelet) -> None:
     kubelet.pods(kpod("u1", "web", 9100))

@@ -1,6 +1,6 @@
-"""KubeClient (and the informer's watches) against a recording HTTP endpoint that
-answers like the API server. Not a cluster: what is checked is what we send and how
-we handle the answers."""
+"""KubeClient (and the informer's watches) against ``tests.kubeapi``, a recording HTTP
+endpoint that answers like the API server. Not a cluster: what is checked is what we
+send and how we handle the answers."""
 
 from __future__ import annotations
 
@@ -10,11 +10,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import structlog
@@ -31,106 +28,15 @@ from metrics.informer.states import StatesInformer
 from metrics.model import NODE_CPU_USAGE, Sample
 from metrics.report.reporter import NodeMetricReporter
 from metrics.store.tsdb import TSDB
+from tests.kubeapi import HOLD, KubeApiServer
 
 NODE = "node-a"
 CRD = "/apis/slo.koordinator.sh/v1alpha1"
-HOLD = "hold"  # a watch script ending in HOLD keeps the stream open until the test ends
-
-
-@dataclass
-class Request:
-    method: str
-    path: str
-    query: dict[str, list[str]]
-    headers: dict[str, str]  # lower-case names
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-Answer = tuple[int, object]
-
-
-class FakeApiServer:
-    """Routes (method, path) -> (status, JSON body); watch requests (``watch=true``) take the
-    next script of events for their path and stream it as chunked JSON lines."""
-
-    def __init__(self) -> None:
-        self.routes: dict[tuple[str, str], Answer | Callable[[Request], Answer]] = {}
-        self.watch_scripts: dict[str, list[list[object]]] = {}
-        self.requests: list[Request] = []
-        self.release = threading.Event()
-        #: When set to an Event, a watch's response waits for it (a request in flight).
-        self.before_watch: threading.Event | None = None
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-            def _handle(self) -> None:
-                url = urlsplit(self.path)
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                headers = {k.lower(): v for k, v in self.headers.items()}
-                req = Request(self.command, url.path, parse_qs(url.query), headers, body)
-                fake.requests.append(req)
-                if req.query.get("watch", [""])[0].lower() == "true":
-                    fake.stream(self, req)
-                    return
-                route = fake.routes.get((req.method, req.path), (404, {"kind": "Status", "code": 404,
-                                                                      "message": "not found"}))
-                status, doc = route(req) if callable(route) else route
-                data = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_PATCH = do_POST = _handle
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
-        self._thread.start()
-
-    def stream(self, handler: BaseHTTPRequestHandler, req: Request) -> None:
-        scripts = self.watch_scripts.get(req.path, [])
-        script = scripts.pop(0) if scripts else [HOLD]
-        if self.before_watch is not None:
-            self.before_watch.wait(10)
-        handler.send_response(200)
-        handler.send_header("Content-Type", "application/json")
-        handler.send_header("Transfer-Encoding", "chunked")
-        handler.end_headers()
-        try:
-            for event in script:
-                if event == HOLD:
-                    self.release.wait(10)
-                    break
-                line = json.dumps(event).encode() + b"\n"
-                handler.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
-                handler.wfile.flush()
-            handler.wfile.write(b"0\r\n\r\n")
-        except OSError:
-            pass  # the client hung up (interrupt_watches)
-
-    def seen(self, method: str, path: str) -> list[Request]:
-        return [r for r in self.requests if r.method == method and r.path == path]
-
-    def close(self) -> None:
-        self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture
-def api() -> Iterator[FakeApiServer]:
-    server = FakeApiServer()
+def api() -> Iterator[KubeApiServer]:
+    server = KubeApiServer()
     yield server
     server.close()
 
@@ -147,7 +53,7 @@ def kubeconfig(tmp_path: Path, server: str) -> Path:
 
 
 @pytest.fixture
-def kube(tmp_path: Path, api: FakeApiServer) -> Iterator[KubeClient]:
+def kube(tmp_path: Path, api: KubeApiServer) -> Iterator[KubeClient]:
     settings = KubeSettings(NODE, kubeconfig=kubeconfig(tmp_path, api.url), qps=1000, timeout=5,
                             backoff_initial=0.05, backoff_max=0.2, watch_seconds=30)
     client = KubeClient.connect(settings)
@@ -155,7 +61,7 @@ def kube(tmp_path: Path, api: FakeApiServer) -> Iterator[KubeClient]:
     client.close()
 
 
-def test_get_nodemetric_and_missing_nodeslo(api: FakeApiServer, kube: KubeClient) -> None:
+def test_get_nodemetric_and_missing_nodeslo(api: KubeApiServer, kube: KubeClient) -> None:
     doc = {"apiVersion": "slo.koordinator.sh/v1alpha1", "kind": "NodeMetric", "metadata": {"name": NODE},
            "spec": {"metricCollectPolicy": {"reportIntervalSeconds": 30}}}
     api.routes[("GET", f"{CRD}/nodemetrics/{NODE}")] = (200, doc)
@@ -166,7 +72,7 @@ def test_get_nodemetric_and_missing_nodeslo(api: FakeApiServer, kube: KubeClient
     assert api.seen("GET", f"{CRD}/nodeslos/{NODE}")
 
 
-def test_get_node(api: FakeApiServer, kube: KubeClient) -> None:
+def test_get_node(api: KubeApiServer, kube: KubeClient) -> None:
     with pytest.raises(KubeApiError) as err:
         kube.get_node()
     assert err.value.status == 404
@@ -174,7 +80,7 @@ def test_get_node(api: FakeApiServer, kube: KubeClient) -> None:
     assert kube.get_node()["metadata"]["name"] == NODE
 
 
-def test_patch_status_is_a_merge_patch_of_the_status_subresource(api: FakeApiServer, kube: KubeClient) -> None:
+def test_patch_status_is_a_merge_patch_of_the_status_subresource(api: KubeApiServer, kube: KubeClient) -> None:
     path = f"{CRD}/nodemetrics/{NODE}/status"
     api.routes[("PATCH", path)] = (200, {"kind": "NodeMetric"})
     status = {"updateTime": "2023-11-14T22:13:20Z", "nodeMetric": {"nodeUsage": {"resources": {"cpu": "1500m"}}},
@@ -185,7 +91,7 @@ def test_patch_status_is_a_merge_patch_of_the_status_subresource(api: FakeApiSer
     assert req.json() == {"status": status}
 
 
-def test_missing_nodemetric_is_not_created_and_logged_once(api: FakeApiServer, kube: KubeClient) -> None:
+def test_missing_nodemetric_is_not_created_and_logged_once(api: KubeApiServer, kube: KubeClient) -> None:
     with structlog.testing.capture_logs() as logs:
         assert kube.update_nodemetric_status({"podsMetric": []}) is False
         assert kube.update_nodemetric_status({"podsMetric": []}) is False
@@ -195,14 +101,14 @@ def test_missing_nodemetric_is_not_created_and_logged_once(api: FakeApiServer, k
     assert kube.update_nodemetric_status({"podsMetric": []}) is True
 
 
-def test_server_error_is_raised(api: FakeApiServer, kube: KubeClient) -> None:
+def test_server_error_is_raised(api: KubeApiServer, kube: KubeClient) -> None:
     api.routes[("PATCH", f"{CRD}/nodemetrics/{NODE}/status")] = (500, {"message": "etcd is down"})
     with pytest.raises(KubeApiError, match="etcd is down") as err:
         kube.update_nodemetric_status({})
     assert err.value.status == 500
 
 
-def test_eviction_body_has_uid_precondition(api: FakeApiServer, kube: KubeClient) -> None:
+def test_eviction_body_has_uid_precondition(api: KubeApiServer, kube: KubeClient) -> None:
     path = "/api/v1/namespaces/shop/pods/web/eviction"
     api.routes[("POST", path)] = (201, {"kind": "Status", "status": "Success"})
     kube.evict("shop", "web", "uid-1", "BEMemoryEvict")
@@ -213,7 +119,7 @@ def test_eviction_body_has_uid_precondition(api: FakeApiServer, kube: KubeClient
     }
 
 
-def test_eviction_refused_on_429_and_gone_pod_is_done(api: FakeApiServer, kube: KubeClient) -> None:
+def test_eviction_refused_on_429_and_gone_pod_is_done(api: KubeApiServer, kube: KubeClient) -> None:
     path = "/api/v1/namespaces/shop/pods/web/eviction"
     api.routes[("POST", path)] = (429, {"kind": "Status", "code": 429,
                                         "message": "Cannot evict pod as it would violate the pod's disruption budget."})
@@ -260,7 +166,7 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_watch_lists_then_streams_and_relists_on_410(api: FakeApiServer, kube: KubeClient) -> None:
+def test_watch_lists_then_streams_and_relists_on_410(api: KubeApiServer, kube: KubeClient) -> None:
     path = f"{CRD}/nodeslos"
     lists = iter([nodeslo("100", 60), nodeslo("200", 61)])
     api.routes[("GET", path)] = lambda _req: (200, {"kind": "NodeSLOList", "metadata": {"resourceVersion": "100"},
@@ -297,7 +203,7 @@ def test_watch_lists_then_streams_and_relists_on_410(api: FakeApiServer, kube: K
     assert watches[0].query["allowWatchBookmarks"][0].lower() == "true"
 
 
-def test_a_watch_stopped_while_its_request_is_in_flight_ends_at_once(api: FakeApiServer, kube: KubeClient) -> None:
+def test_a_watch_stopped_while_its_request_is_in_flight_ends_at_once(api: KubeApiServer, kube: KubeClient) -> None:
     path = f"{CRD}/nodeslos"
     api.routes[("GET", path)] = (200, {"kind": "NodeSLOList", "metadata": {"resourceVersion": "1"}, "items": []})
     api.watch_scripts[path] = [[HOLD]]
@@ -314,7 +220,8 @@ def test_a_watch_stopped_while_its_request_is_in_flight_ends_at_once(api: FakeAp
     assert not thread.is_alive()
 
 
-def test_watch_backs_off_while_the_crd_is_missing(api: FakeApiServer, kube: KubeClient) -> None:
+def test_watch_backs_off_while_the_crd_is_missing(api: KubeApiServer, kube: KubeClient) -> None:
+    api.missing.add("nodemetrics")
     stop = threading.Event()
     events: list[str] = []
     with structlog.testing.capture_logs() as logs:
@@ -340,7 +247,7 @@ async def stop_informer(task: asyncio.Task[None]) -> None:
 
 
 @pytest.mark.asyncio
-async def test_informer_gets_nodeslo_and_node_through_watches(api: FakeApiServer, kube: KubeClient) -> None:
+async def test_informer_gets_nodeslo_and_node_through_watches(api: KubeApiServer, kube: KubeClient) -> None:
     node = {"kind": "Node", "metadata": {"name": NODE, "resourceVersion": "5",
                                          "annotations": {"node.koordinator.sh/reservation": '{"reservedCPUs": "0-2"}'}},
             "status": {"capacity": {"cpu": "8", "memory": "16Gi"}, "allocatable": {"cpu": "7500m", "memory": "15Gi"}}}
@@ -367,7 +274,7 @@ async def test_informer_gets_nodeslo_and_node_through_watches(api: FakeApiServer
 
 
 @pytest.mark.asyncio
-async def test_reporter_patches_status_with_the_crs_interval(api: FakeApiServer, kube: KubeClient,
+async def test_reporter_patches_status_with_the_crs_interval(api: KubeApiServer, kube: KubeClient,
                                                               tmp_path: Path) -> None:
     now = 1_700_000_000.0
     api.routes[("GET", f"{CRD}/nodemetrics")] = (200, {"kind": "NodeMetricList", "metadata": {"resourceVersion": "1"},
@@ -408,7 +315,7 @@ def slo(rv: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.asyncio
 async def test_the_watched_nodeslo_feeds_hooks_and_tasks_through_one_provider(
-    api: FakeApiServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    api: KubeApiServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from hooks.batchresource import BatchResource
     from hooks.groupidentity import GroupIdentity
@@ -476,6 +383,11 @@ async def test_the_watched_nodeslo_feeds_hooks_and_tasks_through_one_provider(
         assert not agent.rules().resource_used_threshold_with_be.enable
         out = capsys.readouterr().out
         assert "nodeslo_rejected" in out and "nodeslo.spec.resourceQOSStrategy.beClass.cpuQOS.enable" in out
+        # ... and an Event on the Node (issue 16 §4), as kubectl describe node shows it.
+        assert await asyncio.to_thread(agent.events.flush)
+        [event] = [e for e in api.objects("events") if e["reason"] == "NodeSLORejected"]
+        assert event["involvedObject"]["kind"] == "Node" and event["involvedObject"]["name"] == NODE
+        assert event["message"].startswith("nodeslo.spec.resourceQOSStrategy.beClass.cpuQOS.enable='no'")
     finally:
         await stop_informer(task)
         agent.tsdb.close()

@@ -254,3 +254,35 @@ def test_go_duration_format(seconds: int, text: str) -> None:
 def test_bad_durations(text: str) -> None:
     with pytest.raises(ValueError, match="not a duration"):
         parse_go_duration(text)
+
+
+def nodemetric_errors(status: dict[str, Any]) -> list[str]:
+    from tests.kubeapi import schema_errors
+
+    return schema_errors("nodemetrics", {"apiVersion": "slo.koordinator.sh/v1alpha1", "kind": "NodeMetric",
+                                         "metadata": {"name": "node-a"}, "status": status})
+
+
+def test_every_status_built_validates_against_the_crd_schema(store: TSDB, tmp_path: Path) -> None:
+    """The real CRD's openAPIV3Schema (../shared/reference/crds), by a schema validator."""
+    numa = [*series(NUMA_CPU_USAGE, 0.75, 300, **{NUMA_NODE: "1"}),
+            *series(NUMA_MEMORY_USED, GIB, 300, **{NUMA_NODE: "1"})]
+    store.write(numa)
+    store.flush()
+    plain = pod("uid-plain", "ns", "plain", QoSClass.NONE, "")
+    policies = [CollectPolicy(), CollectPolicy.from_spec({"metricCollectPolicy": {
+        "nodeMemoryCollectPolicy": "usageWithPageCache", "aggregateDurationSeconds": 120,
+        "nodeAggregatePolicy": {"durations": ["5m", "10m", "30m"]}}})]
+    for policy in policies:
+        status = build_status(store, [WEB, BATCH, IDLE, plain], policy, NOW)
+        assert status["podsMetric"] and status["nodeMetric"]["numaUsages"]
+        assert nodemetric_errors(status) == []
+    with TSDB(tmp_path / "empty.db", clock=lambda: NOW) as db:
+        assert nodemetric_errors(build_status(db, [], CollectPolicy(), NOW)) == []
+    # The validator is not a rubber stamp: a wrong type and an unknown field are caught.
+    status = build_status(store, [WEB], CollectPolicy(), NOW)
+    status["nodeMetric"]["numaUsages"][0]["numaNodeID"] = "1"
+    status["podsMetric"][0]["cpuUsage"] = "1"
+    errors = nodemetric_errors(status)
+    assert any("numaNodeID" in e and "integer" in e for e in errors), errors
+    assert any("cpuUsage" in e for e in errors), errors

@@ -323,9 +323,11 @@ async def test_a_refused_write_backs_off_and_warns_once(host: Host, store: TSDB,
     several warnings a second. Now one warning per cause, and re-plans back off."""
     rules = parse_rules({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"}})
     executor = RefusingExecutor(CgroupLayout(host.cgroup))
+    failed: list[tuple[str, str, str]] = []  # the qos task turns these into Node events
     manager = QoSManager(reader=store, pods=lambda: [LS, BE], topology=TOPOLOGY, executor=executor,
                          evictor=CriEvictor(_no_runtime), rules=lambda: rules,
-                         config=ManagerConfig(reserved_cores=0.5), clock=lambda: NOW)
+                         config=ManagerConfig(reserved_cores=0.5), clock=lambda: NOW,
+                         on_write_failed=lambda *args: failed.append(args))
     await manager.run_once()
     clock = [0.0]
     fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: rules,
@@ -340,6 +342,8 @@ async def test_a_refused_write_backs_off_and_warns_once(host: Host, store: TSDB,
     # gaps 0.2, 0.4, 0.8, 1.6, 1.6: a handful of re-plans instead of one per tick
     assert 3 <= fast.triggers <= 7, fast.triggers
     assert out.count("qos_write_failed") == 1 and out.count("fastpath_backoff ") == 1
+    [(strategy, target, cause)] = failed
+    assert strategy == "cpu_suppress" and "cpu.cfs_quota_us" in target and "Invalid argument" in cause
     executor.refuse = False  # the write goes through again: back to the tick rate
     for _ in range(20):
         host.advance(0.1, node=7.0, ls=6.0, be=0.5)
