@@ -278,3 +278,49 @@ async def test_an_active_stream_outlives_the_idle_timeout_a_quiet_one_is_cut(
                 assert code is grpc.StatusCode.OK and len(got) == 8 and took > 3.5, (code, len(got), took)
     finally:
         await server.stop(None)
+
+
+@pytest.mark.asyncio
+async def test_a_quiet_stream_within_the_idle_timeout_is_never_cut(
+    fake_runtime: Any, start_proxy: Any, short_dir: Any
+) -> None:
+    """GetContainerEvents held open far past the idle timeout while quiet stretches stay
+    within it, scaled down: ``data_plane_idle_timeout`` 2 s, the stream silent for 1.5 s
+    before its response headers (HAProxy waits for the server: ``timeout server``) and then
+    1.5 s between events, 7.5 s in all; the kubelet connection then idle 1.5 s between calls
+    (``timeout http-keep-alive``). Every HAProxy timeout but ``connect`` is the idle timeout.
+    Tried at 1 s one by one: ``timeout server`` cuts the quiet stream (504: UNAVAILABLE),
+    ``timeout http-keep-alive`` closes the idle connection (GOAWAY: the channel goes IDLE);
+    client, tunnel, http-request, client-fin and server-fin cut neither here (set anyway,
+    so that no default of theirs can be shorter)."""
+    _need_haproxy()
+    backend = _SlowEvents()
+    backend.count, backend.quiet, backend.gap = 5, 1.5, 1.5
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((backend,))
+    path = short_dir / "events.sock"
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    try:
+        proxy = await start_proxy(fake_runtime, backend_path=path, data_plane="haproxy",
+                                  data_plane_idle_timeout="2s")
+        text = proxy.app.data_plane.layout.config_file.read_text()
+        timeouts = {line.split()[1]: line.split()[2] for line in text.splitlines()
+                    if line.strip().startswith("timeout ")}
+        assert {k: v for k, v in timeouts.items() if k != "connect"} == dict.fromkeys(
+            ("client", "server", "tunnel", "client-fin", "server-fin", "http-request", "http-keep-alive"), "2000ms")
+        # One connection, as kubelet's: the stream, then a quiet connection, then a call on it.
+        channel = grpc.aio.insecure_channel(f"unix://{proxy.socket}")
+        try:
+            await channel.channel_ready()
+            start = time.monotonic()
+            got = [m async for m in channel.unary_stream(EVENTS)(b"", timeout=30)]
+            took = time.monotonic() - start
+            assert len(got) == 5 and took > 7.0, (len(got), took)
+            await asyncio.sleep(1.5)
+            assert channel.get_state() is grpc.ChannelConnectivity.READY
+            assert await channel.unary_unary(STATUS)(b"", timeout=5) == b""
+        finally:
+            await channel.close()
+    finally:
+        await server.stop(None)
