@@ -22,6 +22,7 @@ import yaml
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.dataplane import find_haproxy
+from tests.unit import h2raw
 
 RT = "/runtime.v1.RuntimeService/"
 STATUS = RT + "Status"
@@ -83,6 +84,29 @@ async def test_error_status_details_and_trailers(answer: Any, fake_runtime: Any,
     assert err.value.details() == "container c9 not found: detail ü"
     trailing = tuple(err.value.trailing_metadata())
     assert ("grpc-status-details-bin", details_bin) in trailing and ("x-backend-trailer", "t1") in trailing
+
+
+@pytest.mark.asyncio
+async def test_trailers_only_stays_trailers_only_and_a_reply_keeps_its_trailers(
+    answer: Any, fake_runtime: Any, proxy: Any
+) -> None:
+    """On the wire, not through a grpc client (which hides the difference): an error before
+    any reply message is one HEADERS frame with END_STREAM (trailers-only), as containerd
+    sends it; a reply is HEADERS, DATA, then trailers in a HEADERS frame with END_STREAM.
+    The same frames direct and through the proxy."""
+    def shapes(path: Any, method: str) -> list[tuple[int, int]]:
+        return [(f.type, f.flags & h2raw.END_STREAM) for f in h2raw.unary(path, method, b"")]
+
+    fake_runtime.answer(STATUS, answer(code=grpc.StatusCode.NOT_FOUND, details="no such container"))
+    fake_runtime.answer(LIST_IMAGES, answer(payload=b"\x0a\x00"))
+    trailers_only = [(h2raw.HEADERS, h2raw.END_STREAM)]
+    reply = [(h2raw.HEADERS, 0), (h2raw.DATA, 0), (h2raw.HEADERS, h2raw.END_STREAM)]
+    for path in (fake_runtime.path, proxy.socket):
+        assert await asyncio.to_thread(shapes, path, STATUS) == trailers_only, path
+        assert await asyncio.to_thread(shapes, path, LIST_IMAGES) == reply, path
+    # HAProxy's own answer for a path that is no CRI method is trailers-only too.
+    assert await asyncio.to_thread(shapes, proxy.socket, NATIVE) == trailers_only
+    assert fake_runtime.received(NATIVE) == []
 
 
 @pytest.mark.asyncio
