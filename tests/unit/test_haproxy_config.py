@@ -53,7 +53,7 @@ def test_measured_settings_and_idle_timeouts(tmp_path: Path) -> None:
     s = _settings(tmp_path, data_plane_idle_timeout="2h", socket_mode="0640")
     text = haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)))
     assert "tune.bufsize 131072" in text and "tune.h2.max-concurrent-streams 1000" in text
-    for side in ("client", "server", "tunnel"):
+    for side in ("client", "server", "tunnel", "http-request", "http-keep-alive"):
         assert f"timeout {side} 7200000ms" in text
     assert " mode 640 proto h2" in text
 
@@ -71,7 +71,7 @@ def test_a_path_haproxy_cannot_take_is_refused() -> None:
 
 
 def test_data_plane_keys_are_validated() -> None:
-    assert from_mapping({}).data_plane == "grpc"
+    assert from_mapping({}).data_plane == "haproxy"
     assert from_mapping({"data_plane": "HAProxy"}).data_plane == "haproxy"
     with pytest.raises(ConfigError, match="data_plane"):
         from_mapping({"data_plane": "nginx"})
