@@ -348,3 +348,52 @@ async def test_a_quiet_stream_within_the_idle_timeout_is_never_cut(
             await channel.close()
     finally:
         await server.stop(None)
+
+
+class _Hanging(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """A backend whose ExecSync hangs until cancelled (and records that it was); every
+    other method answers empty."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    def service(self, details: Any) -> Any:
+        async def empty(_request: bytes, _context: Any) -> bytes:
+            return b""
+
+        async def hang(_request: bytes, _context: Any) -> bytes:
+            self.started.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+            return b""
+
+        return grpc.unary_unary_rpc_method_handler(hang if details.method == EXEC_SYNC else empty)
+
+
+@pytest.mark.asyncio
+async def test_client_cancellation_reaches_the_backend(
+    fake_runtime: Any, start_proxy: Any, short_dir: Any, plane: str
+) -> None:
+    """kubelet gives up on a call (RST_STREAM CANCEL): the backend's handler is cancelled
+    too, within a second, instead of running on (an ExecSync's process would)."""
+    backend = _Hanging()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((backend,))
+    path = short_dir / "hang.sock"
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    try:
+        proxy = await start_proxy(fake_runtime, backend_path=path, data_plane=plane)
+        call = proxy.unary(EXEC_SYNC)(b"", timeout=30)
+        await asyncio.wait_for(backend.started.wait(), 5)
+        assert not backend.cancelled.is_set()
+        call.cancel()
+        await asyncio.wait_for(backend.cancelled.wait(), 1.0)
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    finally:
+        await server.stop(None)
