@@ -397,3 +397,28 @@ async def test_client_cancellation_reaches_the_backend(
             await call
     finally:
         await server.stop(None)
+
+
+@pytest.mark.asyncio
+async def test_not_ready_while_haproxy_does_not_answer(
+    fake_runtime: Any, start_proxy: Any, short_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """READY=1 only when both answer: containerd answers and the interception server
+    listens, but the "haproxy" started (a stand-in that passes the config check, then
+    binds kubelet's socket and never answers) does not answer there: the proxy stays not
+    ready."""
+    _need_haproxy()
+    fake = short_dir / "haproxy"
+    fake.write_text(
+        "#!/usr/bin/python3\nimport socket, sys, time\n"
+        "if '-c' in sys.argv:\n    sys.exit(0)\n"
+        f"s = socket.socket(socket.AF_UNIX)\ns.bind({str(short_dir / 'p.sock')!r})\ns.listen()\ntime.sleep(3600)\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr("runtimeproxy.app.find_haproxy", lambda: str(fake))
+    notified: list[str] = []
+    monkeypatch.setattr("runtimeproxy.app.sdnotify.notify", notified.append)
+    proxy = await start_proxy(fake_runtime, data_plane="haproxy", wait_ready=False)
+    await asyncio.sleep(2.0)
+    assert fake_runtime.received(RT + "Version"), "containerd was asked"
+    assert proxy.app.data_plane.pid is not None and proxy.app.data_plane.layout.intercept_socket.exists()
+    assert not proxy.app.ready and "READY=1" not in notified
