@@ -10,6 +10,7 @@ any non-CRI path is answered UNIMPLEMENTED and never reaches the backend.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 from typing import Any
@@ -422,3 +423,29 @@ async def test_not_ready_while_haproxy_does_not_answer(
     assert fake_runtime.received(RT + "Version"), "containerd was asked"
     assert proxy.app.data_plane.pid is not None and proxy.app.data_plane.layout.intercept_socket.exists()
     assert not proxy.app.ready and "READY=1" not in notified
+
+
+@pytest.mark.asyncio
+async def test_a_crashing_haproxy_is_restarted_with_back_off(
+    fake_runtime: Any, start_proxy: Any, short_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A master that dies at once is started again after 0.1 s, then 0.2, 0.4, 0.8 s: a
+    crash loop costs a few starts a second at first and fewer after, not a busy loop."""
+    _need_haproxy()
+    fake, starts = short_dir / "haproxy", short_dir / "starts"
+    fake.write_text(
+        "#!/usr/bin/python3\nimport os, socket, sys, time\n"
+        "if '-c' in sys.argv:\n    sys.exit(0)\n"
+        f"with open({str(starts)!r}, 'a') as f:\n    f.write(f'{{time.monotonic()}}\\n')\n"
+        f"path = {str(short_dir / 'p.sock')!r}\n"
+        "if not os.path.exists(path):\n    socket.socket(socket.AF_UNIX).bind(path)\n"
+        "sys.exit(1)\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr("runtimeproxy.app.find_haproxy", lambda: str(fake))
+    await start_proxy(fake_runtime, data_plane="haproxy", wait_ready=False)
+    await asyncio.sleep(2.5)
+    times = [float(t) for t in starts.read_text().split()]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    # 0.1 + 0.2 + 0.4 + 0.8 = 1.5 s for 5 starts (plus each start's own time); the next after 1.6 s more.
+    assert 3 <= len(times) <= 6, times  # 3: a start may take a while on a busy machine
+    assert all(gap >= delay - 0.01 for gap, delay in zip(gaps, (0.1, 0.2, 0.4, 0.8), strict=False)), gaps
