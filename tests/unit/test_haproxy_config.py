@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from runtimeproxy import haproxy
 from runtimeproxy.app import choose_data_plane
@@ -82,8 +83,15 @@ def test_data_plane_keys_are_validated() -> None:
 
 def test_missing_haproxy_falls_back_to_grpc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr("runtimeproxy.app.find_haproxy", lambda: None)
-    assert choose_data_plane(_settings(tmp_path, data_plane="haproxy")) is None
-    assert choose_data_plane(_settings(tmp_path)) is None
+    with structlog.testing.capture_logs() as logs:
+        assert choose_data_plane(_settings(tmp_path, data_plane="haproxy")) is None
+    # Said once, at start (the App chooses once), naming what to install.
+    [warning] = [e for e in logs if e["event"] == "data_plane_fallback"]
+    assert warning["log_level"] == "warning" and "apt install haproxy" in warning["reason"]
+    with structlog.testing.capture_logs() as logs:
+        assert choose_data_plane(_settings(tmp_path)) is None  # the default is haproxy too
+        assert choose_data_plane(_settings(tmp_path, data_plane="grpc")) is None
+    assert [e["event"] for e in logs] == ["data_plane_fallback"]
 
 
 @pytest.mark.skipif(find_haproxy() is None, reason="haproxy not installed")
