@@ -449,3 +449,20 @@ async def test_a_crashing_haproxy_is_restarted_with_back_off(
     # 0.1 + 0.2 + 0.4 + 0.8 = 1.5 s for 5 starts (plus each start's own time); the next after 1.6 s more.
     assert 3 <= len(times) <= 6, times  # 3: a start may take a while on a busy machine
     assert all(gap >= delay - 0.01 for gap, delay in zip(gaps, (0.1, 0.2, 0.4, 0.8), strict=False)), gaps
+
+
+@pytest.mark.asyncio
+async def test_a_clean_stop_logs_no_error(
+    fake_runtime: Any, start_proxy: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Our drain takes the interception server out of HAProxy's rotation; HAProxy then
+    says so as an ALERT ("backend 'intercept' has no server available"): logged at info,
+    not as an error at every stop."""
+    _need_haproxy()
+    proxy = await start_proxy(fake_runtime, data_plane="haproxy")
+    capsys.readouterr()
+    proxy.app.request_stop()
+    assert await asyncio.wait_for(proxy.task, timeout=15) == 0
+    out = capsys.readouterr().out
+    assert "intercept" in out and "data_plane_stopped" in out, out
+    assert not [line for line in out.splitlines() if "[error" in line or "[warning" in line], out
