@@ -44,6 +44,20 @@ def test_lifecycle_methods_are_routed_by_exact_path_everything_else_of_cri_to_co
     assert ret.endswith("unless cri") and str(layout.not_cri_reply) in ret
 
 
+def test_unix_sockets_only(tmp_path: Path) -> None:
+    """No TCP anywhere: kubelet's socket is the only listener, the stats and master
+    sockets are unix sockets, every server is a unix socket."""
+    s = _settings(tmp_path)
+    layout = haproxy.Layout.for_listen(Path(s.listen))
+    text = haproxy.render(s, layout)
+    assert _lines(text, "bind ") == [f'bind "unix@{s.listen}" mode 660 proto h2']
+    assert [line.split()[2] for line in _lines(text, "stats socket")] == [f'"unix@{layout.stats_socket}"']
+    servers = _lines(text, "server ")
+    assert len(servers) == 3 and all(line.split()[2].startswith('"unix@') for line in servers), servers
+    assert not _lines(text, "listen ") and not _lines(text, "peers")
+    assert haproxy.command("/usr/sbin/haproxy", layout)[-1] == f"{layout.master_socket},mode,600"
+
+
 def test_image_backend_defaults_to_the_runtime_endpoint(tmp_path: Path) -> None:
     s = _settings(tmp_path, backend={"runtime_endpoint": "/run/c.sock"})
     text = haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)))
