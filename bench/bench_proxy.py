@@ -5,11 +5,16 @@ In one run, against one private containerd with ``--idle-pods`` running pods, it
   * pass-through latency (Version, ListContainers, ListPodSandbox, ContainerStatus,
     ImageStatus) on four paths: direct, an asyncio byte relay (bench/byterelay.py, the
     floor), the proxy with ``data_plane: grpc`` and with ``data_plane: haproxy``,
-    interleaved call by call with the path order rotated every round;
+    interleaved call by call with the path order shuffled every round;
   * CPU per pass-through call of each path's processes (proxy + haproxy master and
     worker, from /proc), idle CPU and RSS, and % of a core at 10 and 50 calls/s;
   * the pod lifecycle time (Run, Create, Start, Stop, Remove) direct vs both data planes
-    with the hook chain on, as a ratio of medians.
+    with the hook chain on, as a ratio of medians, and per CRI call;
+  * a fifth path, "haproxy-bare": the proxy with ``data_plane: haproxy``, no hooks, and
+    its HAProxy reloaded on a config without the per-method counting rules (track-sc,
+    sc-inc-gpc): with "haproxy" in the same interleaved run it gives the counting rules'
+    CPU per call, and in the lifecycle what the hooks cost (haproxy - haproxy-bare) apart
+    from the interception hop (haproxy-bare - direct).
 It prints a Markdown table (docs/benchmarks.md keeps the last one).
 """
 
@@ -17,6 +22,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -64,23 +72,33 @@ CALLS: dict[str, Callable[[Any, str], Any]] = {
 
 
 def passthrough(stubs: dict[str, Any], cid: str, n: int) -> dict[str, dict[str, list[float]]]:
-    """Latencies (µs) per method and path; calls interleaved, path order rotated per round."""
+    """Latencies (µs) per method and path; calls interleaved, the path order shuffled every
+    round (seeded): a rotation keeps each path behind the same neighbour (the slow gRPC
+    transport's leftover work then lands on the path after it)."""
     names = list(stubs)
+    order = random.Random(15)
     out: dict[str, dict[str, list[float]]] = {}
     for method, call in CALLS.items():
         for _ in range(200):  # warm every channel and cache
             for name in names:
                 call(stubs[name], cid)
         lat: dict[str, list[float]] = {name: [] for name in names}
-        for i in range(n):
-            k = i % len(names)
-            for name in names[k:] + names[:k]:
+        for _ in range(n):
+            for name in order.sample(names, len(names)):
                 lat[name].append(_lat(lambda: call(stubs[name], cid)))  # noqa: B023 - used immediately
         out[method] = lat
     return out
 
 
-def lifecycle(rt: Any, prefix: str, logs: Path) -> float:
+#: The timed steps of one pod lifecycle (kubelet's cgroup step timed with RunPodSandbox).
+STEPS = ("RunPodSandbox", "CreateContainer", "StartContainer", "StopContainer", "RemoveContainer",
+         "StopPodSandbox", "RemovePodSandbox")
+#: HAProxy configuration lines of the per-method counting (runtimeproxy.haproxy._counting).
+COUNTING = ("track-sc0", "sc-inc-gpc", "set-var(txn.grpc_status)")
+
+
+def lifecycle(rt: Any, prefix: str, logs: Path) -> dict[str, float]:
+    """Seconds per step and in all ("total") for one pod's lifecycle."""
     uid = str(uuid.uuid4())
     parent = devpods.kube_cgroup_parent(prefix, "besteffort", uid)
     labels = {"koordinator.sh/qosClass": "BE"}
@@ -89,17 +107,49 @@ def lifecycle(rt: Any, prefix: str, logs: Path) -> float:
                                      cgroup_parent=parent, labels=labels, annotations=annotations)
     config = devpods.container_config(name="c", image=embedded.BUSYBOX_IMAGE, command=["sleep", "60"],
                                       resources=cri.LinuxContainerResources(cpu_shares=256))
-    t = time.perf_counter()
-    kubelet_creates_pod_cgroup(parent)  # kubelet's step, timed on both paths
+    out: dict[str, float] = {}
+    t = start = time.perf_counter()
+
+    def step(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        out[name], t = now - t, now
+
+    kubelet_creates_pod_cgroup(parent)  # kubelet's step, timed on every path
     sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sandbox)).pod_sandbox_id
+    step("RunPodSandbox")
     cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=config,
                                                         sandbox_config=sandbox)).container_id
+    step("CreateContainer")
     rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+    step("StartContainer")
     rt.StopContainer(cri.StopContainerRequest(container_id=cid, timeout=0))
+    step("StopContainer")
     rt.RemoveContainer(cri.RemoveContainerRequest(container_id=cid))
+    step("RemoveContainer")
     rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sid))
+    step("StopPodSandbox")
     rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sid))
-    return time.perf_counter() - t
+    step("RemovePodSandbox")
+    out["total"] = t - start
+    return out
+
+
+def strip_counting(proxy_pid: int, config: Path) -> list[int]:
+    """Reload the HAProxy under ``proxy_pid`` on its config without the counting rules
+    (the proxy re-renders it only when its own config changes); its new process group."""
+    text = config.read_text()
+    config.write_text("".join(line for line in text.splitlines(keepends=True)
+                              if not any(word in line for word in COUNTING)))
+    master, old_worker = _children(proxy_pid)
+    os.kill(master, signal.SIGUSR2)
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        group = _children(proxy_pid)
+        if len(group) == 2 and old_worker not in group:
+            return [proxy_pid, *group]
+        time.sleep(0.1)
+    raise SystemExit(f"haproxy under {proxy_pid} did not reload: {_children(proxy_pid)}")
 
 
 def at_rate(stub: Any, groups: dict[str, list[int]], cid: str, rate: float, seconds: float) -> dict[str, float]:
@@ -177,6 +227,7 @@ def main() -> int:
         chain = _chain(args.hooks)
         grpc_proc, grpc_sock, _ = node.proxy("grpc", {**chain, "data_plane": "grpc"})
         hx_proc, hx_sock, _ = node.proxy("hx", {**chain, "data_plane": "haproxy"})
+        bare_proc, bare_sock, _ = node.proxy("bare", {"data_plane": "haproxy"})
         relay_sock = base / "relay.sock"
         relay = subprocess.Popen([sys.executable, str(Path(__file__).with_name("byterelay.py")),
                                   str(relay_sock), str(node.ctd.socket)])
@@ -188,8 +239,10 @@ def main() -> int:
             pids["haproxy (data plane only)"] = pids["haproxy"][1:]
             if len(pids["haproxy"]) != 3:
                 raise SystemExit(f"expected the proxy, haproxy's master and worker: {pids['haproxy']}")
+            bare = strip_counting(bare_proc.pid, bare_sock.parent / f".{bare_sock.name}.dataplane" / "haproxy.cfg")
+            pids["haproxy-bare (data plane only)"] = bare[1:]
             stubs = {"direct": _Stub(node.ctd.socket), "relay": _Stub(relay_sock), "grpc": _Stub(grpc_sock),
-                     "haproxy": _Stub(hx_sock)}
+                     "haproxy": _Stub(hx_sock), "haproxy-bare": _Stub(bare_sock)}
             direct = stubs["direct"]
             cid = ""
             for i in range(args.idle_pods):  # running pods so List* and Status return real data
@@ -219,10 +272,11 @@ def main() -> int:
                         groups["haproxy (data plane only)"] = pids["haproxy (data plane only)"]
                     for group, pct in at_rate(stubs[name], groups, cid, rate, args.rate_seconds).items():
                         rated[(group, rate)] = pct
-            times: dict[str, list[float]] = {"direct": [], "grpc": [], "haproxy": []}
+            times: dict[str, list[dict[str, float]]] = {"direct": [], "grpc": [], "haproxy": [], "haproxy-bare": []}
             for i in range(args.pods):
                 order = list(times)
-                for name in order[i % 3:] + order[:i % 3]:
+                k = i % len(order)
+                for name in order[k:] + order[:k]:
                     times[name].append(lifecycle(stubs[name], prefix, base / "logs"))
         finally:
             relay.terminate()
@@ -237,8 +291,8 @@ def main() -> int:
 
 
 def _report(args: argparse.Namespace, lat: dict[str, dict[str, list[float]]], cpu_us: dict[str, float],
-            idle: dict[str, tuple[float, float]], times: dict[str, list[float]]) -> None:
-    paths = ["relay", "grpc", "haproxy"]
+            idle: dict[str, tuple[float, float]], steps: dict[str, list[dict[str, float]]]) -> None:
+    paths = ["relay", "grpc", "haproxy", "haproxy-bare"]
     print(f"\n### Pass-through, {args.calls} calls per method and path, interleaved, {args.idle_pods} pods "
           "(microseconds)\n")
     print("| method | path | p50 | p99 | added p50 | added p99 | added p50 / relay's |")
@@ -255,19 +309,33 @@ def _report(args: argparse.Namespace, lat: dict[str, dict[str, list[float]]], cp
     print("| path | CPU µs per pass-through call | computed % of a core at 10 calls/s | at 50 calls/s "
           "| idle % of a core | RSS MB |")
     print("|---|---:|---:|---:|---:|---:|")
-    for name in [*paths, "haproxy (data plane only)"]:
+    for name in [*paths[:3], "haproxy (data plane only)", "haproxy-bare (data plane only)"]:
         us = cpu_us[name]
         idle_pct, rss = idle[name]
         print(f"| {name} | {us:.0f} | {us * 10 / 1e4 + idle_pct:.3f} | {us * 50 / 1e4 + idle_pct:.3f} "
               f"| {idle_pct:.3f} | {rss:.0f} |")
+    counting = cpu_us["haproxy (data plane only)"] - cpu_us["haproxy-bare (data plane only)"]
+    print(f"\nHAProxy's per-method counting rules: {counting:+.1f} µs CPU per pass-through call "
+          "(haproxy - haproxy-bare, data plane only, same interleaved run)")
+    times = {name: [run["total"] for run in runs] for name, runs in steps.items()}
     dm = statistics.median(times["direct"])
     print(f"\n### Pod lifecycle (Run, Create, Start, Stop, Remove), {args.pods} pods per path, chain: "
-          f"{'shipped QoS chain' if args.hooks < 0 else f'{args.hooks} example hooks'}\n")
+          f"{'shipped QoS chain' if args.hooks < 0 else f'{args.hooks} example hooks'} "
+          "(haproxy-bare: no hooks)\n")
     print("| path | median s | min s | max s | median / direct |")
     print("|---|---:|---:|---:|---:|")
     for name, values in times.items():
         m = statistics.median(values)
         print(f"| {name} | {m:.3f} | {min(values):.3f} | {max(values):.3f} | {m / dm:.3f} |")
+    print("\n### Pod lifecycle per CRI call, median ms (added over direct)\n")
+    print("| call | " + " | ".join(steps) + " |")
+    print("|---|" + "---:|" * len(steps))
+    for step in (*STEPS, "total"):
+        d = statistics.median(run[step] for run in steps["direct"]) * 1000
+        cells = [f"{d:.2f}"] + [f"{statistics.median(run[step] for run in runs) * 1000:.2f} "
+                                f"({statistics.median(run[step] for run in runs) * 1000 - d:+.2f})"
+                                for name, runs in steps.items() if name != "direct"]
+        print(f"| {step} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

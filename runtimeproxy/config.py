@@ -126,9 +126,10 @@ class Settings:
     tasks: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
     #: Where these settings came from (a path or the built-in default), for the start log.
     source: str = field(default="", compare=False)
-    #: Who serves kubelet's socket: ``grpc`` (this process) or ``haproxy`` (pass-through in
-    #: HAProxy, only the lifecycle methods reach this process; see runtimeproxy.haproxy).
-    data_plane: str = "grpc"
+    #: Who serves kubelet's socket: ``haproxy`` (the default: pass-through in HAProxy, only the
+    #: lifecycle methods reach this process; see runtimeproxy.haproxy) or ``grpc`` (this process;
+    #: also where the haproxy binary is missing).
+    data_plane: str = "haproxy"
     #: haproxy: a call or stream sending nothing either way for this long is cut (dead peers).
     data_plane_idle_timeout: float = 86400.0
     #: haproxy: the data plane outlives this process (SIGTERM, a crash) and the next ``run``

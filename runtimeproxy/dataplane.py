@@ -111,6 +111,8 @@ class HaproxyDataPlane:
         self._settings = settings
         self._proc: asyncio.subprocess.Process | None = None
         self._stopping = False
+        #: The interception server is out of rotation because we took it out (a drain).
+        self._intercept_out = False
         self._backoff = _Backoff()
         self.starts = 0
         self._rendered = ""
@@ -222,6 +224,10 @@ class HaproxyDataPlane:
                 return  # the pipe must be read as long as HAProxy writes: a full pipe blocks it
             text = line.decode(errors="replace").strip()
             level = _LEVELS.get(text[1:text.find("]")].strip(), "info") if text.startswith("[") else "info"
+            if self._intercept_out and "intercept" in text:
+                # "Server intercept/python is going DOWN for maintenance", "backend 'intercept' has
+                # no server available": what our own drain does, at every clean stop; not an error.
+                level = "info"
             getattr(log, level)("data_plane_message", pid=proc.pid, text=text[:2000])
 
     async def run_forever(self) -> None:
@@ -277,6 +283,7 @@ class HaproxyDataPlane:
         at once instead of racing the server's stop on an open connection; in again when a
         Python process that adopted HAProxy listens."""
         state = "ready" if ready else "maint"
+        self._intercept_out = not ready
         try:
             out = haproxystats.command(self.layout.stats_socket, f"set server intercept/python state {state}")
         except OSError as exc:

@@ -163,6 +163,10 @@ def render(settings: Settings, layout: Layout) -> str:
         f"    timeout tunnel {idle}",
         f"    timeout client-fin {idle}",
         f"    timeout server-fin {idle}",
+        # Unset, these two fall back to timeout client; set so that no default can ever be shorter:
+        # waiting for a request's headers and for the next request on an idle kubelet connection.
+        f"    timeout http-request {idle}",
+        f"    timeout http-keep-alive {idle}",
         # A lifecycle call while the Python server restarts: fail fast (UNAVAILABLE, kubelet
         # retries) instead of queueing behind connect retries.
         "    retries 1",

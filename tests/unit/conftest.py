@@ -374,6 +374,9 @@ def proxy_settings(
         "shutdown_grace": "1s",
         "reload_poll_interval": "1h",
         "state_dir": str(dir_ / "state"),  # never the host's /var/lib
+        # The lifecycle layer's tests run on the in-process transport; the data-plane tests
+        # (test_dataplane_wire, test_dataplane_metrics) ask for each data plane.
+        "data_plane": "grpc",
     }
     data.update(extra)
     return data

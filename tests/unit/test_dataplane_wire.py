@@ -10,6 +10,7 @@ any non-CRI path is answered UNIMPLEMENTED and never reaches the backend.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 from typing import Any
@@ -22,6 +23,7 @@ import yaml
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.dataplane import find_haproxy
+from tests.unit import h2raw
 
 RT = "/runtime.v1.RuntimeService/"
 STATUS = RT + "Status"
@@ -83,6 +85,29 @@ async def test_error_status_details_and_trailers(answer: Any, fake_runtime: Any,
     assert err.value.details() == "container c9 not found: detail ü"
     trailing = tuple(err.value.trailing_metadata())
     assert ("grpc-status-details-bin", details_bin) in trailing and ("x-backend-trailer", "t1") in trailing
+
+
+@pytest.mark.asyncio
+async def test_trailers_only_stays_trailers_only_and_a_reply_keeps_its_trailers(
+    answer: Any, fake_runtime: Any, proxy: Any
+) -> None:
+    """On the wire, not through a grpc client (which hides the difference): an error before
+    any reply message is one HEADERS frame with END_STREAM (trailers-only), as containerd
+    sends it; a reply is HEADERS, DATA, then trailers in a HEADERS frame with END_STREAM.
+    The same frames direct and through the proxy."""
+    def shapes(path: Any, method: str) -> list[tuple[int, int]]:
+        return [(f.type, f.flags & h2raw.END_STREAM) for f in h2raw.unary(path, method, b"")]
+
+    fake_runtime.answer(STATUS, answer(code=grpc.StatusCode.NOT_FOUND, details="no such container"))
+    fake_runtime.answer(LIST_IMAGES, answer(payload=b"\x0a\x00"))
+    trailers_only = [(h2raw.HEADERS, h2raw.END_STREAM)]
+    reply = [(h2raw.HEADERS, 0), (h2raw.DATA, 0), (h2raw.HEADERS, h2raw.END_STREAM)]
+    for path in (fake_runtime.path, proxy.socket):
+        assert await asyncio.to_thread(shapes, path, STATUS) == trailers_only, path
+        assert await asyncio.to_thread(shapes, path, LIST_IMAGES) == reply, path
+    # HAProxy's own answer for a path that is no CRI method is trailers-only too.
+    assert await asyncio.to_thread(shapes, proxy.socket, NATIVE) == trailers_only
+    assert fake_runtime.received(NATIVE) == []
 
 
 @pytest.mark.asyncio
@@ -278,3 +303,166 @@ async def test_an_active_stream_outlives_the_idle_timeout_a_quiet_one_is_cut(
                 assert code is grpc.StatusCode.OK and len(got) == 8 and took > 3.5, (code, len(got), took)
     finally:
         await server.stop(None)
+
+
+@pytest.mark.asyncio
+async def test_a_quiet_stream_within_the_idle_timeout_is_never_cut(
+    fake_runtime: Any, start_proxy: Any, short_dir: Any
+) -> None:
+    """GetContainerEvents held open far past the idle timeout while quiet stretches stay
+    within it, scaled down: ``data_plane_idle_timeout`` 2 s, the stream silent for 1.5 s
+    before its response headers (HAProxy waits for the server: ``timeout server``) and then
+    1.5 s between events, 7.5 s in all; the kubelet connection then idle 1.5 s between calls
+    (``timeout http-keep-alive``). Every HAProxy timeout but ``connect`` is the idle timeout.
+    Tried at 1 s one by one: ``timeout server`` cuts the quiet stream (504: UNAVAILABLE),
+    ``timeout http-keep-alive`` closes the idle connection (GOAWAY: the channel goes IDLE);
+    client, tunnel, http-request, client-fin and server-fin cut neither here (set anyway,
+    so that no default of theirs can be shorter)."""
+    _need_haproxy()
+    backend = _SlowEvents()
+    backend.count, backend.quiet, backend.gap = 5, 1.5, 1.5
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((backend,))
+    path = short_dir / "events.sock"
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    try:
+        proxy = await start_proxy(fake_runtime, backend_path=path, data_plane="haproxy",
+                                  data_plane_idle_timeout="2s")
+        text = proxy.app.data_plane.layout.config_file.read_text()
+        timeouts = {line.split()[1]: line.split()[2] for line in text.splitlines()
+                    if line.strip().startswith("timeout ")}
+        assert {k: v for k, v in timeouts.items() if k != "connect"} == dict.fromkeys(
+            ("client", "server", "tunnel", "client-fin", "server-fin", "http-request", "http-keep-alive"), "2000ms")
+        # One connection, as kubelet's: the stream, then a quiet connection, then a call on it.
+        channel = grpc.aio.insecure_channel(f"unix://{proxy.socket}")
+        try:
+            await channel.channel_ready()
+            start = time.monotonic()
+            got = [m async for m in channel.unary_stream(EVENTS)(b"", timeout=30)]
+            took = time.monotonic() - start
+            assert len(got) == 5 and took > 7.0, (len(got), took)
+            await asyncio.sleep(1.5)
+            assert channel.get_state() is grpc.ChannelConnectivity.READY
+            assert await channel.unary_unary(STATUS)(b"", timeout=5) == b""
+        finally:
+            await channel.close()
+    finally:
+        await server.stop(None)
+
+
+class _Hanging(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """A backend whose ExecSync hangs until cancelled (and records that it was); every
+    other method answers empty."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    def service(self, details: Any) -> Any:
+        async def empty(_request: bytes, _context: Any) -> bytes:
+            return b""
+
+        async def hang(_request: bytes, _context: Any) -> bytes:
+            self.started.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+            return b""
+
+        return grpc.unary_unary_rpc_method_handler(hang if details.method == EXEC_SYNC else empty)
+
+
+@pytest.mark.asyncio
+async def test_client_cancellation_reaches_the_backend(
+    fake_runtime: Any, start_proxy: Any, short_dir: Any, plane: str
+) -> None:
+    """kubelet gives up on a call (RST_STREAM CANCEL): the backend's handler is cancelled
+    too, within a second, instead of running on (an ExecSync's process would)."""
+    backend = _Hanging()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((backend,))
+    path = short_dir / "hang.sock"
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    try:
+        proxy = await start_proxy(fake_runtime, backend_path=path, data_plane=plane)
+        call = proxy.unary(EXEC_SYNC)(b"", timeout=30)
+        await asyncio.wait_for(backend.started.wait(), 5)
+        assert not backend.cancelled.is_set()
+        call.cancel()
+        await asyncio.wait_for(backend.cancelled.wait(), 1.0)
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    finally:
+        await server.stop(None)
+
+
+@pytest.mark.asyncio
+async def test_not_ready_while_haproxy_does_not_answer(
+    fake_runtime: Any, start_proxy: Any, short_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """READY=1 only when both answer: containerd answers and the interception server
+    listens, but the "haproxy" started (a stand-in that passes the config check, then
+    binds kubelet's socket and never answers) does not answer there: the proxy stays not
+    ready."""
+    _need_haproxy()
+    fake = short_dir / "haproxy"
+    fake.write_text(
+        "#!/usr/bin/python3\nimport socket, sys, time\n"
+        "if '-c' in sys.argv:\n    sys.exit(0)\n"
+        f"s = socket.socket(socket.AF_UNIX)\ns.bind({str(short_dir / 'p.sock')!r})\ns.listen()\ntime.sleep(3600)\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr("runtimeproxy.app.find_haproxy", lambda: str(fake))
+    notified: list[str] = []
+    monkeypatch.setattr("runtimeproxy.app.sdnotify.notify", notified.append)
+    proxy = await start_proxy(fake_runtime, data_plane="haproxy", wait_ready=False)
+    await asyncio.sleep(2.0)
+    assert fake_runtime.received(RT + "Version"), "containerd was asked"
+    assert proxy.app.data_plane.pid is not None and proxy.app.data_plane.layout.intercept_socket.exists()
+    assert not proxy.app.ready and "READY=1" not in notified
+
+
+@pytest.mark.asyncio
+async def test_a_crashing_haproxy_is_restarted_with_back_off(
+    fake_runtime: Any, start_proxy: Any, short_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A master that dies at once is started again after 0.1 s, then 0.2, 0.4, 0.8 s: a
+    crash loop costs a few starts a second at first and fewer after, not a busy loop."""
+    _need_haproxy()
+    fake, starts = short_dir / "haproxy", short_dir / "starts"
+    fake.write_text(
+        "#!/usr/bin/python3\nimport os, socket, sys, time\n"
+        "if '-c' in sys.argv:\n    sys.exit(0)\n"
+        f"with open({str(starts)!r}, 'a') as f:\n    f.write(f'{{time.monotonic()}}\\n')\n"
+        f"path = {str(short_dir / 'p.sock')!r}\n"
+        "if not os.path.exists(path):\n    socket.socket(socket.AF_UNIX).bind(path)\n"
+        "sys.exit(1)\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr("runtimeproxy.app.find_haproxy", lambda: str(fake))
+    await start_proxy(fake_runtime, data_plane="haproxy", wait_ready=False)
+    await asyncio.sleep(2.5)
+    times = [float(t) for t in starts.read_text().split()]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    # 0.1 + 0.2 + 0.4 + 0.8 = 1.5 s for 5 starts (plus each start's own time); the next after 1.6 s more.
+    assert 3 <= len(times) <= 6, times  # 3: a start may take a while on a busy machine
+    assert all(gap >= delay - 0.01 for gap, delay in zip(gaps, (0.1, 0.2, 0.4, 0.8), strict=False)), gaps
+
+
+@pytest.mark.asyncio
+async def test_a_clean_stop_logs_no_error(
+    fake_runtime: Any, start_proxy: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Our drain takes the interception server out of HAProxy's rotation; HAProxy then
+    says so as an ALERT ("backend 'intercept' has no server available"): logged at info,
+    not as an error at every stop."""
+    _need_haproxy()
+    proxy = await start_proxy(fake_runtime, data_plane="haproxy")
+    capsys.readouterr()
+    proxy.app.request_stop()
+    assert await asyncio.wait_for(proxy.task, timeout=15) == 0
+    out = capsys.readouterr().out
+    assert "intercept" in out and "data_plane_stopped" in out, out
+    assert not [line for line in out.splitlines() if "[error" in line or "[warning" in line], out

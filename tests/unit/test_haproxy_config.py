@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from runtimeproxy import haproxy
 from runtimeproxy.app import choose_data_plane
@@ -43,6 +44,20 @@ def test_lifecycle_methods_are_routed_by_exact_path_everything_else_of_cri_to_co
     assert ret.endswith("unless cri") and str(layout.not_cri_reply) in ret
 
 
+def test_unix_sockets_only(tmp_path: Path) -> None:
+    """No TCP anywhere: kubelet's socket is the only listener, the stats and master
+    sockets are unix sockets, every server is a unix socket."""
+    s = _settings(tmp_path)
+    layout = haproxy.Layout.for_listen(Path(s.listen))
+    text = haproxy.render(s, layout)
+    assert _lines(text, "bind ") == [f'bind "unix@{s.listen}" mode 660 proto h2']
+    assert [line.split()[2] for line in _lines(text, "stats socket")] == [f'"unix@{layout.stats_socket}"']
+    servers = _lines(text, "server ")
+    assert len(servers) == 3 and all(line.split()[2].startswith('"unix@') for line in servers), servers
+    assert not _lines(text, "listen ") and not _lines(text, "peers")
+    assert haproxy.command("/usr/sbin/haproxy", layout)[-1] == f"{layout.master_socket},mode,600"
+
+
 def test_image_backend_defaults_to_the_runtime_endpoint(tmp_path: Path) -> None:
     s = _settings(tmp_path, backend={"runtime_endpoint": "/run/c.sock"})
     text = haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)))
@@ -53,7 +68,7 @@ def test_measured_settings_and_idle_timeouts(tmp_path: Path) -> None:
     s = _settings(tmp_path, data_plane_idle_timeout="2h", socket_mode="0640")
     text = haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)))
     assert "tune.bufsize 131072" in text and "tune.h2.max-concurrent-streams 1000" in text
-    for side in ("client", "server", "tunnel"):
+    for side in ("client", "server", "tunnel", "http-request", "http-keep-alive"):
         assert f"timeout {side} 7200000ms" in text
     assert " mode 640 proto h2" in text
 
@@ -71,7 +86,7 @@ def test_a_path_haproxy_cannot_take_is_refused() -> None:
 
 
 def test_data_plane_keys_are_validated() -> None:
-    assert from_mapping({}).data_plane == "grpc"
+    assert from_mapping({}).data_plane == "haproxy"
     assert from_mapping({"data_plane": "HAProxy"}).data_plane == "haproxy"
     with pytest.raises(ConfigError, match="data_plane"):
         from_mapping({"data_plane": "nginx"})
@@ -82,8 +97,15 @@ def test_data_plane_keys_are_validated() -> None:
 
 def test_missing_haproxy_falls_back_to_grpc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr("runtimeproxy.app.find_haproxy", lambda: None)
-    assert choose_data_plane(_settings(tmp_path, data_plane="haproxy")) is None
-    assert choose_data_plane(_settings(tmp_path)) is None
+    with structlog.testing.capture_logs() as logs:
+        assert choose_data_plane(_settings(tmp_path, data_plane="haproxy")) is None
+    # Said once, at start (the App chooses once), naming what to install.
+    [warning] = [e for e in logs if e["event"] == "data_plane_fallback"]
+    assert warning["log_level"] == "warning" and "apt install haproxy" in warning["reason"]
+    with structlog.testing.capture_logs() as logs:
+        assert choose_data_plane(_settings(tmp_path)) is None  # the default is haproxy too
+        assert choose_data_plane(_settings(tmp_path, data_plane="grpc")) is None
+    assert [e["event"] for e in logs] == ["data_plane_fallback"]
 
 
 @pytest.mark.skipif(find_haproxy() is None, reason="haproxy not installed")

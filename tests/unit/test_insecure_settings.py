@@ -12,6 +12,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -283,7 +284,11 @@ def test_run_warns_about_accepted_risks_at_every_start(short_dir: Path) -> None:
                 lines.append(json.loads(raw))
             if lines and lines[-1]["event"] == "backend_unavailable":
                 break
-        # Listening by now (the socket is made before the backend is awaited), as allowed.
+        # Listening (the socket is made before the backend is awaited; with the default data
+        # plane by HAProxy, a child started meanwhile), as allowed.
+        end = time.monotonic() + 10
+        while not (short_dir / "p.sock").exists() and time.monotonic() < end:
+            time.sleep(0.05)
         assert stat.S_IMODE((short_dir / "p.sock").stat().st_mode) == 0o666
     finally:
         proc.send_signal(signal.SIGTERM)
