@@ -38,6 +38,7 @@ from metrics.collect.cpi import CPICollector
 from metrics.collect.hostapp import HostAppCollector, parse_host_apps
 from metrics.collect.procfs import NodeCollector
 from metrics.collect.psi import PSICollector
+from metrics.collect.resctrlmon import ResctrlMonitorCollector
 from metrics.collect.schedlat import SchedLatencyCollector
 from metrics.collect.topology import TopologyCollector
 from metrics.informer.kubetypes import Kind, KubeSettings, KubeUnavailable
@@ -110,6 +111,9 @@ class MetricsAgent:
                                                          interval=iv.schedlat))
         if settings.cpi:
             self.collectors.append(CPICollector(init.host, interval=iv.cpi))
+        resctrl = ResctrlMonitorCollector(init.host.resctrl, interval=iv.resctrl)  # absent: one log line
+        if resctrl.available:
+            self.collectors.append(resctrl)
         if init.registry is not None:
             exporter = register_exporter(init.registry, StoreValues(self.tsdb.newest_values), self.pods,
                                          settings.node_name)

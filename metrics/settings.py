@@ -43,6 +43,7 @@ class Intervals:
     schedlat: float = 10.0
     cpi: float = 60.0
     topology: float = 60.0
+    resctrl: float = 10.0  # koordlet --resctrl-collector-interval
 
 
 @dataclass(frozen=True, slots=True)
