@@ -126,7 +126,7 @@ def test_without_a_list_every_installed_strategy_runs_in_the_documented_order(tm
     names = [s.name for s in loaded.enabled]
     # no resctrl mount under the injected root: that strategy says so and stays out
     assert names == ["be-evict", "allocatable-evict", "cpu-evict", "cpu-suppress", "cpu-burst", "memory-qos",
-                     "system-config", "tiny"]
+                     "blkio", "system-config", "tiny"]
     assert loaded.disabled == []
 
 
