@@ -143,11 +143,11 @@ class MemoryQoSTiers(Strategy):
         self.state: Input[TierState] = Input("memory_qos_tiers", self._read, TierState.describe)
         self.reads = (self.state,)
 
-    def _detect(self, executor: CgroupExecutor) -> bool | None:
+    def _detect(self, executor: CgroupExecutor, root: PurePosixPath | None = None) -> bool | None:
         if self.supported is not None:
             return self.supported
         try:
-            path = executor.path(self.root, MEMORY_MIN, "memory-qos: kubepods root")
+            path = executor.path(root or self.root, MEMORY_MIN, "memory-qos: kubepods root")
         except CgroupError:
             return None
         if not path.parent.is_dir():
@@ -163,6 +163,13 @@ class MemoryQoSTiers(Strategy):
 
     def _read(self, ctx: RoundContext) -> TierState:
         supported = self._detect(ctx.executor)
+        if supported is None:  # no kubepods at the hierarchy root: the one above the pods, if any
+            for root in sorted({tier_dirs(PodMemory("", "", PurePosixPath(p.cgroup_dir.strip("/")), p.kube_qos,
+                                                    0, 0))[0]
+                                for p in ctx.pods if p.kube_qos in _KUBE and p.cgroup_dir}):
+                supported = self._detect(ctx.executor, root)
+                if supported is not None:
+                    break
         if not supported:
             return TierState(supported)
         pods: list[PodMemory] = []

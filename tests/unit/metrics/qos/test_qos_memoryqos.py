@@ -5,6 +5,7 @@ and the v1 "off" path (one log line, nothing written)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -228,3 +229,17 @@ def test_args_are_refused_naming_the_key(tmp_path: Path) -> None:
     with pytest.raises(HookConfigError) as exc:
         memory_qos(init)
     assert exc.value.key_path == "tasks.qos-manager.strategies[7].args"
+
+
+@pytest.mark.asyncio
+async def test_pods_under_another_parent_are_detected_and_summed_there(envs: Any, tmp_path: Path) -> None:
+    env = envs()
+    shutil.rmtree(env.base / "kubepods")  # no kubepods at the hierarchy root: only the run's own
+    env.strategy.supported = None
+    env.mkdir("run1/kubepods")
+    env.mkdir("run1/kubepods/burstable")
+    env.mkdir("run1/kubepods/burstable/poda", 512 * MiB, 800 * MiB)
+    env.pods = [pod("a", "run1/kubepods/burstable/poda", "burstable")]
+    await env.manager.run_once()
+    assert env.tier("run1/kubepods/burstable") == (512 * MiB, 800 * MiB)
+    assert env.tier("run1/kubepods") == (512 * MiB, 800 * MiB)
