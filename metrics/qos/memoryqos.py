@@ -83,9 +83,11 @@ class TierState:
     #: tier dir -> (memory.min, memory.low) now (None: unreadable).
     current: dict[PurePosixPath, tuple[int, int] | None] = field(default_factory=dict)
     skipped: tuple[str, ...] = ()
+    #: Why memory QoS is on for the tiers ("": off, nothing was read).
+    why: str = ""
 
     def describe(self) -> dict[str, Any]:
-        return {"supported": self.supported, "pods": len(self.pods), "skipped": list(self.skipped),
+        return {"supported": self.supported, "why": self.why, "pods": len(self.pods), "skipped": list(self.skipped),
                 "current": {str(k): list(v) if v is not None else None for k, v in self.current.items()}}
 
 
@@ -172,6 +174,9 @@ class MemoryQoSTiers(Strategy):
                     break
         if not supported:
             return TierState(supported)
+        why = self._active(ctx.rules, ctx.pods)
+        if not why:
+            return TierState(True)  # off: no pod file is read
         pods: list[PodMemory] = []
         skipped: list[str] = []
         for pod in ctx.pods:
@@ -187,7 +192,7 @@ class MemoryQoSTiers(Strategy):
         for found in pods:
             tiers.update(t for t in tier_dirs(found) if t is not None)
         current = {t: _read_pair(ctx.executor, t) for t in sorted(tiers)}
-        return TierState(True, tuple(pods), current, tuple(skipped))
+        return TierState(True, tuple(pods), current, tuple(skipped), why)
 
     @staticmethod
     def _exists(executor: CgroupExecutor, cgroup: PurePosixPath) -> bool:
@@ -196,12 +201,12 @@ class MemoryQoSTiers(Strategy):
         except CgroupError:
             return False
 
-    def _active(self, inputs: RoundInputs) -> str:
+    def _active(self, rules: Rules, pods: Sequence[PodView]) -> str:
         """Why memory QoS is on for the tiers ("" = off)."""
-        classes = [c.value for c in _CLASSES if inputs.rules.for_class(c).memory_qos.enable]
+        classes = [c.value for c in _CLASSES if rules.for_class(c).memory_qos.enable]
         if classes:
             return f"resourceQOSStrategy memoryQOS enabled for {', '.join(classes)}"
-        opted = [p.key for p in inputs.pods if _wants_memory_qos(p)]
+        opted = [p.key for p in pods if _wants_memory_qos(p)]
         if opted:
             return f"pod annotation {MEMORY_QOS_ANNOTATION} on {len(opted)} pod(s), e.g. {opted[0]}"
         if self.was_active:
@@ -215,7 +220,7 @@ class MemoryQoSTiers(Strategy):
             return Plan(NAME, self.priority, (), info, f"no {self.root} cgroup yet: support not detected")
         if not state.supported:
             return Plan(NAME, self.priority, (), info, "memory QoS off: no memory.min in the kubepods cgroup")
-        why = self._active(inputs)
+        why = state.why
         if not why:
             return Plan(NAME, self.priority, (), info, "memory QoS not enabled by any class rule or pod annotation")
         self.was_active = True

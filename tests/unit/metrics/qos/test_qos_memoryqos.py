@@ -161,6 +161,7 @@ async def test_nothing_until_a_rule_or_an_annotation_enables_it(envs: Any) -> No
     await env.manager.run_once()
     assert env.snapshot() == before
     assert "not enabled" in env.manager.explain()["strategies"]["memory_qos"]["plan"]["reason"]
+    assert env.manager.explain()["inputs"]["memory_qos_tiers"]["pods"] == 0  # off: no pod file was read
     env.pods[0] = pod("a", "kubepods/burstable/poda", "burstable", {"koordinator.sh/memoryQOS": '{"policy":"none"}'})
     await env.manager.run_once()
     assert env.snapshot() == before  # policy none opts out, it does not turn anything on
