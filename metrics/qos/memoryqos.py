@@ -29,6 +29,7 @@ Support is detected once, when the ``kubepods`` root exists: ``memory.min`` ther
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -118,15 +119,43 @@ def _wants_memory_qos(pod: PodView) -> bool:
     return policy != "none"
 
 
-def _read_pair(executor: CgroupExecutor, cgroup: PurePosixPath) -> tuple[int, int] | None:
-    version = executor.layout.version
+def _read_text(path: str) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        values = [int(r.parse(executor.read(cgroup, r), version)) for r in (MEMORY_MIN, MEMORY_LOW)]
-    except (CgroupError, ValueError):
-        return None
-    if any(v < 0 for v in values):  # "max" protection: not a number to add
-        return None
-    return values[0], values[1]
+        return os.read(fd, 256).decode("ascii", "replace")
+    finally:
+        os.close(fd)
+
+
+class _Pairs:
+    """(memory.min, memory.low) of cgroups; the confined paths are resolved once per
+    cgroup (two ``resolve`` calls per file cost more than the read), reused while the
+    cgroup is asked for each round."""
+
+    def __init__(self) -> None:
+        self._paths: dict[PurePosixPath, tuple[str, str]] = {}
+        self._used: set[PurePosixPath] = set()
+
+    def read(self, executor: CgroupExecutor, cgroup: PurePosixPath) -> tuple[int, int] | None:
+        self._used.add(cgroup)
+        version = executor.layout.version
+        try:
+            paths = self._paths.get(cgroup)
+            if paths is None:
+                paths = self._paths[cgroup] = (str(executor.path(cgroup, MEMORY_MIN)),
+                                               str(executor.path(cgroup, MEMORY_LOW)))
+            values = [int(MEMORY_MIN.parse(_read_text(paths[0]), version)),
+                      int(MEMORY_LOW.parse(_read_text(paths[1]), version))]
+        except (CgroupError, OSError, ValueError):
+            self._paths.pop(cgroup, None)  # gone or not there yet: resolved again when asked again
+            return None
+        if any(v < 0 for v in values):  # "max" protection: not a number to add
+            return None
+        return values[0], values[1]
+
+    def end_round(self) -> None:
+        self._paths = {k: v for k, v in self._paths.items() if k in self._used}
+        self._used = set()
 
 
 class MemoryQoSTiers(Strategy):
@@ -142,6 +171,7 @@ class MemoryQoSTiers(Strategy):
         self.was_active = False
         #: Tiers seen with pods before: they get 0 when their last pod leaves.
         self.known: set[PurePosixPath] = set()
+        self.pairs = _Pairs()
         self.state: Input[TierState] = Input("memory_qos_tiers", self._read, TierState.describe)
         self.reads = (self.state,)
 
@@ -183,7 +213,7 @@ class MemoryQoSTiers(Strategy):
             if pod.kube_qos not in _KUBE or not pod.cgroup_dir:
                 continue
             cgroup = PurePosixPath(pod.cgroup_dir.strip("/"))
-            pair = _read_pair(ctx.executor, cgroup)
+            pair = self.pairs.read(ctx.executor, cgroup)
             if pair is None:
                 skipped.append(pod.key)  # gone, not created yet, or unreadable: it counts when it reads
                 continue
@@ -191,7 +221,8 @@ class MemoryQoSTiers(Strategy):
         tiers = {t for t in (*self.defaults, *self.known) if self._exists(ctx.executor, t)}
         for found in pods:
             tiers.update(t for t in tier_dirs(found) if t is not None)
-        current = {t: _read_pair(ctx.executor, t) for t in sorted(tiers)}
+        current = {t: self.pairs.read(ctx.executor, t) for t in sorted(tiers)}
+        self.pairs.end_round()
         return TierState(True, tuple(pods), current, tuple(skipped), why)
 
     @staticmethod
