@@ -86,7 +86,7 @@ def read_counter(path: Path) -> int | None:
 class ResctrlMonitorCollector:
     """Class and pod groups' ``mon_data``; bandwidth rates from the previous read."""
 
-    name = "resctrl"
+    name = "resctrl-monitor"
 
     def __init__(self, root: Path, *, interval: float = 10.0) -> None:
         self.interval = interval

@@ -168,14 +168,14 @@ async def test_the_metrics_task_runs_it_only_where_resctrl_monitoring_exists(tmp
         run = metrics_task(init)
     agent = init.shared[SHARED_KEY]
     assert isinstance(agent, MetricsAgent)
-    assert ("resctrl" in agent.ticks) is mounted
+    assert ("resctrl-monitor" in agent.ticks) is mounted
     assert ([e for e in logs if e["event"] == "resctrl_monitor_unavailable"] != []) is not mounted
     if not mounted:
         return
     task = asyncio.create_task(run())
     try:
         for _ in range(300):
-            if agent.ticks["resctrl"] >= 2:
+            if agent.ticks["resctrl-monitor"] >= 2:
                 break
             await asyncio.sleep(0.02)
     finally:
