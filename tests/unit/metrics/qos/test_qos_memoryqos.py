@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 
 from hooks.cgroups import CgroupLayout
 from hooks.executor import CgroupExecutor
+from hooks.memoryqos import MemoryQoS
 from hooks.qos import QoSClass
 from hooks.rules import Rules, parse_rules
 from metrics.model import PodView
@@ -23,7 +24,19 @@ from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.memoryqos import MemoryQoSTiers, memory_qos
 from metrics.qos.strategy import StrategyInit
 from metrics.store.tsdb import TSDB
-from runtimeproxy.hookapi import HookConfigError, HostRoots
+from runtimeproxy.hookapi import (
+    ContainerContext,
+    ContainerInfo,
+    ContainerMeta,
+    HookConfigError,
+    HookInit,
+    HostRoots,
+    PodInfo,
+    PodMeta,
+    Resources,
+    Stage,
+    frozen_map,
+)
 
 NOW = 5_000.0
 MiB = 1 << 20
@@ -244,3 +257,28 @@ async def test_pods_under_another_parent_are_detected_and_summed_there(envs: Any
     await env.manager.run_once()
     assert env.tier("run1/kubepods/burstable") == (512 * MiB, 800 * MiB)
     assert env.tier("run1/kubepods") == (512 * MiB, 800 * MiB)
+
+
+@pytest.mark.asyncio
+async def test_hook_then_strategy_give_koordlets_tier_sums_from_the_requests(envs: Any, tmp_path: Path) -> None:
+    """The split (hook: pods and containers; strategy: tiers) ends where koordlet's
+    CgroupReconcile does: tier = sum of request x minLimitPercent / 100 over its pods."""
+    env = envs()
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text("MemTotal:  16384000 kB\n")
+    hook = MemoryQoS(HookInit("memory-qos", {}, "hooks[0].args", HostRoots(cgroup=env.root, proc=tmp_path / "proc"),
+                              LS_ON))
+    for uid, request in (("a", 1 * GiB), ("b", 3 * GiB)):
+        env.mkdir(f"kubepods/burstable/pod{uid}")
+        env.mkdir(f"kubepods/burstable/pod{uid}/c{uid}")
+        info = PodInfo(PodMeta(f"p-{uid}", "ns", uid), id="sb", cgroup_parent=f"/kubepods/burstable/pod{uid}",
+                       annotations=frozen_map({}))
+        res = Resources(memory_limit_in_bytes=4 * GiB, unified=frozen_map({"memory.min": str(request)}))
+        hook.reconcile_container(ContainerContext(Stage.RECONCILE_CONTAINER, info,
+                                                  ContainerInfo(ContainerMeta("app"), id=f"c{uid}", resources=res)))
+        env.pods.append(pod(uid, f"kubepods/burstable/pod{uid}", "burstable"))
+    assert env.tier("kubepods/burstable") == (0, 0)  # the hook leaves the tiers
+    await env.manager.run_once()
+    # (1 GiB + 3 GiB) x minLimitPercent 50 / 100 = 2 GiB; lowLimitPercent 0 => low = min
+    assert env.tier("kubepods/burstable") == (2 * GiB, 2 * GiB)
+    assert env.tier("kubepods") == (2 * GiB, 2 * GiB)
