@@ -44,12 +44,18 @@ RULES = {
                                     "cpuEvictBESatisfactionUpperPercent": 20},
     "cpuBurstStrategy": {"policy": "auto"},
     "systemStrategy": {"watermarkScaleFactor": 150},
+    # the v1 fixture tree has the Anolis memory.min/low files, and a /sys with one disk
+    "resourceQOSStrategy": {"lsClass": {"memoryQOS": {"enable": True}},
+                            "beClass": {"blkioQOS": {"enable": True, "blocks": [
+                                {"name": "/dev/vdb", "type": "device", "ioCfg": {"readBPS": 1048576}}]}}},
 }
 SETS = {
     "none (anchor)": [],
     "CPU (be-evict, suppress, burst)": ["be-evict", "cpu-suppress", "cpu-burst"],
     "all 6 (no resctrl mount)": ["be-evict", "allocatable-evict", "cpu-evict", "cpu-suppress", "cpu-burst",
                               "system-config"],
+    "memory-qos (tier sums: 2 reads per pod)": ["memory-qos"],
+    "blkio (class tiers)": ["blkio"],
 }
 
 
@@ -71,12 +77,16 @@ def build(root: Path, n: int) -> list[PodView]:
     dirs = ["", "kubepods", "kubepods/besteffort", "kubepods/burstable"]
     dirs += [d for p in pods for d in (p.cgroup_dir, p.containers[0].cgroup_dir)]
     files = {"cpu": {"cpu.cfs_quota_us": "100000", "cpu.cfs_period_us": "100000", "cpu.cfs_burst_us": "0"},
-             "cpuset": {"cpuset.cpus": "0-15", "cpuset.mems": "0-1"}}
+             "cpuset": {"cpuset.cpus": "0-15", "cpuset.mems": "0-1"},
+             "memory": {"memory.min": "0", "memory.low": "0"},
+             "blkio": {f"blkio.throttle.{k}_device": "" for k in ("read_bps", "write_bps", "read_iops", "write_iops")}}
     for controller, names in files.items():
         for d in dirs:
             (root / "cgroup" / controller / d).mkdir(parents=True, exist_ok=True)
             for name, value in names.items():
                 (root / "cgroup" / controller / d / name).write_text(value + "\n")
+    (root / "sys" / "class" / "block" / "vdb").mkdir(parents=True)
+    (root / "sys" / "class" / "block" / "vdb" / "dev").write_text("253:16\n")
     (root / "proc" / "sys" / "vm").mkdir(parents=True)
     (root / "proc" / "meminfo").write_text("MemTotal: 16384000 kB\n")
     (root / "proc" / "sys" / "vm" / "min_free_kbytes").write_text("67584\n")

@@ -8,13 +8,15 @@ reading from it; CPU and memory isolation do nothing about that. koordlet's
     beClass: {blkioQOS: {enable: true, blocks: [
       {name: /dev/vdb, type: device, ioCfg: {readBPS: 104857600, writeIOPS: 2000, ioWeightPercent: 50}}]}}
 
-Where, per pod as it is seen (PreRunPodSandbox: kubelet created the pod cgroup before;
-ReconcilePodSandbox: drift, rule changes, pods from before the proxy):
-
-* BE pods → their class tier ``kubepods/besteffort``, LS pods → ``kubepods/burstable``:
-  the whole tier shares the limit, as koordlet throttles the BE QoS directory;
-* LSR / LSE pods (Guaranteed: their tier is the ``kubepods`` root, which every pod
-  shares) → their own pod cgroup.
+Where: this hook throttles LSR / LSE pods (Guaranteed: their tier is the ``kubepods``
+root, which every pod shares) in their own pod cgroup, as each is seen
+(PreRunPodSandbox: kubelet created the pod cgroup before; ReconcilePodSandbox: drift,
+rule changes, pods from before the proxy). The class tiers (BE → ``kubepods/besteffort``,
+LS → ``kubepods/burstable``: the whole tier shares the limit, as koordlet throttles the
+QoS directory) are the QoS strategy ``blkio`` (``metrics.qos.blkio``), every round from
+the rules alone: a tier's limits follow a rule change within a second, also while no
+pod of its class exists (koordlet's ``BlkIOReconcile`` works per class tier the same way).
+The helpers below (``detect_support``, ``block_updates``, ``removal_updates``) are shared.
 
 What, per block (``type: device``; the name resolved to ``major:minor`` through the
 injected ``/sys``, see ``hooks.blkiodev``): cgroup v1 ``blkio.throttle.{read,write}_
@@ -42,8 +44,9 @@ planned writes marked "dry-run: not written", for ``explain``).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any, Final
 
 import structlog
@@ -70,7 +73,8 @@ _ARGS: Final = frozenset({"cgroup_driver", "cgroup_version", "dry_run"})
 _CLASSES: Final = (QoSClass.LSR, QoSClass.LS, QoSClass.BE, QoSClass.SYSTEM)
 _CLASS_KEY: Final = {QoSClass.LSE: "lsrClass", QoSClass.LSR: "lsrClass", QoSClass.LS: "lsClass",
                      QoSClass.BE: "beClass", QoSClass.SYSTEM: "systemClass"}
-_TIER: Final = {QoSClass.BE: ("besteffort", "kubepods-besteffort.slice"),
+#: Class -> its kube-QoS tier (cgroupfs, systemd name): the ``blkio`` QoS strategy's targets.
+TIERS: Final = {QoSClass.BE: ("besteffort", "kubepods-besteffort.slice"),
                 QoSClass.LS: ("burstable", "kubepods-burstable.slice")}
 _CFG_KEYS: Final = {"read_bps": "readBPS", "write_bps": "writeBPS", "read_iops": "readIOPS", "write_iops": "writeIOPS"}
 
@@ -89,6 +93,60 @@ class Support:
             return f"block I/O QoS off: no {'io.max' if self.version == 2 else 'blkio throttle files'} in {self.where}"
         weights = self.weight[0] if self.weight else "none (ioWeightPercent ignored)"
         return f"cgroup v{self.version} throttles in {self.where}; weight file: {weights}"
+
+
+def detect_support(executor: CgroupExecutor, probe: PurePosixPath, source: str) -> Support:
+    """The throttle and weight files in ``probe`` (a cgroup dir that must exist)."""
+    version = executor.layout.version
+    file = (throttle("read_bps", "0:0") if version == 1 else io_max("0:0"))
+    path = executor.path(probe, file, source)
+    if not path.parent.is_dir():
+        raise CgroupGoneError(f"{source}: cgroup {path.parent} does not exist (gone or not created yet)")
+    chosen = None
+    for candidate in WEIGHT_FILES[version]:
+        if executor.path(probe, weight(*candidate[:2], "0:0", *candidate[2:]), source).is_file():
+            chosen = candidate
+            break
+    return Support(path.is_file(), chosen, str(path.parent), version)
+
+
+def block_field(qos: QoSClass, index: int) -> str:
+    return f"resourceQOSStrategy.{_CLASS_KEY[qos]}.blkioQOS.blocks[{index}]"
+
+
+def block_updates(index: int, block: BlkioBlock, qos: QoSClass, target: PurePosixPath, source: str,
+                  support: Support, sys_root: Path) -> tuple[str, list[Update]]:
+    """(major:minor, the updates) of one ``type: device`` block on ``target``; a name that is
+    not a device of this node raises ``DeviceError``."""
+    where = block_field(qos, index)
+    dev = resolve_device(block.name, sys_root)
+    io = block.io
+    why = f"{qos.value} class {where} {block.name} ({dev})"
+    limits = {k: getattr(io, k) for k in THROTTLES}
+    shown = ", ".join(f"{_CFG_KEYS[k]} {v}" for k, v in limits.items())
+    updates: list[Update] = []
+    if support.version == 1:
+        updates.extend(Update(target, throttle(k, dev), v, f"{why}: {_CFG_KEYS[k]} {v} (0: no limit)", source)
+                       for k, v in limits.items())
+    else:
+        updates.append(Update(target, io_max(dev), io_max_value(limits), f"{why}: {shown} (0: max)", source))
+    if io.io_weight_percent is not None and support.weight is not None:
+        file, controller, low, high = support.weight
+        updates.append(Update(target, weight(file, controller, dev, low, high), io.io_weight_percent,
+                              f"{why}: ioWeightPercent {io.io_weight_percent}", source))
+    return dev, updates
+
+
+def removal_updates(target: PurePosixPath, devices: Iterable[str], why: str, source: str,
+                    support: Support) -> list[Update]:
+    """The limits of ``devices`` removed on ``target`` (0 / max)."""
+    updates: list[Update] = []
+    for dev in sorted(devices):
+        if support.version == 1:
+            updates.extend(Update(target, throttle(k, dev), 0, why, source) for k in THROTTLES)
+        else:
+            updates.append(Update(target, io_max(dev), io_max_value({}), why, source))
+    return updates
 
 
 class Blkio:
@@ -134,63 +192,32 @@ class Blkio:
         with self._lock:
             if self._support is not None:
                 return self._support
-            version = self.executor.layout.version
             probe = pod_dir.parent if len(pod_dir.parts) > 1 else pod_dir
-            file = (throttle("read_bps", "0:0") if version == 1 else io_max("0:0"))
-            path = self.executor.path(probe, file, source)
-            if not path.parent.is_dir():
-                raise CgroupGoneError(f"{source}: cgroup {path.parent} does not exist (gone or not created yet)")
-            chosen = None
-            for candidate in WEIGHT_FILES[version]:
-                if self.executor.path(probe, weight(*candidate[:2], "0:0", *candidate[2:]), source).is_file():
-                    chosen = candidate
-                    break
-            self._support = Support(path.is_file(), chosen, str(path.parent), version)
+            self._support = detect_support(self.executor, probe, source)
+            chosen = self._support.weight
             log.info("blkio_detected", enabled=self._support.throttle, where=self._support.where,
                      weight=chosen[0] if chosen else None, detail=self._support.describe())
             return self._support
 
     def target(self, pod: PodInfo, qos: QoSClass, pod_dir: PurePosixPath) -> PurePosixPath | None:
-        """Where the class's limits go for this pod: its class tier (BE, LS) or the pod (LSR, LSE)."""
-        if qos in (QoSClass.LSR, QoSClass.LSE):
-            return pod_dir
-        names = _TIER.get(qos)
-        if names is None:
-            return None
-        for ancestor in pod_dir.parents:
-            if ancestor.name in ("kubepods", "kubepods.slice"):
-                return ancestor / names[1 if ancestor.name.endswith(".slice") else 0]
-        return None
+        """Where the class's limits go for this pod: its own cgroup for LSR / LSE; None for
+        the others (the BE and LS tiers are the ``blkio`` QoS strategy's)."""
+        return pod_dir if qos in (QoSClass.LSR, QoSClass.LSE) else None
 
     def _block_updates(self, index: int, block: BlkioBlock, qos: QoSClass, target: PurePosixPath,
                        source: str, support: Support) -> tuple[str, list[Update]] | None:
-        where = f"resourceQOSStrategy.{_CLASS_KEY[qos]}.blkioQOS.blocks[{index}]"
+        where = block_field(qos, index)
         if block.type != "device":
             if self._once(f"type:{block.type}:{block.name}"):
                 log.warning("blkio_block_unsupported", block=where, name=block.name, type=block.type,
                             reason="volumegroup / podvolume need koordlet's local storage inventory; skipped")
             return None
         try:
-            dev = resolve_device(block.name, self._host.sys)
+            return block_updates(index, block, qos, target, source, support, self._host.sys)
         except DeviceError as exc:
             error = HookError(f"{where}.name={block.name!r}: {exc}")
             error.repeat = not self._once(f"dev:{block.name}")
             raise error from exc
-        io = block.io
-        why = f"{qos.value} class {where} {block.name} ({dev})"
-        limits = {k: getattr(io, k) for k in THROTTLES}
-        shown = ", ".join(f"{_CFG_KEYS[k]} {v}" for k, v in limits.items())
-        updates: list[Update] = []
-        if support.version == 1:
-            updates.extend(Update(target, throttle(k, dev), v, f"{why}: {_CFG_KEYS[k]} {v} (0: no limit)", source)
-                           for k, v in limits.items())
-        else:
-            updates.append(Update(target, io_max(dev), io_max_value(limits), f"{why}: {shown} (0: max)", source))
-        if io.io_weight_percent is not None and support.weight is not None:
-            file, controller, low, high = support.weight
-            updates.append(Update(target, weight(file, controller, dev, low, high), io.io_weight_percent,
-                                  f"{why}: ioWeightPercent {io.io_weight_percent}", source))
-        return dev, updates
 
     def plan(self, pod: PodInfo) -> tuple[PurePosixPath, list[Update], set[str]] | None:
         """The pod's target and the updates there (including removals of devices no rule
@@ -222,10 +249,7 @@ class Blkio:
             stale = sorted(self._applied.get(target, set()) - devices)
         for dev in stale:
             why = f"{qos.value or 'no-class'} class: no blkioQOS block names {dev} any more: limit removed"
-            if support.version == 1:
-                updates.extend(Update(target, throttle(k, dev), 0, why, source) for k in THROTTLES)
-            else:
-                updates.append(Update(target, io_max(dev), io_max_value({}), why, source))
+            updates.extend(removal_updates(target, (dev,), why, source, support))
         if not updates:
             return None
         return target, updates, devices

@@ -1,4 +1,4 @@
-"""Memory QoS: memory.min / memory.low / memory.high per container, pod and kube-QoS tier.
+"""Memory QoS: memory.min / memory.low / memory.high per container and pod.
 
 Why: on a co-located node the kernel reclaims memory from whoever it finds first; a
 latency-sensitive pod's page cache and anon memory go as easily as a batch job's.
@@ -19,12 +19,12 @@ MemoryQoS gate sets it to the request), or = the limit for a Guaranteed pod, els
 Node's allocatable) or, unset, the node's MemTotal.
 
 Writes, at PostStartContainer and ReconcileContainer (the container's cgroup exists
-then), as one leveled update from the top: the ``kubepods`` root and the pod's
-burstable/besteffort tier (min/low = the sum of their pods', ``tier_sums``), the pod
-(min/low of its containers' summed requests, Anolis extras), the container (min, low,
-high, extras) — parents raised before children, children lowered before parents.
-Tier sums cover the pods this hook has seen (all of them after the first reconciler
-pass); a pod leaves them at PostStopPodSandbox or when its cgroup is gone.
+then), as one leveled update: the pod (min/low of its containers' summed requests,
+Anolis extras), the container (min, low, high, extras) — the pod raised before the
+container, the container lowered before the pod. The kube-QoS tiers (``kubepods``,
+burstable, besteffort: min/low = the sum of their pods') are the QoS strategy
+``memory-qos`` (``metrics.qos.memoryqos``), which sees every pod every round; a hook
+sees only the pods it is called for (all of them only after a reconciler pass).
 
 Support is detected once, at the first container, and logged in one line: the
 ``memory.min`` file in the pod's parent cgroup (cgroup v2: upstream; v1: only Anolis
@@ -71,14 +71,11 @@ from hooks.memoryqoscalc import (
     UNLIMITED,
     MemorySpec,
     MemoryValues,
-    PodProtection,
     container_values,
     describe,
     disabled_values,
     pod_config,
     pod_values,
-    tier_sums,
-    tiers_of,
 )
 from hooks.qos import KubeQoS, QoSClass, kube_qos_from_cgroup_parent, pod_name
 from hooks.rules import LiveRules, MemoryQOS, Rules
@@ -275,9 +272,6 @@ class MemoryQoS:
             record.config = cfg
             record.containers[container.meta.name] = spec
             specs = list(record.containers.values())
-            # copies: other worker threads add containers while this one sums
-            others = [(uid, _PodRecord(r.cgroup, r.kube, r.config, dict(r.containers)))
-                      for uid, r in self._pods.items()]
         label = qos.value or "no-class"
         inputs = f"{label} pod, {why}: {describe(cfg)}"
         if cfg.enable:
@@ -287,37 +281,12 @@ class MemoryQoS:
             cvalues = pvalues = disabled_values()
             inputs = f"{label} pod, {why}: memory QoS off, koordlet's None values"
         levels: list[list[Update]] = []
-        if kube is not None:
-            levels = self._tier_levels(pod_dir, kube, others, source, support.files)
         total = sum(max(s.request, 0) for s in specs)
         levels.append(self._updates(pod_dir, pvalues, f"{inputs}; pod request {total} (sum of containers)",
                                     source, support.files))
         limit = "none" if spec.limit == UNLIMITED else str(spec.limit)
         levels.append(self._updates(cdir, cvalues, f"{inputs}; request {spec.request}, limit {limit} "
                                     f"({spec.source}), allocatable {self.allocatable}", source, support.files))
-        return levels
-
-    def _tier_levels(self, pod_dir: PurePosixPath, kube: KubeQoS, records: list[tuple[str, _PodRecord]],
-                     source: str, files: frozenset[str]) -> list[list[Update]]:
-        pods: list[PodProtection] = []
-        for uid, rec in records:
-            if rec.kube is None:
-                continue
-            if not self.executor.path(rec.cgroup, MEMORY_MIN, source).parent.is_dir():
-                with self._lock:
-                    if self._pods.get(uid) is not None and self._pods[uid].cgroup == rec.cgroup:
-                        del self._pods[uid]  # its cgroup is gone: it no longer counts
-                continue
-            values = pod_values(rec.containers.values(), rec.config) if rec.config.enable else disabled_values()
-            pods.append(PodProtection(rec.cgroup, rec.kube, values.min, values.low))
-        sums = tier_sums(pods)
-        levels: list[list[Update]] = []
-        for where in tiers_of(pod_dir, kube):
-            if where is None or where not in sums:
-                continue
-            low_min, low = sums[where]
-            why = f"kube-QoS tier {where}: sum of its {len(pods)} known pods' memory.min/low"
-            levels.append(self._updates(where, MemoryValues(low_min, low), why, source, files))
         return levels
 
     # --- stages --------------------------------------------------------------------
@@ -353,7 +322,7 @@ class MemoryQoS:
         return self._apply(ctx, reconcile=True)
 
     def post_stop_pod_sandbox(self, ctx: PodContext) -> None:
-        """The pod leaves the tier sums (rewritten at the next container of its tier)."""
+        """The pod's record goes (its containers' requests)."""
         with self._lock:
             self._pods.pop(ctx.pod.meta.uid, None)
             for key in [k for k in self._dry_logged if k.startswith(f"{ctx.pod.meta.uid}/")]:

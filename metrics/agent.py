@@ -39,6 +39,7 @@ from metrics.collect.hostapp import HostAppCollector, parse_host_apps
 from metrics.collect.memlat import MemLatencyCollector
 from metrics.collect.procfs import NodeCollector
 from metrics.collect.psi import PSICollector
+from metrics.collect.resctrlmon import ResctrlMonitorCollector
 from metrics.collect.schedlat import SchedLatencyCollector
 from metrics.collect.topology import TopologyCollector
 from metrics.informer.kubetypes import Kind, KubeSettings, KubeUnavailable
@@ -118,6 +119,9 @@ class MetricsAgent:
             self.collectors.append(self.memlat)
         if settings.cpi:
             self.collectors.append(CPICollector(init.host, interval=iv.cpi))
+        resctrl = ResctrlMonitorCollector(init.host.resctrl, interval=iv.resctrl)  # absent: one log line
+        if resctrl.available:
+            self.collectors.append(resctrl)
         if init.registry is not None:
             exporter = register_exporter(init.registry, StoreValues(self.tsdb.newest_values), self.pods,
                                          settings.node_name)

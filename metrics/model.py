@@ -72,6 +72,16 @@ CONTAINER_CPI: Final = "container_cpi"  # cycles / instructions
 CONTAINER_CYCLES: Final = "container_cycles"
 CONTAINER_INSTRUCTIONS: Final = "container_instructions"
 
+# --- resctrl monitoring ({cache_id} plus qos (class groups) or pod_uid; mb_type for bandwidth) ---
+CACHE_ID: Final = "cache_id"  # the L3 domain of mon_data/mon_L3_<id>
+MB_TYPE: Final = "mb_type"  # mbm_total_bytes | mbm_local_bytes
+RESCTRL_LLC: Final = "resctrl_llc_occupancy_bytes"  # {qos, cache_id}
+RESCTRL_MB: Final = "resctrl_memory_bandwidth_bytes_per_second"  # {qos, cache_id, mb_type}: counter rate
+RESCTRL_MB_TOTAL: Final = "resctrl_memory_bandwidth_bytes_total"  # {qos, cache_id, mb_type}: the counter
+POD_RESCTRL_LLC: Final = "pod_resctrl_llc_occupancy_bytes"
+POD_RESCTRL_MB: Final = "pod_resctrl_memory_bandwidth_bytes_per_second"
+POD_RESCTRL_MB_TOTAL: Final = "pod_resctrl_memory_bandwidth_bytes_total"
+
 # --- PSI ({resource, kind, window} plus pod_uid / container_id for cgroups) ---------
 #: Percentages for avg10/avg60/avg300; ``PSI_TOTAL`` is the stall time counter in seconds.
 NODE_PSI: Final = "node_psi_percent"

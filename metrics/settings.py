@@ -45,6 +45,7 @@ class Intervals:
     cpi: float = 60.0
     topology: float = 60.0
     memlat: float = 10.0
+    resctrl: float = 10.0  # koordlet --resctrl-collector-interval
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ GROUP: Final = "koord_runtime_proxy.qos_strategies"
 #: (BE*Evict, then *AllocatableEvict, then the usage evictors), then the CPU
 #: knobs, then cache and host tuning. Installed strategies not named here follow, by name.
 DEFAULT_ORDER: Final = ("be-evict", "allocatable-evict", "cpu-evict", "cpu-suppress", "cpu-burst", "resctrl",
-                        "system-config")
+                        "memory-qos", "blkio", "system-config")
 
 
 class EntryPointLike(Protocol):

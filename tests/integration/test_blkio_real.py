@@ -1,6 +1,7 @@
 """blkio on this machine's real cgroup v1 blkio controller and a real loop device made
-by the test: the BE tier's blkio.throttle.*_device get "<maj>:<min> <value>" from the
-NodeSLO-style rules, a reconcile finds nothing to repair, and turning the class off
+by the test: the QoS strategy blkio (through the real manager) gives the BE tier above a
+pod's cgroup blkio.throttle.*_device "<maj>:<min> <value>" from the NodeSLO-style rules,
+the next round finds nothing to repair, and turning the class off
 removes the limits again (the kernel drops a device's line on 0)."""
 
 from __future__ import annotations
@@ -12,9 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from hooks.blkio import Blkio
+from hooks.cgroups import CgroupLayout
+from hooks.executor import CgroupExecutor
+from hooks.qos import QoSClass
+from hooks.rules import parse_rules
+from metrics.model import PodView
+from metrics.qos.blkio import blkio
+from metrics.qos.evict import CriEvictor
+from metrics.qos.manager import ManagerConfig, QoSManager
+from metrics.qos.strategy import StrategyInit
+from metrics.store.tsdb import TSDB
 from runtimeproxy.embedded import remove_cgroup_tree, unique_test_parent
-from runtimeproxy.hookapi import HookInit, HostRoots, PodContext, PodInfo, PodMeta, Stage, frozen_map
+from runtimeproxy.hookapi import HostRoots
 
 ROOT = Path("/sys/fs/cgroup")
 UID = "3c4d5e6f-7a8b-4c9d-8e0f-112233445566"
@@ -54,29 +64,45 @@ def _rules(device: str, enable: bool) -> dict[str, object]:
     return {"resourceQOSStrategy": {"beClass": {"blkioQOS": {"enable": enable, "blocks": blocks}}}}
 
 
-def test_be_tier_throttled_on_a_real_loop_device(loop_device: str, be_pod_parent: str) -> None:
+@pytest.mark.asyncio
+async def test_be_tier_throttled_on_a_real_loop_device(loop_device: str, be_pod_parent: str, tmp_path: Path) -> None:
     st = os.stat(loop_device)
     devno = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
-    current = {"rules": _rules(loop_device, True)}
-    hook = Blkio(HookInit("blkio", {}, "hooks[0].args", HostRoots(cgroup=ROOT, sys=Path("/sys")),
-                          current["rules"], current_rules=lambda: current["rules"]))
-    pod = PodInfo(PodMeta("batch", "default", UID), cgroup_parent=be_pod_parent,
-                  labels=frozen_map({"koordinator.sh/qosClass": "BE"}))
-    tier = ROOT / "blkio" / be_pod_parent.lstrip("/").rsplit("/", 1)[0]
-    assert tier.name == "besteffort"
+    current = {"rules": parse_rules(_rules(loop_device, True))}
+    executor = CgroupExecutor(CgroupLayout(ROOT, version=1))
+    config = ManagerConfig()
+    strategy = blkio(StrategyInit(name="blkio", args={}, key_path="strategies[0]", config=config, topology=[],
+                                  executor=executor, host=HostRoots(cgroup=ROOT, sys=Path("/sys"))))
+    pod = PodView(uid=UID, namespace="default", name="batch", sandbox_id="sb", qos=QoSClass.BE, priority=5000,
+                  priority_class="koord-batch", cgroup_dir=be_pod_parent.lstrip("/"), kube_qos="besteffort")
 
-    patch = hook.pre_run_pod_sandbox(PodContext(Stage.PRE_RUN_POD_SANDBOX, pod))
-    assert patch is not None and len(patch.writes) == 2
-    assert f"{devno} 1048576" in (tier / "blkio.throttle.read_bps_device").read_text().splitlines()
-    assert f"{devno} 120" in (tier / "blkio.throttle.write_iops_device").read_text().splitlines()
-    assert devno not in (tier / "blkio.throttle.read_iops_device").read_text()  # 0: no limit set
-    pod_dir = ROOT / "blkio" / be_pod_parent.lstrip("/")
-    assert devno not in (pod_dir / "blkio.throttle.read_bps_device").read_text()  # the tier, not the pod
+    async def no_runtime(method: str, payload: bytes, timeout: float) -> bytes:
+        return b""
 
-    assert hook.reconcile_pod_sandbox(PodContext(Stage.RECONCILE_POD_SANDBOX, pod)) is None  # nothing drifted
+    with TSDB(tmp_path / "m.db") as store:
+        manager = QoSManager(reader=store, pods=lambda: [pod], topology=[], executor=executor,
+                             evictor=CriEvictor(no_runtime), rules=lambda: current["rules"], config=config,
+                             strategies=[strategy])
+        tier = ROOT / "blkio" / be_pod_parent.lstrip("/").rsplit("/", 1)[0]
+        assert tier.name == "besteffort"
 
-    current["rules"] = _rules(loop_device, False)
-    removed = hook.reconcile_pod_sandbox(PodContext(Stage.RECONCILE_POD_SANDBOX, pod))
-    assert removed is not None and "limit removed" in removed.reason
-    assert devno not in (tier / "blkio.throttle.read_bps_device").read_text()
-    assert devno not in (tier / "blkio.throttle.write_iops_device").read_text()
+        await manager.run_once()  # the tier above this run's own pods, found from the pod list
+        applied = manager.explain()["strategies"]["blkio"]["applied"]
+        rel = tier.relative_to(ROOT / "blkio")
+        assert sorted(a["target"] for a in applied if a["result"] == "written") == [
+            f"{rel}:blkio.throttle.read_bps_device[{devno}]", f"{rel}:blkio.throttle.write_iops_device[{devno}]"]
+        assert f"{devno} 1048576" in (tier / "blkio.throttle.read_bps_device").read_text().splitlines()
+        assert f"{devno} 120" in (tier / "blkio.throttle.write_iops_device").read_text().splitlines()
+        assert devno not in (tier / "blkio.throttle.read_iops_device").read_text()  # 0: no limit set
+        pod_dir = ROOT / "blkio" / be_pod_parent.lstrip("/")
+        assert devno not in (pod_dir / "blkio.throttle.read_bps_device").read_text()  # the tier, not the pod
+
+        await manager.run_once()
+        assert "written" not in {a["result"] for a in manager.explain()["strategies"]["blkio"]["applied"]}
+
+        current["rules"] = parse_rules(_rules(loop_device, False))
+        await manager.run_once()
+        reasons = [a["reason"] for a in manager.explain()["strategies"]["blkio"]["applied"]]
+        assert reasons and all("limit removed" in r for r in reasons)
+        assert devno not in (tier / "blkio.throttle.read_bps_device").read_text()
+        assert devno not in (tier / "blkio.throttle.write_iops_device").read_text()

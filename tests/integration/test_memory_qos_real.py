@@ -1,6 +1,7 @@
 """memory-qos on this machine's real cgroup v1 memory controller: the kernel has no
-memory.min/low/high (upstream v1; only Anolis kernels add them), so the hook detects
-that once, says so in one log line, and writes nothing, however often it is called."""
+memory.min/low/high (upstream v1; only Anolis kernels add them), so the hook and the
+tier strategy each detect that once, say so in one log line, and write nothing, however
+often they are called."""
 
 from __future__ import annotations
 
@@ -10,7 +11,17 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from hooks.cgroups import CgroupLayout
+from hooks.executor import CgroupExecutor
 from hooks.memoryqos import MemoryQoS
+from hooks.qos import QoSClass
+from hooks.rules import parse_rules
+from metrics.model import PodView
+from metrics.qos.evict import CriEvictor
+from metrics.qos.manager import ManagerConfig, QoSManager
+from metrics.qos.memoryqos import memory_qos
+from metrics.qos.strategy import StrategyInit
+from metrics.store.tsdb import TSDB
 from runtimeproxy.embedded import remove_cgroup_tree, unique_test_parent
 from runtimeproxy.hookapi import (
     ContainerContext,
@@ -82,3 +93,32 @@ def test_v1_without_memory_min_is_off_once_and_writes_nothing(pod_parent: str) -
     assert hook.support is not None and not hook.support.enabled
     after = _files(top)
     assert after == before and len(after) >= 4 * 5  # 5 dirs (prefix, kubepods, burstable, pod, container)
+
+
+@pytest.mark.asyncio
+async def test_the_tier_strategy_is_off_too_with_one_line(pod_parent: str, tmp_path: Path) -> None:
+    """The strategy memory-qos (kube-QoS tier sums) on the same real v1 tree, through the
+    real manager: detected once from the pod's kubepods, one line, nothing written, idle."""
+    async def no_runtime(method: str, payload: bytes, timeout: float) -> bytes:
+        return b""
+
+    executor = CgroupExecutor(CgroupLayout(ROOT, version=1))
+    config = ManagerConfig()
+    pod = PodView(uid=UID, namespace="default", name="web", sandbox_id="sb", qos=QoSClass.LS, priority=9000,
+                  priority_class="koord-prod", cgroup_dir=pod_parent.lstrip("/"), kube_qos="burstable")
+    prefix = ROOT / "memory" / pod_parent.lstrip("/").split("/", 1)[0]
+    before = _files(prefix)
+    with capture_logs() as logs, TSDB(tmp_path / "m.db") as store:
+        strategy = memory_qos(StrategyInit(name="memory-qos", args={}, key_path="strategies[0]", config=config,
+                                           topology=[], executor=executor, host=HostRoots(cgroup=ROOT)))
+        manager = QoSManager(reader=store, pods=lambda: [pod], topology=[], executor=executor,
+                             evictor=CriEvictor(no_runtime), rules=lambda: parse_rules(RULES), config=config,
+                             strategies=[strategy])
+        for _ in range(3):
+            await manager.run_once()
+        explained = manager.explain()
+    events = [e for e in logs if e["event"].startswith("memory_qos")]
+    assert [e["event"] for e in events] == ["memory_qos_tiers_unsupported"], events
+    assert "cgroup v1 without memory.min" in events[0]["detail"]
+    assert "memory_qos" not in explained["strategies"] and "memory-qos" in explained["idle"]
+    assert _files(prefix) == before and len(before) >= 3 * 5

@@ -1,5 +1,6 @@
 """blkio: blkioQOS rules parsed strictly, device names resolved through an injected /sys,
-v1 throttle files and v2 io.max / io.weight on fixture trees, class tier vs pod targets,
+v1 throttle files and v2 io.max / io.weight on fixture trees for LSR / LSE pods (the class
+tiers are the strategy blkio's: tests/unit/metrics/qos/test_qos_blkio.py),
 removal of limits a rule drops, dry-run, and bad input named."""
 
 from __future__ import annotations
@@ -133,18 +134,29 @@ def test_io_max_reads_back_one_device() -> None:
 # --- the hook ---------------------------------------------------------------------------
 
 
-def test_v1_be_tier_gets_the_throttles(tmp_path: Path) -> None:
+def test_v1_lsr_pod_gets_the_throttles(tmp_path: Path) -> None:
     cgroup_tree(tmp_path / "cgroup", 1, "blkio.bfq.weight_device")
-    hook = make(tmp_path, blocks(readBPS=1048576, writeIOPS=300, ioWeightPercent=50))
-    patch = hook.pre_run_pod_sandbox(pctx(BE_PARENT, "BE"))
+    hook = make(tmp_path, blocks("lsrClass", readBPS=1048576, writeIOPS=300, ioWeightPercent=50))
+    patch = hook.pre_run_pod_sandbox(pctx(LSR_PARENT, "LSR"))
     assert patch is not None
-    assert read(tmp_path, 1, "kubepods/besteffort", "blkio.throttle.read_bps_device") == "253:16 1048576"
-    assert read(tmp_path, 1, "kubepods/besteffort", "blkio.throttle.write_iops_device") == "253:16 300"
-    assert read(tmp_path, 1, "kubepods/besteffort", "blkio.bfq.weight_device") == "253:16 50"
-    assert read(tmp_path, 1, BE_PARENT, "blkio.throttle.read_bps_device") == ""  # the tier, not the pod
-    assert "BE class resourceQOSStrategy.beClass.blkioQOS.blocks[0] /dev/vdb (253:16): readBPS 1048576" in " ".join(
+    assert read(tmp_path, 1, LSR_PARENT, "blkio.throttle.read_bps_device") == "253:16 1048576"
+    assert read(tmp_path, 1, LSR_PARENT, "blkio.throttle.write_iops_device") == "253:16 300"
+    assert read(tmp_path, 1, LSR_PARENT, "blkio.bfq.weight_device") == "253:16 50"
+    assert "LSR class resourceQOSStrategy.lsrClass.blkioQOS.blocks[0] /dev/vdb (253:16): readBPS 1048576" in " ".join(
         w.reason for w in patch.writes)
-    assert hook.reconcile_pod_sandbox(pctx(BE_PARENT, "BE", Stage.RECONCILE_POD_SANDBOX)) is None  # idempotent
+    assert hook.reconcile_pod_sandbox(pctx(LSR_PARENT, "LSR", Stage.RECONCILE_POD_SANDBOX)) is None  # idempotent
+
+
+def test_be_and_ls_pods_are_left_to_the_strategy(tmp_path: Path) -> None:
+    """The class tiers are the QoS strategy blkio's (tests/unit/metrics/qos/test_qos_blkio.py)."""
+    cgroup_tree(tmp_path / "cgroup", 1)
+    rules = blocks(readBPS=1048576)
+    rules["resourceQOSStrategy"]["lsClass"] = rules["resourceQOSStrategy"]["beClass"]
+    hook = make(tmp_path, rules)
+    before = {p: p.read_text() for p in (tmp_path / "cgroup").rglob("*") if p.is_file()}
+    assert hook.pre_run_pod_sandbox(pctx(BE_PARENT, "BE")) is None
+    assert hook.pre_run_pod_sandbox(pctx(LS_PARENT, "LS")) is None
+    assert {p: p.read_text() for p in (tmp_path / "cgroup").rglob("*") if p.is_file()} == before
 
 
 def test_v2_io_max_and_weight_on_the_lsr_pod(tmp_path: Path) -> None:
@@ -156,58 +168,50 @@ def test_v2_io_max_and_weight_on_the_lsr_pod(tmp_path: Path) -> None:
     assert read(tmp_path, 2, "kubepods", "io.max") == ""  # the root every pod shares stays untouched
 
 
-def test_ls_tier_and_no_write_for_other_classes(tmp_path: Path) -> None:
-    cgroup_tree(tmp_path / "cgroup", 2)
-    hook = make(tmp_path, blocks("lsClass", readIOPS=500))
-    assert hook.pre_run_pod_sandbox(pctx(BE_PARENT, "BE")) is None  # BE class has no blocks
-    hook.pre_run_pod_sandbox(pctx(LS_PARENT, "LS"))
-    assert read(tmp_path, 2, "kubepods/burstable", "io.max") == "253:16 rbps=max wbps=max riops=500 wiops=max"
-
-
 def test_nothing_without_rules(tmp_path: Path) -> None:
     cgroup_tree(tmp_path / "cgroup", 1)
     hook = make(tmp_path, {})
     with capture_logs() as logs:
-        assert hook.pre_run_pod_sandbox(pctx(BE_PARENT, "BE")) is None
+        assert hook.pre_run_pod_sandbox(pctx(LSR_PARENT, "LSR")) is None
     assert logs == [] and hook.support is None  # not even probed
 
 
 def test_a_dropped_device_gets_its_limits_removed(tmp_path: Path) -> None:
     cgroup_tree(tmp_path / "cgroup", 1)
-    rules: dict[str, Any] = blocks(readBPS=1048576)
+    rules: dict[str, Any] = blocks("lsrClass", readBPS=1048576)
     current = {"rules": rules}
     host = HostRoots(cgroup=tmp_path / "cgroup", sys=sys_tree(tmp_path / "sys"))
     hook = Blkio(HookInit("blkio", {}, "hooks[6].args", host, rules, current_rules=lambda: current["rules"]))
-    hook.pre_run_pod_sandbox(pctx(BE_PARENT, "BE"))
-    assert read(tmp_path, 1, "kubepods/besteffort", "blkio.throttle.read_bps_device") == "253:16 1048576"
-    current["rules"] = {"resourceQOSStrategy": {"beClass": {"blkioQOS": {"enable": False}}}}
-    patch = hook.reconcile_pod_sandbox(pctx(BE_PARENT, "BE", Stage.RECONCILE_POD_SANDBOX))
+    hook.pre_run_pod_sandbox(pctx(LSR_PARENT, "LSR"))
+    assert read(tmp_path, 1, LSR_PARENT, "blkio.throttle.read_bps_device") == "253:16 1048576"
+    current["rules"] = {"resourceQOSStrategy": {"lsrClass": {"blkioQOS": {"enable": False}}}}
+    patch = hook.reconcile_pod_sandbox(pctx(LSR_PARENT, "LSR", Stage.RECONCILE_POD_SANDBOX))
     assert patch is not None and "limit removed" in patch.reason
-    assert read(tmp_path, 1, "kubepods/besteffort", "blkio.throttle.read_bps_device") == "253:16 0"
+    assert read(tmp_path, 1, LSR_PARENT, "blkio.throttle.read_bps_device") == "253:16 0"
 
 
 def test_unknown_device_is_named_and_nothing_written(tmp_path: Path) -> None:
     cgroup_tree(tmp_path / "cgroup", 1)
-    rules = blocks(readBPS=1)
-    rules["resourceQOSStrategy"]["beClass"]["blkioQOS"]["blocks"][0]["name"] = "/dev/sdq"
+    rules = blocks("lsrClass", readBPS=1)
+    rules["resourceQOSStrategy"]["lsrClass"]["blkioQOS"]["blocks"][0]["name"] = "/dev/sdq"
     hook = make(tmp_path, rules)
-    with pytest.raises(HookError, match=r"beClass\.blkioQOS\.blocks\[0\]\.name='/dev/sdq': no block device") as exc:
-        hook.pre_run_pod_sandbox(pctx(BE_PARENT, "BE"))
+    with pytest.raises(HookError, match=r"lsrClass\.blkioQOS\.blocks\[0\]\.name='/dev/sdq': no block device") as exc:
+        hook.pre_run_pod_sandbox(pctx(LSR_PARENT, "LSR"))
     assert not exc.value.repeat
     with pytest.raises(HookError) as again:
-        hook.reconcile_pod_sandbox(pctx(BE_PARENT, "BE", Stage.RECONCILE_POD_SANDBOX))
+        hook.reconcile_pod_sandbox(pctx(LSR_PARENT, "LSR", Stage.RECONCILE_POD_SANDBOX))
     assert again.value.repeat  # logged below warning by the reconciler
-    assert read(tmp_path, 1, "kubepods/besteffort", "blkio.throttle.read_bps_device") == ""
+    assert read(tmp_path, 1, LSR_PARENT, "blkio.throttle.read_bps_device") == ""
 
 
 def test_podvolume_is_skipped_with_one_line(tmp_path: Path) -> None:
     cgroup_tree(tmp_path / "cgroup", 1)
-    rules = blocks(readBPS=1)
-    rules["resourceQOSStrategy"]["beClass"]["blkioQOS"]["blocks"][0]["type"] = "podvolume"
+    rules = blocks("lsrClass", readBPS=1)
+    rules["resourceQOSStrategy"]["lsrClass"]["blkioQOS"]["blocks"][0]["type"] = "podvolume"
     hook = make(tmp_path, rules)
     with capture_logs() as logs:
-        assert hook.pre_run_pod_sandbox(pctx(BE_PARENT, "BE")) is None
-        assert hook.reconcile_pod_sandbox(pctx(BE_PARENT, "BE", Stage.RECONCILE_POD_SANDBOX)) is None
+        assert hook.pre_run_pod_sandbox(pctx(LSR_PARENT, "LSR")) is None
+        assert hook.reconcile_pod_sandbox(pctx(LSR_PARENT, "LSR", Stage.RECONCILE_POD_SANDBOX)) is None
     assert [e["event"] for e in logs] == ["blkio_detected", "blkio_block_unsupported"]
 
 
@@ -215,25 +219,25 @@ def test_no_throttle_files_is_off(tmp_path: Path) -> None:
     root = tmp_path / "cgroup"
     root.mkdir()
     (root / "cgroup.controllers").write_text("cpu memory\n")
-    (root / "kubepods/besteffort" / f"pod{UID}").mkdir(parents=True)
-    hook = make(tmp_path, blocks(readBPS=1))
+    (root / "kubepods" / f"pod{UID}").mkdir(parents=True)
+    hook = make(tmp_path, blocks("lsrClass", readBPS=1))
     with capture_logs() as logs:
-        assert hook.pre_run_pod_sandbox(pctx(BE_PARENT, "BE")) is None
-        assert hook.pre_run_pod_sandbox(pctx(BE_PARENT, "BE")) is None
+        assert hook.pre_run_pod_sandbox(pctx(LSR_PARENT, "LSR")) is None
+        assert hook.pre_run_pod_sandbox(pctx(LSR_PARENT, "LSR")) is None
     assert [e["event"] for e in logs] == ["blkio_detected"] and logs[0]["enabled"] is False
 
 
 def test_dry_run(tmp_path: Path) -> None:
     cgroup_tree(tmp_path / "cgroup", 1)
-    hook = make(tmp_path, blocks(readBPS=1048576), dry_run=True)
+    hook = make(tmp_path, blocks("lsrClass", readBPS=1048576), dry_run=True)
     with capture_logs() as logs:
-        patch = hook.pre_run_pod_sandbox(pctx(BE_PARENT, "BE"))
-        assert hook.reconcile_pod_sandbox(pctx(BE_PARENT, "BE", Stage.RECONCILE_POD_SANDBOX)) is None
+        patch = hook.pre_run_pod_sandbox(pctx(LSR_PARENT, "LSR"))
+        assert hook.reconcile_pod_sandbox(pctx(LSR_PARENT, "LSR", Stage.RECONCILE_POD_SANDBOX)) is None
     assert patch is not None and patch.reason.startswith("dry-run")
     assert [w.new for w in patch.writes] == ["253:16 1048576 (dry-run: not written)"]  # for explain
     plans = [e for e in logs if e["event"] == "blkio_dry_run"]
     assert len(plans) == 1 and "blkio.throttle.read_bps_device[253:16]=1048576" in plans[0]["plan"]
-    assert read(tmp_path, 1, "kubepods/besteffort", "blkio.throttle.read_bps_device") == ""
+    assert read(tmp_path, 1, LSR_PARENT, "blkio.throttle.read_bps_device") == ""
 
 
 def test_bad_args(tmp_path: Path) -> None:
@@ -243,15 +247,15 @@ def test_bad_args(tmp_path: Path) -> None:
     assert exc.value.key_path == "hooks[6].args.dry_run"
 
 
-def test_systemd_be_tier(tmp_path: Path) -> None:
-    slice_ = f"kubepods-besteffort-pod{UID.replace('-', '_')}.slice"
+def test_systemd_lsr_pod(tmp_path: Path) -> None:
+    slice_ = f"kubepods-pod{UID.replace('-', '_')}.slice"
     root = tmp_path / "cgroup"
     root.mkdir()
     (root / "cgroup.controllers").write_text("io\n")
-    tier = root / "kubepods.slice/kubepods-besteffort.slice"
-    (tier / slice_).mkdir(parents=True)
-    for d in (tier, tier / slice_):
+    pod = root / "kubepods.slice" / slice_
+    pod.mkdir(parents=True)
+    for d in (root / "kubepods.slice", pod):
         (d / "io.max").write_text("")
-    hook = make(tmp_path, blocks(writeBPS=2048), cgroup_driver="systemd")
-    hook.pre_run_pod_sandbox(pctx(slice_, "BE"))
-    assert (tier / "io.max").read_text() == "253:16 rbps=max wbps=2048 riops=max wiops=max"
+    hook = make(tmp_path, blocks("lsrClass", writeBPS=2048), cgroup_driver="systemd")
+    hook.pre_run_pod_sandbox(pctx(slice_, "LSR"))
+    assert (pod / "io.max").read_text() == "253:16 rbps=max wbps=2048 riops=max wiops=max"

@@ -1,5 +1,6 @@
 """memory-qos: koordlet's memory QoS formulas worked by hand, the pod annotation, kube-QoS
-tier sums, leveled writes on fixture v2 and v1-Anolis trees, the "off" path of a v1
+tier sums (arithmetic only: the strategy memory-qos writes the tiers, see
+tests/unit/metrics/qos/test_qos_memoryqos.py), leveled writes on fixture v2 and v1-Anolis trees, the "off" path of a v1
 kernel without memory.min, dry-run, and bad input failing with a clear error."""
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from runtimeproxy.hookapi import (
     HookError,
     HookInit,
     HostRoots,
-    PodContext,
     PodInfo,
     PodMeta,
     Resources,
@@ -179,7 +179,7 @@ VERSIONS = [(2, FILES), (1, ANOLIS), (2, ANOLIS)]
 
 
 @pytest.mark.parametrize(("version", "files"), VERSIONS)
-def test_writes_container_pod_and_tiers(tmp_path: Path, version: int, files: tuple[str, ...]) -> None:
+def test_writes_container_and_pod_not_tiers(tmp_path: Path, version: int, files: tuple[str, ...]) -> None:
     _tree(tmp_path / "cgroup", version, files, (LS_PARENT, f"{LS_PARENT}/{CID}"))
     hook = make(tmp_path)
     patch = hook.post_start_container(cctx(unified={"memory.min": str(1 * GiB)}))
@@ -191,9 +191,9 @@ def test_writes_container_pod_and_tiers(tmp_path: Path, version: int, files: tup
     assert _mem(root, version, f"{LS_PARENT}/{CID}", "memory.high") == "1932734464"
     assert _mem(root, version, LS_PARENT, "memory.min") == "536870912"
     assert _mem(root, version, LS_PARENT, "memory.high") == "max"  # pods get no memory.high
-    assert _mem(root, version, "kubepods/burstable", "memory.min") == "536870912"
-    assert _mem(root, version, "kubepods", "memory.low") == "858992640"
-    assert _mem(root, version, "kubepods/besteffort", "memory.min") == "0"
+    # the kube-QoS tiers are the strategy memory-qos (metrics.qos.memoryqos): the hook leaves them
+    assert _mem(root, version, "kubepods/burstable", "memory.min") == "0"
+    assert _mem(root, version, "kubepods", "memory.low") == "0"
     if "memory.wmark_ratio" in files:
         assert _mem(root, version, f"{LS_PARENT}/{CID}", "memory.wmark_ratio") == "95"
         assert _mem(root, version, LS_PARENT, "memory.wmark_min_adj") == "-25"
@@ -202,31 +202,17 @@ def test_writes_container_pod_and_tiers(tmp_path: Path, version: int, files: tup
     assert hook.reconcile_container(cctx(unified={"memory.min": str(1 * GiB)})) is None
 
 
-def test_tier_sums_two_pods_and_forget_on_stop(tmp_path: Path) -> None:
-    other = f"/kubepods/burstable/pod{OTHER}"
-    _tree(tmp_path / "cgroup", 2, FILES, (LS_PARENT, f"{LS_PARENT}/{CID}", other, f"{other}/{CID2}"))
-    hook = make(tmp_path)
-    hook.reconcile_container(cctx(unified={"memory.min": str(1 * GiB)}))
-    hook.reconcile_container(cctx(uid=OTHER, cid=CID2, parent=other, unified={"memory.min": str(2 * GiB)}))
-    root = tmp_path / "cgroup"
-    # (1 GiB + 2 GiB) * 50% = 1610612736
-    assert _mem(root, 2, "kubepods/burstable", "memory.min") == "1610612736"
-    hook.post_stop_pod_sandbox(PodContext(Stage.POST_STOP_POD_SANDBOX, cctx(uid=OTHER, parent=other).pod))
-    hook.reconcile_container(cctx(unified={"memory.min": str(1 * GiB)}))
-    assert _mem(root, 2, "kubepods/burstable", "memory.min") == "536870912"
-
-
 def test_leveled_order_raise_top_down_lower_bottom_up(tmp_path: Path) -> None:
     _tree(tmp_path / "cgroup", 2, FILES, (LS_PARENT, f"{LS_PARENT}/{CID}"))
     hook = make(tmp_path)
     up = hook.reconcile_container(cctx(unified={"memory.min": str(1 * GiB)}))
     assert up is not None
     mins = [Path(w.target).parent.name for w in up.writes if w.target.endswith("memory.min")]
-    assert mins[:3] == ["kubepods", "burstable", f"pod{UID}"]  # raised: parents first
+    assert mins[:2] == [f"pod{UID}", CID]  # raised: the pod first
     down = hook.reconcile_container(cctx(unified={"memory.min": str(GiB // 2)}))
     assert down is not None
     mins = [Path(w.target).parent.name for w in down.writes if w.target.endswith("memory.min")]
-    assert mins == [CID, f"pod{UID}", "burstable", "kubepods"]  # lowered: children first
+    assert mins == [CID, f"pod{UID}"]  # lowered: the container first
 
 
 def test_guaranteed_request_is_limit_and_be_uses_batch_memory(tmp_path: Path) -> None:
@@ -243,8 +229,7 @@ def test_guaranteed_request_is_limit_and_be_uses_batch_memory(tmp_path: Path) ->
     hook.reconcile_container(cctx(uid=OTHER, cid=CID2, parent=be_parent, limit=0, annotations={
         "koordinator.sh/qosClass": "BE", "node.koordinator.sh/extended-resource-spec": json.dumps(spec)}))
     assert _mem(root, 2, f"{be_parent}/{CID2}", "memory.min") == str(256 << 20)
-    assert _mem(root, 2, "kubepods/besteffort", "memory.min") == str(256 << 20)
-    assert _mem(root, 2, "kubepods", "memory.min") == str(GiB + (256 << 20))
+    assert _mem(root, 2, be_parent, "memory.min") == str(256 << 20)
 
 
 def test_nothing_written_without_rule_or_annotation(tmp_path: Path) -> None:
@@ -282,7 +267,7 @@ def test_dry_run_writes_nothing_and_logs_the_plan_once(tmp_path: Path) -> None:
     assert patch is not None and patch.reason.startswith("dry-run")
     shown = {Path(w.target).relative_to((tmp_path / "cgroup").resolve()).as_posix(): w.new for w in patch.writes}
     assert shown[f"kubepods/burstable/pod{UID}/{CID}/memory.min"] == "536870912 (dry-run: not written)"
-    assert shown["kubepods/memory.min"] == "536870912 (dry-run: not written)"
+    assert "kubepods/memory.min" not in shown  # tiers: the strategy
     plans = [e for e in logs if e["event"] == "memory_qos_dry_run"]
     assert len(plans) == 1 and f"kubepods/burstable/pod{UID}/{CID}/memory.min=536870912" in plans[0]["plan"]
     assert {p: p.read_text() for p in (tmp_path / "cgroup").rglob("memory.*")} == before
@@ -313,7 +298,7 @@ def test_meminfo_total() -> None:
     assert meminfo_total("garbage") == 0
 
 
-def test_systemd_layout_tiers(tmp_path: Path) -> None:
+def test_systemd_layout(tmp_path: Path) -> None:
     slice_ = f"kubepods-burstable-pod{UID.replace('-', '_')}.slice"
     pod_rel = f"kubepods.slice/kubepods-burstable.slice/{slice_}"
     root = tmp_path / "cgroup"
@@ -326,21 +311,6 @@ def test_systemd_layout_tiers(tmp_path: Path) -> None:
             (root / rel / name).write_text(DEFAULTS[name] + "\n")
     hook = make(tmp_path, cgroup_driver="systemd")
     hook.reconcile_container(cctx(parent=slice_, unified={"memory.min": str(GiB)}))
-    assert (root / "kubepods.slice/kubepods-burstable.slice/memory.min").read_text() == "536870912"
-    assert (root / "kubepods.slice/memory.min").read_text() == "536870912"
+    assert (root / pod_rel / "memory.min").read_text() == "536870912"
+    assert (root / "kubepods.slice/memory.min").read_text() == "0\n"  # tiers: the strategy
     assert (root / pod_rel / f"cri-containerd-{CID}.scope/memory.high").read_text() == "1932734464"
-
-
-def test_a_pod_whose_cgroup_is_gone_leaves_the_tier_sums(tmp_path: Path) -> None:
-    import shutil
-
-    other = f"/kubepods/burstable/pod{OTHER}"
-    _tree(tmp_path / "cgroup", 2, FILES, (LS_PARENT, f"{LS_PARENT}/{CID}", other, f"{other}/{CID2}"))
-    hook = make(tmp_path)
-    hook.reconcile_container(cctx(unified={"memory.min": str(1 * GiB)}))
-    hook.reconcile_container(cctx(uid=OTHER, cid=CID2, parent=other, unified={"memory.min": str(2 * GiB)}))
-    root = tmp_path / "cgroup"
-    assert _mem(root, 2, "kubepods/burstable", "memory.min") == "1610612736"
-    shutil.rmtree(root / other.lstrip("/"))  # torn down while the proxy missed the stop
-    hook.reconcile_container(cctx(unified={"memory.min": str(1 * GiB)}))
-    assert _mem(root, 2, "kubepods/burstable", "memory.min") == "536870912"
