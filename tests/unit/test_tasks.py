@@ -147,6 +147,12 @@ BAD_TASKS = [
     ({"metrics": {"tiers": {"raw": "0s"}}}, "tasks.metrics.tiers.raw"),  # bad tier
     ({"metrics": {"tiers": {"step": "7m"}}}, "tasks.metrics.tiers.coarse_step"),  # tiers that do not fit
     ({"metrics": {"intervals": {"pods": "1x"}}}, "tasks.metrics.intervals.pods"),  # bad interval
+    ({"metrics": {"collectors": {"gpu": {}}}}, "tasks.metrics.collectors.gpu"),  # not installed
+    ({"metrics": {"collectors": {"psi": {"interval": "0s"}}}}, "tasks.metrics.collectors.psi.interval"),
+    ({"metrics": {"collectors": {"node": {"enabled": False}}}}, "tasks.metrics.collectors.node.enabled"),
+    ({"metrics": {"collectors": {"psi": {"every": "1s"}}}}, "tasks.metrics.collectors.psi.every"),
+    ({"metrics": {"intervals": {"psi": "5s"}, "collectors": {"psi": {"interval": "2s"}}}},
+     "tasks.metrics.collectors.psi.interval"),  # one interval set two ways
     ({"metrics": {"dbpath": "/x"}}, "tasks.metrics.dbpath"),  # unknown key
     ({"metrics": {"kube": "yes"}}, "tasks.metrics.kube"),  # wrong type
     ({"metrics": {"enabled": "yes"}}, "tasks.metrics.enabled"),

@@ -1,0 +1,79 @@
+"""The built-in collectors as registry plugins (entry points in setup.cfg).
+
+Phases put the readings the derived series combine in order within one tick: the
+node (10) before host applications (20) before pods (30), whose tick then computes
+system usage and the best-effort aggregate. The others only add series (50+).
+"""
+
+from __future__ import annotations
+
+from metrics.collect.base import Collector
+from metrics.collect.cgroupfs import PodCollector
+from metrics.collect.cpi import CPICollector
+from metrics.collect.hostapp import HostAppCollector
+from metrics.collect.procfs import NodeCollector
+from metrics.collect.psi import PSICollector
+from metrics.collect.registry import CollectorInit, CollectorPlugin
+from metrics.collect.schedlat import SchedLatencyCollector
+from metrics.collect.topology import TopologyCollector
+from runtimeproxy.hookapi import HookConfigError
+
+_DERIVED = "the agent's derived series (system usage, BE aggregate), NodeMetric and the QoS manager read it"
+
+
+def _no_args(init: CollectorInit) -> None:
+    if init.args:
+        key = sorted(init.args)[0]
+        raise HookConfigError(f"{init.key_path}.{key}", init.args[key], "this collector takes no args")
+
+
+def _node(init: CollectorInit) -> Collector:
+    _no_args(init)
+    return NodeCollector(init.host, interval=init.interval)
+
+
+def _hostapps(init: CollectorInit) -> Collector:
+    _no_args(init)
+    collector = HostAppCollector(init.host, interval=init.interval)
+    collector.set_apps(init.settings.host_applications)
+    return collector
+
+
+def _pods(init: CollectorInit) -> Collector:
+    _no_args(init)
+    return PodCollector(init.host, interval=init.interval)
+
+
+def _topology(init: CollectorInit) -> Collector:
+    _no_args(init)
+    return TopologyCollector(init.host, interval=init.interval)
+
+
+def _psi(init: CollectorInit) -> Collector:
+    _no_args(init)
+    return PSICollector(init.host, interval=init.interval)
+
+
+def _schedlat(init: CollectorInit) -> Collector | None:
+    _no_args(init)
+    if init.settings.schedlat_source == "off":
+        return None
+    return SchedLatencyCollector(init.host, prefer=init.settings.schedlat_source, interval=init.interval)
+
+
+def _cpi(init: CollectorInit) -> Collector | None:
+    _no_args(init)
+    if not init.settings.cpi:
+        return None
+    return CPICollector(init.host, interval=init.interval)
+
+
+node = CollectorPlugin(_node, phase=10, interval=1.0, required=_DERIVED, legacy_interval="node")
+hostapps = CollectorPlugin(_hostapps, phase=20, interval=1.0, legacy_interval="pods",
+                           required="system usage subtracts host applications (NodeSLO hostApplications)")
+pods = CollectorPlugin(_pods, phase=30, interval=1.0, required=_DERIVED, legacy_interval="pods")
+topology = CollectorPlugin(_topology, phase=40, interval=60.0, legacy_interval="topology",
+                           required="NodeResourceTopology and the node's CPU info record read it")
+psi = CollectorPlugin(_psi, phase=50, interval=10.0, legacy_interval="psi")
+schedlat = CollectorPlugin(_schedlat, phase=60, interval=10.0, legacy_interval="schedlat")
+cpi = CollectorPlugin(_cpi, phase=70, interval=60.0, legacy_interval="cpi")
