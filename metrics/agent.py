@@ -31,6 +31,7 @@ from hooks.qos import QoSClass
 from hooks.rules import LiveRules, Rules, rules_from_nodeslo
 from metrics import model as m
 from metrics.analysis.predictor_task import PredictionTask
+from metrics.collect.advisor import AdvisorCollector, AdvisorHealth
 from metrics.collect.base import Collector
 from metrics.collect.be import BEAggregator
 from metrics.collect.cgroupfs import PodCollector
@@ -106,11 +107,16 @@ class MetricsAgent:
         self.hostapps = _builtin(built, "hostapps", HostAppCollector)
         self.be = BEAggregator(init.host, besteffort_dir=settings.besteffort_dir)
         self.collectors: list[Collector] = [b.collector for b in built.values()]
+        # External advisors last: each scrapes in its own thread, the tick takes the last result.
+        self.advisors = [AdvisorCollector(spec) for spec in settings.advisors]
+        self.collectors += self.advisors
         if init.registry is not None:
             exporter = register_exporter(init.registry, StoreValues(self.tsdb.newest_values), self.pods,
                                          settings.node_name)
             init.add_exposition(exporter.render)
             init.registry.register(_StoreHealth(self.tsdb))
+            if self.advisors:
+                init.registry.register(AdvisorHealth(self.advisors))
         self.prediction = (PredictionTask(settings.prediction, settings.prediction_checkpoint, self.tsdb, self.pods,
                                           self.informer) if settings.prediction.enabled else None)
         if self.prediction is not None and init.registry is not None:
@@ -341,6 +347,8 @@ class MetricsAgent:
                 last = self.tsdb.last(metric, m.NO_LABELS, max_age=60, now=now)
                 out[metric] = None if last is None else round(last.value, 4)
             out["host_applications"] = [app.name for app in self.hostapps.apps]
+            if self.advisors:
+                out["advisors"] = {a.spec.name: a.explain() for a in self.advisors}
             if self.prediction is not None:
                 out["prediction"] = self.prediction.explain()
             return out

@@ -16,6 +16,7 @@ from typing import Any, Final, Literal, TypeVar
 
 from hooks.cgroups import CgroupError, CgroupLayout, Driver
 from metrics.analysis.prediction import PredictionSettings
+from metrics.collect.advisor import AdvisorSpec, parse_advisors
 from metrics.collect.hostapp import HostApp, parse_host_apps
 from metrics.collect.registry import CollectorSpec, check_required, parse_collectors
 from metrics.qos.specs import StrategySpec, check_specs, parse_specs
@@ -104,6 +105,8 @@ class MetricsSettings:
     #: ``collectors:`` (entry points ``koord_runtime_proxy.collectors``): per-collector
     #: enabled / interval / args; the built-ins' intervals are folded into ``intervals``.
     collectors: tuple[CollectorSpec, ...] = ()
+    #: ``advisors:``: external Prometheus endpoints scraped into the store (``metrics.collect.advisor``).
+    advisors: tuple[AdvisorSpec, ...] = ()
 
     @property
     def prediction_checkpoint(self) -> Path:
@@ -311,6 +314,7 @@ def parse_metrics(raw: Mapping[str, Any], key_path: str) -> MetricsSettings:
         prediction=_prediction(args.section("prediction")),
         host_applications=_host_apps(args, driver),
         collectors=collectors,
+        advisors=parse_advisors(raw.get("advisors"), f"{key_path}.advisors"),
     )
 
 

@@ -153,6 +153,8 @@ BAD_TASKS = [
     ({"metrics": {"collectors": {"psi": {"every": "1s"}}}}, "tasks.metrics.collectors.psi.every"),
     ({"metrics": {"intervals": {"psi": "5s"}, "collectors": {"psi": {"interval": "2s"}}}},
      "tasks.metrics.collectors.psi.interval"),  # one interval set two ways
+    ({"metrics": {"advisors": [{"name": "ne", "url": "127.0.0.1:9100", "metrics": ["node_load1"]}]}},
+     "tasks.metrics.advisors[0].url"),
     ({"metrics": {"dbpath": "/x"}}, "tasks.metrics.dbpath"),  # unknown key
     ({"metrics": {"kube": "yes"}}, "tasks.metrics.kube"),  # wrong type
     ({"metrics": {"enabled": "yes"}}, "tasks.metrics.enabled"),
