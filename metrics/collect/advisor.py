@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -198,7 +198,6 @@ class AdvisorCollector:
         self.spec = spec
         self.name = f"advisor:{spec.name}"
         self.interval = spec.interval
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"advisor-{spec.name}")
         self._running: Future[Scraped] | None = None
         self._lock = threading.Lock()
         #: Failures by reason (the exported counter), the current state, the last scrape's size.
@@ -221,11 +220,24 @@ class AdvisorCollector:
             except ScrapeError as exc:
                 self._failed(exc)
             self.last_samples = len(samples)
-        self._running = self._pool.submit(self._scrape)
+        self._running = self._start()
         return samples
 
-    def _scrape(self) -> Scraped:
-        return parse(self.spec, fetch(self.spec))
+    def _start(self) -> Future[Scraped]:
+        """The scrape in a daemon thread (one at a time): a hanging endpoint can hold
+        neither the agent's worker nor the process's exit (an executor's threads are
+        joined at exit)."""
+        future: Future[Scraped] = Future()
+        spec = self.spec
+
+        def scrape() -> None:
+            try:
+                future.set_result(parse(spec, fetch(spec)))
+            except Exception as exc:  # noqa: BLE001 - handed to the tick that takes the result
+                future.set_exception(exc)
+
+        threading.Thread(target=scrape, name=f"advisor-{spec.name}", daemon=True).start()
+        return future
 
     def _failed(self, exc: ScrapeError) -> None:
         with self._lock:
@@ -286,7 +298,7 @@ class AdvisorCollector:
                 "error": self.last_error, "samples": self.last_samples, "failures": failures}
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._running = None  # a scrape in flight ends within its timeout, unread
 
 
 class AdvisorHealth(PromCollector):

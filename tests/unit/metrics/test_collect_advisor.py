@@ -104,8 +104,10 @@ def _spec(url: str, **kw: Any) -> AdvisorSpec:
 
 
 def _scrape(collector: AdvisorCollector, pods: list[PodView] | None = None) -> list[Sample]:
-    """One tick starts a scrape; the next (once it ended) hands its samples over."""
-    collector.collect(0.0, pods or [POD])
+    """The next tick once the scrape in flight ended (a first tick starts one): it hands
+    that scrape's samples over and starts the next."""
+    if collector._running is None:
+        assert collector.collect(0.0, pods or [POD]) == []
     running = collector._running
     assert running is not None
     for _ in range(500):
@@ -172,6 +174,9 @@ def test_a_tick_never_waits_for_a_slow_endpoint(server: str) -> None:
         running = collector._running
         assert collector.collect(0.0, [POD]) == []  # still running: nothing, and no second scrape
         assert collector._running is running and running is not None and not running.done()
+        # in a daemon thread: a hanging endpoint cannot hold the process's exit either
+        scraping = [t for t in threading.enumerate() if t.name == "advisor-tracer"]
+        assert scraping and all(t.daemon for t in scraping)
     finally:
         collector.close()
 
@@ -184,6 +189,7 @@ def test_unreachable_then_back_logs_each_change_once(server: str) -> None:
             _scrape(collector)
             assert collector.state == "unreachable" and collector.failures == {"unreachable": 2}
             collector.spec = _spec(f"{server}/metrics")  # the endpoint comes up
+            _scrape(collector)  # hands over the scrape in flight (old URL), starts one of the new
             assert _scrape(collector) != []
             _scrape(collector)
     finally:
