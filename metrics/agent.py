@@ -107,6 +107,7 @@ class MetricsAgent:
         self.hostapps = _builtin(built, "hostapps", HostAppCollector)
         self.be = BEAggregator(init.host, besteffort_dir=settings.besteffort_dir)
         self.collectors: list[Collector] = [b.collector for b in built.values()]
+        self._phases = {name: b.phase for name, b in built.items()}
         # External advisors last: each scrapes in its own thread, the tick takes the last result.
         self.advisors = [AdvisorCollector(spec) for spec in settings.advisors]
         self.collectors += self.advisors
@@ -347,6 +348,9 @@ class MetricsAgent:
                 last = self.tsdb.last(metric, m.NO_LABELS, max_age=60, now=now)
                 out[metric] = None if last is None else round(last.value, 4)
             out["host_applications"] = [app.name for app in self.hostapps.apps]
+            # the registry's result: what runs, how often, in which order within a tick
+            out["collectors"] = {c.name: {"interval": c.interval, "phase": self._phases.get(c.name)}
+                                 for c in self.collectors}
             if self.advisors:
                 out["advisors"] = {a.spec.name: a.explain() for a in self.advisors}
             if self.prediction is not None:

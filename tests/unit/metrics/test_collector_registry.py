@@ -130,6 +130,9 @@ def test_a_configured_interval_and_disable_apply_to_an_entry_point_collector(
         by_name = {c.name: c for c in agent.collectors}
         assert by_name["tiny"].interval == 0.25
         assert "psi" not in by_name
+        view = agent.explain(None)["collectors"]
+        assert view["tiny"] == {"interval": 0.25, "phase": 5} and view["pods"] == {"interval": 1.0, "phase": 30}
+        assert "psi" not in view
     finally:
         agent.tsdb.close()
     agent, _run = _agent(host, tmp_path / "b", collectors={"tiny": {"enabled": False}})
