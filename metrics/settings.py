@@ -18,7 +18,7 @@ from hooks.cgroups import CgroupError, CgroupLayout, Driver
 from metrics.analysis.prediction import PredictionSettings
 from metrics.collect.advisor import AdvisorSpec, parse_advisors
 from metrics.collect.hostapp import HostApp, parse_host_apps
-from metrics.collect.registry import CollectorSpec, check_required, parse_collectors
+from metrics.collect.registry import CollectorSpec, check_collectors, parse_collectors
 from metrics.qos.specs import StrategySpec, check_specs, parse_specs
 from metrics.store.tsdb import (
     DEFAULT_COARSE_AFTER,
@@ -288,7 +288,7 @@ def parse_metrics(raw: Mapping[str, Any], key_path: str) -> MetricsSettings:
     driver = args.get("cgroup_driver", base.cgroup_driver, args.choice("cgroupfs", "systemd"))
     source = args.get("schedlat_source", base.schedlat_source, args.choice("auto", "ebpf", "schedstat", "off"))
     collectors = parse_collectors(raw.get("collectors"), f"{key_path}.collectors")
-    check_required(collectors)
+    check_collectors(collectors)
     return MetricsSettings(
         db=Path(args.get("db", str(base.db), args.string)),
         retention=args.get("retention", base.retention, args.duration),

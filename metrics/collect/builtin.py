@@ -7,6 +7,9 @@ system usage and the best-effort aggregate. The others only add series (50+).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from metrics.collect.base import Collector
 from metrics.collect.cgroupfs import PodCollector
 from metrics.collect.cpi import CPICollector
@@ -21,10 +24,14 @@ from runtimeproxy.hookapi import HookConfigError
 _DERIVED = "the agent's derived series (system usage, BE aggregate), NodeMetric and the QoS manager read it"
 
 
+def no_args(args: Mapping[str, Any], key_path: str) -> None:
+    if args:
+        key = sorted(args)[0]
+        raise HookConfigError(f"{key_path}.{key}", args[key], "this collector takes no args")
+
+
 def _no_args(init: CollectorInit) -> None:
-    if init.args:
-        key = sorted(init.args)[0]
-        raise HookConfigError(f"{init.key_path}.{key}", init.args[key], "this collector takes no args")
+    no_args(init.args, init.key_path)
 
 
 def _node(init: CollectorInit) -> Collector:
@@ -68,12 +75,12 @@ def _cpi(init: CollectorInit) -> Collector | None:
     return CPICollector(init.host, interval=init.interval)
 
 
-node = CollectorPlugin(_node, phase=10, interval=1.0, required=_DERIVED, legacy_interval="node")
-hostapps = CollectorPlugin(_hostapps, phase=20, interval=1.0, legacy_interval="pods",
+node = CollectorPlugin(_node, check=no_args, phase=10, interval=1.0, required=_DERIVED, legacy_interval="node")
+hostapps = CollectorPlugin(_hostapps, check=no_args, phase=20, interval=1.0, legacy_interval="pods",
                            required="system usage subtracts host applications (NodeSLO hostApplications)")
-pods = CollectorPlugin(_pods, phase=30, interval=1.0, required=_DERIVED, legacy_interval="pods")
-topology = CollectorPlugin(_topology, phase=40, interval=60.0, legacy_interval="topology",
+pods = CollectorPlugin(_pods, check=no_args, phase=30, interval=1.0, required=_DERIVED, legacy_interval="pods")
+topology = CollectorPlugin(_topology, check=no_args, phase=40, interval=60.0, legacy_interval="topology",
                            required="NodeResourceTopology and the node's CPU info record read it")
-psi = CollectorPlugin(_psi, phase=50, interval=10.0, legacy_interval="psi")
-schedlat = CollectorPlugin(_schedlat, phase=60, interval=10.0, legacy_interval="schedlat")
-cpi = CollectorPlugin(_cpi, phase=70, interval=60.0, legacy_interval="cpi")
+psi = CollectorPlugin(_psi, check=no_args, phase=50, interval=10.0, legacy_interval="psi")
+schedlat = CollectorPlugin(_schedlat, check=no_args, phase=60, interval=10.0, legacy_interval="schedlat")
+cpi = CollectorPlugin(_cpi, check=no_args, phase=70, interval=60.0, legacy_interval="cpi")

@@ -89,6 +89,9 @@ class CollectorPlugin:
     required: str = ""
     #: The ``intervals.<key>`` (pre-registry shape) that sets this collector's interval.
     legacy_interval: str = ""
+    #: Validates ``args`` without building (``(args, key_path)``, raising ``HookConfigError``),
+    #: so check-config and reload refuse what the factory would.
+    check: Callable[[Mapping[str, Any], str], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,11 +197,15 @@ def resolved_interval(plugin: CollectorPlugin, spec: CollectorSpec, settings: Me
     return plugin.interval
 
 
-def check_required(specs: Iterable[CollectorSpec]) -> None:
-    """Refuse ``enabled: false`` on a collector the agent needs (check-config's view)."""
+def check_collectors(specs: Iterable[CollectorSpec]) -> None:
+    """What can be checked without building: ``enabled: false`` on a collector the agent
+    needs, and ``args`` through the plugin's ``check``."""
     found = installed()
     for spec in specs:
-        if spec.enabled is False and spec.name in found:
-            plugin = as_plugin(found[spec.name].load(), spec.name)
-            if plugin.required:
-                raise HookConfigError(f"{spec.key_path}.enabled", False, f"cannot be disabled: {plugin.required}")
+        if spec.name not in found:
+            continue
+        plugin = as_plugin(found[spec.name].load(), spec.name)
+        if spec.enabled is False and plugin.required:
+            raise HookConfigError(f"{spec.key_path}.enabled", False, f"cannot be disabled: {plugin.required}")
+        if plugin.check is not None:
+            plugin.check(spec.args, f"{spec.key_path}.args")

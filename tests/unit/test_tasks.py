@@ -151,6 +151,7 @@ BAD_TASKS = [
     ({"metrics": {"collectors": {"psi": {"interval": "0s"}}}}, "tasks.metrics.collectors.psi.interval"),
     ({"metrics": {"collectors": {"node": {"enabled": False}}}}, "tasks.metrics.collectors.node.enabled"),
     ({"metrics": {"collectors": {"psi": {"every": "1s"}}}}, "tasks.metrics.collectors.psi.every"),
+    ({"metrics": {"collectors": {"cpi": {"args": {"window": "5s"}}}}}, "tasks.metrics.collectors.cpi.args.window"),
     ({"metrics": {"intervals": {"psi": "5s"}, "collectors": {"psi": {"interval": "2s"}}}},
      "tasks.metrics.collectors.psi.interval"),  # one interval set two ways
     ({"metrics": {"advisors": [{"name": "ne", "url": "127.0.0.1:9100", "metrics": ["node_load1"]}]}},

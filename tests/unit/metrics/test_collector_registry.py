@@ -180,7 +180,8 @@ def test_bad_collector_entries_name_the_field(collectors: object, key: str, mess
     assert refused.value.key_path == key and message in refused.value.message
 
 
-def test_a_builtin_refuses_args_it_does_not_take(host: HostRoots, tmp_path: Path) -> None:
+def test_a_builtin_refuses_args_it_does_not_take() -> None:
+    # through the plugin's ``check``: refused without building (check-config, reload)
     with pytest.raises(HookConfigError) as refused:
-        _agent(host, tmp_path, collectors={"psi": {"args": {"cgroups": False}}})
+        parse_metrics({"collectors": {"psi": {"args": {"cgroups": False}}}}, "tasks.metrics")
     assert refused.value.key_path == "tasks.metrics.collectors.psi.args.cgroups"
