@@ -183,8 +183,11 @@ def load_collectors(settings: MetricsSettings, host: HostRoots, reader: MetricRe
         collector = plugin.build(init)
         if collector is None:  # off by its own switch (e.g. schedlat_source: off)
             continue
-        collector.name = name
-        collector.interval = interval
+        try:  # the agent keys ticks and costs by the entry point's name, schedules by the interval
+            collector.name = name
+            collector.interval = interval
+        except AttributeError as exc:
+            raise HookConfigError(spec.key_path, name, f"the collector's name/interval cannot be set: {exc}") from exc
         out[name] = Built(collector, phase)
     return out
 
