@@ -31,16 +31,14 @@ from hooks.qos import QoSClass
 from hooks.rules import LiveRules, Rules, rules_from_nodeslo
 from metrics import model as m
 from metrics.analysis.predictor_task import PredictionTask
+from metrics.collect.advisor import AdvisorCollector, AdvisorHealth
 from metrics.collect.base import Collector
 from metrics.collect.be import BEAggregator
 from metrics.collect.cgroupfs import PodCollector
-from metrics.collect.cpi import CPICollector
 from metrics.collect.hostapp import HostAppCollector, parse_host_apps
 from metrics.collect.memlat import MemLatencyCollector
 from metrics.collect.procfs import NodeCollector
-from metrics.collect.psi import PSICollector
-from metrics.collect.resctrlmon import ResctrlMonitorCollector
-from metrics.collect.schedlat import SchedLatencyCollector
+from metrics.collect.registry import GROUP, Built, load_collectors
 from metrics.collect.topology import TopologyCollector
 from metrics.informer.kubetypes import Kind, KubeSettings, KubeUnavailable
 from metrics.informer.pods import PodViews
@@ -100,33 +98,32 @@ class MetricsAgent:
         self._views_at = 0.0
         self._meta_dirty = False
         self._meta_written: object = None
-        iv = settings.intervals
-        self.node = NodeCollector(init.host, interval=iv.node)
-        self.pod_collector = PodCollector(init.host, interval=iv.pods)
-        self.topology = TopologyCollector(init.host, interval=iv.topology)
+        # The registry's collectors in tick order (phase, then name: the node before host
+        # applications before pods, whose tick computes the derived series).
+        try:
+            built = load_collectors(settings, init.host, self.tsdb, f"{init.key_path}.collectors")
+        except BaseException:  # a factory refused its args: the process exits, the store closes
+            self.tsdb.close()
+            raise
+        self.node = _builtin(built, "node", NodeCollector)
+        self.pod_collector = _builtin(built, "pods", PodCollector)
+        self.topology = _builtin(built, "topology", TopologyCollector)
+        self.hostapps = _builtin(built, "hostapps", HostAppCollector)
         self.be = BEAggregator(init.host, besteffort_dir=settings.besteffort_dir)
-        # Host applications before pods, in the same tick: system usage subtracts both.
-        self.hostapps = HostAppCollector(init.host, interval=iv.pods)
-        self.hostapps.set_apps(settings.host_applications)
-        self.collectors: list[Collector] = [self.node, self.hostapps, self.pod_collector, self.topology,
-                                            PSICollector(init.host, interval=iv.psi)]
-        if settings.schedlat_source != "off":
-            self.collectors.append(SchedLatencyCollector(init.host, prefer=settings.schedlat_source,
-                                                         interval=iv.schedlat))
-        self.memlat = (MemLatencyCollector(init.host, prefer=settings.memlat_source, interval=iv.memlat)
-                       if settings.memlat_source != "off" else None)
-        if self.memlat is not None:
-            self.collectors.append(self.memlat)
-        if settings.cpi:
-            self.collectors.append(CPICollector(init.host, interval=iv.cpi))
-        resctrl = ResctrlMonitorCollector(init.host.resctrl, interval=iv.resctrl)  # absent: one log line
-        if resctrl.available:
-            self.collectors.append(resctrl)
+        self.collectors: list[Collector] = [b.collector for b in built.values()]
+        self._phases = {name: b.phase for name, b in built.items()}
+        # External advisors last: each scrapes in its own thread, the tick takes the last result.
+        self.advisors = [AdvisorCollector(spec) for spec in settings.advisors]
+        self.collectors += self.advisors
+        memlat = built["memlat"].collector if "memlat" in built else None
+        self.memlat = memlat if isinstance(memlat, MemLatencyCollector) else None
         if init.registry is not None:
             exporter = register_exporter(init.registry, StoreValues(self.tsdb.newest_values), self.pods,
                                          settings.node_name)
             init.add_exposition(exporter.render)
             init.registry.register(_StoreHealth(self.tsdb))
+            if self.advisors:
+                init.registry.register(AdvisorHealth(self.advisors))
         self.prediction = (PredictionTask(settings.prediction, settings.prediction_checkpoint, self.tsdb, self.pods,
                                           self.informer) if settings.prediction.enabled else None)
         if self.prediction is not None and init.registry is not None:
@@ -363,6 +360,11 @@ class MetricsAgent:
                 out[metric] = None if last is None else round(last.value, 4)
             out["host_applications"] = [app.name for app in self.hostapps.apps]
             out["memlat"] = None if self.memlat is None else self.memlat.explain()
+            # the registry's result: what runs, how often, in which order within a tick
+            out["collectors"] = {c.name: {"interval": c.interval, "phase": self._phases.get(c.name)}
+                                 for c in self.collectors}
+            if self.advisors:
+                out["advisors"] = {a.spec.name: a.explain() for a in self.advisors}
             if self.prediction is not None:
                 out["prediction"] = self.prediction.explain()
             return out
@@ -395,6 +397,15 @@ class _StoreHealth(PromCollector):
         yield CounterMetricFamily("koord_runtime_proxy_store_dropped_samples",
                                   "Samples dropped to bound memory while the metrics store was degraded",
                                   value=dropped)
+
+
+def _builtin(built: Mapping[str, Built], name: str, kind: type[_T]) -> _T:
+    """A collector the agent reads directly (its plugin is ``required``, so it is there)."""
+    entry = built.get(name)
+    if entry is None or not isinstance(entry.collector, kind):
+        raise HookConfigError(f"tasks.metrics.collectors.{name}", name,
+                              f"the {GROUP} entry point must build a {kind.__name__}")
+    return entry.collector
 
 
 def _by_interval(collectors: Sequence[Collector]) -> dict[float, list[Collector]]:

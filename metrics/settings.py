@@ -16,7 +16,9 @@ from typing import Any, Final, Literal, TypeVar
 
 from hooks.cgroups import CgroupError, CgroupLayout, Driver
 from metrics.analysis.prediction import PredictionSettings
+from metrics.collect.advisor import AdvisorSpec, parse_advisors
 from metrics.collect.hostapp import HostApp, parse_host_apps
+from metrics.collect.registry import CollectorSpec, check_collectors, parse_collectors
 from metrics.qos.specs import StrategySpec, check_specs, parse_specs
 from metrics.store.tsdb import (
     DEFAULT_COARSE_AFTER,
@@ -105,6 +107,11 @@ class MetricsSettings:
     prediction: PredictionSettings = PredictionSettings()
     #: NodeSLO ``hostApplications`` shape; a NodeSLO's list replaces these.
     host_applications: tuple[HostApp, ...] = ()
+    #: ``collectors:`` (entry points ``koord_runtime_proxy.collectors``): per-collector
+    #: enabled / interval / args; the built-ins' intervals are folded into ``intervals``.
+    collectors: tuple[CollectorSpec, ...] = ()
+    #: ``advisors:``: external Prometheus endpoints scraped into the store (``metrics.collect.advisor``).
+    advisors: tuple[AdvisorSpec, ...] = ()
 
     @property
     def prediction_checkpoint(self) -> Path:
@@ -203,10 +210,20 @@ class _Args:
         return _Args(value, f"{self.key_path}.{key}")
 
 
-def _intervals(args: _Args) -> Intervals:
+def _intervals(args: _Args, collectors: tuple[CollectorSpec, ...]) -> Intervals:
+    """``intervals:`` (the pre-registry shape, still read) with ``collectors.<name>.interval``
+    folded in; setting one collector's interval both ways is refused."""
     base = Intervals()
     args.reject_unknown(frozenset(Intervals.__slots__))
-    return Intervals(**{k: args.get(k, getattr(base, k), args.duration) for k in Intervals.__slots__})
+    values = {k: args.get(k, getattr(base, k), args.duration) for k in Intervals.__slots__}
+    for spec in collectors:
+        if spec.interval is None or spec.name not in values:
+            continue
+        if args.raw.get(spec.name) is not None:
+            raise HookConfigError(f"{spec.key_path}.interval", spec.interval,
+                                  f"also set as {args.key_path}.{spec.name}: keep one")
+        values[spec.name] = spec.interval
+    return Intervals(**values)
 
 
 #: ``tier_problem``'s setting names -> the keys under ``tiers``.
@@ -275,6 +292,8 @@ def parse_metrics(raw: Mapping[str, Any], key_path: str) -> MetricsSettings:
     base = MetricsSettings()
     driver = args.get("cgroup_driver", base.cgroup_driver, args.choice("cgroupfs", "systemd"))
     source = args.get("schedlat_source", base.schedlat_source, args.choice("auto", "ebpf", "schedstat", "off"))
+    collectors = parse_collectors(raw.get("collectors"), f"{key_path}.collectors")
+    check_collectors(collectors)
     return MetricsSettings(
         db=Path(args.get("db", str(base.db), args.string)),
         retention=args.get("retention", base.retention, args.duration),
@@ -285,7 +304,7 @@ def parse_metrics(raw: Mapping[str, Any], key_path: str) -> MetricsSettings:
         node_name=args.get("node_name", base.node_name, args.string) or base.node_name,
         cgroup_driver=driver,
         besteffort_dir=args.get("besteffort_dir", base.besteffort_dir, args.relative_dir),
-        intervals=_intervals(args.section("intervals")),
+        intervals=_intervals(args.section("intervals"), collectors),
         schedlat_source=source,
         memlat_source=args.get("memlat_source", base.memlat_source, args.choice("auto", "ebpf", "counters", "off")),
         cpi=args.get("cpi", base.cpi, args.boolean),
@@ -300,6 +319,8 @@ def parse_metrics(raw: Mapping[str, Any], key_path: str) -> MetricsSettings:
         kubelet_config=args.get("kubelet_config", base.kubelet_config, args.absolute_path),
         prediction=_prediction(args.section("prediction")),
         host_applications=_host_apps(args, driver),
+        collectors=collectors,
+        advisors=parse_advisors(raw.get("advisors"), f"{key_path}.advisors"),
     )
 
 

@@ -35,8 +35,8 @@ from typing import Any, Final
 
 import structlog
 
-from hooks.blkio import TIERS, Support, block_field, block_updates, detect_support, removal_updates
 from hooks.blkiodev import DeviceError, io_max, throttle
+from hooks.blkioplan import TIERS, Support, block_field, block_updates, detect_support, removal_updates
 from hooks.cgroups import CgroupError
 from hooks.executor import CgroupExecutor, Update
 from hooks.qos import QoSClass

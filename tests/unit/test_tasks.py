@@ -147,6 +147,15 @@ BAD_TASKS = [
     ({"metrics": {"tiers": {"raw": "0s"}}}, "tasks.metrics.tiers.raw"),  # bad tier
     ({"metrics": {"tiers": {"step": "7m"}}}, "tasks.metrics.tiers.coarse_step"),  # tiers that do not fit
     ({"metrics": {"intervals": {"pods": "1x"}}}, "tasks.metrics.intervals.pods"),  # bad interval
+    ({"metrics": {"collectors": {"gpu": {}}}}, "tasks.metrics.collectors.gpu"),  # not installed
+    ({"metrics": {"collectors": {"psi": {"interval": "0s"}}}}, "tasks.metrics.collectors.psi.interval"),
+    ({"metrics": {"collectors": {"node": {"enabled": False}}}}, "tasks.metrics.collectors.node.enabled"),
+    ({"metrics": {"collectors": {"psi": {"every": "1s"}}}}, "tasks.metrics.collectors.psi.every"),
+    ({"metrics": {"collectors": {"cpi": {"args": {"window": "5s"}}}}}, "tasks.metrics.collectors.cpi.args.window"),
+    ({"metrics": {"intervals": {"psi": "5s"}, "collectors": {"psi": {"interval": "2s"}}}},
+     "tasks.metrics.collectors.psi.interval"),  # one interval set two ways
+    ({"metrics": {"advisors": [{"name": "ne", "url": "127.0.0.1:9100", "metrics": ["node_load1"]}]}},
+     "tasks.metrics.advisors[0].url"),
     ({"metrics": {"dbpath": "/x"}}, "tasks.metrics.dbpath"),  # unknown key
     ({"metrics": {"kube": "yes"}}, "tasks.metrics.kube"),  # wrong type
     ({"metrics": {"enabled": "yes"}}, "tasks.metrics.enabled"),

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from metrics.collect.registry import installed as installed_collectors
 from metrics.qos.specs import default_specs, installed
 from metrics.settings import Intervals, MetricsSettings, QoSSettings, StoreTiers, parse_metrics, parse_qos
 from runtimeproxy.hookapi import HookConfigError
@@ -20,7 +21,10 @@ def test_shipped_tasks_are_the_documented_defaults() -> None:
     tasks = yaml.safe_load(SHIPPED.read_text())["tasks"]
     assert list(tasks) == ["metrics", "qos-manager"]  # qos-manager builds on metrics
     metrics = parse_metrics(tasks["metrics"], "tasks.metrics")
-    assert metrics == MetricsSettings(node_name=metrics.node_name)
+    assert replace(metrics, collectors=()) == MetricsSettings(node_name=metrics.node_name)
+    # every installed collector listed, enabled, at its default interval
+    assert {c.name for c in metrics.collectors} == set(installed_collectors())
+    assert all(c.enabled and c.interval is None and not c.args for c in metrics.collectors)
     assert metrics.intervals == Intervals(node=1, pods=1, psi=10, schedlat=10, cpi=60, topology=60)
     qos = parse_qos(tasks["qos-manager"], "tasks.qos-manager")
     assert replace(qos, strategies=None) == QoSSettings()
