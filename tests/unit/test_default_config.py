@@ -62,7 +62,8 @@ def test_no_file_runs_the_shipped_file(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert [name for name, *_ in chain] == ["batch-resource", "cpuset", "cpu-normalization", "group-identity",
                                              "resctrl", "memory-qos", "blkio"]
     # Same tasks, valid as shipped: the whole agent, not a bare pass-through.
-    assert dict(builtin.tasks) == dict(shipped.tasks) and list(builtin.tasks) == ["metrics", "interference", "qos-manager"]
+    assert dict(builtin.tasks) == dict(shipped.tasks)
+    assert list(builtin.tasks) == ["metrics", "interference", "qos-manager"]
     assert builtin.rules == shipped.rules and builtin.rules
 
 
