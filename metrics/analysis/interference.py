@@ -178,32 +178,37 @@ class Verdict:
 
 
 class Baseline:
-    """Robust statistics of a signal's quiet values (median, MAD), kept incrementally."""
+    """Robust statistics of a signal's quiet values (median, MAD). Recomputed (a sort of
+    up to ``baseline_samples`` values) only every ``REFRESH`` new values once warm: the
+    baseline of a quiet pod moves slowly, and a sort per signal per pod per second was
+    most of the analyser's CPU."""
 
-    __slots__ = ("_dirty", "_mad", "_median", "_values")
+    __slots__ = ("_added", "_mad", "_median", "_values")
+    REFRESH: Final = 10
 
     def __init__(self, size: int) -> None:
         self._values: deque[float] = deque(maxlen=size)
         self._median = 0.0
         self._mad = 0.0
-        self._dirty = False
+        self._added = -1  # values added since the last computation; -1: never computed
 
     def __len__(self) -> int:
         return len(self._values)
 
     def add(self, value: float) -> None:
         self._values.append(value)
-        self._dirty = True
+        if self._added >= 0:
+            self._added += 1
 
     def stats(self, min_count: int) -> tuple[float, float]:
         """(median, MAD); (0, 0) until ``min_count`` values are known."""
         if len(self._values) < min_count:
             return 0.0, 0.0
-        if self._dirty:
+        if self._added < 0 or self._added >= self.REFRESH:
             values = sorted(self._values)
             self._median = values[len(values) // 2]
             self._mad = statistics.median(abs(v - self._median) for v in values)
-            self._dirty = False
+            self._added = 0
         return self._median, self._mad
 
     def values(self) -> list[float]:

@@ -10,7 +10,10 @@ Which series exist (their label sets: schedule latency carries a ``source`` labe
 reclaim latency whatever its collector chose) is looked up with one ``aggregate_all``
 per metric every ``index_every`` seconds; each step then reads only those series with
 ``last`` (in memory for samples this process wrote), so absent signals (no CPI
-counters, no reclaim collector) cost nothing per step.
+counters, no reclaim collector) cost nothing per step. A series is not read again
+before its next sample can exist (its collection period, learnt from its timestamps:
+PSI and schedule latency at the shipped 10 s are read once in 10 steps), and
+throttling only for pods with a CPU limit.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Final
 from hooks.qos import QoSClass
 from metrics import model
 from metrics.analysis.interference import BEUsage, Observation, PodRef
-from metrics.model import Labels, MetricReader, PodView
+from metrics.model import Labels, MetricReader, PodView, Sample
 
 #: The reclaim (memory allocation) latency series of an optional collector, tried in order.
 RECLAIM_METRICS: Final = ("container_memory_reclaim_latency_p99_seconds", "container_memory_reclaim_latency_seconds",
@@ -71,6 +74,37 @@ class SignalReader:
         self._indexed_at = float("-inf")
         #: (signal, pod uid) -> label sets of that pod's series.
         self._series: dict[tuple[str, str], list[tuple[str, Labels]]] = {}
+        #: (metric, labels) -> (timestamp, value, collection period seen) of the last sample.
+        self._cache: dict[tuple[str, Labels], tuple[float, float, float]] = {}
+        #: pod uid -> its label tuples (pod, cpu PSI, memory PSI), built once.
+        self._labels: dict[str, tuple[Labels, Labels, Labels]] = {}
+        self.reads = 0
+
+    def _last(self, metric: str, lbls: Labels, now: float) -> Sample | None:
+        """``reader.last``, skipped while the next sample of a series cannot be there yet:
+        a series collected every 10 s (PSI, schedule latency at the shipped intervals) is
+        read once per period, not at every step."""
+        key = (metric, lbls)
+        cached = self._cache.get(key)
+        if cached is not None and now - cached[0] <= self.max_age and now < cached[0] + cached[2]:
+            return Sample(metric, cached[1], lbls, cached[0])
+        self.reads += 1
+        sample = self._reader.last(metric, lbls, self.max_age, now)
+        if sample is None:
+            self._cache.pop(key, None)
+            return None
+        period = cached[2] if cached is not None else 0.0
+        if cached is not None and sample.ts > cached[0]:
+            period = sample.ts - cached[0] if sample.ts - cached[0] <= self.max_age else 0.0
+        self._cache[key] = (sample.ts, sample.value, period)
+        return sample
+
+    def _pod_labels(self, uid: str) -> tuple[Labels, Labels, Labels]:
+        found = self._labels.get(uid)
+        if found is None:
+            found = self._labels[uid] = (model.labels(pod_uid=uid), _psi_labels("cpu", pod_uid=uid),
+                                         _psi_labels("memory", pod_uid=uid))
+        return found
 
     def _index(self, now: float) -> None:
         series: dict[tuple[str, str], list[tuple[str, Labels]]] = {}
@@ -81,13 +115,16 @@ class SignalReader:
                     series.setdefault((src.signal, uid), []).append((src.metric, lbls))
         self._series = series
         self._indexed_at = now
+        self._cache = {k: v for k, v in self._cache.items() if now - v[0] <= self.max_age}
 
     def observe(self, pods: Sequence[PodView], now: float) -> Observation:
         if now - self._indexed_at >= self.index_every or now < self._indexed_at:
             self._index(now)
-        read = self._reader
-        age = self.max_age
-        node_psi = {sig: read.last(model.NODE_PSI, _psi_labels(res), age, now) for sig, res in _PSI.items()}
+        read = self._last
+        node_psi = {sig: read(model.NODE_PSI, _psi_labels(res), now) for sig, res in _PSI.items()}
+        present = {p.uid for p in pods}
+        if len(self._labels) > 2 * len(present):
+            self._labels = {u: v for u, v in self._labels.items() if u in present}
         signals: dict[str, dict[str, float]] = {}
         sources: dict[str, dict[str, str]] = {}
         stamps: dict[str, dict[str, float]] = {}
@@ -96,10 +133,10 @@ class SignalReader:
         for pod in pods:
             ref = pod_ref(pod)
             refs.append(ref)
-            uid_labels = model.labels(pod_uid=pod.uid)
+            uid_labels, psi_cpu, psi_memory = self._pod_labels(pod.uid)
             if pod.qos is QoSClass.BE:
-                cpu = read.last(model.POD_CPU_USAGE, uid_labels, age, now)
-                mem = read.last(model.POD_MEMORY_USED, uid_labels, age, now)
+                cpu = read(model.POD_CPU_USAGE, uid_labels, now)
+                mem = read(model.POD_MEMORY_USED, uid_labels, now)
                 be.append(BEUsage(ref, cpu.value if cpu else None, mem.value if mem else None))
                 continue
             if ref.qos is QoSClass.SYSTEM or ref.qos is QoSClass.NONE:
@@ -108,27 +145,29 @@ class SignalReader:
             src: dict[str, str] = {}
             ts: dict[str, float] = {}
             for signal in ("sched_latency_p99", "sched_latency_mean", "cpi", "reclaim_latency"):
+                if signal == "sched_latency_mean" and "sched_latency_p99" in mine:
+                    continue  # the mean is the fallback of schedstat only
                 found = [s for metric, lbls in self._series.get((signal, pod.uid), ())
-                         if (s := read.last(metric, lbls, age, now)) is not None]
+                         if (s := read(metric, lbls, now)) is not None]
                 if found:
                     top = max(found, key=lambda s: s.value)
                     mine[signal], src[signal], ts[signal] = top.value, "container", top.ts
-            for signal, res in _PSI.items():
-                sample = read.last(model.POD_PSI, _psi_labels(res, pod_uid=pod.uid), age, now)
+            for signal, lbls in (("cpu_psi", psi_cpu), ("memory_psi", psi_memory)):
+                sample = read(model.POD_PSI, lbls, now)
                 if sample is not None:
                     mine[signal], src[signal], ts[signal] = sample.value, "pod", sample.ts
                 elif (node := node_psi[signal]) is not None:
                     mine[signal], src[signal], ts[signal] = node.value, "node", node.ts
-            throttled = read.last(model.POD_CPU_THROTTLED, uid_labels, age, now)
+            # Only a pod with a CPU limit can be throttled.
+            limited = any(c.cpu_quota > 0 for c in pod.containers)
+            throttled = read(model.POD_CPU_THROTTLED, uid_labels, now) if limited else None
             if throttled is not None:
                 mine["cpu_throttled"], src["cpu_throttled"], ts["cpu_throttled"] = throttled.value, "pod", throttled.ts
-            if "sched_latency_p99" in mine:
-                mine.pop("sched_latency_mean", None)  # the mean is the fallback of schedstat only
             signals[pod.uid] = mine
             sources[pod.uid] = src
             stamps[pod.uid] = ts
-        used = read.last(model.NODE_MEMORY_USED, model.NO_LABELS, age, now)
-        total = read.last(model.NODE_MEMORY_TOTAL, model.NO_LABELS, age, now)
+        used = read(model.NODE_MEMORY_USED, model.NO_LABELS, now)
+        total = read(model.NODE_MEMORY_TOTAL, model.NO_LABELS, now)
         return Observation(now, tuple(refs), signals, sources, tuple(be), stamps,
                            node_memory_used=used.value if used else None,
                            node_memory_total=total.value if total else None)

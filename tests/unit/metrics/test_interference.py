@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -185,9 +186,10 @@ def test_pods_gone_are_forgotten_and_be_pods_are_not_judged(learnt: Interference
 
 # --- reading the store -------------------------------------------------------------------
 
-def _view(uid: str, qos: QoSClass) -> PodView:
+def _view(uid: str, qos: QoSClass, quota: int = 200_000) -> PodView:
     return PodView(uid=uid, namespace="ns", name=uid, sandbox_id=uid, qos=qos, priority=0, priority_class="",
-                   cgroup_dir=f"kubepods/{uid}", containers=(ContainerView(f"c-{uid}", "main", f"kubepods/{uid}/c"),))
+                   cgroup_dir=f"kubepods/{uid}",
+                   containers=(ContainerView(f"c-{uid}", "main", f"kubepods/{uid}/c", cpu_quota=quota),))
 
 
 def test_signal_reader_reads_pod_container_and_node_series(tmp_path: Path) -> None:
@@ -214,4 +216,24 @@ def test_signal_reader_reads_pod_container_and_node_series(tmp_path: Path) -> No
     assert seen.sources["ls"]["memory_psi"] == "node" and seen.sources["ls"]["cpu_psi"] == "pod"
     assert seen.stamps["ls"]["cpu_psi"] == now - 2
     assert [(b.pod.uid, b.cpu, b.memory) for b in seen.be] == [("be", 2.5, 3e8), ("old", None, None)]
+    unlimited = reader.observe([_view("ls", QoSClass.LS, quota=0)], now)
+    assert "cpu_throttled" not in unlimited.signals["ls"]  # no CPU limit: never throttled, not read
+    db.close()
+
+
+def test_signal_reader_reads_a_series_once_per_collection_period(tmp_path: Path) -> None:
+    db = TSDB(tmp_path / "metrics.db", clock=lambda: 0.0)
+    lbls = model.labels(pod_uid="ls", resource="cpu", kind="some", window="avg10")
+    reader = SignalReader(db)
+    pods = [_view("ls", QoSClass.LS, quota=0)]
+    counts = []
+    for t in range(1000, 1031):
+        if t % 10 == 0:
+            db.write([Sample(model.POD_PSI, float(t), lbls, float(t))])
+        seen = reader.observe(pods, float(t) + 0.5)
+        assert seen.signals["ls"]["cpu_psi"] == float(t - t % 10)
+        counts.append(reader.reads)
+    per_step = [b - a for a, b in itertools.pairwise(counts)]
+    # learning the 10 s period, then one read of it per 10 steps (plus the node PSI/memory reads)
+    assert per_step[-10:].count(max(per_step[-10:])) == 1
     db.close()
