@@ -65,7 +65,7 @@ print(json.dumps({"n": len(late), "p50": late[len(late) // 2], "p99": late[int(l
 """
 
 
-def _doc(name: str, base: Path, prefix: str, dry_run: bool, min_baseline: int) -> dict[str, Any]:
+def _doc(name: str, base: Path, prefix: str, dry_run: bool, min_baseline: int, suppress: bool) -> dict[str, Any]:
     return {
         "rules": {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 65,
                                                   "cpuSuppressPolicy": "cfsQuota"}},
@@ -74,7 +74,8 @@ def _doc(name: str, base: Path, prefix: str, dry_run: bool, min_baseline: int) -
                         "intervals": {"node": "1s", "pods": "1s", "psi": "1s", "schedlat": "1s"}},
             "interference": {"interval": "1s", "min_baseline": min_baseline},
             "qos-manager": {"besteffort_dir": f"{prefix.strip('/')}/kubepods/besteffort", "dry_run": dry_run,
-                            "psi_trigger": False, "strategies": ["cpu-suppress", "interference"]},
+                            "psi_trigger": False,
+                            "strategies": ["cpu-suppress", "interference"] if suppress else ["interference"]},
         },
     }
 
@@ -176,12 +177,14 @@ class Watch(threading.Thread):
 
 
 def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespace) -> dict[str, Any]:
-    proc, sock, port = bench.proxy(name, _doc(name, bench.base, bench.prefix, dry_run, args.min_baseline))
+    doc = _doc(name, bench.base, bench.prefix, dry_run, args.min_baseline, args.with_suppress)
+    proc, sock, port = bench.proxy(name, doc)
     node = Node(bench, sock, port)
     out: dict[str, Any] = {}
     try:
         ls = node.pod(f"ls-{name}", "burstable", "LS")
-        ls_cid = node.container(ls, "app", ["sleep", "36000"])
+        work = "; ".join(["while :; do :; done &"] * args.ls_threads) + " sleep 36000"
+        ls_cid = node.container(ls, "app", ["sh", "-c", work] if args.ls_threads else ["sleep", "36000"])
         key = f"bench/ls-{name}"
         watch = Watch(node, key)
         watch.start()
@@ -197,6 +200,7 @@ def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespac
             time.sleep(0.1)
         out["cpu_confirmed"] = watch.since(t0, "cpu", "confirmed")
         out["cpu_suspected"] = watch.since(t0, "cpu", "suspected")
+        out["during"] = node.explain(key).get("tasks", {}).get("interference", {})
         time.sleep(2)  # the next manager round has acted (or only planned, in dry-run)
         out["be_quota"] = node.be_quota()
         out["under"] = probe(ls_cid, args.measure)
@@ -216,6 +220,7 @@ def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespac
             out["memory_verdicts"] = [c for c in watch.changes if c[0] >= t2 and c[1] == "memory"]
         watch.halt.set()
         out["explain"] = node.verdict(key)
+        out["signals"] = node.explain(key).get("tasks", {}).get("interference", {}).get("signals")
     finally:
         node.clean()
         bench.stop(proc)
@@ -296,6 +301,10 @@ def main() -> int:
     ap.add_argument("--min-baseline", type=int, default=20)
     ap.add_argument("--synthetic", type=int, default=300, help="steps of the 110-pod cost run (0: skip)")
     ap.add_argument("--skip-live", action="store_true")
+    ap.add_argument("--only-acting", type=int, default=0, choices=(0, 1), help="1: skip the dry-run scenario")
+    ap.add_argument("--ls-threads", type=int, default=1, help="spinning threads of the LS pod's own work")
+    ap.add_argument("--with-suppress", action="store_true",
+                    help="also cpu-suppress (on a host loaded by others it floors BE at once, hiding interference)")
     args = ap.parse_args()
     if args.synthetic:
         print("\n### Analyser CPU at 110 pods (80 LS-class with a CPU limit, 30 BE)\n")
@@ -309,7 +318,7 @@ def main() -> int:
         return 0
     results: dict[str, dict[str, Any]] = {}
     with BenchNode("i") as bench:
-        for name, dry in (("dryrun", True), ("acting", False)):
+        for name, dry in (("dryrun", True), ("acting", False))[args.only_acting:]:
             results[name] = scenario(bench, name, dry, args)
             print(f"{name}: {json.dumps(results[name], default=str)[:3000]}", file=sys.stderr)
 

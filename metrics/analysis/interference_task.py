@@ -182,8 +182,9 @@ class InterferenceTask:
             median, enter, leave = self.analyser.thresholds(uid, name)
             detail[name] = {"value": value, "source": sources.get(name, "pod"), "baseline": median,
                             "enter": enter, "exit": leave}
+        be = [{"pod": b.pod.key, "cpu": b.cpu, "memory": b.memory} for b in obs.be] if obs is not None else []
         return {"pod_uid": uid, "at": self.at, "verdict": {r: v.as_dict() for r, v in mine.items()},
-                "signals": detail}
+                "signals": detail, "be_pods": be}
 
     # --- Prometheus ------------------------------------------------------------------
 

@@ -66,6 +66,7 @@ def test_store_to_verdict_explain_metrics_and_events(db: TSDB) -> None:
     assert cpu["level"] == "confirmed" and cpu["culprits"][0]["pod"] == "ns/pod-be"
     assert cpu["evidence"][0]["signal"] == "sched_latency_p99" and cpu["evidence"][0]["value"] == 0.03
     assert explained["signals"]["sched_latency_p99"]["baseline"] == pytest.approx(0.00041)
+    assert explained["be_pods"] == [{"pod": "ns/pod-be", "cpu": 3.0, "memory": 1e8}]
     assert task.explain_uid("be")["verdict"] is None
     assert task.explain()["verdicts"] == {"ns/pod-ls": {"cpu": "confirmed"}}
 
