@@ -183,7 +183,7 @@ def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespac
     out: dict[str, Any] = {}
     try:
         ls = node.pod(f"ls-{name}", "burstable", "LS")
-        work = "; ".join(["while :; do :; done &"] * args.ls_threads) + " sleep 36000"
+        work = " ".join(["while :; do :; done &"] * args.ls_threads) + " sleep 36000"
         ls_cid = node.container(ls, "app", ["sh", "-c", work] if args.ls_threads else ["sleep", "36000"])
         key = f"bench/ls-{name}"
         watch = Watch(node, key)
@@ -192,7 +192,7 @@ def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespac
         out["alone"] = probe(ls_cid, args.idle)
         out["false_idle"] = [c for c in watch.changes if c[2] != "none"]
         be = node.pod(f"be-{name}", "besteffort", "BE")
-        spin = "; ".join(["while :; do :; done &"] * args.hogs) + " wait"
+        spin = " ".join(["while :; do :; done &"] * args.hogs) + " wait"
         t0 = time.monotonic()
         hog = node.container(be, "hog", ["sh", "-c", spin])
         deadline = t0 + 30
