@@ -10,9 +10,10 @@
   most), at most once per ``memory_cool_down`` (default 60 s). Reclaim by lowering the
   culprit's limit is not done: on cgroup v1 a limit below usage fails or OOM-kills
   anyway, so eviction is the honest action.
-* when no CPU verdict is confirmed any more, the quota found before the cap is
-  written back once (children restored); from the next round cpu-suppress (when
-  listed) plans the tier quota alone again: BE gets its CPU back.
+* when no CPU verdict has been confirmed for ``hold`` (30 s: the cap is what cleared
+  the verdict, lifting it at once would bring the interference straight back), the
+  quota found before the cap is written back once (children restored); from the next
+  round cpu-suppress (when listed) plans the tier quota alone again: BE gets its CPU back.
 
 Every change of action is one audit line ``interference_action`` (``dry_run`` says
 whether it is carried out); plans carry the verdicts, evidence and culprits for
@@ -63,11 +64,13 @@ class Interference(Strategy):
 
     def __init__(self, verdicts: Callable[[], Verdicts | None], *, be_cpu_cores: float = 0.5,
                  memory_evict: bool = True, memory_cool_down: float = 60.0, dry_run: bool = False,
-                 suppress: SuppressConfig = SuppressConfig()) -> None:
+                 suppress: SuppressConfig = SuppressConfig(), hold: float = 30.0) -> None:
         self._verdicts = verdicts
         self.be_cpu_cores = be_cpu_cores
         self.memory_evict = memory_evict
         self.memory_cool_down = memory_cool_down
+        self.hold = hold
+        self.last_confirmed = float("-inf")
         self.dry_run = dry_run
         self.cfg = suppress
         self._clamps = ChildClamps(suppress.cfs_period_us)
@@ -98,7 +101,14 @@ class Interference(Strategy):
         reasons: list[str] = []
         state = inputs[self.state_input]
         if cpu:
+            self.last_confirmed = inputs.now
             actions += self._cap(state, cpu, reasons, info)
+        elif self.capping and inputs.now - self.last_confirmed < self.hold:
+            # Held a while after the verdict clears: the cap is what cleared it, and
+            # lifting it at once would bring the interference straight back (flapping).
+            left = self.hold - (inputs.now - self.last_confirmed)
+            reasons.append(f"CPU interference cleared; cap held {left:.0f}s more")
+            actions += self._cap(state, [], reasons, info)
         elif self.capping:
             actions.append(self._release(state, reasons))
         if memory and self.memory_evict:
@@ -118,7 +128,7 @@ class Interference(Strategy):
         if 0 < state.quota < quota:
             reasons.append(f"CPU interference confirmed; BE quota {state.quota} already below the cap {quota}")
             return []
-        victims = ", ".join(v.pod.key for v in cpu)
+        victims = ", ".join(v.pod.key for v in cpu) or "none now (held)"
         why = f"interference on {victims}: BE cfs quota capped at {self.be_cpu_cores:g} cores"
         reasons.append(why)
         info["quota"] = quota
@@ -180,13 +190,13 @@ def _number(args: Mapping[str, Any], key: str, default: float, key_path: str) ->
 
 
 def interference(init: StrategyInit) -> Interference:
-    """Entry point. ``args``: ``be_cpu_cores`` (0.5), ``memory_evict`` (true),
-    ``memory_cool_down`` (60s)."""
+    """Entry point. ``args``: ``be_cpu_cores`` (0.5), ``hold`` (30s), ``memory_evict``
+    (true), ``memory_cool_down`` (60s)."""
     args, where = init.args, init.key_path
-    unknown = sorted(set(args) - {"be_cpu_cores", "memory_evict", "memory_cool_down"})
+    unknown = sorted(set(args) - {"be_cpu_cores", "memory_evict", "memory_cool_down", "hold"})
     if unknown:
         raise HookConfigError(f"{where}.{unknown[0]}", args[unknown[0]],
-                              "unknown key (be_cpu_cores, memory_evict, memory_cool_down)")
+                              "unknown key (be_cpu_cores, memory_evict, memory_cool_down, hold)")
     memory_evict = args.get("memory_evict", True)
     if not isinstance(memory_evict, bool):
         raise HookConfigError(f"{where}.memory_evict", memory_evict, "must be true or false")
@@ -195,6 +205,10 @@ def interference(init: StrategyInit) -> Interference:
     except ConfigError as exc:
         raise HookConfigError(f"{where}.memory_cool_down", args.get("memory_cool_down"),
                               "must be a duration such as 60s") from exc
+    try:
+        hold = parse_duration(args.get("hold", 30.0), f"{where}.hold")
+    except ConfigError as exc:
+        raise HookConfigError(f"{where}.hold", args.get("hold"), "must be a duration such as 30s") from exc
     tasks = init.shared.get(TASKS)
 
     def verdicts() -> Verdicts | None:
@@ -204,4 +218,4 @@ def interference(init: StrategyInit) -> Interference:
         return task.verdicts if task is not None else None
 
     return Interference(verdicts, be_cpu_cores=_number(args, "be_cpu_cores", 0.5, where), memory_evict=memory_evict,
-                        memory_cool_down=cool, dry_run=init.config.dry_run, suppress=init.config.suppress)
+                        memory_cool_down=cool, dry_run=init.config.dry_run, suppress=init.config.suppress, hold=hold)

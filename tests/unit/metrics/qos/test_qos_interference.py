@@ -120,6 +120,9 @@ async def test_confirmed_cpu_caps_be_below_suppress_and_clearing_gives_it_back(e
     rejected = env.manager.explain()["strategies"]["cpu_suppress"]["rejected"]
     assert rejected and rejected[0]["winner"] == "interference"
     env.verdicts = verdicts()
+    await env.round()
+    assert env.quota() == "50000"  # held: lifting the cap at once would bring interference back
+    env.now += 30
     with capture_logs() as logs:
         await env.round()
     assert int(env.quota()) == suppressed  # the quota found before the cap
@@ -175,6 +178,7 @@ async def test_release_at_stop_lifts_the_cap(envs: Any) -> None:
     ({"be_cpu_cores": 0}, "strategies[4].args.be_cpu_cores"),
     ({"memory_evict": "yes"}, "strategies[4].args.memory_evict"),
     ({"memory_cool_down": "later"}, "strategies[4].args.memory_cool_down"),
+    ({"hold": -3}, "strategies[4].args.hold"),
     ({"bogus": 1}, "strategies[4].args.bogus"),
 ])
 def test_bad_args_name_the_key(args: dict[str, Any], key: str) -> None:
