@@ -66,8 +66,8 @@ print(json.dumps({"n": len(late), "p50": late[len(late) // 2], "p99": late[int(l
 
 
 def _doc(name: str, base: Path, prefix: str, dry_run: bool, min_baseline: int, suppress: bool,
-         cap: float) -> dict[str, Any]:
-    mine = {"name": "interference", "args": {"be_cpu_cores": cap}}
+         cap: float, be_cpus: int) -> dict[str, Any]:
+    mine = {"name": "interference", "args": {"be_cpu_cores": cap, "be_cpus": be_cpus}}
     return {
         "rules": {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 65,
                                                   "cpuSuppressPolicy": "cfsQuota"}},
@@ -179,7 +179,8 @@ class Watch(threading.Thread):
 
 
 def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespace) -> dict[str, Any]:
-    doc = _doc(name, bench.base, bench.prefix, dry_run, args.min_baseline, args.with_suppress, args.be_cpu_cores)
+    doc = _doc(name, bench.base, bench.prefix, dry_run, args.min_baseline, args.with_suppress, args.be_cpu_cores,
+               args.be_cpus)
     proc, sock, port = bench.proxy(name, doc)
     node = Node(bench, sock, port)
     out: dict[str, Any] = {}
@@ -304,6 +305,7 @@ def main() -> int:
     ap.add_argument("--synthetic", type=int, default=300, help="steps of the 110-pod cost run (0: skip)")
     ap.add_argument("--skip-live", action="store_true")
     ap.add_argument("--be-cpu-cores", type=float, default=0.5, help="the strategy's cap (args.be_cpu_cores)")
+    ap.add_argument("--be-cpus", type=int, default=0, help="the strategy's args.be_cpus (0: quota only)")
     ap.add_argument("--only-acting", type=int, default=0, choices=(0, 1), help="1: skip the dry-run scenario")
     ap.add_argument("--ls-threads", type=int, default=1, help="spinning threads of the LS pod's own work")
     ap.add_argument("--with-suppress", action="store_true",

@@ -5,7 +5,10 @@
   priority (``SUPPRESS + 5``) wins the conflict on ``kubepods/besteffort``'s quota, so
   arbitration keeps this cap while the verdict lasts; a quota already lower (suppress
   tighter still) is left alone. On cgroup v1, BE children with quotas above the cap are
-  clamped first and restored after (``tierquota``).
+  clamped first and restored after (``tierquota``). With ``be_cpus`` > 0 BE is also
+  confined to that many CPUs (the highest BE may use), the cpuset winning over
+  cpu-suppress's the same way: a quota alone lets throttled BE threads run in bursts
+  on every CPU at the start of each period, which is what a latency-sensitive victim feels.
 * a **confirmed memory verdict** evicts the top culprit (the BE pod whose memory grew
   most), at most once per ``memory_cool_down`` (default 60 s). Reclaim by lowering the
   culprit's limit is not done: on cgroup v1 a limit below usage fails or OOM-kills
@@ -23,16 +26,17 @@ plans nothing and says why.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import structlog
 
 from hooks.cgroups import CPU_CFS_QUOTA
 from metrics.analysis.interference import CPU, MEMORY, Level, Verdict, confirmed
+from metrics.model import PodView
 from metrics.qos.plan import Action, Evict, Plan, Priority, SetCgroup
 from metrics.qos.strategy import Input, RoundContext, RoundInputs, Strategy, StrategyInit
-from metrics.qos.suppress import BEState, SuppressConfig, read_be_state
+from metrics.qos.suppress import BEState, CPULike, SuppressConfig, SuppressStrategy, read_be_state
 from metrics.qos.tierquota import ChildClamps
 from runtimeproxy.config import ConfigError, parse_duration
 from runtimeproxy.hookapi import HookConfigError
@@ -64,12 +68,16 @@ class Interference(Strategy):
 
     def __init__(self, verdicts: Callable[[], Verdicts | None], *, be_cpu_cores: float = 0.5,
                  memory_evict: bool = True, memory_cool_down: float = 60.0, dry_run: bool = False,
-                 suppress: SuppressConfig = SuppressConfig(), hold: float = 30.0) -> None:
+                 suppress: SuppressConfig = SuppressConfig(), hold: float = 30.0, be_cpus: int = 0,
+                 topology: Sequence[CPULike] = ()) -> None:
         self._verdicts = verdicts
         self.be_cpu_cores = be_cpu_cores
         self.memory_evict = memory_evict
         self.memory_cool_down = memory_cool_down
         self.hold = hold
+        #: >0: BE is also confined to this many CPUs (the highest of the recovery set).
+        self.be_cpus = be_cpus
+        self._cpusets = SuppressStrategy(suppress, topology)
         self.last_confirmed = float("-inf")
         self.dry_run = dry_run
         self.cfg = suppress
@@ -102,20 +110,35 @@ class Interference(Strategy):
         state = inputs[self.state_input]
         if cpu:
             self.last_confirmed = inputs.now
-            actions += self._cap(state, cpu, reasons, info)
+            actions += self._cap(state, cpu, reasons, info, inputs.pods)
         elif self.capping and inputs.now - self.last_confirmed < self.hold:
             # Held a while after the verdict clears: the cap is what cleared it, and
             # lifting it at once would bring the interference straight back (flapping).
             left = self.hold - (inputs.now - self.last_confirmed)
             reasons.append(f"CPU interference cleared; cap held {left:.0f}s more")
-            actions += self._cap(state, [], reasons, info)
+            actions += self._cap(state, [], reasons, info, inputs.pods)
         elif self.capping:
-            actions.append(self._release(state, reasons))
+            actions += self._release(reasons, inputs.pods)
         if memory and self.memory_evict:
             actions += self._evict(inputs, memory, reasons, info)
         return Plan(NAME, self.priority, tuple(actions), info, "; ".join(reasons) or "no confirmed interference")
 
-    def _cap(self, state: BEState, cpu: list[Verdict], reasons: list[str], info: dict[str, Any]) -> list[Action]:
+    def _cap(self, state: BEState, cpu: list[Verdict], reasons: list[str], info: dict[str, Any],
+             pods: Sequence[PodView]) -> list[Action]:
+        out = self._confine(pods, info) if self.be_cpus > 0 else []
+        return out + self._cap_quota(state, cpu, reasons, info)
+
+    def _confine(self, pods: Sequence[PodView], info: dict[str, Any]) -> list[Action]:
+        """BE on the last ``be_cpus`` CPUs BE may use: the victims get the others to themselves."""
+        allowed = sorted(self._cpusets.recovery_cpus(pods))
+        if len(allowed) <= self.be_cpus:
+            return []
+        chosen = frozenset(allowed[-self.be_cpus:])
+        info["cpuset"] = sorted(chosen)
+        return [self._cpusets._cpuset_write(pods, chosen, f"interference: BE confined to {sorted(chosen)}")]
+
+    def _cap_quota(self, state: BEState, cpu: list[Verdict], reasons: list[str], info: dict[str, Any]
+                   ) -> list[Action]:
         period = self.cfg.cfs_period_us
         quota = max(int(self.be_cpu_cores * period), 1000)
         if state.quota is None:
@@ -134,13 +157,16 @@ class Interference(Strategy):
         info["quota"] = quota
         return [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, why), state.children)]
 
-    def _release(self, state: BEState, reasons: list[str]) -> Action:
+    def _release(self, reasons: list[str], pods: Sequence[PodView]) -> list[Action]:
         original = self.original_quota if self.original_quota is not None else -1
         why = f"CPU interference cleared: BE cfs quota back to {original}"
         self._audit("release_be_cpu", [], quota=original)
         self.capping, self.original_quota = False, None
         reasons.append(why)
-        return self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, original, why), None)
+        out: list[Action] = [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, original, why), None)]
+        if self.be_cpus > 0:
+            out.append(self._cpusets._cpuset_write(pods, self._cpusets.recovery_cpus(pods), why))
+        return out
 
     def _evict(self, inputs: RoundInputs, memory: list[Verdict], reasons: list[str],
                info: dict[str, Any]) -> list[Action]:
@@ -169,12 +195,11 @@ class Interference(Strategy):
                  evidence={v.pod.key: [e.as_dict() for e in v.evidence] for v in victims},
                  culprits=sorted({c.pod.key for v in victims for c in v.culprits}), **fields)
 
-    def release(self, pods: Any) -> list[Action]:
+    def release(self, pods: Sequence[PodView]) -> list[Action]:
         """Task stop: the cap must not outlive the manager."""
         if not self.capping:
             return []
-        state = BEState(None, None)
-        return [self._release(state, [])]
+        return self._release([], pods)
 
 
 def _brief(v: Verdict) -> dict[str, Any]:
@@ -190,13 +215,16 @@ def _number(args: Mapping[str, Any], key: str, default: float, key_path: str) ->
 
 
 def interference(init: StrategyInit) -> Interference:
-    """Entry point. ``args``: ``be_cpu_cores`` (0.5), ``hold`` (30s), ``memory_evict``
-    (true), ``memory_cool_down`` (60s)."""
+    """Entry point. ``args``: ``be_cpu_cores`` (0.5), ``be_cpus`` (0: quota only),
+    ``hold`` (30s), ``memory_evict`` (true), ``memory_cool_down`` (60s)."""
     args, where = init.args, init.key_path
-    unknown = sorted(set(args) - {"be_cpu_cores", "memory_evict", "memory_cool_down", "hold"})
+    known = ("be_cpu_cores", "be_cpus", "hold", "memory_evict", "memory_cool_down")
+    unknown = sorted(set(args) - set(known))
     if unknown:
-        raise HookConfigError(f"{where}.{unknown[0]}", args[unknown[0]],
-                              "unknown key (be_cpu_cores, memory_evict, memory_cool_down, hold)")
+        raise HookConfigError(f"{where}.{unknown[0]}", args[unknown[0]], f"unknown key ({', '.join(known)})")
+    be_cpus = args.get("be_cpus", 0)
+    if isinstance(be_cpus, bool) or not isinstance(be_cpus, int) or be_cpus < 0:
+        raise HookConfigError(f"{where}.be_cpus", be_cpus, "must be a number of CPUs >= 0 (0: quota only)")
     memory_evict = args.get("memory_evict", True)
     if not isinstance(memory_evict, bool):
         raise HookConfigError(f"{where}.memory_evict", memory_evict, "must be true or false")
@@ -218,4 +246,5 @@ def interference(init: StrategyInit) -> Interference:
         return task.verdicts if task is not None else None
 
     return Interference(verdicts, be_cpu_cores=_number(args, "be_cpu_cores", 0.5, where), memory_evict=memory_evict,
-                        memory_cool_down=cool, dry_run=init.config.dry_run, suppress=init.config.suppress, hold=hold)
+                        memory_cool_down=cool, dry_run=init.config.dry_run, suppress=init.config.suppress, hold=hold,
+                        be_cpus=be_cpus, topology=init.topology)

@@ -193,3 +193,25 @@ def test_factory_builds_a_strategy() -> None:
                         executor=CgroupExecutor(CgroupLayout(Path("/nonexistent"), version=1)))
     built = interference(init)
     assert isinstance(built, Interference) and built.be_cpu_cores == 0.5
+
+
+@pytest.mark.asyncio
+async def test_be_cpus_also_confines_be_and_gives_the_cpus_back(envs: Any) -> None:
+    env = envs(args={"be_cpus": 2, "hold": "5s"})
+    cpus = env.root / "cpuset" / BE_DIR / "cpuset.cpus"
+    pod_cpus = env.root / "cpuset" / BE.cgroup_dir / "cpuset.cpus"
+    env.verdicts = verdicts(cpu=Level.CONFIRMED)
+    await env.round()
+    assert cpus.read_text().strip() == "6-7" and pod_cpus.read_text().strip() == "6-7"
+    assert env.quota() == "50000"
+    env.verdicts = verdicts()
+    env.now += 5
+    await env.round()
+    assert cpus.read_text().strip() == "0-7" and pod_cpus.read_text().strip() == "0-7"
+
+
+def test_be_cpus_must_be_a_count() -> None:
+    init = StrategyInit(name="interference", args={"be_cpus": -1}, key_path="s.args", config=ManagerConfig(),
+                        topology=[], executor=CgroupExecutor(CgroupLayout(Path("/nonexistent"), version=1)))
+    with pytest.raises(HookConfigError, match=r"s\.args\.be_cpus"):
+        interference(init)
