@@ -14,8 +14,8 @@ GROUP: Final = "koord_runtime_proxy.qos_strategies"
 #: The planning order when the config lists none: koordlet's eviction task order
 #: (BE*Evict, then *AllocatableEvict, then the usage evictors), then the CPU
 #: knobs, then cache and host tuning. Installed strategies not named here follow, by name.
-DEFAULT_ORDER: Final = ("be-evict", "allocatable-evict", "cpu-evict", "cpu-suppress", "cpu-burst", "resctrl",
-                        "memory-qos", "blkio", "system-config")
+DEFAULT_ORDER: Final = ("be-evict", "allocatable-evict", "cpu-evict", "cpu-suppress", "interference", "cpu-burst",
+                        "resctrl", "memory-qos", "blkio", "system-config")
 
 
 class EntryPointLike(Protocol):

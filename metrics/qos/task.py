@@ -22,7 +22,7 @@ from metrics.agent import MetricsAgent, shared_agent
 from metrics.collect.cgroupfs import CgroupReader
 from metrics.informer.kubetypes import EvictionRefused, KubeError
 from metrics.model import PodView
-from metrics.qos import builtin
+from metrics.qos import builtin, interference
 from metrics.qos.evict import CriEvictor, EvictConfig, EvictionError, Evictor
 from metrics.qos.evictevents import RecordingEvictor
 from metrics.qos.fastpath import FastPath, FastPathConfig
@@ -96,7 +96,8 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
     executor = CgroupExecutor(layout)
     strategy_init = StrategyInit(name="", args={}, key_path=f"{init.key_path}.strategies", config=config,
                                  topology=cpus, executor=executor, host=init.host, state_dir=init.state_dir,
-                                 shared={builtin.WRITER: agent.tsdb, builtin.AGENT: agent})
+                                 shared={builtin.WRITER: agent.tsdb, builtin.AGENT: agent,
+                                         interference.TASKS: init.shared})
     loaded = load_strategies(settings.strategies, strategy_init)
     log.info("qos_strategies", enabled=[s.name for s in loaded.enabled], disabled=[s.name for s in loaded.disabled])
     manager = QoSManager(

@@ -58,11 +58,12 @@ def test_no_file_runs_the_shipped_file(monkeypatch: pytest.MonkeyPatch, tmp_path
     hooks, tasks = plugins.validate(builtin)
     chain = [(h.name, h.policy, h.stages, h.timeout) for h in hooks]
     assert chain == [(h.name, h.policy, h.stages, h.timeout) for h in plugins.validate(shipped)[0]]
-    assert tasks == plugins.validate(shipped)[1] == ["metrics", "qos-manager"]
+    assert tasks == plugins.validate(shipped)[1] == ["metrics", "interference", "qos-manager"]
     assert [name for name, *_ in chain] == ["batch-resource", "cpuset", "cpu-normalization", "group-identity",
                                              "resctrl", "memory-qos", "blkio", "oom-score-adj", "core-sched"]
     # Same tasks, valid as shipped: the whole agent, not a bare pass-through.
-    assert dict(builtin.tasks) == dict(shipped.tasks) and list(builtin.tasks) == ["metrics", "qos-manager"]
+    assert dict(builtin.tasks) == dict(shipped.tasks)
+    assert list(builtin.tasks) == ["metrics", "interference", "qos-manager"]
     assert builtin.rules == shipped.rules and builtin.rules
 
 
@@ -77,7 +78,7 @@ def test_check_config_without_a_file_checks_the_built_in_default(
     assert builtin[0].endswith(f"source=built-in default ({config.DEFAULT_CONFIG_PATH} absent)")
     assert builtin[0].rpartition(" source=")[0] == shipped[0].rpartition(" source=")[0]
     assert builtin[1:] == shipped[1:] and len(builtin) == 11  # the nine shipped hooks, the tasks
-    assert builtin[-1] == "tasks: metrics, qos-manager"
+    assert builtin[-1] == "tasks: metrics, interference, qos-manager"
 
 
 def test_an_existing_default_file_wins_over_the_built_in(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

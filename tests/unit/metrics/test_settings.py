@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
+from metrics.analysis.interference_task import InterferenceSettings, parse_interference
 from metrics.collect.registry import installed as installed_collectors
 from metrics.qos.specs import default_specs, installed
 from metrics.settings import Intervals, MetricsSettings, QoSSettings, StoreTiers, parse_metrics, parse_qos
@@ -19,7 +20,8 @@ SHIPPED = Path(__file__).resolve().parents[3] / "systemd" / "config.yaml"
 
 def test_shipped_tasks_are_the_documented_defaults() -> None:
     tasks = yaml.safe_load(SHIPPED.read_text())["tasks"]
-    assert list(tasks) == ["metrics", "qos-manager"]  # qos-manager builds on metrics
+    assert list(tasks) == ["metrics", "interference", "qos-manager"]  # both build on metrics
+    assert parse_interference(tasks["interference"], "tasks.interference") == InterferenceSettings()
     metrics = parse_metrics(tasks["metrics"], "tasks.metrics")
     assert replace(metrics, collectors=()) == MetricsSettings(node_name=metrics.node_name)
     # every installed collector listed, enabled, at its default interval

@@ -125,8 +125,8 @@ def test_without_a_list_every_installed_strategy_runs_in_the_documented_order(tm
     loaded = load_strategies(None, base_init(tmp_path, executor), installed_plus(TINY))
     names = [s.name for s in loaded.enabled]
     # no resctrl mount under the injected root: that strategy says so and stays out
-    assert names == ["be-evict", "allocatable-evict", "cpu-evict", "cpu-suppress", "cpu-burst", "memory-qos",
-                     "blkio", "system-config", "tiny"]
+    assert names == ["be-evict", "allocatable-evict", "cpu-evict", "cpu-suppress", "interference", "cpu-burst",
+                     "memory-qos", "blkio", "system-config", "tiny"]
     assert loaded.disabled == []
 
 

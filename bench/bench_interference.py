@@ -1,0 +1,365 @@
+"""Scenario benchmark: interference detection and the ``interference`` strategy.
+
+Run by hand as root (not part of the test suite): ``.venv/bin/python bench/bench_interference.py``.
+Prints Markdown tables (docs/benchmarks.md).
+
+Through a private containerd and the real proxy (tasks metrics with 1 s PSI and
+schedule-latency intervals, interference, qos-manager with cpu-suppress + interference):
+
+* an LS pod (burstable, ``sleep``) and a **latency probe** in its container's cgroups: a
+  host process moved into the container's cgroup (every v1 controller and the unified
+  tree) that sleeps 1 ms in a loop and records how late it wakes (p50/p99). A host
+  process rather than a busybox loop: busybox's ``usleep``/``date`` fork per iteration,
+  which costs more than the lateness being measured;
+* **idle**: the LS pod alone for ``--idle`` seconds: its baseline, and every verdict
+  above none in that time is a false one;
+* **CPU antagonist**: a BE pod with ``--hogs`` spinning threads (more runnable threads than
+  CPUs); time from its StartContainer to a *confirmed* CPU verdict on the LS pod naming
+  the BE pod as top culprit; the probe's p99 under interference, once with the QoS manager
+  in dry-run and once acting (a second proxy on the same containerd, fresh pods);
+* **memory antagonist**: a BE pod that keeps allocating (``--mem-mib`` MiB, in a loop)
+  under its own memory limit, so it reclaims itself without starving the node: on a
+  shared host nobody may be pushed into reclaim for a benchmark. The LS pod's memory
+  verdict is reported (none expected: its memory PSI does not move), i.e. no false
+  memory verdict while BE memory churns.
+* ``--synthetic``: the analyser's own CPU at 110 pods (80 LS-class with every signal,
+  30 BE) on a real store, anchored on the store reads alone in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+from benchlib import BenchNode
+
+from criapi import cri_v1_pb2 as cri
+from runtimeproxy import devpods, embedded
+from runtimeproxy.demo import kubelet_creates_pod_cgroup
+
+PROBE = r"""
+import json, sys, time
+for path in sys.argv[2:]:
+    try:
+        with open(path, "w") as f:
+            f.write("0")
+    except OSError as exc:
+        print(f"probe: cannot join {path}: {exc}", file=sys.stderr)
+end = time.perf_counter() + float(sys.argv[1])
+late = []
+while (now := time.perf_counter()) < end:
+    time.sleep(0.001)
+    late.append(time.perf_counter() - now - 0.001)
+late.sort()
+print(json.dumps({"n": len(late), "p50": late[len(late) // 2], "p99": late[int(len(late) * 0.99)]}))
+"""
+
+
+def _doc(name: str, base: Path, prefix: str, dry_run: bool, min_baseline: int, suppress: bool,
+         cap: float, be_cpus: int) -> dict[str, Any]:
+    mine = {"name": "interference", "args": {"be_cpu_cores": cap, "be_cpus": be_cpus}}
+    return {
+        "rules": {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 65,
+                                                  "cpuSuppressPolicy": "cfsQuota"}},
+        "tasks": {
+            "metrics": {"db": str(base / f"{name}.db"), "cpi": False,
+                        "intervals": {"node": "1s", "pods": "1s", "psi": "1s", "schedlat": "1s"}},
+            "interference": {"interval": "1s", "min_baseline": min_baseline},
+            "qos-manager": {"besteffort_dir": f"{prefix.strip('/')}/kubepods/besteffort", "dry_run": dry_run,
+                            "psi_trigger": False,
+                            "strategies": ["cpu-suppress", mine] if suppress else [mine]},
+        },
+    }
+
+
+class Node:
+    def __init__(self, bench: BenchNode, sock: Path, port: int) -> None:
+        self.bench, self.rt, self.port = bench, bench.runtime(sock), port
+        self.prefix = bench.prefix
+        self.logs = bench.base / "logs"
+        self.sandboxes: list[str] = []
+
+    def pod(self, name: str, qos: str, qos_class: str) -> tuple[Any, str, str]:
+        uid = str(uuid.uuid4())
+        sb = devpods.sandbox_config(name=name, namespace="bench", uid=uid, log_dir=str(self.logs),
+                                    cgroup_parent=devpods.kube_cgroup_parent(self.prefix, qos, uid),  # type: ignore[arg-type]
+                                    labels={"koordinator.sh/qosClass": qos_class}, annotations={})
+        kubelet_creates_pod_cgroup(sb.linux.cgroup_parent)
+        sid = self.rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sb), timeout=60).pod_sandbox_id
+        self.sandboxes.append(sid)
+        return sb, sid, uid
+
+    def container(self, pod: tuple[Any, str, str], name: str, command: list[str], memory: int = 0) -> str:
+        cc = devpods.container_config(name=name, image=embedded.BUSYBOX_IMAGE, command=command)
+        if memory:
+            cc.linux.resources.memory_limit_in_bytes = memory
+        cid: str = self.rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=pod[1], config=cc,
+                                                                      sandbox_config=pod[0]), timeout=60).container_id
+        self.rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=60)
+        return cid
+
+    def stop(self, cid: str) -> None:
+        self.rt.StopContainer(cri.StopContainerRequest(container_id=cid, timeout=0), timeout=30)
+
+    def clean(self) -> None:
+        for sid in self.sandboxes:
+            self.rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sid), timeout=60)
+            self.rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sid), timeout=60)
+
+    def explain(self, pod: str) -> Any:
+        url = f"http://127.0.0.1:{self.port}/debug/explain?pod={urllib.parse.quote(pod)}"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def verdict(self, pod: str) -> dict[str, Any]:
+        try:
+            found = self.explain(pod)
+        except OSError:
+            return {}
+        tasks = found.get("tasks", found)
+        mine = tasks.get("interference", {}).get("verdict") or {}
+        return mine if isinstance(mine, dict) else {}
+
+    def be_quota(self) -> int:
+        path = Path("/sys/fs/cgroup/cpu") / self.prefix.strip("/") / "kubepods/besteffort/cpu.cfs_quota_us"
+        return int(path.read_text())
+
+
+def _cgroup_files(cid: str) -> list[str]:
+    """The container's ``cgroup.procs`` in every hierarchy (found by its id)."""
+    out = []
+    for root in Path("/sys/fs/cgroup").iterdir():
+        for found in root.glob(f"**/{cid}/cgroup.procs"):
+            out.append(str(found))
+    return out
+
+
+def probe(cid: str, seconds: float) -> dict[str, float]:
+    run = subprocess.run([sys.executable, "-c", PROBE, str(seconds), *_cgroup_files(cid)], capture_output=True,
+                         text=True, timeout=seconds + 60, check=True)
+    if run.stderr:
+        print(run.stderr.strip(), file=sys.stderr)
+    return {k: float(v) for k, v in json.loads(run.stdout).items()}
+
+
+class Watch(threading.Thread):
+    """Polls the LS pod's verdicts every 200 ms: level changes with their time."""
+
+    def __init__(self, node: Node, pod: str) -> None:
+        super().__init__(daemon=True)
+        self.node, self.pod = node, pod
+        self.changes: list[tuple[float, str, str, list[str]]] = []
+        self.last: dict[str, str] = {}
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.wait(0.2):
+            for resource, v in self.node.verdict(self.pod).items():
+                level = v.get("level", "none")
+                if self.last.get(resource, "none") != level:
+                    culprits = [c["pod"] for c in v.get("culprits", [])]
+                    self.changes.append((time.monotonic(), resource, level, culprits))
+                self.last[resource] = level
+
+    def since(self, t0: float, resource: str, level: str) -> tuple[float, list[str]] | None:
+        for t, r, lv, culprits in self.changes:
+            if t >= t0 and r == resource and lv == level:
+                return t - t0, culprits
+        return None
+
+
+def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespace) -> dict[str, Any]:
+    doc = _doc(name, bench.base, bench.prefix, dry_run, args.min_baseline, args.with_suppress, args.be_cpu_cores,
+               args.be_cpus)
+    proc, sock, port = bench.proxy(name, doc)
+    node = Node(bench, sock, port)
+    out: dict[str, Any] = {}
+    try:
+        ls = node.pod(f"ls-{name}", "burstable", "LS")
+        work = " ".join(["while :; do :; done &"] * args.ls_threads) + " sleep 36000"
+        ls_cid = node.container(ls, "app", ["sh", "-c", work] if args.ls_threads else ["sleep", "36000"])
+        key = f"bench/ls-{name}"
+        watch = Watch(node, key)
+        watch.start()
+        # Idle: the baseline is learnt (min_baseline samples), then every verdict is a false one.
+        out["alone"] = probe(ls_cid, args.idle)
+        out["false_idle"] = [c for c in watch.changes if c[2] != "none"]
+        be = node.pod(f"be-{name}", "besteffort", "BE")
+        spin = " ".join(["while :; do :; done &"] * args.hogs) + " wait"
+        t0 = time.monotonic()
+        hog = node.container(be, "hog", ["sh", "-c", spin])
+        deadline = t0 + 30
+        while time.monotonic() < deadline and watch.since(t0, "cpu", "confirmed") is None:
+            time.sleep(0.1)
+        out["cpu_confirmed"] = watch.since(t0, "cpu", "confirmed")
+        out["cpu_suspected"] = watch.since(t0, "cpu", "suspected")
+        out["during"] = node.explain(key).get("tasks", {}).get("interference", {})
+        time.sleep(2)  # the next manager round has acted (or only planned, in dry-run)
+        out["be_quota"] = node.be_quota()
+        out["under"] = probe(ls_cid, args.measure)
+        node.stop(hog)
+        t1 = time.monotonic()
+        while time.monotonic() < t1 + 40 and watch.last.get("cpu") != "none":
+            time.sleep(0.2)
+        out["cleared_after"] = time.monotonic() - t1 if watch.last.get("cpu") == "none" else None
+        time.sleep(2)
+        out["be_quota_after"] = node.be_quota()
+        if args.mem_mib:
+            mem = node.pod(f"mem-{name}", "besteffort", "BE")
+            grow = f"while :; do head -c {args.mem_mib}m /dev/zero | tail > /dev/null; done"
+            t2 = time.monotonic()
+            node.container(mem, "grow", ["sh", "-c", grow], memory=args.mem_mib * 2**20 // 2)
+            time.sleep(args.measure)
+            out["memory_verdicts"] = [c for c in watch.changes if c[0] >= t2 and c[1] == "memory"]
+        watch.halt.set()
+        out["explain"] = node.verdict(key)
+        out["signals"] = node.explain(key).get("tasks", {}).get("interference", {}).get("signals")
+    finally:
+        node.clean()
+        bench.stop(proc)
+    return out
+
+
+def synthetic(steps: int, slow_every: int = 1, step_every: int = 1) -> tuple[float, float]:
+    """(ms per step of the analyser, ms per step of its store reads alone) at 110 pods;
+    PSI and schedule latency written every ``slow_every`` s (1: the bench's intervals,
+    10: the shipped ones), usage every second; every LS pod has a CPU limit; the
+    analyser steps every ``step_every`` s. Returns ms of CPU per second of wall time."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from hooks.qos import QoSClass
+    from metrics import model
+    from metrics.analysis.interference_task import InterferenceSettings, InterferenceTask
+    from metrics.model import ContainerView, PodView, Sample
+    from metrics.store.tsdb import TSDB
+
+    pods = []
+    for i in range(110):
+        qos = QoSClass.BE if i >= 80 else QoSClass.LS
+        uid = f"pod-{i}"
+        pods.append(PodView(uid=uid, namespace="bench", name=uid, sandbox_id=uid, qos=qos, priority=0,
+                            priority_class="", cgroup_dir=f"kubepods/{uid}",
+                            containers=(ContainerView(f"c-{i}", "main", f"kubepods/{uid}/c", cpu_quota=200_000,
+                                                      cpu_period=100_000),)))
+    with tempfile.TemporaryDirectory(prefix="krpint-") as tmp:
+        now = [1_000_000.0]
+        db = TSDB(Path(tmp) / "m.db", clock=lambda: now[0])
+        task = InterferenceTask(InterferenceSettings(), db, lambda: pods)
+        probe_reader = InterferenceTask(InterferenceSettings(), db, lambda: pods).signals
+        psi = {model.KIND: "some", model.WINDOW: "avg10"}
+
+        def write(t: float) -> None:
+            samples = []
+            for j, p in enumerate(pods):
+                lb = model.labels(pod_uid=p.uid)
+                samples += [Sample(model.POD_CPU_USAGE, 0.1 + j % 7 * 0.01, lb, t),
+                            Sample(model.POD_MEMORY_USED, 1e8 + j, lb, t),
+                            Sample(model.POD_CPU_THROTTLED, 0.0, lb, t)]
+                if p.qos is not QoSClass.BE and int(t) % slow_every == 0:
+                    cl = model.labels(pod_uid=p.uid, container_id=p.containers[0].id, source="ebpf")
+                    samples += [Sample(model.CONTAINER_SCHED_LATENCY_P99, 0.0004 + (j % 5) * 1e-5, cl, t),
+                                Sample(model.CONTAINER_SCHED_LATENCY, 0.0001, cl, t),
+                                Sample(model.POD_PSI, 1.0, model.labels(pod_uid=p.uid, resource="cpu", **psi), t),
+                                Sample(model.POD_PSI, 0.1, model.labels(pod_uid=p.uid, resource="memory", **psi), t)]
+            db.write(samples)
+
+        for _ in range(40):  # history to index and learn from
+            now[0] += 1
+            write(now[0])
+            task.step(pods, now[0])
+        db.flush()
+        full = reads = 0.0
+        for k in range(steps * step_every):
+            now[0] += 1
+            write(now[0])
+            if k % 2 == 0:
+                db.flush()
+            if k % step_every:
+                continue
+            t = time.thread_time()
+            probe_reader.observe(pods, now[0])
+            reads += time.thread_time() - t
+            t = time.thread_time()
+            task.step(pods, now[0])
+            full += time.thread_time() - t
+        db.close()
+    return 1000 * full / steps / step_every, 1000 * reads / steps / step_every
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--idle", type=float, default=120.0, help="seconds of the LS pod alone (baseline, false verdicts)")
+    ap.add_argument("--measure", type=float, default=20.0, help="seconds of probing under interference")
+    ap.add_argument("--hogs", type=int, default=6, help="spinning threads of the BE antagonist")
+    ap.add_argument("--mem-mib", type=int, default=512, help="memory antagonist's allocation loop (0: skip)")
+    ap.add_argument("--min-baseline", type=int, default=20)
+    ap.add_argument("--synthetic", type=int, default=300, help="steps of the 110-pod cost run (0: skip)")
+    ap.add_argument("--skip-live", action="store_true")
+    ap.add_argument("--be-cpu-cores", type=float, default=0.5, help="the strategy's cap (args.be_cpu_cores)")
+    ap.add_argument("--be-cpus", type=int, default=0, help="the strategy's args.be_cpus (0: quota only)")
+    ap.add_argument("--only-acting", type=int, default=0, choices=(0, 1), help="1: skip the dry-run scenario")
+    ap.add_argument("--ls-threads", type=int, default=1, help="spinning threads of the LS pod's own work")
+    ap.add_argument("--with-suppress", action="store_true",
+                    help="also cpu-suppress (on a host loaded by others it floors BE at once, hiding interference)")
+    args = ap.parse_args()
+    if args.synthetic:
+        print("\n### Analyser CPU at 110 pods (80 LS-class with a CPU limit, 30 BE)\n")
+        print("| PSI / schedule latency collected every | analyser interval | store reads alone (anchor) ms/s |"
+              " whole step ms/s | % of a core |")
+        print("|---|---:|---:|---:|---:|")
+        for every, step in ((1, 1), (10, 1), (10, 2)):
+            full, reads = synthetic(args.synthetic, every, step)
+            print(f"| {every} s | {step} s | {reads:.3f} | {full:.3f} | {full / 10:.3f} |")
+    if args.skip_live:
+        return 0
+    results: dict[str, dict[str, Any]] = {}
+    with BenchNode("i") as bench:
+        for name, dry in (("dryrun", True), ("acting", False))[args.only_acting:]:
+            results[name] = scenario(bench, name, dry, args)
+            print(f"{name}: {json.dumps(results[name], default=str)[:3000]}", file=sys.stderr)
+
+    def ms(v: float) -> str:
+        return f"{v * 1000:.2f}"
+
+    print(f"\n### Interference scenario ({args.hogs} spinning BE threads on {len(_cpus())} CPUs)\n")
+    print("| strategy | probe p50 / p99 ms alone | BE start -> suspected s | -> confirmed cpu s | top culprit |"
+          " probe p50 / p99 ms under BE | p99 vs alone | BE quota under BE | verdict cleared after BE stop s |"
+          " false verdicts idle |")
+    print("|---|---|---:|---:|---|---|---:|---:|---:|---:|")
+    for name, r in results.items():
+        conf, susp = r["cpu_confirmed"], r["cpu_suspected"]
+        cells = [
+            "dry-run" if name == "dryrun" else "acting",
+            f"{ms(r['alone']['p50'])} / {ms(r['alone']['p99'])}",
+            f"{susp[0]:.1f}" if susp else "none in 30 s",
+            f"{conf[0]:.1f}" if conf else "none in 30 s",
+            conf[1][0] if conf and conf[1] else "-",
+            f"{ms(r['under']['p50'])} / {ms(r['under']['p99'])}",
+            f"{r['under']['p99'] / r['alone']['p99']:.1f}x",
+            str(r["be_quota"]),
+            f"{r['cleared_after']:.1f}" if r["cleared_after"] is not None else "not in 40 s",
+            f"{len(r['false_idle'])} in {args.idle:.0f} s",
+        ]
+        print("| " + " | ".join(cells) + " |")
+    for name, r in results.items():
+        if args.mem_mib:
+            print(f"\n{name}: memory antagonist ({args.mem_mib} MiB loop under a {args.mem_mib // 2} MiB limit): "
+                  f"LS memory verdict changes {[(c[2], c[3]) for c in r.get('memory_verdicts', [])]}")
+    return 0
+
+
+def _cpus() -> list[str]:
+    return [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("processor")]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

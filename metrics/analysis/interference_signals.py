@@ -1,0 +1,177 @@
+"""The analyser's inputs from the store: one ``Observation`` per step.
+
+Per LS-class pod: schedule-latency p99 (eBPF) or mean (schedstat), the worst of its
+containers; CPU and memory PSI ``some avg10`` of the pod's cgroup (v2), else of the node
+(source ``node``: every LS pod then sees the same value); CFS throttling of the pod;
+CPI (worst container) and reclaim latency where a collector writes them. BE pods: CPU
+and memory usage. Values are the newest sample not older than ``max_age``.
+
+Which series exist (their label sets: schedule latency carries a ``source`` label,
+reclaim latency whatever its collector chose) is looked up with one ``aggregate_all``
+per metric every ``index_every`` seconds; each step then reads only those series with
+``last`` (in memory for samples this process wrote), so absent signals (no CPI
+counters, no reclaim collector) cost nothing per step. A series is not read again
+before its next sample can exist (its collection period, learnt from its timestamps:
+PSI and schedule latency at the shipped 10 s are read once in 10 steps), and
+throttling only for pods with a CPU limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from hooks.qos import QoSClass
+from metrics import model
+from metrics.analysis.interference import BEUsage, Observation, PodRef
+from metrics.model import Labels, MetricReader, PodView, Sample
+
+#: The reclaim (memory allocation) latency series of an optional collector, tried in order.
+RECLAIM_METRICS: Final = ("container_memory_reclaim_latency_p99_seconds", "container_memory_reclaim_latency_seconds",
+                          "pod_memory_reclaim_latency_seconds")
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    signal: str
+    metric: str
+    #: Label values every series must have (beyond pod_uid / container_id).
+    match: tuple[tuple[str, str], ...] = ()
+
+
+_CONTAINER_SOURCES: Final = (
+    _Source("sched_latency_p99", model.CONTAINER_SCHED_LATENCY_P99),
+    _Source("sched_latency_mean", model.CONTAINER_SCHED_LATENCY),
+    _Source("cpi", model.CONTAINER_CPI),
+    *(_Source("reclaim_latency", m) for m in RECLAIM_METRICS),
+)
+_PSI: Final = {"cpu_psi": "cpu", "memory_psi": "memory"}
+
+
+def _psi_labels(resource: str, **extra: str) -> Labels:
+    return model.labels(**extra, **{model.RESOURCE: resource, model.KIND: "some", model.WINDOW: "avg10"})
+
+
+def _get(lbls: Labels, key: str) -> str:
+    for k, v in lbls:
+        if k == key:
+            return v
+    return ""
+
+
+def pod_ref(pod: PodView) -> PodRef:
+    return PodRef(pod.uid, pod.namespace, pod.name, pod.qos)
+
+
+class SignalReader:
+    """Builds observations from a ``MetricReader`` (worker thread)."""
+
+    def __init__(self, reader: MetricReader, *, max_age: float = 25.0, index_every: float = 10.0) -> None:
+        self._reader = reader
+        self.max_age = max_age
+        self.index_every = index_every
+        self._indexed_at = float("-inf")
+        #: (signal, pod uid) -> label sets of that pod's series.
+        self._series: dict[tuple[str, str], list[tuple[str, Labels]]] = {}
+        #: (metric, labels) -> (timestamp, value, collection period seen) of the last sample.
+        self._cache: dict[tuple[str, Labels], tuple[float, float, float]] = {}
+        #: pod uid -> its label tuples (pod, cpu PSI, memory PSI), built once.
+        self._labels: dict[str, tuple[Labels, Labels, Labels]] = {}
+        self.reads = 0
+
+    def _last(self, metric: str, lbls: Labels, now: float) -> Sample | None:
+        """``reader.last``, skipped while the next sample of a series cannot be there yet:
+        a series collected every 10 s (PSI, schedule latency at the shipped intervals) is
+        read once per period, not at every step."""
+        key = (metric, lbls)
+        cached = self._cache.get(key)
+        if cached is not None and now - cached[0] <= self.max_age and now < cached[0] + cached[2]:
+            return Sample(metric, cached[1], lbls, cached[0])
+        self.reads += 1
+        sample = self._reader.last(metric, lbls, self.max_age, now)
+        if sample is None:
+            self._cache.pop(key, None)
+            return None
+        period = cached[2] if cached is not None else 0.0
+        if cached is not None and sample.ts > cached[0]:
+            period = sample.ts - cached[0] if sample.ts - cached[0] <= self.max_age else 0.0
+        self._cache[key] = (sample.ts, sample.value, period)
+        return sample
+
+    def _pod_labels(self, uid: str) -> tuple[Labels, Labels, Labels]:
+        found = self._labels.get(uid)
+        if found is None:
+            found = self._labels[uid] = (model.labels(pod_uid=uid), _psi_labels("cpu", pod_uid=uid),
+                                         _psi_labels("memory", pod_uid=uid))
+        return found
+
+    def _index(self, now: float) -> None:
+        series: dict[tuple[str, str], list[tuple[str, Labels]]] = {}
+        for src in _CONTAINER_SOURCES:
+            for lbls in self._reader.aggregate_all(src.metric, now - self.max_age - self.index_every, now):
+                uid = _get(lbls, model.POD_UID)
+                if uid:
+                    series.setdefault((src.signal, uid), []).append((src.metric, lbls))
+        self._series = series
+        self._indexed_at = now
+        self._cache = {k: v for k, v in self._cache.items() if now - v[0] <= self.max_age}
+
+    def observe(self, pods: Sequence[PodView], now: float) -> Observation:
+        if now - self._indexed_at >= self.index_every or now < self._indexed_at:
+            self._index(now)
+        read = self._last
+        node_psi = {sig: read(model.NODE_PSI, _psi_labels(res), now) for sig, res in _PSI.items()}
+        present = {p.uid for p in pods}
+        if len(self._labels) > 2 * len(present):
+            self._labels = {u: v for u, v in self._labels.items() if u in present}
+        signals: dict[str, dict[str, float]] = {}
+        sources: dict[str, dict[str, str]] = {}
+        stamps: dict[str, dict[str, float]] = {}
+        refs: list[PodRef] = []
+        be: list[BEUsage] = []
+        for pod in pods:
+            ref = pod_ref(pod)
+            refs.append(ref)
+            uid_labels, psi_cpu, psi_memory = self._pod_labels(pod.uid)
+            if pod.qos is QoSClass.BE:
+                cpu = read(model.POD_CPU_USAGE, uid_labels, now)
+                mem = read(model.POD_MEMORY_USED, uid_labels, now)
+                be.append(BEUsage(ref, cpu.value if cpu else None, mem.value if mem else None))
+                continue
+            if ref.qos is QoSClass.SYSTEM or ref.qos is QoSClass.NONE:
+                continue
+            mine: dict[str, float] = {}
+            src: dict[str, str] = {}
+            ts: dict[str, float] = {}
+            for signal in ("sched_latency_p99", "sched_latency_mean", "cpi", "reclaim_latency"):
+                if signal == "sched_latency_mean" and "sched_latency_p99" in mine:
+                    continue  # the mean is the fallback of schedstat only
+                found = [s for metric, lbls in self._series.get((signal, pod.uid), ())
+                         if (s := read(metric, lbls, now)) is not None]
+                if found:
+                    top = max(found, key=lambda s: s.value)
+                    mine[signal], src[signal], ts[signal] = top.value, "container", top.ts
+            for signal, lbls in (("cpu_psi", psi_cpu), ("memory_psi", psi_memory)):
+                sample = read(model.POD_PSI, lbls, now)
+                if sample is not None:
+                    mine[signal], src[signal], ts[signal] = sample.value, "pod", sample.ts
+                elif (node := node_psi[signal]) is not None:
+                    mine[signal], src[signal], ts[signal] = node.value, "node", node.ts
+            # Only a pod with a CPU limit can be throttled.
+            limited = any(c.cpu_quota > 0 for c in pod.containers)
+            throttled = read(model.POD_CPU_THROTTLED, uid_labels, now) if limited else None
+            if throttled is not None:
+                mine["cpu_throttled"], src["cpu_throttled"], ts["cpu_throttled"] = throttled.value, "pod", throttled.ts
+            signals[pod.uid] = mine
+            sources[pod.uid] = src
+            stamps[pod.uid] = ts
+        used = read(model.NODE_MEMORY_USED, model.NO_LABELS, now)
+        total = read(model.NODE_MEMORY_TOTAL, model.NO_LABELS, now)
+        return Observation(now, tuple(refs), signals, sources, tuple(be), stamps,
+                           node_memory_used=used.value if used else None,
+                           node_memory_total=total.value if total else None)
+
+
+def summary(obs: Observation) -> Mapping[str, object]:
+    return {"pods": len(obs.pods), "be": len(obs.be), "measured": sum(1 for s in obs.signals.values() if s)}

@@ -1,0 +1,217 @@
+"""The interference strategy through the real manager on a fixture cgroup v1 tree, next to
+cpu-suppress: the cap wins arbitration while a CPU verdict is confirmed and is given
+back when it clears; a memory verdict evicts the top culprit once per cool-down;
+dry-run writes nothing but audits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from hooks.cgroups import CgroupLayout
+from hooks.executor import CgroupExecutor
+from hooks.qos import QoSClass
+from hooks.rules import parse_rules
+from metrics import model
+from metrics.analysis.interference import Culprit, Evidence, Level, PodRef, Verdict
+from metrics.model import Sample, labels
+from metrics.qos import builtin
+from metrics.qos.evict import CriEvictor
+from metrics.qos.interference import TASKS, Interference, interference
+from metrics.qos.manager import ManagerConfig, QoSManager
+from metrics.qos.strategy import StrategyInit
+from metrics.store.tsdb import TSDB
+from runtimeproxy.hookapi import HookConfigError
+from tests.unit.metrics.qos.test_qos_manager import BE, BE_DIR, LS, NOW, TOPOLOGY, FakeRuntime, build_tree
+
+LS_REF = PodRef(LS.uid, LS.namespace, LS.name, QoSClass.LS)
+BE_REF = PodRef(BE.uid, BE.namespace, BE.name, QoSClass.BE)
+RULES = {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota",
+                                         "cpuSuppressThresholdPercent": 65}}
+
+
+def verdicts(cpu: Level = Level.NONE, memory: Level = Level.NONE) -> dict[str, dict[str, Verdict]]:
+    def one(resource: str, level: Level, signal: str) -> Verdict:
+        if not level:
+            return Verdict(LS_REF, resource, Level.NONE, None)
+        return Verdict(LS_REF, resource, level, NOW - 5, (Evidence(signal, 0.03, 0.0005, 0.002, 60.0),),
+                       (Culprit(BE_REF, 2.0, 2.0, 300.0, 200.0),), "test")
+    return {LS.uid: {"cpu": one("cpu", cpu, "sched_latency_p99"), "memory": one("memory", memory, "memory_psi")}}
+
+
+class Env:
+    def __init__(self, tmp: Path, dry_run: bool = False, args: Mapping[str, Any] | None = None) -> None:
+        self.root = tmp / "cgroup"
+        build_tree(self.root)
+        self.store = TSDB(tmp / "m.db", clock=lambda: NOW)
+        self.now = NOW
+        self.runtime = FakeRuntime()
+        self.verdicts: dict[str, dict[str, Verdict]] | None = verdicts()
+        env = self
+        executor = CgroupExecutor(CgroupLayout(self.root))
+        config = ManagerConfig(dry_run=dry_run, reserved_cores=0.5, node_name="n1")
+        init = StrategyInit(name="interference", args=args or {}, key_path="strategies[4].args", config=config,
+                            topology=TOPOLOGY, executor=executor, shared={TASKS: {}})
+        self.strategy = interference(init)
+        self.strategy._verdicts = lambda: env.verdicts  # the task's snapshot, driven by the test
+        suppress = builtin.cpu_suppress(init)
+        self.manager = QoSManager(reader=self.store, pods=lambda: [LS, BE], topology=TOPOLOGY, executor=executor,
+                                  evictor=CriEvictor(self.runtime), rules=lambda: parse_rules(RULES), config=config,
+                                  clock=lambda: env.now, strategies=[suppress, self.strategy])
+
+    def usage(self) -> None:
+        self.store.write([
+            Sample(model.NODE_CPU_USAGE, 3.0, ts=self.now - 0.5), Sample(model.NODE_MEMORY_USED, 100.0,
+                                                                         ts=self.now - 0.5),
+            Sample(model.NODE_MEMORY_TOTAL, 1000.0, ts=self.now - 0.5),
+            Sample(model.POD_CPU_USAGE, 1.0, labels(pod_uid=LS.uid), self.now - 0.5),
+            Sample(model.POD_CPU_USAGE, 2.0, labels(pod_uid=BE.uid), self.now - 0.5),
+        ])
+
+    def quota(self) -> str:
+        return (self.root / "cpu" / BE_DIR / "cpu.cfs_quota_us").read_text().strip()
+
+    async def round(self) -> Any:
+        self.usage()
+        result = await self.manager.run_once()
+        self.now += 1
+        return result
+
+
+@pytest.fixture
+def envs(tmp_path: Path) -> Iterator[Any]:
+    made: list[Env] = []
+
+    def make(**kw: Any) -> Env:
+        env = Env(tmp_path / str(len(made)), **kw)
+        made.append(env)
+        return env
+
+    yield make
+    for env in made:
+        env.store.close()
+
+
+@pytest.mark.asyncio
+async def test_confirmed_cpu_caps_be_below_suppress_and_clearing_gives_it_back(envs: Any) -> None:
+    env = envs()
+    await env.round()
+    suppressed = int(env.quota())
+    assert suppressed > 50_000  # usage-based suppression alone: 8 x 65% - 1 - reserved
+    env.verdicts = verdicts(cpu=Level.SUSPECTED)
+    await env.round()
+    assert int(env.quota()) == suppressed  # suspected: no action
+    env.verdicts = verdicts(cpu=Level.CONFIRMED)
+    with capture_logs() as logs:
+        await env.round()
+    assert env.quota() == "50000"  # 0.5 core: the cap wins the conflict on the tier quota
+    applied = env.manager.explain()["strategies"]["interference"]["applied"]
+    assert [(a["value"], a["result"]) for a in applied] == [(50000, "written")]
+    audit = [e for e in logs if e["event"] == "interference_action"]
+    assert [(a["action"], a["dry_run"], a["victims"], a["culprits"]) for a in audit] == [
+        ("cap_be_cpu", False, ["ns/a"], ["ns/c"])]
+    env.now += 30  # suppress would now grow BE back (out of its dead band): the cap still wins
+    await env.round()
+    assert env.quota() == "50000"
+    rejected = env.manager.explain()["strategies"]["cpu_suppress"]["rejected"]
+    assert rejected and rejected[0]["winner"] == "interference"
+    env.verdicts = verdicts()
+    await env.round()
+    assert env.quota() == "50000"  # held: lifting the cap at once would bring interference back
+    env.now += 30
+    with capture_logs() as logs:
+        await env.round()
+    assert int(env.quota()) == suppressed  # the quota found before the cap
+    assert [e["action"] for e in logs if e["event"] == "interference_action"] == ["release_be_cpu"]
+    await env.round()
+    assert int(env.quota()) > 50_000  # suppress alone again
+
+
+@pytest.mark.asyncio
+async def test_memory_verdict_evicts_the_top_culprit_once_per_cool_down(envs: Any) -> None:
+    env = envs(args={"memory_cool_down": "30s"})
+    env.verdicts = verdicts(memory=Level.CONFIRMED)
+    await env.round()
+    assert env.runtime.stopped == ["cc"]
+    plan = env.manager.explain()["strategies"]["interference"]["plan"]
+    assert "evict top culprit ns/c" in plan["reason"]
+    await env.round()
+    assert env.runtime.stopped == ["cc"]
+    assert "cooling down" in env.manager.explain()["strategies"]["interference"]["plan"]["reason"]
+
+
+@pytest.mark.asyncio
+async def test_dry_run_audits_and_writes_nothing(envs: Any) -> None:
+    env = envs(dry_run=True)
+    env.verdicts = verdicts(cpu=Level.CONFIRMED, memory=Level.CONFIRMED)
+    with capture_logs() as logs:
+        await env.round()
+    assert env.quota() == "-1" and env.runtime.stopped == []
+    assert {(e["action"], e["dry_run"]) for e in logs if e["event"] == "interference_action"} == {
+        ("cap_be_cpu", True), ("evict_be", True)}
+
+
+@pytest.mark.asyncio
+async def test_without_the_analyser_nothing_is_planned(envs: Any) -> None:
+    env = envs()
+    env.verdicts = None
+    await env.round()
+    plan = env.manager.explain()["strategies"]["interference"]["plan"]
+    assert plan["actions"] == [] and "list the interference task" in plan["reason"]
+
+
+@pytest.mark.asyncio
+async def test_release_at_stop_lifts_the_cap(envs: Any) -> None:
+    env = envs()
+    env.verdicts = verdicts(cpu=Level.CONFIRMED)
+    await env.round()
+    assert env.quota() == "50000"
+    env.manager.release()
+    assert env.quota() == "-1"
+
+
+@pytest.mark.parametrize(("args", "key"), [
+    ({"be_cpu_cores": 0}, "strategies[4].args.be_cpu_cores"),
+    ({"memory_evict": "yes"}, "strategies[4].args.memory_evict"),
+    ({"memory_cool_down": "later"}, "strategies[4].args.memory_cool_down"),
+    ({"hold": -3}, "strategies[4].args.hold"),
+    ({"bogus": 1}, "strategies[4].args.bogus"),
+])
+def test_bad_args_name_the_key(args: dict[str, Any], key: str) -> None:
+    init = StrategyInit(name="interference", args=args, key_path="strategies[4].args", config=ManagerConfig(),
+                        topology=[], executor=CgroupExecutor(CgroupLayout(Path("/nonexistent"), version=1)))
+    with pytest.raises(HookConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        interference(init)
+
+
+def test_factory_builds_a_strategy() -> None:
+    init = StrategyInit(name="interference", args={}, key_path="s", config=ManagerConfig(), topology=[],
+                        executor=CgroupExecutor(CgroupLayout(Path("/nonexistent"), version=1)))
+    built = interference(init)
+    assert isinstance(built, Interference) and built.be_cpu_cores == 0.5
+
+
+@pytest.mark.asyncio
+async def test_be_cpus_also_confines_be_and_gives_the_cpus_back(envs: Any) -> None:
+    env = envs(args={"be_cpus": 2, "hold": "5s"})
+    cpus = env.root / "cpuset" / BE_DIR / "cpuset.cpus"
+    pod_cpus = env.root / "cpuset" / BE.cgroup_dir / "cpuset.cpus"
+    env.verdicts = verdicts(cpu=Level.CONFIRMED)
+    await env.round()
+    assert cpus.read_text().strip() == "6-7" and pod_cpus.read_text().strip() == "6-7"
+    assert env.quota() == "50000"
+    env.verdicts = verdicts()
+    env.now += 5
+    await env.round()
+    assert cpus.read_text().strip() == "0-7" and pod_cpus.read_text().strip() == "0-7"
+
+
+def test_be_cpus_must_be_a_count() -> None:
+    init = StrategyInit(name="interference", args={"be_cpus": -1}, key_path="s.args", config=ManagerConfig(),
+                        topology=[], executor=CgroupExecutor(CgroupLayout(Path("/nonexistent"), version=1)))
+    with pytest.raises(HookConfigError, match=r"s\.args\.be_cpus"):
+        interference(init)

@@ -1,0 +1,239 @@
+"""The interference analyser's decisions on synthetic signal histories."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytest
+
+from hooks.qos import QoSClass
+from metrics import model
+from metrics.analysis.interference import (
+    CPU,
+    MEMORY,
+    BEUsage,
+    InterferenceAnalyser,
+    Level,
+    Observation,
+    PodRef,
+    Verdict,
+)
+from metrics.analysis.interference_signals import SignalReader
+from metrics.model import ContainerView, PodView, Sample
+from metrics.store.tsdb import TSDB
+
+LS = PodRef("ls-uid", "default", "web", QoSClass.LS)
+BE1 = PodRef("be1-uid", "batch", "hog-1", QoSClass.BE)
+BE2 = PodRef("be2-uid", "batch", "hog-2", QoSClass.BE)
+MiB = 2**20
+
+
+def obs(now: float, signals: Mapping[str, float], be: tuple[BEUsage, ...] = (), **kw: object) -> Observation:
+    return Observation(now, (LS, BE1, BE2), {LS.uid: dict(signals)}, be=be, **kw)  # type: ignore[arg-type]
+
+
+def quiet_be(_t: float) -> tuple[BEUsage, ...]:
+    return (BEUsage(BE1, 0.05, 2000 * MiB), BEUsage(BE2, 0.02, 50 * MiB))
+
+
+def busy_be(_t: float) -> tuple[BEUsage, ...]:
+    return (BEUsage(BE1, 1.5, 2000 * MiB), BEUsage(BE2, 3.0, 50 * MiB))
+
+
+def run(analyser: InterferenceAnalyser, start: float, seconds: int, signals: Callable[[float], Mapping[str, float]],
+        be: Callable[[float], tuple[BEUsage, ...]] = quiet_be) -> list[dict[str, Verdict]]:
+    out = []
+    for i in range(seconds):
+        t = start + i
+        out.append(analyser.step(obs(t, signals(t), be(t)))[LS.uid])
+    return out
+
+
+def levels(history: list[dict[str, Verdict]], resource: str = CPU) -> list[Level]:
+    return [v[resource].level for v in history]
+
+
+def noisy(rng: random.Random, base: float = 0.0005, jitter: float = 0.0002) -> Callable[[float], dict[str, float]]:
+    """Schedule-latency p99 and CPU PSI with noise and rare outliers, never interference."""
+    def signals(_t: float) -> dict[str, float]:
+        p99 = max(0.0, rng.gauss(base, jitter))
+        if rng.random() < 0.02:  # a lone outlier every ~50 s
+            p99 += 0.01
+        return {"sched_latency_p99": p99, "cpu_psi": max(0.0, rng.gauss(2.0, 1.0)),
+                "cpu_throttled": 0.0, "memory_psi": max(0.0, rng.gauss(0.5, 0.3))}
+    return signals
+
+
+@pytest.fixture
+def learnt() -> InterferenceAnalyser:
+    """An analyser that has seen 2 quiet minutes of the LS pod."""
+    analyser = InterferenceAnalyser()
+    run(analyser, 0.0, 120, noisy(random.Random(1)))
+    return analyser
+
+
+def test_noisy_history_with_busy_be_pods_gives_no_verdict() -> None:
+    """Ten minutes of noise, lone outliers, and BE pods burning CPU the LS pod does not
+    feel: never a verdict on any step."""
+    analyser = InterferenceAnalyser()
+    history = run(analyser, 0.0, 600, noisy(random.Random(7)), busy_be)
+    assert set(levels(history)) == {Level.NONE}
+    assert set(levels(history, MEMORY)) == {Level.NONE}
+
+
+def test_sustained_cpu_interference_is_suspected_then_confirmed_with_ranked_culprits(
+        learnt: InterferenceAnalyser) -> None:
+    history = run(learnt, 120.0, 8, lambda t: {"sched_latency_p99": 0.02, "cpu_psi": 40.0}, busy_be)
+    assert levels(history) == [Level.NONE, Level.NONE, Level.SUSPECTED, Level.SUSPECTED,
+                               Level.CONFIRMED, Level.CONFIRMED, Level.CONFIRMED, Level.CONFIRMED]
+    verdict = history[-1][CPU]
+    assert verdict.since == 120.0
+    assert [c.pod.name for c in verdict.culprits] == ["hog-2", "hog-1"]  # by CPU usage
+    signals = {e.signal: e for e in verdict.evidence}
+    assert set(signals) == {"sched_latency_p99", "cpu_psi"}
+    p99 = signals["sched_latency_p99"]
+    assert 0.0003 < p99.baseline < 0.0007  # the quiet median it learnt
+    assert p99.value == 0.02 and p99.ratio > 5
+    assert history[-1][MEMORY].level is Level.NONE
+
+
+def test_a_spike_shorter_than_the_minimum_duration_is_no_verdict(learnt: InterferenceAnalyser) -> None:
+    base = noisy(random.Random(3))
+
+    def spiky(t: float) -> dict[str, float]:
+        return {**base(t), "sched_latency_p99": 0.05} if t in (130.0, 150.0, 151.0, 152.0) else base(t)
+
+    history = run(learnt, 120.0, 60, spiky, busy_be)
+    assert Level.CONFIRMED not in levels(history)
+    # one step: nothing; three steps: suspected at most (never confirmed).
+    assert levels(history)[10] is Level.NONE
+    assert Level.SUSPECTED in levels(history)[30:33]
+
+
+def test_without_be_activity_interference_stays_suspected(learnt: InterferenceAnalyser) -> None:
+    history = run(learnt, 120.0, 20, lambda t: {"sched_latency_p99": 0.02}, quiet_be)
+    assert levels(history)[-1] is Level.SUSPECTED
+    assert Level.CONFIRMED not in levels(history)
+    assert "no BE activity" in history[-1][CPU].reason
+
+
+def test_hysteresis_on_the_way_back(learnt: InterferenceAnalyser) -> None:
+    run(learnt, 120.0, 6, lambda t: {"sched_latency_p99": 0.02}, busy_be)
+    median, enter, leave = learnt.thresholds(LS.uid, "sched_latency_p99")
+    assert median < leave < enter
+    between = (leave + enter) / 2
+    # Between the exit and the entry threshold: still confirmed, however long.
+    history = run(learnt, 126.0, 30, lambda t: {"sched_latency_p99": between}, busy_be)
+    assert set(levels(history)) == {Level.CONFIRMED}
+    # Quiet again: confirmed until clear_after (10 s) has passed, then none.
+    history = run(learnt, 156.0, 12, lambda t: {"sched_latency_p99": median}, busy_be)
+    assert levels(history)[:9] == [Level.CONFIRMED] * 9
+    assert "cleared" in history[9][CPU].reason
+    assert set(levels(history)[9:]) == {Level.NONE}
+
+
+def test_the_baseline_is_the_pods_own(learnt: InterferenceAnalyser) -> None:
+    """A pod whose latency is normally 8 ms is not interfered at 12 ms; one at 0.5 ms is."""
+    slow = InterferenceAnalyser()
+    rng = random.Random(5)
+    run(slow, 0.0, 120, lambda t: {"sched_latency_p99": rng.gauss(0.008, 0.0005)})
+    assert set(levels(run(slow, 120.0, 20, lambda t: {"sched_latency_p99": 0.012}, busy_be))) == {Level.NONE}
+    assert levels(run(learnt, 120.0, 20, lambda t: {"sched_latency_p99": 0.012}, busy_be))[-1] is Level.CONFIRMED
+
+
+def test_a_slow_signal_read_every_step_counts_once(learnt: InterferenceAnalyser) -> None:
+    """PSI collected every 10 s is read at every 1 s step: one sample, no verdict, until
+    a second anomalous sample arrives."""
+    history = []
+    for i in range(10):
+        t = 120.0 + i
+        stamps = {LS.uid: {"cpu_psi": 119.5}}
+        history.append(learnt.step(obs(t, {"cpu_psi": 60.0}, busy_be(t), stamps=stamps))[LS.uid])
+    assert set(levels(history)) == {Level.NONE}
+    step = learnt.step(obs(130.0, {"cpu_psi": 60.0}, busy_be(130.0), stamps={LS.uid: {"cpu_psi": 129.5}}))
+    assert step[LS.uid][CPU].level is Level.CONFIRMED
+
+
+def test_memory_interference_names_the_growing_be_pod(learnt: InterferenceAnalyser) -> None:
+    def growing(t: float) -> tuple[BEUsage, ...]:
+        return (BEUsage(BE1, 0.1, 2000 * MiB), BEUsage(BE2, 0.1, (100 + 50 * (t - 120)) * MiB))
+
+    history = run(learnt, 120.0, 8, lambda t: {"memory_psi": 30.0, "sched_latency_p99": 0.0005}, growing)
+    assert levels(history, MEMORY)[-1] is Level.CONFIRMED
+    assert history[-1][MEMORY].culprits[0].pod.name == "hog-2"  # grew, though hog-1 uses more
+    assert levels(history)[-1] is Level.NONE
+
+
+def test_memory_signal_without_be_growth_or_node_pressure_is_not_confirmed(learnt: InterferenceAnalyser) -> None:
+    history = run(learnt, 120.0, 10, lambda t: {"memory_psi": 30.0}, quiet_be)
+    assert levels(history, MEMORY)[-1] is Level.SUSPECTED
+    high = obs(130.0, {"memory_psi": 30.0}, (BEUsage(BE1, 0.1, 1024 * MiB),), node_memory_used=95.0,
+               node_memory_total=100.0)
+    assert learnt.step(high)[LS.uid][MEMORY].level is Level.CONFIRMED
+
+
+def test_pods_gone_are_forgotten_and_be_pods_are_not_judged(learnt: InterferenceAnalyser) -> None:
+    out = learnt.step(Observation(200.0, (BE1,), {}, be=(BEUsage(BE1, 1.0, 1.0),)))
+    assert out == {}
+    fresh = learnt.step(obs(201.0, {"sched_latency_p99": 0.05}, busy_be(201.0)))
+    assert fresh[LS.uid][CPU].level is Level.NONE  # a new baseline: warming up, not judged
+    assert "learning baselines: sched_latency_p99 1/20" in fresh[LS.uid][CPU].reason
+    assert learnt.thresholds(LS.uid, "sched_latency_p99")[0] == 0.0
+
+
+# --- reading the store -------------------------------------------------------------------
+
+def _view(uid: str, qos: QoSClass, quota: int = 200_000) -> PodView:
+    return PodView(uid=uid, namespace="ns", name=uid, sandbox_id=uid, qos=qos, priority=0, priority_class="",
+                   cgroup_dir=f"kubepods/{uid}",
+                   containers=(ContainerView(f"c-{uid}", "main", f"kubepods/{uid}/c", cpu_quota=quota),))
+
+
+def test_signal_reader_reads_pod_container_and_node_series(tmp_path: Path) -> None:
+    now = 1000.0
+    db = TSDB(tmp_path / "metrics.db", clock=lambda: now)
+    psi = {model.KIND: "some", model.WINDOW: "avg10"}
+    db.write([
+        Sample(model.CONTAINER_SCHED_LATENCY_P99, 0.004,
+               model.labels(pod_uid="ls", container_id="c-ls", source="ebpf"), now - 1),
+        Sample(model.CONTAINER_SCHED_LATENCY, 0.001, model.labels(pod_uid="ls", container_id="c-ls", source="ebpf"),
+               now - 1),
+        Sample(model.POD_PSI, 12.0, model.labels(pod_uid="ls", resource="cpu", **psi), now - 2),
+        Sample(model.NODE_PSI, 3.0, model.labels(resource="memory", **psi), now - 2),
+        Sample(model.POD_CPU_THROTTLED, 0.25, model.labels(pod_uid="ls"), now - 1),
+        Sample(model.POD_CPU_USAGE, 2.5, model.labels(pod_uid="be"), now - 1),
+        Sample(model.POD_MEMORY_USED, 3e8, model.labels(pod_uid="be"), now - 1),
+        Sample(model.POD_CPU_USAGE, 9.0, model.labels(pod_uid="old"), now - 100),  # stale
+    ])
+    db.flush()
+    reader = SignalReader(db)
+    seen = reader.observe([_view("ls", QoSClass.LS), _view("be", QoSClass.BE), _view("old", QoSClass.BE)], now)
+    assert seen.signals["ls"] == {"sched_latency_p99": 0.004, "cpu_psi": 12.0, "memory_psi": 3.0,
+                                  "cpu_throttled": 0.25}
+    assert seen.sources["ls"]["memory_psi"] == "node" and seen.sources["ls"]["cpu_psi"] == "pod"
+    assert seen.stamps["ls"]["cpu_psi"] == now - 2
+    assert [(b.pod.uid, b.cpu, b.memory) for b in seen.be] == [("be", 2.5, 3e8), ("old", None, None)]
+    unlimited = reader.observe([_view("ls", QoSClass.LS, quota=0)], now)
+    assert "cpu_throttled" not in unlimited.signals["ls"]  # no CPU limit: never throttled, not read
+    db.close()
+
+
+def test_signal_reader_reads_a_series_once_per_collection_period(tmp_path: Path) -> None:
+    db = TSDB(tmp_path / "metrics.db", clock=lambda: 0.0)
+    lbls = model.labels(pod_uid="ls", resource="cpu", kind="some", window="avg10")
+    reader = SignalReader(db)
+    pods = [_view("ls", QoSClass.LS, quota=0)]
+    counts = []
+    for t in range(1000, 1031):
+        if t % 10 == 0:
+            db.write([Sample(model.POD_PSI, float(t), lbls, float(t))])
+        seen = reader.observe(pods, float(t) + 0.5)
+        assert seen.signals["ls"]["cpu_psi"] == float(t - t % 10)
+        counts.append(reader.reads)
+    per_step = [b - a for a, b in itertools.pairwise(counts)]
+    # learning the 10 s period, then one read of it per 10 steps (plus the node PSI/memory reads)
+    assert per_step[-10:].count(max(per_step[-10:])) == 1
+    db.close()
