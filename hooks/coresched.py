@@ -41,7 +41,9 @@ Support is detected once, at the first pod that needs a cookie (``detect``: one
 would have got one shows it once in ``explain`` (``not applied`` with the reason).
 
 args: ``cgroup_driver``, ``cgroup_version`` (as every cgroup hook), ``dry_run``
-(bool, default false: plans reported ``(dry-run, not written)``, nothing done).
+(bool, default false: nothing done; each planned change reported once per planned
+value, ``(dry-run, not written)`` in ``explain`` and one ``hook_dry_run`` log line, as
+every hook's dry-run, ``hooks.dryrun``).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ import structlog
 
 from hooks.cgroups import CPU_IDLE, CgroupError, CgroupLayout, NotSupportedError, pod_cgroup_dir
 from hooks.coreschedsys import DEFAULT_COOKIE, CookieOps, CoreSchedSys, LibcCoreSched, Support, detect
-from hooks.dryrun import DryRunLedger, dry_run_arg
+from hooks.dryrun import DryRunLedger, dry_run_arg, planned_writes
 from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
 from hooks.proctasks import container_procs
@@ -167,7 +169,7 @@ class CoreSched:
         self._groups: OrderedDict[str, _Group] = OrderedDict()
         self._containers: OrderedDict[str, str] = OrderedDict()  # "<pod uid>/<container id>" -> group
         self._noted: OrderedDict[str, None] = OrderedDict()  # pods told "unsupported" in explain
-        self._ledger = DryRunLedger()
+        self._ledger = DryRunLedger("core-sched")
         self._idle_absent = False  # no cpu.idle in the kube-QoS tiers (found at the first try)
         self._idle_absent_logged = False
 
@@ -321,8 +323,7 @@ class CoreSched:
         _bound(self._containers)
 
     def _planned(self, what: str, plan: str, reason: str) -> list[HostWrite]:
-        planned = self._ledger.planned(what, "", plan, reason)
-        return [planned] if planned is not None else []
+        return list(self._ledger.report([HostWrite(what, "", plan, reason)]))
 
     @staticmethod
     def _wrote(what: str, cookies: dict[int, int | None], done: list[int], failed: list[int], cookie: int,
@@ -358,12 +359,10 @@ class CoreSched:
         reason = (f"cpuPolicy coreSched: kube-QoS tier {tier} cpu.idle {value} (class cpuQOS.schedIdle)"
                   if core_sched else f"cpuPolicy is not coreSched: kube-QoS tier {tier} cpu.idle reset to 0")
         try:
+            updates = [Update(tier, CPU_IDLE, value, reason, source)]
             if self.dry_run:
-                current = self.executor.read(tier, CPU_IDLE, source)
-                if current.strip() == str(value):
-                    return []
-                return self._planned(str(self.executor.path(tier, CPU_IDLE, source)), str(value), reason)
-            return list(host_writes(self.executor.apply([Update(tier, CPU_IDLE, value, reason, source)])))
+                return list(self._ledger.report(planned_writes(self.executor, updates), pod=pod_name(pod)))
+            return list(host_writes(self.executor.apply(updates)))
         except NotSupportedError:
             self._idle_absent = True
             if core_sched:
