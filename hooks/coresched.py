@@ -56,18 +56,17 @@ from typing import Any, Final
 
 import structlog
 
-from hooks.cgroups import CPU_IDLE, CgroupError, CgroupLayout, NotSupportedError, pod_cgroup_dir
+from hooks.cgroups import CPU_IDLE, CgroupError, NotSupportedError, pod_cgroup_dir
 from hooks.coreschedsys import DEFAULT_COOKIE, CookieOps, CoreSchedSys, LibcCoreSched, Support, detect
 from hooks.dryrun import DryRunLedger, dry_run_arg, planned_writes
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_args, host_writes, reject_unknown
+from hooks.hookargs import cgroup_layout, host_writes, reject_unknown
 from hooks.proctasks import container_procs
 from hooks.qos import QOS_LABEL, KubeQoS, QoSClass, kube_qos_from_cgroup_parent, parse_qos_label, pod_name
 from hooks.rules import CPUQOS, LiveRules, Rules
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
-    HookConfigError,
     HookError,
     HookInit,
     HostWrite,
@@ -154,13 +153,9 @@ class CoreSched:
     def __init__(self, init: HookInit, *, sys: CoreSchedSys | None = None) -> None:
         args: dict[str, Any] = dict(init.args)
         reject_unknown(init, args, _ARGS)
-        driver, version = cgroup_args(init, args)
         self.dry_run = dry_run_arg(init, args)
         self._rules = LiveRules(init)
-        try:
-            self.layout = CgroupLayout(init.host.cgroup, version, driver)
-        except CgroupError as exc:
-            raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
+        self.layout = cgroup_layout(init, args)
         self.executor = CgroupExecutor(self.layout)
         self._sys = sys
         self._ops: CookieOps | None = None

@@ -35,6 +35,16 @@ def cgroup_args(init: HookInit, args: Mapping[str, Any]) -> tuple[Driver, Versio
     return driver, version
 
 
+def cgroup_layout(init: HookInit, args: Mapping[str, Any]) -> CgroupLayout:
+    """``cgroup_driver`` / ``cgroup_version`` checked and the host's cgroup tree opened
+    with them; a tree that does not fit is an error naming ``cgroup_version``."""
+    driver, version = cgroup_args(init, args)
+    try:
+        return CgroupLayout(init.host.cgroup, version, driver)
+    except CgroupError as exc:
+        raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
+
+
 def open_executor(root: Path, version: Version | Literal["auto"], driver: Driver, pod: PodInfo) -> CgroupExecutor:
     """An executor built on first use (hooks that may run without a cgroup tree);
     a missing or unusable tree is a HookError naming the pod that needed it."""

@@ -55,14 +55,13 @@ from hooks.cgroups import (
     MEMORY_LIMIT,
     CgroupError,
     CgroupGoneError,
-    CgroupLayout,
     Resource,
     container_cgroup_dir,
     pod_cgroup_dir,
 )
 from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason, planned_writes
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_args, host_writes, reject_unknown
+from hooks.hookargs import cgroup_layout, host_writes, reject_unknown
 from hooks.memoryqoscalc import (
     EXTRAS,
     MEMORY_HIGH,
@@ -141,7 +140,6 @@ class MemoryQoS:
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
         reject_unknown(init, args, _ARGS)
-        driver, version = cgroup_args(init, args)
         allocatable = args.get("node_allocatable_memory")
         if allocatable is not None and (isinstance(allocatable, bool) or not isinstance(allocatable, int)
                                         or allocatable <= 0):
@@ -151,10 +149,7 @@ class MemoryQoS:
         self._allocatable: int | None = allocatable
         self._meminfo = init.host.proc / "meminfo"
         self._rules = LiveRules(init)
-        try:
-            self.executor = CgroupExecutor(CgroupLayout(init.host.cgroup, version, driver))
-        except CgroupError as exc:
-            raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
+        self.executor = CgroupExecutor(cgroup_layout(init, args))
         self._lock = threading.Lock()
         self._support: Support | None = None
         self._pods: dict[str, _PodRecord] = {}

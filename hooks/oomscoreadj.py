@@ -43,12 +43,12 @@ from typing import Any, Final
 
 import structlog
 
-from hooks.cgroups import CgroupError, CgroupLayout
+from hooks.cgroups import CgroupError
 from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason
-from hooks.hookargs import cgroup_args, reject_unknown
+from hooks.hookargs import cgroup_layout, reject_unknown
 from hooks.proctasks import ProcessGoneError, ProcFile, container_procs
 from hooks.qos import pod_name
-from runtimeproxy.hookapi import ContainerContext, ContainerPatch, HookConfigError, HookError, HookInit, HostWrite
+from runtimeproxy.hookapi import ContainerContext, ContainerPatch, HookError, HookInit, HostWrite
 
 OOM_SCORE_ADJ_SPEC: Final = "koordinator.sh/oom-score-adj-spec"
 OOM_SCORE_ADJ: Final = "koordinator.sh/oom-score-adj"
@@ -124,12 +124,8 @@ class OOMScoreAdj:
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
         reject_unknown(init, args, _ARGS)
-        driver, version = cgroup_args(init, args)
         self.dry_run = dry_run_arg(init, args)
-        try:
-            self.layout = CgroupLayout(init.host.cgroup, version, driver)
-        except CgroupError as exc:
-            raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
+        self.layout = cgroup_layout(init, args)
         self.proc = ProcFile(init.host.proc, "oom_score_adj")
         self._ledger = DryRunLedger("oom-score-adj")
         self._lock = threading.Lock()
