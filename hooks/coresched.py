@@ -138,6 +138,15 @@ def pod_group(rules: Rules, pod: PodInfo) -> tuple[bool, str] | None:
     return enabled, group
 
 
+def _inputs(rules: Rules, pod: PodInfo) -> str:
+    """What decided a pod's group, for explain."""
+    params = _class_params(rules, pod)
+    shown = " ".join(f"{k}={pod.labels.get(k, '')!r}" for k in (QOS_LABEL, GROUP_LABEL, POLICY_LABEL))
+    kube = kube_qos_from_cgroup_parent(pod.cgroup_parent)
+    return (f"cpuPolicy coreSched, kube QoS {kube.value if kube is not None else 'unknown'}, "
+            f"class cpuQOS.coreExpeller {params.core_expeller if params else None}, labels {shown}")
+
+
 def tier_idle(rules: Rules, pod: PodInfo) -> int:
     """``cpu.idle`` of the pod's kube-QoS tier (koordlet ``IsKubeQOSCPUIdle``)."""
     if rules.policies.cpu_policy != "coreSched":
@@ -222,10 +231,11 @@ class CoreSched:
         what = f"core-sched cookie of pod {pod_name(pod)} container {name}"
         with self._lock:
             if enabled:
-                return self._enable(self._ops, key, group, pids, what)
+                return self._enable(self._ops, key, group, pids, what, _inputs(self.rules, pod))
             return self._disable(self._ops, key, pids, what)
 
-    def _enable(self, ops: CookieOps, key: str, group: str, pids: list[int], what: str) -> list[HostWrite]:
+    def _enable(self, ops: CookieOps, key: str, group: str, pids: list[int], what: str,
+                inputs: str) -> list[HostWrite]:
         cookies = {pid: ops.get(pid) for pid in pids}
         alive = [pid for pid in pids if cookies[pid] is not None]
         if not alive:
@@ -234,7 +244,7 @@ class CoreSched:
         if last is not None and last != group and last in self._groups:
             self._groups[last].pids.difference_update(alive)
         entry = self._groups.get(group)
-        reason = f"core-sched group {group!r}: {len(alive)} process(es) share its cookie"
+        reason = f"core-sched group {group!r} ({inputs}): {len(alive)} process(es) share its cookie"
         if entry is not None:
             todo = [pid for pid in alive if cookies[pid] != entry.cookie]
             if not todo:
