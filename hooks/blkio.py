@@ -36,9 +36,9 @@ this node is a HookError naming ``…blkioQOS.blocks[i].name`` and the value (no
 written for the pod; repeats are logged below warning). Nothing is written while no
 class enables ``blkioQOS``.
 
-args: ``cgroup_driver``, ``cgroup_version``, ``dry_run`` (plans logged once per
-change as ``blkio_dry_run``, nothing written; at PreRunPodSandbox the patch reports the
-planned writes marked "dry-run: not written", for ``explain``).
+args: ``cgroup_driver``, ``cgroup_version``, ``dry_run`` (nothing written; each planned
+write reported once per planned value, ``(dry-run, not written)`` in ``explain`` and one
+``hook_dry_run`` log line, as every hook's dry-run, ``hooks.dryrun``).
 """
 
 from __future__ import annotations
@@ -52,14 +52,15 @@ import structlog
 from hooks.blkiodev import (
     DeviceError,
 )
-from hooks.blkioplan import Support, block_field, block_updates, detect_support, removal_updates
+from hooks.blkioplan import SaidOnce, Support, block_field, block_updates, detect_support, device_block, removal_updates
 from hooks.blkiorules import BlkioBlock
-from hooks.cgroups import CgroupError, CgroupLayout, pod_cgroup_dir
+from hooks.cgroups import CgroupError, pod_cgroup_dir
+from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason, planned_writes
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_args, host_writes, planned_writes, reject_unknown
+from hooks.hookargs import cgroup_layout, host_writes, reject_unknown
 from hooks.qos import QoSClass, pod_name
 from hooks.rules import LiveRules, Rules
-from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostRoots, PodContext, PodInfo, PodPatch
+from runtimeproxy.hookapi import HookError, HookInit, HostRoots, PodContext, PodInfo, PodPatch
 
 _ARGS: Final = frozenset({"cgroup_driver", "cgroup_version", "dry_run"})
 _CLASSES: Final = (QoSClass.LSR, QoSClass.LS, QoSClass.BE, QoSClass.SYSTEM)
@@ -73,23 +74,16 @@ class Blkio:
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
         reject_unknown(init, args, _ARGS)
-        driver, version = cgroup_args(init, args)
-        dry_run = args.get("dry_run", False)
-        if not isinstance(dry_run, bool):
-            raise HookConfigError(f"{init.key_path}.dry_run", dry_run, "expected true or false")
-        self.dry_run = dry_run
+        self.dry_run = dry_run_arg(init, args)
         self._host: HostRoots = init.host
         self._rules = LiveRules(init)
-        try:
-            self.executor = CgroupExecutor(CgroupLayout(init.host.cgroup, version, driver))
-        except CgroupError as exc:
-            raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
+        self.executor = CgroupExecutor(cgroup_layout(init, args))
         self._lock = threading.Lock()
         self._support: Support | None = None
         #: target cgroup -> devices this hook set limits on (to remove them when a rule drops one).
         self._applied: dict[PurePosixPath, set[str]] = {}
-        self._said: set[str] = set()
-        self._dry_logged: dict[PurePosixPath, tuple[tuple[str, str], ...]] = {}
+        self._once = SaidOnce()
+        self._ledger = DryRunLedger("blkio")
 
     @property
     def rules(self) -> Rules:
@@ -98,13 +92,6 @@ class Blkio:
     @property
     def support(self) -> Support | None:
         return self._support
-
-    def _once(self, key: str) -> bool:
-        with self._lock:
-            if key in self._said:
-                return False
-            self._said.add(key)
-            return True
 
     def _detect(self, pod_dir: PurePosixPath, source: str) -> Support:
         with self._lock:
@@ -125,10 +112,7 @@ class Blkio:
     def _block_updates(self, index: int, block: BlkioBlock, qos: QoSClass, target: PurePosixPath,
                        source: str, support: Support) -> tuple[str, list[Update]] | None:
         where = block_field(qos, index)
-        if block.type != "device":
-            if self._once(f"type:{block.type}:{block.name}"):
-                log.warning("blkio_block_unsupported", block=where, name=block.name, type=block.type,
-                            reason="volumegroup / podvolume need koordlet's local storage inventory; skipped")
+        if not device_block(block, where, self._once):
             return None
         try:
             return block_updates(index, block, qos, target, source, support, self._host.sys)
@@ -179,17 +163,8 @@ class Blkio:
         target, updates, devices = planned
         reason = updates[0].reason
         if self.dry_run:
-            plan = tuple((u.resource.name, str(u.value)) for u in updates)
-            with self._lock:
-                changed = self._dry_logged.get(target) != plan
-                self._dry_logged[target] = plan
-            if changed:
-                log.info("blkio_dry_run", pod=pod_name(pod), target=str(target),
-                         plan=[f"{k}={v}" for k, v in plan])
-            if reconcile:
-                return None
-            return PodPatch(reason=f"dry-run (nothing written): {reason}",
-                            writes=planned_writes(self.executor, updates))
+            dry = self._ledger.report(planned_writes(self.executor, updates), pod=pod_name(pod))
+            return PodPatch(reason=patch_reason(reason), writes=dry) if dry else None
         writes = host_writes(self.executor.apply(updates))
         with self._lock:
             if devices:

@@ -5,10 +5,13 @@ metrics use hooks' shared modules, never a concrete hook)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Final
+
+import structlog
 
 from hooks.blkiodev import THROTTLES, WEIGHT_FILES, io_max, io_max_value, resolve_device, throttle, weight
 from hooks.blkiorules import BlkioBlock
@@ -21,7 +24,35 @@ _CLASS_KEY: Final = {QoSClass.LSE: "lsrClass", QoSClass.LSR: "lsrClass", QoSClas
 #: Class -> its kube-QoS tier (cgroupfs, systemd name): the ``blkio`` QoS strategy's targets.
 TIERS: Final = {QoSClass.BE: ("besteffort", "kubepods-besteffort.slice"),
                 QoSClass.LS: ("burstable", "kubepods-burstable.slice")}
+log = structlog.get_logger("hooks.blkioplan")
+
 _CFG_KEYS: Final = {"read_bps": "readBPS", "write_bps": "writeBPS", "read_iops": "readIOPS", "write_iops": "writeIOPS"}
+
+
+class SaidOnce:
+    """Causes warned about already (a block's problem is said once, not at every pass)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._said: set[str] = set()
+
+    def __call__(self, key: str) -> bool:
+        """True the first time ``key`` comes."""
+        with self._lock:
+            if key in self._said:
+                return False
+            self._said.add(key)
+            return True
+
+
+def device_block(block: BlkioBlock, where: str, once: SaidOnce) -> bool:
+    """Only ``type: device`` blocks are acted on; any other type is skipped, said once."""
+    if block.type == "device":
+        return True
+    if once(f"type:{block.type}:{block.name}"):
+        log.warning("blkio_block_unsupported", block=where, name=block.name, type=block.type,
+                    reason="volumegroup / podvolume need koordlet's local storage inventory; skipped")
+    return False
 
 
 @dataclass(frozen=True, slots=True)

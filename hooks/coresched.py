@@ -41,7 +41,9 @@ Support is detected once, at the first pod that needs a cookie (``detect``: one
 would have got one shows it once in ``explain`` (``not applied`` with the reason).
 
 args: ``cgroup_driver``, ``cgroup_version`` (as every cgroup hook), ``dry_run``
-(bool, default false: plans reported ``(dry-run, not written)``, nothing done).
+(bool, default false: nothing done; each planned change reported once per planned
+value, ``(dry-run, not written)`` in ``explain`` and one ``hook_dry_run`` log line, as
+every hook's dry-run, ``hooks.dryrun``).
 """
 
 from __future__ import annotations
@@ -54,18 +56,17 @@ from typing import Any, Final
 
 import structlog
 
-from hooks.cgroups import CPU_IDLE, CgroupError, CgroupLayout, NotSupportedError, pod_cgroup_dir
+from hooks.cgroups import CPU_IDLE, CgroupError, NotSupportedError, pod_cgroup_dir
 from hooks.coreschedsys import DEFAULT_COOKIE, CookieOps, CoreSchedSys, LibcCoreSched, Support, detect
-from hooks.dryrun import DryRunLedger, dry_run_arg
+from hooks.dryrun import DryRunLedger, dry_run_arg, planned_writes
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_args, host_writes, reject_unknown
+from hooks.hookargs import cgroup_layout, host_writes, reject_unknown
 from hooks.proctasks import container_procs
 from hooks.qos import QOS_LABEL, KubeQoS, QoSClass, kube_qos_from_cgroup_parent, parse_qos_label, pod_name
 from hooks.rules import CPUQOS, LiveRules, Rules
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
-    HookConfigError,
     HookError,
     HookInit,
     HostWrite,
@@ -137,6 +138,15 @@ def pod_group(rules: Rules, pod: PodInfo) -> tuple[bool, str] | None:
     return enabled, group
 
 
+def _inputs(rules: Rules, pod: PodInfo) -> str:
+    """What decided a pod's group, for explain."""
+    params = _class_params(rules, pod)
+    shown = " ".join(f"{k}={pod.labels.get(k, '')!r}" for k in (QOS_LABEL, GROUP_LABEL, POLICY_LABEL))
+    kube = kube_qos_from_cgroup_parent(pod.cgroup_parent)
+    return (f"cpuPolicy coreSched, kube QoS {kube.value if kube is not None else 'unknown'}, "
+            f"class cpuQOS.coreExpeller {params.core_expeller if params else None}, labels {shown}")
+
+
 def tier_idle(rules: Rules, pod: PodInfo) -> int:
     """``cpu.idle`` of the pod's kube-QoS tier (koordlet ``IsKubeQOSCPUIdle``)."""
     if rules.policies.cpu_policy != "coreSched":
@@ -152,13 +162,9 @@ class CoreSched:
     def __init__(self, init: HookInit, *, sys: CoreSchedSys | None = None) -> None:
         args: dict[str, Any] = dict(init.args)
         reject_unknown(init, args, _ARGS)
-        driver, version = cgroup_args(init, args)
         self.dry_run = dry_run_arg(init, args)
         self._rules = LiveRules(init)
-        try:
-            self.layout = CgroupLayout(init.host.cgroup, version, driver)
-        except CgroupError as exc:
-            raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
+        self.layout = cgroup_layout(init, args)
         self.executor = CgroupExecutor(self.layout)
         self._sys = sys
         self._ops: CookieOps | None = None
@@ -167,7 +173,7 @@ class CoreSched:
         self._groups: OrderedDict[str, _Group] = OrderedDict()
         self._containers: OrderedDict[str, str] = OrderedDict()  # "<pod uid>/<container id>" -> group
         self._noted: OrderedDict[str, None] = OrderedDict()  # pods told "unsupported" in explain
-        self._ledger = DryRunLedger()
+        self._ledger = DryRunLedger("core-sched")
         self._idle_absent = False  # no cpu.idle in the kube-QoS tiers (found at the first try)
         self._idle_absent_logged = False
 
@@ -225,10 +231,11 @@ class CoreSched:
         what = f"core-sched cookie of pod {pod_name(pod)} container {name}"
         with self._lock:
             if enabled:
-                return self._enable(self._ops, key, group, pids, what)
+                return self._enable(self._ops, key, group, pids, what, _inputs(self.rules, pod))
             return self._disable(self._ops, key, pids, what)
 
-    def _enable(self, ops: CookieOps, key: str, group: str, pids: list[int], what: str) -> list[HostWrite]:
+    def _enable(self, ops: CookieOps, key: str, group: str, pids: list[int], what: str,
+                inputs: str) -> list[HostWrite]:
         cookies = {pid: ops.get(pid) for pid in pids}
         alive = [pid for pid in pids if cookies[pid] is not None]
         if not alive:
@@ -237,7 +244,7 @@ class CoreSched:
         if last is not None and last != group and last in self._groups:
             self._groups[last].pids.difference_update(alive)
         entry = self._groups.get(group)
-        reason = f"core-sched group {group!r}: {len(alive)} process(es) share its cookie"
+        reason = f"core-sched group {group!r} ({inputs}): {len(alive)} process(es) share its cookie"
         if entry is not None:
             todo = [pid for pid in alive if cookies[pid] != entry.cookie]
             if not todo:
@@ -321,8 +328,7 @@ class CoreSched:
         _bound(self._containers)
 
     def _planned(self, what: str, plan: str, reason: str) -> list[HostWrite]:
-        planned = self._ledger.planned(what, "", plan, reason)
-        return [planned] if planned is not None else []
+        return list(self._ledger.report([HostWrite(what, "", plan, reason)]))
 
     @staticmethod
     def _wrote(what: str, cookies: dict[int, int | None], done: list[int], failed: list[int], cookie: int,
@@ -358,12 +364,10 @@ class CoreSched:
         reason = (f"cpuPolicy coreSched: kube-QoS tier {tier} cpu.idle {value} (class cpuQOS.schedIdle)"
                   if core_sched else f"cpuPolicy is not coreSched: kube-QoS tier {tier} cpu.idle reset to 0")
         try:
+            updates = [Update(tier, CPU_IDLE, value, reason, source)]
             if self.dry_run:
-                current = self.executor.read(tier, CPU_IDLE, source)
-                if current.strip() == str(value):
-                    return []
-                return self._planned(str(self.executor.path(tier, CPU_IDLE, source)), str(value), reason)
-            return list(host_writes(self.executor.apply([Update(tier, CPU_IDLE, value, reason, source)])))
+                return list(self._ledger.report(planned_writes(self.executor, updates), pod=pod_name(pod)))
+            return list(host_writes(self.executor.apply(updates)))
         except NotSupportedError:
             self._idle_absent = True
             if core_sched:

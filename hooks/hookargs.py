@@ -2,7 +2,8 @@
 
 Every hook validates its ``args`` the same way (unknown keys and the cgroup
 driver/version are errors naming ``hooks[i].args.<key>``), and every hook turns
-the executor's writes into the ``HostWrite`` entries ``explain`` shows.
+the executor's writes into the ``HostWrite`` entries ``explain`` shows (dry-run:
+``hooks.dryrun``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from hooks.cgroups import CgroupError, CgroupLayout, Driver, Version, comparable
-from hooks.executor import CgroupExecutor, Update, Write
+from hooks.cgroups import CgroupError, CgroupLayout, Driver, Version
+from hooks.executor import CgroupExecutor, Write
 from hooks.qos import pod_name
 from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostWrite, PodInfo
 
@@ -34,6 +35,16 @@ def cgroup_args(init: HookInit, args: Mapping[str, Any]) -> tuple[Driver, Versio
     return driver, version
 
 
+def cgroup_layout(init: HookInit, args: Mapping[str, Any]) -> CgroupLayout:
+    """``cgroup_driver`` / ``cgroup_version`` checked and the host's cgroup tree opened
+    with them; a tree that does not fit is an error naming ``cgroup_version``."""
+    driver, version = cgroup_args(init, args)
+    try:
+        return CgroupLayout(init.host.cgroup, version, driver)
+    except CgroupError as exc:
+        raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
+
+
 def open_executor(root: Path, version: Version | Literal["auto"], driver: Driver, pod: PodInfo) -> CgroupExecutor:
     """An executor built on first use (hooks that may run without a cgroup tree);
     a missing or unusable tree is a HookError naming the pod that needed it."""
@@ -47,21 +58,3 @@ def host_writes(writes: Sequence[Write]) -> tuple[HostWrite, ...]:
     """Only files whose value changed: an idempotent re-apply reports nothing."""
     return tuple(HostWrite(str(w.target_path), w.old or "", w.new, w.reason) for w in writes if w.changed)
 
-
-def planned_writes(executor: CgroupExecutor, updates: Sequence[Update]) -> tuple[HostWrite, ...]:
-    """Dry-run: what ``executor.apply(updates)`` would change, without writing. Files whose
-    value differs, ``new`` marked as not written, so ``explain`` shows the plan."""
-    version = executor.layout.version
-    out: list[HostWrite] = []
-    for update in updates:
-        value = update.resource.check(update.value)
-        path = executor.path(update.cgroup, update.resource, update.source)
-        old = executor.read(update.cgroup, update.resource, update.source)
-        try:
-            same = update.resource.parse(old, version) == comparable(update.resource, value, version)
-        except (ValueError, IndexError):
-            same = False
-        if not same:
-            new = update.resource.render(value, version, old)
-            out.append(HostWrite(str(path), old, f"{new} (dry-run: not written)", update.reason))
-    return tuple(out)

@@ -36,9 +36,9 @@ None values back (min 0, low 0, high max).
 
 args: ``cgroup_driver``, ``cgroup_version`` (as every cgroup hook),
 ``node_allocatable_memory`` (bytes, default: MemTotal), ``dry_run`` (bool, default
-false: plans are computed and logged, ``memory_qos_dry_run``, nothing is written; at
-PostStartContainer the patch reports the planned writes, marked "dry-run: not written",
-so ``explain`` shows them).
+false: nothing is written; each planned write is reported once per planned value,
+``(dry-run, not written)`` in ``explain`` and one ``hook_dry_run`` log line, as every
+hook's dry-run, ``hooks.dryrun``).
 """
 
 from __future__ import annotations
@@ -55,13 +55,13 @@ from hooks.cgroups import (
     MEMORY_LIMIT,
     CgroupError,
     CgroupGoneError,
-    CgroupLayout,
     Resource,
     container_cgroup_dir,
     pod_cgroup_dir,
 )
+from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason, planned_writes
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_args, host_writes, planned_writes, reject_unknown
+from hooks.hookargs import cgroup_layout, host_writes, reject_unknown
 from hooks.memoryqoscalc import (
     EXTRAS,
     MEMORY_HIGH,
@@ -140,27 +140,20 @@ class MemoryQoS:
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
         reject_unknown(init, args, _ARGS)
-        driver, version = cgroup_args(init, args)
         allocatable = args.get("node_allocatable_memory")
         if allocatable is not None and (isinstance(allocatable, bool) or not isinstance(allocatable, int)
                                         or allocatable <= 0):
             raise HookConfigError(f"{init.key_path}.node_allocatable_memory", allocatable,
                                   "expected a positive number of bytes")
-        dry_run = args.get("dry_run", False)
-        if not isinstance(dry_run, bool):
-            raise HookConfigError(f"{init.key_path}.dry_run", dry_run, "expected true or false")
-        self.dry_run = dry_run
+        self.dry_run = dry_run_arg(init, args)
         self._allocatable: int | None = allocatable
         self._meminfo = init.host.proc / "meminfo"
         self._rules = LiveRules(init)
-        try:
-            self.executor = CgroupExecutor(CgroupLayout(init.host.cgroup, version, driver))
-        except CgroupError as exc:
-            raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
+        self.executor = CgroupExecutor(cgroup_layout(init, args))
         self._lock = threading.Lock()
         self._support: Support | None = None
         self._pods: dict[str, _PodRecord] = {}
-        self._dry_logged: dict[str, tuple[tuple[str, str], ...]] = {}
+        self._ledger = DryRunLedger("memory-qos")
         self._was_enabled = any(self.rules.for_class(c).memory_qos.enable for c in _CLASSES)
 
     @property
@@ -297,23 +290,13 @@ class MemoryQoS:
             return None
         reason = levels[-1][0].reason if levels[-1] else "memory QoS"
         if self.dry_run:
-            self._log_dry_run(ctx, levels)
-            if reconcile:
-                return None
-            planned = planned_writes(self.executor, [u for level in levels for u in level])
-            return ContainerPatch(reason=f"dry-run (nothing written): {reason}", writes=planned)
+            planned = self._ledger.report(planned_writes(self.executor, [u for level in levels for u in level]),
+                                          pod=pod_name(ctx.pod), container=ctx.container.meta.name)
+            return ContainerPatch(reason=patch_reason(reason), writes=planned) if planned else None
         writes: tuple[HostWrite, ...] = host_writes(self.executor.leveled_update(levels))
         if reconcile and not writes:
             return None
         return ContainerPatch(reason=f"{reason}{' (reconciled)' if reconcile else ''}", writes=writes)
-
-    def _log_dry_run(self, ctx: ContainerContext, levels: list[list[Update]]) -> None:
-        plan = tuple((f"{u.cgroup}/{u.resource.name}", str(u.value)) for level in levels for u in level)
-        key = f"{ctx.pod.meta.uid}/{ctx.container.meta.name}"
-        if self._dry_logged.get(key) != plan:
-            self._dry_logged[key] = plan
-            log.info("memory_qos_dry_run", pod=pod_name(ctx.pod), container=ctx.container.meta.name,
-                     plan=[f"{k}={v}" for k, v in plan], reason=levels[-1][0].reason if levels[-1] else "")
 
     def post_start_container(self, ctx: ContainerContext) -> ContainerPatch | None:
         return self._apply(ctx, reconcile=False)
@@ -325,5 +308,3 @@ class MemoryQoS:
         """The pod's record goes (its containers' requests)."""
         with self._lock:
             self._pods.pop(ctx.pod.meta.uid, None)
-            for key in [k for k in self._dry_logged if k.startswith(f"{ctx.pod.meta.uid}/")]:
-                del self._dry_logged[key]

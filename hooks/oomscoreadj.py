@@ -27,8 +27,9 @@ container; koordlet only logs at verbosity 4 and skips. A repeat of the same
 error at later passes is marked ``repeat`` (logged below warning).
 
 args: ``cgroup_driver`` (cgroupfs | systemd), ``cgroup_version`` (auto | 1 | 2),
-``dry_run`` (bool, default false: plan, report as ``(dry-run, not written)``,
-write nothing).
+``dry_run`` (bool, default false: write nothing; each planned write reported once per
+planned value, ``(dry-run, not written)`` in ``explain`` and one ``hook_dry_run`` log
+line, as every hook's dry-run, ``hooks.dryrun``).
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ from typing import Any, Final
 
 import structlog
 
-from hooks.cgroups import CgroupError, CgroupLayout
-from hooks.dryrun import DryRunLedger, dry_run_arg
-from hooks.hookargs import cgroup_args, reject_unknown
+from hooks.cgroups import CgroupError
+from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason
+from hooks.hookargs import cgroup_layout, reject_unknown
 from hooks.proctasks import ProcessGoneError, ProcFile, container_procs
 from hooks.qos import pod_name
-from runtimeproxy.hookapi import ContainerContext, ContainerPatch, HookConfigError, HookError, HookInit, HostWrite
+from runtimeproxy.hookapi import ContainerContext, ContainerPatch, HookError, HookInit, HostWrite
 
 OOM_SCORE_ADJ_SPEC: Final = "koordinator.sh/oom-score-adj-spec"
 OOM_SCORE_ADJ: Final = "koordinator.sh/oom-score-adj"
@@ -123,14 +124,10 @@ class OOMScoreAdj:
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
         reject_unknown(init, args, _ARGS)
-        driver, version = cgroup_args(init, args)
         self.dry_run = dry_run_arg(init, args)
-        try:
-            self.layout = CgroupLayout(init.host.cgroup, version, driver)
-        except CgroupError as exc:
-            raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
+        self.layout = cgroup_layout(init, args)
         self.proc = ProcFile(init.host.proc, "oom_score_adj")
-        self._ledger = DryRunLedger()
+        self._ledger = DryRunLedger("oom-score-adj")
         self._lock = threading.Lock()
         #: (pod uid, container id) -> the bad annotation text last reported for it.
         self._bad: OrderedDict[tuple[str, str], str] = OrderedDict()
@@ -166,6 +163,7 @@ class OOMScoreAdj:
         reason = f"annotation {key}: oom_score_adj {value} for container {container.meta.name}"
         writes: list[HostWrite] = []
         failed: list[str] = []
+        plans: list[HostWrite] = []
         for pid in pids:
             target = str(self.proc.path(pid))
             try:
@@ -173,9 +171,7 @@ class OOMScoreAdj:
                 if old.lstrip("+-").isdigit() and int(old) == value:
                     continue
                 if self.dry_run:
-                    planned = self._ledger.planned(target, old, str(value), reason)
-                    if planned is not None:
-                        writes.append(planned)
+                    plans.append(HostWrite(target, old, str(value), reason))
                     continue
                 self.proc.write(pid, str(value))
             except ProcessGoneError:
@@ -184,6 +180,8 @@ class OOMScoreAdj:
                 failed.append(f"pid {pid}: {exc}")
                 continue
             writes.append(HostWrite(target, old, str(value), reason))
+        if plans:
+            writes = list(self._ledger.report(plans, pod=pod_name(pod), container=container.meta.name))
         changed = len(writes)
         writes = _summarised(writes, pids)
         if failed:
@@ -194,8 +192,10 @@ class OOMScoreAdj:
                                 f"{len(failed)} of {len(pids)} process(es) refused, first: {failed[0]}")
         if not writes:
             return None
+        if self.dry_run:
+            return ContainerPatch(reason=patch_reason(reason), writes=tuple(writes))
         log.info("oom_score_adj_set", pod=pod_name(pod), container=container.meta.name, value=value, annotation=key,
-                 processes=changed, dry_run=self.dry_run)
+                 processes=changed)
         return ContainerPatch(reason=reason, writes=tuple(writes))
 
     def post_start_container(self, ctx: ContainerContext) -> ContainerPatch | None:

@@ -36,7 +36,16 @@ from typing import Any, Final
 import structlog
 
 from hooks.blkiodev import DeviceError, io_max, throttle
-from hooks.blkioplan import TIERS, Support, block_field, block_updates, detect_support, removal_updates
+from hooks.blkioplan import (
+    TIERS,
+    SaidOnce,
+    Support,
+    block_field,
+    block_updates,
+    detect_support,
+    device_block,
+    removal_updates,
+)
 from hooks.cgroups import CgroupError
 from hooks.executor import CgroupExecutor, Update
 from hooks.qos import QoSClass
@@ -89,7 +98,7 @@ class BlkioTiers(Strategy):
         #: tier -> devices whose limits this strategy set (to remove them when no rule names them).
         self.applied: dict[PurePosixPath, set[str]] = {}
         self._planned: dict[PurePosixPath, set[str]] = {}
-        self._said: set[str] = set()
+        self._once = SaidOnce()
         self.dirs: Input[TierDirs] = Input("blkio_tiers", self._read, TierDirs.describe)
         self.reads = (self.dirs,)
 
@@ -136,12 +145,6 @@ class BlkioTiers(Strategy):
         except CgroupError:
             return False
 
-    def _once(self, key: str) -> bool:
-        if key in self._said:
-            return False
-        self._said.add(key)
-        return True
-
     def _class_updates(self, qos: QoSClass, tier: PurePosixPath, rules: Rules, support: Support,
                        problems: list[str]) -> tuple[list[Update], set[str]] | None:
         """The tier's updates and the devices limited; None: a block is wrong, nothing for it."""
@@ -151,10 +154,7 @@ class BlkioTiers(Strategy):
         devices: set[str] = set()
         for index, block in enumerate(cfg.blocks if cfg.enable else ()):
             where = block_field(qos, index)
-            if block.type != "device":
-                if self._once(f"type:{block.type}:{block.name}"):
-                    log.warning("blkio_block_unsupported", block=where, name=block.name, type=block.type,
-                                reason="volumegroup / podvolume need koordlet's local storage inventory; skipped")
+            if not device_block(block, where, self._once):
                 continue
             try:
                 dev, done = block_updates(index, block, qos, tier, source, support, self.sys_root)

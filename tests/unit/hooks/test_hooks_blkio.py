@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 from hooks.blkio import Blkio
 from hooks.blkiodev import DeviceError, io_max, resolve_device
 from hooks.blkiorules import BlkioQOS, parse_blkio_qos
+from hooks.dryrun import DRY_RUN_SUFFIX
 from hooks.qos import QoSClass
 from hooks.rules import parse_rules, rules_from_nodeslo
 from runtimeproxy.hookapi import (
@@ -234,9 +235,10 @@ def test_dry_run(tmp_path: Path) -> None:
         patch = hook.pre_run_pod_sandbox(pctx(LSR_PARENT, "LSR"))
         assert hook.reconcile_pod_sandbox(pctx(LSR_PARENT, "LSR", Stage.RECONCILE_POD_SANDBOX)) is None
     assert patch is not None and patch.reason.startswith("dry-run")
-    assert [w.new for w in patch.writes] == ["253:16 1048576 (dry-run: not written)"]  # for explain
-    plans = [e for e in logs if e["event"] == "blkio_dry_run"]
-    assert len(plans) == 1 and "blkio.throttle.read_bps_device[253:16]=1048576" in plans[0]["plan"]
+    assert [w.new for w in patch.writes] == ["253:16 1048576" + DRY_RUN_SUFFIX]  # for explain
+    plans = [e for e in logs if e["event"] == "hook_dry_run"]
+    assert len(plans) == 1 and plans[0]["hook"] == "blkio"
+    assert plans[0]["writes"][0].endswith("blkio.throttle.read_bps_device: - -> 253:16 1048576")
     assert read(tmp_path, 1, LSR_PARENT, "blkio.throttle.read_bps_device") == ""
 
 

@@ -217,6 +217,7 @@ def test_a_group_shares_one_cookie_created_once(tmp_path: Path) -> None:
     a, b = node.pod(UID, labels={GROUP_LABEL: "g"}), node.pod(UID2, labels={GROUP_LABEL: "g"})
     first = node.hook.reconcile_container(node.container(a, cid(1), [100, 101]))
     assert first is not None and "group 'g-expeller'" in first.writes[0].new and "2 process(es)" in first.writes[0].new
+    assert f"coreExpeller True, labels {QOS}='' {GROUP_LABEL}='g' {POLICY_LABEL}=''" in first.writes[0].reason
     cookie = node.cookie(100)
     assert cookie != 0 and node.cookie(101) == cookie
     me = threading.get_native_id()

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from hooks.dryrun import DRY_RUN_SUFFIX
 from hooks.memoryqos import MemoryQoS, meminfo_total
 from hooks.memoryqoscalc import (
     MEMORY_QOS_ANNOTATION,
@@ -266,10 +267,12 @@ def test_dry_run_writes_nothing_and_logs_the_plan_once(tmp_path: Path) -> None:
         assert hook.reconcile_container(cctx(unified={"memory.min": str(GiB)})) is None
     assert patch is not None and patch.reason.startswith("dry-run")
     shown = {Path(w.target).relative_to((tmp_path / "cgroup").resolve()).as_posix(): w.new for w in patch.writes}
-    assert shown[f"kubepods/burstable/pod{UID}/{CID}/memory.min"] == "536870912 (dry-run: not written)"
+    assert shown[f"kubepods/burstable/pod{UID}/{CID}/memory.min"] == "536870912" + DRY_RUN_SUFFIX
+    assert all(w.reason.startswith("dry-run: ") for w in patch.writes)
     assert "kubepods/memory.min" not in shown  # tiers: the strategy
-    plans = [e for e in logs if e["event"] == "memory_qos_dry_run"]
-    assert len(plans) == 1 and f"kubepods/burstable/pod{UID}/{CID}/memory.min=536870912" in plans[0]["plan"]
+    plans = [e for e in logs if e["event"] == "hook_dry_run"]
+    assert len(plans) == 1 and plans[0]["hook"] == "memory-qos"
+    assert any(w.endswith(f"kubepods/burstable/pod{UID}/{CID}/memory.min: 0 -> 536870912") for w in plans[0]["writes"])
     assert {p: p.read_text() for p in (tmp_path / "cgroup").rglob("memory.*")} == before
 
 
