@@ -78,21 +78,22 @@ def _warning_lines(log: Path) -> list[str]:
     return out
 
 
-PROBE_HEAD = " heap used | heap free | sqlite | keys | latest |"
-PROBE_RULE = "----------:|----------:|-------:|-----:|-------:|"
+PROBE_HEAD = " heap used | heap free | sqlite | py objs k | keys | latest |"
+PROBE_RULE = "----------:|----------:|-------:|----------:|-----:|-------:|"
 
 
 def _probe(trace: Path | None) -> str:
-    """The newest probe line as table cells (MiB; the store's series keys and newest values)."""
+    """The newest probe line as table cells: glibc heap and SQLite in MiB, live Python
+    allocations (thousands of blocks), the store's label-set index and newest values."""
     if trace is None:
         return ""
     lines = trace.read_text().splitlines() if trace.exists() else []
     if not lines:
-        return " - | - | - | - | - |"
+        return " - | - | - | - | - | - |"
     p = json.loads(lines[-1])
     mib = 1 << 20
     return (f" {p.get('heap_used', 0) / mib:9.1f} | {p.get('heap_free', 0) / mib:9.1f} "
-            f"| {p.get('sqlite', 0) / mib:6.1f} "
+            f"| {p.get('sqlite', 0) / mib:6.1f} | {p.get('py_blocks', 0) / 1000:9.0f} "
             f"| {p.get('keys', '-'):>4} | {p.get('latest', '-'):>6} |")
 
 
@@ -131,6 +132,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cycles", type=int, default=1000)
     parser.add_argument("--every", type=int, default=100, help="cycles per table row")
+    parser.add_argument("--minutes", type=float, default=0,
+                        help="run for this long instead (rows still every --every cycles): to pass a window's length")
     parser.add_argument("--behind", type=int, default=5, help="every k-th pod is removed directly at containerd")
     parser.add_argument("--retention", default="",
                         help="tasks.metrics retention (e.g. 2m; GC every 30s): bounds the store's per-pod state")
@@ -174,7 +177,8 @@ def main() -> int:
         wait_healthy(port, proc)
         rt = embedded.runtime_stub(embedded.unix_channel(socket))
         direct = node.runtime()
-        print(f"soak: {args.cycles} pod cycles through the shipped default; every {args.behind}th pod "
+        length = f"{args.minutes:g} minutes of" if args.minutes > 0 else str(args.cycles)
+        print(f"soak: {length} pod cycles through the shipped default; every {args.behind}th pod "
               f"removed directly at containerd; proxy pid {proc.pid}")
         print("|   cycles | elapsed s | RSS MiB |  fds | threads | store pods / ctrs | warnings |"
               + (PROBE_HEAD if trace else ""))
@@ -182,10 +186,15 @@ def main() -> int:
               + (PROBE_RULE if trace else ""))
         started = time.monotonic()
         print(_row("0", proc.pid, port, log, started, trace), flush=True)
-        for i in range(1, args.cycles + 1):
+        until = started + args.minutes * 60 if args.minutes > 0 else None
+        i = 0
+        while (i < args.cycles) if until is None else (time.monotonic() < until):
+            i += 1
             _cycle(rt, direct, node, i, args.behind > 0 and i % args.behind == 0, work / "logs")
-            if i % args.every == 0 or i == args.cycles:
+            if i % args.every == 0:
                 print(_row(str(i), proc.pid, port, log, started, trace), flush=True)
+        if i % args.every:
+            print(_row(str(i), proc.pid, port, log, started, trace), flush=True)
         time.sleep(12)  # one more reconcile pass (10 s in the shipped default), which re-syncs first
         print(_row("settled", proc.pid, port, log, started, trace), flush=True)
         if trace is not None and args.probe_log is not None and trace.exists():
