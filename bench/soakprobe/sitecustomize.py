@@ -11,6 +11,8 @@ thread then appends one JSON line to that file every ``KRP_SOAK_PROBE_EVERY`` se
 - ``sqlite``: ``sqlite3_memory_used()`` (page caches, schema, statements of every
   connection), ``sqlite_hi`` its high-water mark;
 - ``py_blocks``: ``sys.getallocatedblocks()`` (live Python objects' allocations);
+- ``big``: every Python container (made after the proxy's ``gc.freeze()``) holding
+  more than 128 KiB by itself: type, bytes, length and one key or item, to name it;
 - the metric store's in-memory indexes (``TSDB``, found among the live objects):
   ``keys`` (label sets -> series key), ``key_labels``, ``latest``, ``ids``, and
   ``readers`` (open read connections).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import json
 import os
 import sys
@@ -74,6 +77,19 @@ def _tsdb() -> Any:
     return None
 
 
+def _big(limit: int = 128 << 10) -> list[list[object]]:
+    out: list[list[object]] = []
+    for obj in gc.get_objects():
+        try:
+            size = sys.getsizeof(obj)
+        except TypeError:
+            continue
+        if size > limit:
+            sample = next(iter(obj), None) if isinstance(obj, dict | set | frozenset | list | tuple) else None
+            out.append([type(obj).__name__, size, len(obj) if hasattr(obj, "__len__") else -1, repr(sample)[:80]])
+    return sorted(out, key=lambda row: -int(row[1]))  # type: ignore[call-overload]
+
+
 def _run(path: Path, every: float) -> None:
     libc = ctypes.CDLL(None)
     mallinfo2 = getattr(libc, "mallinfo2", None)
@@ -89,6 +105,7 @@ def _run(path: Path, every: float) -> None:
         sqlite.sqlite3_memory_highwater.restype = ctypes.c_int64
     started = time.monotonic()
     _hook_tsdb(started + 60)
+    big_at = 0.0
     while True:
         time.sleep(every)
         row: dict[str, object] = {"t": round(time.monotonic() - started, 1)}
@@ -100,6 +117,9 @@ def _run(path: Path, every: float) -> None:
         if sqlite is not None:
             row |= {"sqlite": sqlite.sqlite3_memory_used(), "sqlite_hi": sqlite.sqlite3_memory_highwater(0)}
         row["py_blocks"] = sys.getallocatedblocks()
+        if time.monotonic() - started >= big_at:
+            big_at += 60
+            row["big"] = _big()
         db = _tsdb()
         if db is not None:
             row |= {"keys": sum(len(v) for v in db._keys.values()), "key_labels": len(db._key_labels),
