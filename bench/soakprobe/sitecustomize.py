@@ -11,7 +11,8 @@ thread then appends one JSON line to that file every ``KRP_SOAK_PROBE_EVERY`` se
 - ``sqlite``: ``sqlite3_memory_used()`` (page caches, schema, statements of every
   connection), ``sqlite_hi`` its high-water mark;
 - ``py_blocks``: ``sys.getallocatedblocks()`` (live Python objects' allocations);
-- ``big``: every Python container (made after the proxy's ``gc.freeze()``) holding
+- ``big`` (once a minute): every gc-tracked Python container (made after the
+  proxy's ``gc.freeze()``; a dict of atoms only is untracked, so missed) holding
   more than 128 KiB by itself: type, bytes, length and one key or item, to name it;
 - the metric store's in-memory indexes (``TSDB``, found among the live objects):
   ``keys`` (label sets -> series key), ``key_labels``, ``latest``, ``ids``, and
