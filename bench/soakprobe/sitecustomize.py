@@ -14,7 +14,7 @@ thread then appends one JSON line to that file every ``KRP_SOAK_PROBE_EVERY`` se
 - ``big`` (once a minute): every gc-tracked Python container (made after the
   proxy's ``gc.freeze()``; a dict of atoms only is untracked, so missed) holding
   more than 128 KiB by itself: type, bytes, length and one key or item, to name it;
-- the metric store's in-memory indexes (``TSDB``, found among the live objects):
+- the metric store's in-memory indexes (the ``TSDB`` made after start-up, hooked at import):
   ``keys`` (label sets -> series key), ``key_labels``, ``latest``, ``ids``, and
   ``readers`` (open read connections).
 """
