@@ -6,7 +6,9 @@ depend on the machine (``info/L3/cbm_mask``, ``min_cbm_bits``, the cache ids
 in the root ``schemata``), and the kernel rejects a non-contiguous or too small
 mask with a bare EINVAL, so masks are built and validated here, against the
 host's own ``info/``. Everything happens under an injected root, confined like
-cgroup writes, and reported as ``Write`` records.
+cgroup writes, and reported as ``Write`` records. Like the cgroup executor, every
+change (a file written, a group made or removed) first checks the calling hook's
+deadline (``runtimeproxy.hostwrites.check_deadline``): a hook past it changes nothing.
 
 Many hosts (VMs, AMD without QoS, this CI machine) have no resctrl. That is
 not an error for the proxy: ``present`` says so, and every operation raises
@@ -25,6 +27,7 @@ from typing import Final
 
 from hooks.executor import Write, confine
 from runtimeproxy.hookapi import HookError
+from runtimeproxy.hostwrites import check_deadline
 
 _GROUP: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _RESERVED: Final = frozenset({"info", "mon_groups", "mon_data"})
@@ -196,6 +199,9 @@ class ResctrlFS:
         """Create the group if missing; True if it was created."""
         self.require()
         path = self.group_dir(name)
+        if path.is_dir():
+            return False
+        check_deadline(str(path), "mkdir")
         try:
             path.mkdir()
         except FileExistsError:
@@ -207,6 +213,9 @@ class ResctrlFS:
     def remove_group(self, name: str) -> bool:
         """Remove a group (its tasks fall back to the root group); False if absent."""
         path = self.group_dir(name)
+        if not os.path.lexists(path):
+            return False
+        check_deadline(str(path), "rmdir")
         try:
             path.rmdir()
         except FileNotFoundError:
@@ -264,6 +273,7 @@ class ResctrlFS:
 def _write_text(path: Path, text: str, source: str, append: bool = False) -> None:
     # O_CREAT: the kernel creates these files with the group; fixture trees may not.
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    check_deadline(str(path), text.strip())
     try:
         fd = os.open(path, flags, 0o644)
         try:

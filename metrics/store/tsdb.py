@@ -186,6 +186,7 @@ class TSDB:
         self._latest: dict[SeriesKey, tuple[int, float]] = {}
         #: Metric -> labels as given -> series key: collectors hand the same tuples every
         #: tick, so sorting and encoding each sample's labels again is avoidable work.
+        #: Pruned with ``_latest`` at GC (``_forget_keys``): gone pods' label sets go.
         self._keys: dict[str, dict[Labels, SeriesKey]] = {}
         self._key_count = 0
         #: Series key -> (metric, canonical labels), for ``newest_values``.
@@ -299,7 +300,7 @@ class TSDB:
         become a wrong number."""
         self._writable()
         default_ms = q.to_ms(self._clock() if now is None else now)
-        if self._key_count > _CANON_MAX:  # label sets of pods long gone
+        if self._key_count > _CANON_MAX:  # no GC for long (it prunes them): start over
             self._keys, self._key_count, self._key_labels = {}, 0, {}
         by_metric = self._keys
         keys: list[SeriesKey] = []
@@ -347,6 +348,22 @@ class TSDB:
         self._key_labels[key] = (metric, canonical)
         self._key_count += 1
         return key
+
+    def _forget_keys(self, live: Mapping[SeriesKey, object]) -> None:
+        """Drop the label-set caches (``_keys``, ``_key_labels``) of series that left
+        ``_latest`` (silent past its cut: pods gone). They are only an index, rebuilt by
+        the next write of a series, so what they hold is bounded by the series written
+        in the last ``LATEST_KEEP`` plus one GC interval, not by every pod ever seen.
+        Writers and the exporter read these dicts without a lock: new dicts replace the
+        old ones (copied first: a C-level copy is not interleaved with another thread's
+        insert); an entry added to an old dict meanwhile is only made again later."""
+        keys: dict[str, dict[Labels, SeriesKey]] = {}
+        for metric, by_labels in self._keys.copy().items():
+            kept = {lbl: key for lbl, key in by_labels.copy().items() if key in live}
+            if kept:
+                keys[metric] = kept
+        names = {key: named for key, named in self._key_labels.copy().items() if key in live}
+        self._keys, self._key_count, self._key_labels = keys, sum(map(len, keys.values())), names
 
     def _skip_once(self, metric: str, value: float) -> None:
         if metric not in self._skipped:
@@ -468,11 +485,14 @@ class TSDB:
         return self._degraded.dropped
 
     def state(self) -> dict[str, object]:
-        """For ``explain``: degraded or not, and what waits in memory."""
+        """For ``explain``: degraded or not, what waits in memory, how many series it indexes."""
         with self._batch_lock:
             pending = self._batch_len
         return {"degraded": self._degraded.reason, "pending_samples": pending,
-                "dropped_samples": self._degraded.dropped}
+                "dropped_samples": self._degraded.dropped,
+                # In-memory per-series state, bounded by the series written in the last
+                # LATEST_KEEP (pruned at GC): the newest values and the label-set index.
+                "series_in_memory": len(self._latest), "label_sets_cached": self._key_count}
 
     def _insert_frames(self, conn: sqlite3.Connection, batch: list[_Frame]) -> tuple[dict[SeriesKey, int], list[int]]:
         """One ``frames`` row per written batch; returns the ids made for new series and
@@ -795,7 +815,8 @@ class TSDB:
         # then asks the file, and the exporter stops showing them.
         cutoff = now_ms - q.to_ms(min(self.retention, LATEST_KEEP))
         with self._batch_lock:
-            self._latest = {k: v for k, v in self._latest.items() if v[0] >= cutoff}
+            self._latest = live = {k: v for k, v in self._latest.items() if v[0] >= cutoff}
+        self._forget_keys(live)
         log.info("tsdb.gc", path=str(self.path), points_deleted=result.points_deleted,
                  points_folded=result.points_folded, buckets_deleted=result.buckets_deleted,
                  series_deleted=result.series_deleted, size_before=result.size_before,

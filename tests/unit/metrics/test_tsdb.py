@@ -397,3 +397,27 @@ def test_newest_values_are_kept_until_a_series_is_silent_for_latest_keep(path: P
         db.gc(now=T0 + LATEST_KEEP + 1)
         assert db.newest_values() == [(CPU, A, 3.0)]
         assert db.last(CPU, B, LATEST_KEEP * 2, T0 + LATEST_KEEP + 1) == Sample(CPU, 2.0, B, T0), "from the file"
+
+
+def test_gc_forgets_the_label_sets_of_series_silent_past_latest_keep(path: Path) -> None:
+    """Pod churn: the label-set index of series whose pods are gone (silent past
+    ``LATEST_KEEP``) is dropped at GC, not kept until 100 000 label sets pile up
+    (memory grew with every pod ever seen); a series that comes back is indexed anew."""
+    from metrics.store.tsdb import LATEST_KEEP
+
+    clock = Clock()
+    gone = [labels(pod_uid=f"gone-{i}", container="app") for i in range(500)]
+    with TSDB(path, clock=clock) as db:
+        db.write([Sample(metric, 1.0, lb, T0) for lb in gone for metric in (CPU, MEM)])
+        db.write([Sample(CPU, 2.0, A, T0 + LATEST_KEEP)])
+        assert db.state()["label_sets_cached"] == 1001 and db.state()["series_in_memory"] == 1001
+        db.flush()
+        db.gc(now=T0 + LATEST_KEEP + 1)
+        assert db.state()["label_sets_cached"] == 1, "only A, written within LATEST_KEEP"
+        assert db.state()["series_in_memory"] == 1
+        back = labels(container="app", pod_uid="gone-7")  # another order: the same series
+        db.write([Sample(CPU, 3.0, back, T0 + LATEST_KEEP + 2)])
+        assert sorted(db.newest_values()) == sorted([(CPU, A, 2.0), (CPU, canonical(back), 3.0)])
+        db.flush()
+        assert db.aggregate(CPU, gone[7], T0, T0 + LATEST_KEEP + 2) == db.aggregate(CPU, back, T0, T0 + LATEST_KEEP + 2)
+        assert db.points(CPU, gone[7], T0, T0 + LATEST_KEEP + 2) == [(T0, 1.0), (T0 + LATEST_KEEP + 2, 3.0)]
