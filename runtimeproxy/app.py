@@ -213,7 +213,7 @@ class App:
         self.store.close()
         if self.data_plane is not None:
             # Last: kubelet's pass-through calls keep working while Python drains.
-            # With data_plane_survives_restart only a full stop (SIGQUIT) stops HAProxy too.
+            # With data_plane_orphan_grace > 0 only a full stop (SIGQUIT) stops HAProxy too (else its watchdog, later).
             await self.data_plane.stop(self.settings.shutdown_grace, full=self._full_stop)
         log.info("stopped")
         return 0

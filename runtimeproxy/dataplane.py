@@ -14,11 +14,13 @@ HAProxy runs master-worker in the foreground (``-W -db``): the master is our chi
   connections), SIGTERM after ``grace``, SIGKILL if still there.
 - our own death: the master gets SIGTERM from the kernel (PR_SET_PDEATHSIG), so a killed
   proxy does not leave a HAProxy holding kubelet's socket for the next one.
-- ``data_plane_survives_restart: true`` instead: the master runs in its own session without
-  PR_SET_PDEATHSIG, is recorded in ``master.json`` (runtimeproxy.dataplanestate), outlives a
-  SIGTERM (an upgrade) or a crash of this process, and the next ``run`` adopts it (and
-  reloads it if the configuration changed): kubelet's socket never goes away. Only a full
-  stop (SIGQUIT) stops it.
+  That is ``data_plane_orphan_grace: 0``.
+- ``data_plane_orphan_grace`` > 0 (the default, 30 s) instead: the master runs in its own
+  session without PR_SET_PDEATHSIG, is recorded in ``master.json`` (runtimeproxy.dataplanestate),
+  outlives a SIGTERM (an upgrade) or a crash of this process, and the next ``run`` adopts it
+  (and reloads it if the configuration changed): kubelet's socket never goes away. If no
+  ``run`` adopts it within the grace, the orphan watchdog (runtimeproxy.dataplanewatchdog, a
+  ``sh`` that outlives us) stops it and removes the socket. A full stop (SIGQUIT) stops it at once.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import structlog
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy import dataplanestate, haproxy, haproxystats
 from runtimeproxy.config import ConfigError, Settings
+from runtimeproxy.dataplanewatchdog import OrphanWatchdog
 from runtimeproxy.grpcserver import SocketInUse, prepare_socket
 
 log = structlog.get_logger("runtimeproxy.dataplane")
@@ -116,7 +119,9 @@ class HaproxyDataPlane:
         self._backoff = _Backoff()
         self.starts = 0
         self._rendered = ""
-        self._keep = settings.data_plane_survives_restart
+        self._keep = settings.data_plane_orphan_grace > 0
+        self.watchdog = OrphanWatchdog(self.layout, settings.listen, settings.data_plane_orphan_grace) \
+            if self._keep else None
         self._adopted: int | None = None
         self._candidate: int | None = None
 
@@ -232,7 +237,17 @@ class HaproxyDataPlane:
 
     async def run_forever(self) -> None:
         """Keep the master running until ``stop``; cancelling this leaves the process
-        alone (``stop`` ends it, last)."""
+        alone (``stop`` ends it, last). With an orphan grace, the watchdog is armed first."""
+        if self.watchdog is not None:
+            watch = asyncio.ensure_future(self.watchdog.run_forever())
+            try:
+                await self._run()
+            finally:
+                watch.cancel()
+        else:
+            await self._run()
+
+    async def _run(self) -> None:
         while not self.stopping():
             started = time.monotonic()
             if self._candidate is not None:
@@ -313,13 +328,17 @@ class HaproxyDataPlane:
 
     async def stop(self, grace: float, *, full: bool = True) -> None:
         """Soft stop (calls in flight finish), then SIGTERM, then SIGKILL. With
-        ``data_plane_survives_restart`` and not ``full``: left running for the next ``run``."""
+        an orphan grace and not ``full``: left running for the next ``run`` (or its watchdog)."""
         self._stopping = True
         pid, proc = self.pid, self._proc
+        if self.watchdog is not None:
+            if self._keep and not full and pid is not None:
+                self.watchdog.leave()
+                log.info("data_plane_kept", pid=pid, socket=self._settings.listen,
+                         orphan_grace_seconds=self._settings.data_plane_orphan_grace, watchdog=self.watchdog.pid)
+                return
+            await asyncio.to_thread(self.watchdog.disarm)
         if pid is None:
-            return
-        if self._keep and not full:
-            log.info("data_plane_kept", pid=pid, socket=self._settings.listen)
             return
         exited = proc.wait() if proc is not None and proc.pid == pid else dataplanestate.wait_exit(pid)
         waiter = asyncio.ensure_future(exited)

@@ -1,6 +1,6 @@
 """Which HAProxy master serves kubelet's socket, recorded so the next ``run`` can adopt it.
 
-With ``data_plane_survives_restart: true`` the HAProxy master outlives the Python process
+With ``data_plane_orphan_grace`` > 0 (the default) the HAProxy master outlives the Python process
 (a SIGTERM for an upgrade, a crash, kill -9): kubelet's socket stays and pass-through
 keeps working. The next ``run`` finds it through ``master.json`` in the data plane's
 private directory (0700, root) and adopts it only if all of these hold: the pid is alive
@@ -42,15 +42,23 @@ def _start_time(pid: int) -> int | None:
     return int(stat[stat.rindex(")") + 2:].split()[19])
 
 
+def _pid_file(layout: haproxy.Layout) -> Path:
+    """The same as ``master.json`` as ``<pid> <start time>``, for the orphan watchdog (sh)."""
+    return layout.run_dir / "master.pid"
+
+
 def record(layout: haproxy.Layout, pid: int) -> None:
-    data = {"pid": pid, "start_time": _start_time(pid)}
-    tmp = _state_file(layout).with_suffix(".new")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, _state_file(layout))
+    start_time = _start_time(pid)
+    data = {"pid": pid, "start_time": start_time}
+    for path, text in ((_pid_file(layout), f"{pid} {start_time}\n"), (_state_file(layout), json.dumps(data))):
+        tmp = path.with_suffix(".new")
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 def forget(layout: haproxy.Layout) -> None:
     _state_file(layout).unlink(missing_ok=True)
+    _pid_file(layout).unlink(missing_ok=True)
 
 
 def _master_answers(layout: haproxy.Layout) -> bool:

@@ -95,6 +95,22 @@ def test_data_plane_keys_are_validated() -> None:
     assert from_mapping({"data_plane_idle_timeout": "90m"}).data_plane_idle_timeout == 5400.0
 
 
+def test_orphan_grace_defaults_to_30s_and_the_old_key_still_works_alone() -> None:
+    assert from_mapping({}).data_plane_orphan_grace == 30.0
+    for zero in (0, "0", "0s", "0ms"):
+        assert from_mapping({"data_plane_orphan_grace": zero}).data_plane_orphan_grace == 0.0
+    assert from_mapping({"data_plane_orphan_grace": "2m"}).data_plane_orphan_grace == 120.0
+    assert from_mapping({"data_plane_survives_restart": False}).data_plane_orphan_grace == 0.0
+    assert from_mapping({"data_plane_survives_restart": True}).data_plane_orphan_grace == 30.0
+    for bad in ("-1s", "25h", True, "soon", float("inf")):
+        with pytest.raises(ConfigError, match=f"data_plane_orphan_grace: .*{bad!r}"):
+            from_mapping({"data_plane_orphan_grace": bad})
+    with pytest.raises(ConfigError, match="data_plane_survives_restart: must be true or false"):
+        from_mapping({"data_plane_survives_restart": "yes"})
+    with pytest.raises(ConfigError, match="data_plane_survives_restart: replaced by data_plane_orphan_grace"):
+        from_mapping({"data_plane_survives_restart": True, "data_plane_orphan_grace": "10s"})
+
+
 def test_missing_haproxy_falls_back_to_grpc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr("runtimeproxy.app.find_haproxy", lambda: None)
     with structlog.testing.capture_logs() as logs:
