@@ -32,7 +32,7 @@ def _state_file(layout: haproxy.Layout) -> Path:
     return layout.run_dir / "master.json"
 
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -48,9 +48,9 @@ def _pid_file(layout: haproxy.Layout) -> Path:
 
 
 def record(layout: haproxy.Layout, pid: int) -> None:
-    start_time = _start_time(pid)
-    data = {"pid": pid, "start_time": start_time}
-    for path, text in ((_pid_file(layout), f"{pid} {start_time}\n"), (_state_file(layout), json.dumps(data))):
+    started = start_time(pid)
+    data = {"pid": pid, "start_time": started}
+    for path, text in ((_pid_file(layout), f"{pid} {started}\n"), (_state_file(layout), json.dumps(data))):
         tmp = path.with_suffix(".new")
         tmp.write_text(text)
         os.replace(tmp, path)
@@ -80,7 +80,7 @@ def find_live(layout: haproxy.Layout, binary: str) -> int | None:
     """The pid of a live HAProxy master we started earlier, or None."""
     try:
         data = json.loads(_state_file(layout).read_text())
-        pid, start_time = int(data["pid"]), data["start_time"]
+        pid, started = int(data["pid"]), data["start_time"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     why = ""
@@ -88,7 +88,7 @@ def find_live(layout: haproxy.Layout, binary: str) -> int | None:
         exe = os.path.realpath(os.readlink(f"/proc/{pid}/exe"))
     except OSError:
         exe = ""
-    if _start_time(pid) != start_time or start_time is None:
+    if start_time(pid) != started or started is None:
         why = "not running"
     elif exe != os.path.realpath(binary):
         why = f"runs {exe or '?'}, not {binary}"

@@ -15,6 +15,8 @@ pipe whose write end only this process holds (close-on-exec: no child inherits i
   signalled): SIGTERM, SIGKILL after 2 s, then removes kubelet's socket
   (HAProxy leaves the file) and the record, and logs one JSON line on our stderr (the journal).
 - killed itself (kill -9): we notice (pidfd) and start another; no call is affected.
+- adoption: the next ``run`` writes its token and ends the previous watchdog (recorded in
+  ``watchdog.pid`` with its start time): one watchdog per data plane.
 A full stop (SIGQUIT) or ``data_plane_orphan_grace: 0`` does not need it: HAProxy stops with us.
 """
 
@@ -56,7 +58,7 @@ i=0; while alive && [ $i -lt 20 ]; do sleep 0.1; i=$((i + 1)); done
 alive && kill -KILL "$pid" 2>/dev/null
 i=0; while alive && [ $i -lt 20 ]; do sleep 0.1; i=$((i + 1)); done
 adopted && exit 0
-rm -f "$sock" "$dir/master.pid" "$dir/master.json" "$dir/owner"
+rm -f "$sock" "$dir/master.pid" "$dir/master.json" "$dir/owner" "$dir/watchdog.pid"
 printf '{"event": "data_plane_orphan_stopped", "level": "warning", "pid": %s, "grace_seconds": %s, "socket": "%s"}\n' \
     "$pid" "$grace" "$sock" >&2
 """
@@ -64,6 +66,10 @@ printf '{"event": "data_plane_orphan_stopped", "level": "warning", "pid": %s, "g
 
 def _owner_file(layout: haproxy.Layout) -> Path:
     return layout.run_dir / "owner"
+
+
+def _pid_file(layout: haproxy.Layout) -> Path:
+    return layout.run_dir / "watchdog.pid"
 
 
 class OrphanWatchdog:
@@ -84,10 +90,21 @@ class OrphanWatchdog:
 
     def claim(self) -> None:
         """Ours from now on: an older watchdog that wakes up finds another token and leaves
-        HAProxy alone. Written before this process serves (spawn or adoption)."""
+        HAProxy alone. Written before this process serves (spawn or adoption). The previous
+        process's watchdog (recorded with its start time) is not needed any more: ended."""
         tmp = _owner_file(self.layout).with_suffix(".new")
         tmp.write_text(self.token)
         os.replace(tmp, _owner_file(self.layout))
+        with contextlib.suppress(OSError, ValueError):
+            pid, start = map(int, _pid_file(self.layout).read_text().split())
+            if pid != self.pid and dataplanestate.start_time(pid) == start:
+                dataplanestate.signal_pid(pid, signal.SIGKILL)
+                log.info("data_plane_watchdog_replaced", pid=pid)
+
+    def _record(self, pid: int) -> None:
+        tmp = _pid_file(self.layout).with_suffix(".new")
+        tmp.write_text(f"{pid} {dataplanestate.start_time(pid)}\n")
+        os.replace(tmp, _pid_file(self.layout))
 
     def _spawn(self) -> int:
         sh = shutil.which("sh", path="/bin:/usr/bin") or "/bin/sh"
@@ -108,6 +125,7 @@ class OrphanWatchdog:
             os.close(self._write_end)  # the previous watchdog's pipe (it is gone)
         self._write_end = write_end
         self.pid = pid
+        self._record(pid)
         return pid
 
     @staticmethod
@@ -148,6 +166,7 @@ class OrphanWatchdog:
         with contextlib.suppress(OSError):
             if _owner_file(self.layout).read_text() == self.token:
                 _owner_file(self.layout).unlink()
+                _pid_file(self.layout).unlink()
 
     def leave(self) -> None:
         """A stop that keeps HAProxy: the watchdog stays; it fires once our end of its pipe

@@ -93,8 +93,19 @@ def test_leaves_a_master_another_process_claimed(
 ) -> None:
     layout, sock, target = master
     dog = _orphan(OrphanWatchdog(layout, str(sock), GRACE))
-    OrphanWatchdog(layout, str(sock), GRACE).claim()  # the next run adopted it
+    (layout.run_dir / "owner").write_text("another run's token")  # the next run adopted it
     assert _exit_code(dog, GRACE + 3) == 0
+    assert target.poll() is None and sock.exists()
+
+
+def test_adoption_ends_the_previous_watchdog_at_once(
+    master: tuple[haproxy.Layout, Path, subprocess.Popen[bytes]],
+) -> None:
+    layout, sock, target = master
+    dog = _orphan(OrphanWatchdog(layout, str(sock), 60))
+    assert (layout.run_dir / "watchdog.pid").read_text().split()[0] == str(dog)
+    OrphanWatchdog(layout, str(sock), GRACE).claim()  # the next run adopts
+    assert _exit_code(dog, 2) == -signal.SIGKILL
     assert target.poll() is None and sock.exists()
 
 
