@@ -11,7 +11,7 @@ import structlog.testing
 
 from runtimeproxy import haproxy
 from runtimeproxy.app import choose_data_plane
-from runtimeproxy.config import ConfigError, Settings, from_mapping
+from runtimeproxy.config import ConfigError, Settings, builtin_default, from_mapping
 from runtimeproxy.dataplane import find_haproxy
 from runtimeproxy.grpcserver import known_methods
 
@@ -157,3 +157,12 @@ def test_check_config_reports_the_data_plane(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr("runtimeproxy.dataplane.find_haproxy", lambda: None)
     assert cli.main(["check-config", "--config", str(path)]) == 0
     assert "falls back to grpc" in capsys.readouterr().out
+
+
+def test_the_shipped_unit_and_config_keep_haproxy_across_a_restart_but_not_for_ever() -> None:
+    """HAProxy survives an upgrade, a restart or a crash of the proxy only if systemd does not
+    kill it with the proxy (KillMode=process) and the config lets it outlive us (a grace > 0);
+    it is never orphaned for long (the grace is bounded)."""
+    unit = (Path(__file__).resolve().parents[2] / "systemd" / "koord-runtime-proxy.service").read_text()
+    assert [line for line in unit.splitlines() if line.startswith("KillMode=")] == ["KillMode=process"]
+    assert 0 < from_mapping(builtin_default()).data_plane_orphan_grace <= 60
