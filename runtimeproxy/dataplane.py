@@ -41,7 +41,7 @@ import grpc.aio
 import structlog
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import dataplanestate, haproxy, haproxystats
+from runtimeproxy import dataplanestate, dataplanewatchdog, haproxy, haproxystats
 from runtimeproxy.config import ConfigError, Settings
 from runtimeproxy.dataplanewatchdog import OrphanWatchdog
 from runtimeproxy.grpcserver import SocketInUse, prepare_socket
@@ -140,7 +140,9 @@ class HaproxyDataPlane:
     def prepare(self) -> None:
         """Before anything listens: the private dir (0700) and kubelet's socket path free
         (a live socket there is another proxy: SocketInUse; a stale one is removed)."""
-        if self._keep and self.layout.run_dir.is_dir():
+        if self.layout.run_dir.is_dir():
+            # Also with grace 0: a HAProxy the previous run (with a grace) left is adopted,
+            # not a reason to refuse the socket; it then stops with us.
             self._candidate = dataplanestate.find_live(self.layout, self.binary)
         if self._candidate is None:
             prepare_socket(Path(self._settings.listen))
@@ -279,6 +281,8 @@ class HaproxyDataPlane:
         """Take over the master a previous ``run`` left serving; reload it if the
         configuration it runs is not the one these settings give."""
         self._adopted = pid
+        if self.watchdog is None:
+            await asyncio.to_thread(dataplanewatchdog.end_previous, self.layout, None)
         with contextlib.suppress(OSError):
             self._rendered = self.layout.config_file.read_text()
         try:

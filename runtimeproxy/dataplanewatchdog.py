@@ -72,6 +72,16 @@ def _pid_file(layout: haproxy.Layout) -> Path:
     return layout.run_dir / "watchdog.pid"
 
 
+def end_previous(layout: haproxy.Layout, own: int | None) -> None:
+    """The previous process's watchdog (recorded with its start time) is not needed once
+    HAProxy is adopted: SIGKILL, unless it is ``own``."""
+    with contextlib.suppress(OSError, ValueError):
+        pid, start = map(int, _pid_file(layout).read_text().split())
+        if pid != own and dataplanestate.start_time(pid) == start:
+            dataplanestate.signal_pid(pid, signal.SIGKILL)
+            log.info("data_plane_watchdog_replaced", pid=pid)
+
+
 class OrphanWatchdog:
     """One watchdog process per Python process; re-started if it dies while we run."""
 
@@ -95,11 +105,7 @@ class OrphanWatchdog:
         tmp = _owner_file(self.layout).with_suffix(".new")
         tmp.write_text(self.token)
         os.replace(tmp, _owner_file(self.layout))
-        with contextlib.suppress(OSError, ValueError):
-            pid, start = map(int, _pid_file(self.layout).read_text().split())
-            if pid != self.pid and dataplanestate.start_time(pid) == start:
-                dataplanestate.signal_pid(pid, signal.SIGKILL)
-                log.info("data_plane_watchdog_replaced", pid=pid)
+        end_previous(self.layout, self.pid)
 
     def _record(self, pid: int) -> None:
         tmp = _pid_file(self.layout).with_suffix(".new")

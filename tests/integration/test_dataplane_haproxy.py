@@ -425,3 +425,30 @@ def test_an_orphaned_haproxy_is_stopped_after_the_grace_an_adopted_one_never(
         for pid in [haproxy_pid, *started]:  # what this test started, by pid
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_run_with_grace_0_adopts_what_a_run_with_a_grace_left_and_stops_it_with_itself(
+    proxy_factory: Any, haproxy_config: dict[str, Any]
+) -> None:
+    """Setting data_plane_orphan_grace to 0 across a restart: the new run adopts the HAProxy
+    the previous one left (no SocketInUse, no restart loop until the grace), ends its
+    watchdog, and its own SIGTERM stops HAProxy at once and removes the socket."""
+    proxy = proxy_factory.start(extra={**haproxy_config, "data_plane_orphan_grace": "30s"})
+    socket_path = proxy.socket
+    haproxy_pid = _haproxy_pid(proxy, 1)
+    first_watchdog = _armed(proxy)
+    try:
+        proxy.send(signal.SIGTERM)
+        assert proxy.wait_exit() == 0
+        assert _alive(haproxy_pid) and all(map(_alive, first_watchdog))
+        proxy = proxy_factory.start(extra=haproxy_config, socket_path=socket_path)  # grace 0
+        assert proxy.wait_event("data_plane_adopted")["pid"] == haproxy_pid
+        _wait(lambda: not any(map(_alive, first_watchdog)), 2, "the previous watchdog ended")
+        assert not _armed(proxy) and _answers(socket_path)
+        proxy.send(signal.SIGTERM)
+        assert proxy.wait_exit() == 0
+        assert not _alive(haproxy_pid) and not socket_path.exists()
+    finally:
+        for pid in [haproxy_pid, *first_watchdog]:  # what this test started, by pid
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
