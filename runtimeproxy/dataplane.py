@@ -77,7 +77,9 @@ def check(settings: Settings) -> str:
     if out.returncode != 0:
         raise ConfigError("data_plane", "haproxy", "haproxy refused the generated configuration: "
                           + (out.stdout + out.stderr).strip()[-2000:])
-    return f"data_plane=haproxy ({binary})"
+    grace = settings.data_plane_orphan_grace
+    outlives = f"outlives the proxy by up to {grace:g}s" if grace else "stops with the proxy"
+    return f"data_plane=haproxy ({binary}; {outlives})"
 
 
 def _with_pdeathsig(argv: list[str]) -> list[str]:

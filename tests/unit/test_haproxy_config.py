@@ -147,7 +147,8 @@ def test_check_config_reports_the_data_plane(tmp_path: Path, monkeypatch: pytest
     path.chmod(0o600)
     if find_haproxy() is not None:
         assert cli.main(["check-config", "--config", str(path)]) == 0
-        assert "data_plane=haproxy (/" in capsys.readouterr().out.splitlines()[0]
+        first = capsys.readouterr().out.splitlines()[0]
+        assert "data_plane=haproxy (/" in first and "; outlives the proxy by up to 30s)" in first, first
         # A configuration HAProxy refuses is exit 2 naming data_plane.
         monkeypatch.setattr(haproxy, "render", lambda s, layout: "global\n    no-such-keyword 1\n")
         assert cli.main(["check-config", "--config", str(path)]) == 2
