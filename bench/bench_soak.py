@@ -154,7 +154,8 @@ def main() -> int:
         work.mkdir()
         socket, port = node.base / "soak.sock", free_port()
         doc = yaml.safe_load(demo_config(work, socket, node.ctd.socket, port, node.prefix))
-        doc |= {"log": {"level": "info", "format": "json"}, "hookserver_dir": "", "state_dir": str(work / "state")}
+        doc |= {"log": {"level": "info", "format": "json"}, "hookserver_dir": "", "state_dir": str(work / "state"),
+                "data_plane_orphan_grace": 0}
         if args.no_tasks:
             doc["tasks"] = {}
         elif args.retention:

@@ -46,7 +46,7 @@ log = structlog.get_logger("runtimeproxy.app")
 VERSION_METHOD = "/runtime.v1.RuntimeService/Version"
 _RESTART_ONLY = ("listen", "socket_mode", "backend", "metrics_listen", "max_message_bytes", "tasks",
                  "metrics_max_connections", "metrics_idle_timeout", "metrics_fd_reserve", "state_dir",
-                 "data_plane")
+                 "data_plane", "data_plane_orphan_grace")
 #: Pods whose change history is kept on disk (each its last CHANGES_PER_POD changes).
 HISTORY_PODS = 512
 
@@ -213,7 +213,7 @@ class App:
         self.store.close()
         if self.data_plane is not None:
             # Last: kubelet's pass-through calls keep working while Python drains.
-            # With data_plane_survives_restart only a full stop (SIGQUIT) stops HAProxy too.
+            # With data_plane_orphan_grace > 0 only a full stop (SIGQUIT) stops HAProxy too (else its watchdog, later).
             await self.data_plane.stop(self.settings.shutdown_grace, full=self._full_stop)
         log.info("stopped")
         return 0

@@ -132,9 +132,10 @@ class Settings:
     data_plane: str = "haproxy"
     #: haproxy: a call or stream sending nothing either way for this long is cut (dead peers).
     data_plane_idle_timeout: float = 86400.0
-    #: haproxy: the data plane outlives this process (SIGTERM, a crash) and the next ``run``
-    #: adopts it; only SIGQUIT stops it too (see docs/architecture.md, "Data plane").
-    data_plane_survives_restart: bool = False
+    #: haproxy: the data plane outlives this process (SIGTERM, a crash) by up to this long; the
+    #: next ``run`` adopts it within it, else its watchdog stops it. 0: it stops with this process.
+    #: SIGQUIT stops both at once (see docs/architecture.md, "Data plane").
+    data_plane_orphan_grace: float = 30.0
     #: Risks the operator accepted (``allow_insecure:``), see INSECURE_OPT_INS.
     allow_insecure: frozenset[str] = frozenset()
     #: The accepted risks actually present: one warning line each at every start.
@@ -146,7 +147,7 @@ _TOP_KEYS: Final = frozenset(
         "listen", "socket_mode", "backend", "hooks", "hookserver_dir", "skip_label",
         "metrics", "log", "shutdown_grace", "max_message_bytes", "reload_poll_interval", "reconcile_interval",
         "host", "rules", "tasks", "allow_insecure", "resync_interval", "state_dir",
-        "data_plane", "data_plane_idle_timeout", "data_plane_survives_restart",
+        "data_plane", "data_plane_idle_timeout", "data_plane_survives_restart", "data_plane_orphan_grace",
     }
 )
 #: ``allow_insecure.<key>: true`` accepts one risk that is otherwise refused (exit 2 at
@@ -406,10 +407,28 @@ def _data_plane(value: object) -> str:
     return value.lower()
 
 
-def _survives(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError("data_plane_survives_restart", value, "must be true or false")
-    return value
+#: HAProxy's orphan watchdog sleeps at most this long (a day) before stopping it.
+_MAX_ORPHAN_GRACE = 86400.0
+
+
+def _orphan_grace(top: Mapping[str, Any], default: float) -> float:
+    """``data_plane_orphan_grace`` (0 .. 24h); the older ``data_plane_survives_restart``
+    still works alone (false: 0, true: the default grace), never together with it."""
+    if "data_plane_survives_restart" in top:
+        old = top["data_plane_survives_restart"]
+        if "data_plane_orphan_grace" in top:
+            raise ConfigError("data_plane_survives_restart", old,
+                              "replaced by data_plane_orphan_grace: set only data_plane_orphan_grace")
+        if not isinstance(old, bool):
+            raise ConfigError("data_plane_survives_restart", old, "must be true or false")
+        return default if old else 0.0
+    value = top.get("data_plane_orphan_grace", default)
+    zero = isinstance(value, int | float | str) and not isinstance(value, bool) and (
+        value == 0 or (isinstance(value, str) and (m := _DURATION.match(value)) is not None and float(m.group(1)) == 0))
+    seconds = 0.0 if zero else parse_duration(value, "data_plane_orphan_grace")
+    if seconds > _MAX_ORPHAN_GRACE:
+        raise ConfigError("data_plane_orphan_grace", value, "must be between 0 (stop with this process) and 24h")
+    return seconds
 
 
 def _idle_timeout(value: object) -> float:
@@ -473,7 +492,7 @@ def from_mapping(data: object) -> Settings:
         tasks=types.MappingProxyType(dict(_mapping(top.get("tasks"), "tasks"))),
         data_plane=_data_plane(top.get("data_plane", default.data_plane)),
         data_plane_idle_timeout=_idle_timeout(top.get("data_plane_idle_timeout", default.data_plane_idle_timeout)),
-        data_plane_survives_restart=_survives(top.get("data_plane_survives_restart", False)),
+        data_plane_orphan_grace=_orphan_grace(top, default.data_plane_orphan_grace),
         allow_insecure=allow_insecure,
         accepted_risks=accepted_risks,
     )

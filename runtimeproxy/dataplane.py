@@ -14,11 +14,13 @@ HAProxy runs master-worker in the foreground (``-W -db``): the master is our chi
   connections), SIGTERM after ``grace``, SIGKILL if still there.
 - our own death: the master gets SIGTERM from the kernel (PR_SET_PDEATHSIG), so a killed
   proxy does not leave a HAProxy holding kubelet's socket for the next one.
-- ``data_plane_survives_restart: true`` instead: the master runs in its own session without
-  PR_SET_PDEATHSIG, is recorded in ``master.json`` (runtimeproxy.dataplanestate), outlives a
-  SIGTERM (an upgrade) or a crash of this process, and the next ``run`` adopts it (and
-  reloads it if the configuration changed): kubelet's socket never goes away. Only a full
-  stop (SIGQUIT) stops it.
+  That is ``data_plane_orphan_grace: 0``.
+- ``data_plane_orphan_grace`` > 0 (the default, 30 s) instead: the master runs in its own
+  session without PR_SET_PDEATHSIG, is recorded in ``master.json`` (runtimeproxy.dataplanestate),
+  outlives a SIGTERM (an upgrade) or a crash of this process, and the next ``run`` adopts it
+  (and reloads it if the configuration changed): kubelet's socket never goes away. If no
+  ``run`` adopts it within the grace, the orphan watchdog (runtimeproxy.dataplanewatchdog, a
+  ``sh`` that outlives us) stops it and removes the socket. A full stop (SIGQUIT) stops it at once.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ import grpc.aio
 import structlog
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import dataplanestate, haproxy, haproxystats
+from runtimeproxy import dataplanestate, dataplanewatchdog, haproxy, haproxystats
 from runtimeproxy.config import ConfigError, Settings
+from runtimeproxy.dataplanewatchdog import OrphanWatchdog
 from runtimeproxy.grpcserver import SocketInUse, prepare_socket
 
 log = structlog.get_logger("runtimeproxy.dataplane")
@@ -74,7 +77,9 @@ def check(settings: Settings) -> str:
     if out.returncode != 0:
         raise ConfigError("data_plane", "haproxy", "haproxy refused the generated configuration: "
                           + (out.stdout + out.stderr).strip()[-2000:])
-    return f"data_plane=haproxy ({binary})"
+    grace = settings.data_plane_orphan_grace
+    outlives = f"outlives the proxy by up to {grace:g}s" if grace else "stops with the proxy"
+    return f"data_plane=haproxy ({binary}; {outlives})"
 
 
 def _with_pdeathsig(argv: list[str]) -> list[str]:
@@ -116,7 +121,9 @@ class HaproxyDataPlane:
         self._backoff = _Backoff()
         self.starts = 0
         self._rendered = ""
-        self._keep = settings.data_plane_survives_restart
+        self._keep = settings.data_plane_orphan_grace > 0
+        self.watchdog = OrphanWatchdog(self.layout, settings.listen, settings.data_plane_orphan_grace) \
+            if self._keep else None
         self._adopted: int | None = None
         self._candidate: int | None = None
 
@@ -135,7 +142,9 @@ class HaproxyDataPlane:
     def prepare(self) -> None:
         """Before anything listens: the private dir (0700) and kubelet's socket path free
         (a live socket there is another proxy: SocketInUse; a stale one is removed)."""
-        if self._keep and self.layout.run_dir.is_dir():
+        if self.layout.run_dir.is_dir():
+            # Also with grace 0: a HAProxy the previous run (with a grace) left is adopted,
+            # not a reason to refuse the socket; it then stops with us.
             self._candidate = dataplanestate.find_live(self.layout, self.binary)
         if self._candidate is None:
             prepare_socket(Path(self._settings.listen))
@@ -232,7 +241,17 @@ class HaproxyDataPlane:
 
     async def run_forever(self) -> None:
         """Keep the master running until ``stop``; cancelling this leaves the process
-        alone (``stop`` ends it, last)."""
+        alone (``stop`` ends it, last). With an orphan grace, the watchdog is armed first."""
+        if self.watchdog is not None:
+            watch = asyncio.ensure_future(self.watchdog.run_forever())
+            try:
+                await self._run()
+            finally:
+                watch.cancel()
+        else:
+            await self._run()
+
+    async def _run(self) -> None:
         while not self.stopping():
             started = time.monotonic()
             if self._candidate is not None:
@@ -264,6 +283,8 @@ class HaproxyDataPlane:
         """Take over the master a previous ``run`` left serving; reload it if the
         configuration it runs is not the one these settings give."""
         self._adopted = pid
+        if self.watchdog is None:
+            await asyncio.to_thread(dataplanewatchdog.end_previous, self.layout, None)
         with contextlib.suppress(OSError):
             self._rendered = self.layout.config_file.read_text()
         try:
@@ -313,13 +334,17 @@ class HaproxyDataPlane:
 
     async def stop(self, grace: float, *, full: bool = True) -> None:
         """Soft stop (calls in flight finish), then SIGTERM, then SIGKILL. With
-        ``data_plane_survives_restart`` and not ``full``: left running for the next ``run``."""
+        an orphan grace and not ``full``: left running for the next ``run`` (or its watchdog)."""
         self._stopping = True
         pid, proc = self.pid, self._proc
+        if self.watchdog is not None:
+            if self._keep and not full and pid is not None:
+                self.watchdog.leave()
+                log.info("data_plane_kept", pid=pid, socket=self._settings.listen,
+                         orphan_grace_seconds=self._settings.data_plane_orphan_grace, watchdog=self.watchdog.pid)
+                return
+            await asyncio.to_thread(self.watchdog.disarm)
         if pid is None:
-            return
-        if self._keep and not full:
-            log.info("data_plane_kept", pid=pid, socket=self._settings.listen)
             return
         exited = proc.wait() if proc is not None and proc.pid == pid else dataplanestate.wait_exit(pid)
         waiter = asyncio.ensure_future(exited)

@@ -1,6 +1,6 @@
 """Which HAProxy master serves kubelet's socket, recorded so the next ``run`` can adopt it.
 
-With ``data_plane_survives_restart: true`` the HAProxy master outlives the Python process
+With ``data_plane_orphan_grace`` > 0 (the default) the HAProxy master outlives the Python process
 (a SIGTERM for an upgrade, a crash, kill -9): kubelet's socket stays and pass-through
 keeps working. The next ``run`` finds it through ``master.json`` in the data plane's
 private directory (0700, root) and adopts it only if all of these hold: the pid is alive
@@ -32,7 +32,7 @@ def _state_file(layout: haproxy.Layout) -> Path:
     return layout.run_dir / "master.json"
 
 
-def _start_time(pid: int) -> int | None:
+def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -42,15 +42,23 @@ def _start_time(pid: int) -> int | None:
     return int(stat[stat.rindex(")") + 2:].split()[19])
 
 
+def _pid_file(layout: haproxy.Layout) -> Path:
+    """The same as ``master.json`` as ``<pid> <start time>``, for the orphan watchdog (sh)."""
+    return layout.run_dir / "master.pid"
+
+
 def record(layout: haproxy.Layout, pid: int) -> None:
-    data = {"pid": pid, "start_time": _start_time(pid)}
-    tmp = _state_file(layout).with_suffix(".new")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, _state_file(layout))
+    started = start_time(pid)
+    data = {"pid": pid, "start_time": started}
+    for path, text in ((_pid_file(layout), f"{pid} {started}\n"), (_state_file(layout), json.dumps(data))):
+        tmp = path.with_suffix(".new")
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 def forget(layout: haproxy.Layout) -> None:
     _state_file(layout).unlink(missing_ok=True)
+    _pid_file(layout).unlink(missing_ok=True)
 
 
 def _master_answers(layout: haproxy.Layout) -> bool:
@@ -72,7 +80,7 @@ def find_live(layout: haproxy.Layout, binary: str) -> int | None:
     """The pid of a live HAProxy master we started earlier, or None."""
     try:
         data = json.loads(_state_file(layout).read_text())
-        pid, start_time = int(data["pid"]), data["start_time"]
+        pid, started = int(data["pid"]), data["start_time"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     why = ""
@@ -80,7 +88,7 @@ def find_live(layout: haproxy.Layout, binary: str) -> int | None:
         exe = os.path.realpath(os.readlink(f"/proc/{pid}/exe"))
     except OSError:
         exe = ""
-    if _start_time(pid) != start_time or start_time is None:
+    if start_time(pid) != started or started is None:
         why = "not running"
     elif exe != os.path.realpath(binary):
         why = f"runs {exe or '?'}, not {binary}"

@@ -11,7 +11,7 @@ import structlog.testing
 
 from runtimeproxy import haproxy
 from runtimeproxy.app import choose_data_plane
-from runtimeproxy.config import ConfigError, Settings, from_mapping
+from runtimeproxy.config import ConfigError, Settings, builtin_default, from_mapping
 from runtimeproxy.dataplane import find_haproxy
 from runtimeproxy.grpcserver import known_methods
 
@@ -95,6 +95,22 @@ def test_data_plane_keys_are_validated() -> None:
     assert from_mapping({"data_plane_idle_timeout": "90m"}).data_plane_idle_timeout == 5400.0
 
 
+def test_orphan_grace_defaults_to_30s_and_the_old_key_still_works_alone() -> None:
+    assert from_mapping({}).data_plane_orphan_grace == 30.0
+    for zero in (0, "0", "0s", "0ms"):
+        assert from_mapping({"data_plane_orphan_grace": zero}).data_plane_orphan_grace == 0.0
+    assert from_mapping({"data_plane_orphan_grace": "2m"}).data_plane_orphan_grace == 120.0
+    assert from_mapping({"data_plane_survives_restart": False}).data_plane_orphan_grace == 0.0
+    assert from_mapping({"data_plane_survives_restart": True}).data_plane_orphan_grace == 30.0
+    for bad in ("-1s", "25h", True, "soon", float("inf")):
+        with pytest.raises(ConfigError, match=f"data_plane_orphan_grace: .*{bad!r}"):
+            from_mapping({"data_plane_orphan_grace": bad})
+    with pytest.raises(ConfigError, match="data_plane_survives_restart: must be true or false"):
+        from_mapping({"data_plane_survives_restart": "yes"})
+    with pytest.raises(ConfigError, match="data_plane_survives_restart: replaced by data_plane_orphan_grace"):
+        from_mapping({"data_plane_survives_restart": True, "data_plane_orphan_grace": "10s"})
+
+
 def test_missing_haproxy_falls_back_to_grpc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr("runtimeproxy.app.find_haproxy", lambda: None)
     with structlog.testing.capture_logs() as logs:
@@ -131,7 +147,8 @@ def test_check_config_reports_the_data_plane(tmp_path: Path, monkeypatch: pytest
     path.chmod(0o600)
     if find_haproxy() is not None:
         assert cli.main(["check-config", "--config", str(path)]) == 0
-        assert "data_plane=haproxy (/" in capsys.readouterr().out.splitlines()[0]
+        first = capsys.readouterr().out.splitlines()[0]
+        assert "data_plane=haproxy (/" in first and "; outlives the proxy by up to 30s)" in first, first
         # A configuration HAProxy refuses is exit 2 naming data_plane.
         monkeypatch.setattr(haproxy, "render", lambda s, layout: "global\n    no-such-keyword 1\n")
         assert cli.main(["check-config", "--config", str(path)]) == 2
@@ -141,3 +158,12 @@ def test_check_config_reports_the_data_plane(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr("runtimeproxy.dataplane.find_haproxy", lambda: None)
     assert cli.main(["check-config", "--config", str(path)]) == 0
     assert "falls back to grpc" in capsys.readouterr().out
+
+
+def test_the_shipped_unit_and_config_keep_haproxy_across_a_restart_but_not_for_ever() -> None:
+    """HAProxy survives an upgrade, a restart or a crash of the proxy only if systemd does not
+    kill it with the proxy (KillMode=process) and the config lets it outlive us (a grace > 0);
+    it is never orphaned for long (the grace is bounded)."""
+    unit = (Path(__file__).resolve().parents[2] / "systemd" / "koord-runtime-proxy.service").read_text()
+    assert [line for line in unit.splitlines() if line.startswith("KillMode=")] == ["KillMode=process"]
+    assert 0 < from_mapping(builtin_default()).data_plane_orphan_grace <= 60
