@@ -129,10 +129,14 @@ def test_nrt_nodemetric_prediction_events_and_nodeslo_against_the_api_server(
     kubelet_creates_pod_cgroup(lsr.linux.cgroup_parent)
     sid = pods.run(rt, lsr)
     pods.start(rt, pods.create(rt, sid, lsr, pods.container("app")))
-    _wait_for("the NRT patched with the pod's cpus", lambda: uid in (api.get("noderesourcetopologies", NODE) or {})
-              .get("metadata", {}).get("annotations", {}).get(ALLOCS, ""), timeout=30)
-    allocs = json.loads(api.get("noderesourcetopologies", NODE)["metadata"]["annotations"][ALLOCS])
-    assert any(a["uid"] == uid and a["cpuset"] == "0" for a in allocs), allocs
+
+    def allocs() -> list[dict[str, Any]]:
+        stored = api.get("noderesourcetopologies", NODE) or {}
+        found: list[dict[str, Any]] = json.loads(stored["metadata"]["annotations"][ALLOCS]) or []  # null: none
+        return found if any(a["uid"] == uid for a in found) else []
+
+    bound = _wait_for("the NRT patched with the pod's cpus", allocs, timeout=30)
+    assert any(a["uid"] == uid and a["cpuset"] == "0" for a in bound), bound
     assert _nrt_writes(api) == ["POST", "PATCH"], _nrt_writes(api)
 
     # --- NodeMetric with the prediction (every PATCH validated by the server) ---
