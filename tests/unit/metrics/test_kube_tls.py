@@ -1,0 +1,106 @@
+"""The API client's TLS and credentials in real handshakes with the local test API server
+(``tests.kubeapi`` serving HTTPS): a server certificate from another CA is refused,
+``insecure-skip-tls-verify`` connects anyway, and the in-cluster service account works
+against an IP address (as ``KUBERNETES_SERVICE_HOST`` is) with its token re-read as the
+kubelet rotates it."""
+
+from __future__ import annotations
+
+import base64
+import ssl
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from metrics.informer import kubeclient
+from metrics.informer.kubeclient import KubeClient, KubeSettings
+from metrics.informer.kubeconfig import in_cluster
+from metrics.informer.kubetypes import KubeUnavailable
+from tests.kubeapi import KubeApiServer
+from tests.unit.metrics.test_kubeconfig import openssl, write
+
+NODE = "node-a"
+
+
+def _ca(d: Path, name: str) -> None:
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}",
+            "-keyout", str(d / f"{name}.key"), "-out", str(d / f"{name}.crt"))
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ca (signs the server's certificate for IP 127.0.0.1) and other-ca (signs nothing)."""
+    d = tmp_path_factory.mktemp("certs")
+    _ca(d, "ca")
+    _ca(d, "other-ca")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver", "-keyout", str(d / "server.key"),
+            "-out", str(d / "server.csr"))
+    openssl("x509", "-req", "-in", str(d / "server.csr"), "-CA", str(d / "ca.crt"), "-CAkey", str(d / "ca.key"),
+            "-CAcreateserial", "-days", "1", "-out", str(d / "server.crt"), "-extfile", str(d / "san.ext"))
+    return d
+
+
+@pytest.fixture
+def api(certs: Path) -> Iterator[KubeApiServer]:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(certs / "server.crt", certs / "server.key")
+    server = KubeApiServer(tls=ctx)
+    server.put("nodes", {"metadata": {"name": NODE}})
+    yield server
+    server.close()
+
+
+def _b64(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def test_a_server_certificate_from_another_ca_is_refused(tmp_path: Path, certs: Path, api: KubeApiServer) -> None:
+    other_ca = _b64(certs / "other-ca.crt")
+    path = write(tmp_path, {"token": "t"}, {"server": api.url, "certificate-authority-data": other_ca})
+    client = KubeClient.connect(KubeSettings(NODE, kubeconfig=path, timeout=5))
+    try:
+        with pytest.raises(KubeUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            client.get_node()
+    finally:
+        client.close()
+    assert not api.requests  # no request was sent over the unverified connection
+
+
+def test_insecure_skip_tls_verify_connects_to_an_unknown_ca(tmp_path: Path, api: KubeApiServer) -> None:
+    """Said once in the JSON log; urllib3's InsecureRequestWarning (a non-JSON stderr line,
+    an error under -W error) is not raised per request."""
+    path = write(tmp_path, {"token": "t"}, {"server": api.url, "insecure-skip-tls-verify": True})
+    with capture_logs() as logs, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        client = KubeClient.connect(KubeSettings(NODE, kubeconfig=path, timeout=5))
+        try:
+            assert client.get_node()["metadata"]["name"] == NODE
+            assert client.get_node()["metadata"]["name"] == NODE
+        finally:
+            client.close()
+    assert [e["host"] for e in logs if e["event"] == "kube_tls_unverified"] == [api.url]
+
+
+def test_in_cluster_over_tls_to_an_ip_with_a_rotating_token(
+    tmp_path: Path, certs: Path, api: KubeApiServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sa = tmp_path / "serviceaccount"
+    sa.mkdir()
+    (sa / "ca.crt").write_bytes((certs / "ca.crt").read_bytes())
+    (sa / "token").write_text("token-1\n")
+    port = api.url.rsplit(":", 1)[1]
+    env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": port}
+    monkeypatch.setattr(kubeclient, "in_cluster", lambda: in_cluster(sa, env))
+    client = KubeClient.connect(KubeSettings(NODE, in_cluster=True, timeout=5))
+    try:
+        assert client.config.host == f"https://127.0.0.1:{port}"
+        client.get_node()
+        (sa / "token").write_text("token-2\n")  # the kubelet rotated the projected token
+        client.get_node()
+    finally:
+        client.close()
+    assert [r.headers.get("authorization") for r in api.requests] == ["Bearer token-1", "Bearer token-2"]
