@@ -1,4 +1,4 @@
-"""The API client's TLS and credentials in real handshakes with the local test API server
+"""The API client's timeout, TLS and credentials in real handshakes with the local test API server
 (``tests.kubeapi`` serving HTTPS): a server certificate from another CA is refused,
 ``insecure-skip-tls-verify`` connects anyway, and the in-cluster service account works
 against an IP address (as ``KUBERNETES_SERVICE_HOST`` is) with its token re-read as the
@@ -7,7 +7,9 @@ kubelet rotates it."""
 from __future__ import annotations
 
 import base64
+import socket
 import ssl
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,3 +106,21 @@ def test_in_cluster_over_tls_to_an_ip_with_a_rotating_token(
     finally:
         client.close()
     assert [r.headers.get("authorization") for r in api.requests] == ["Bearer token-1", "Bearer token-2"]
+
+
+def test_a_server_that_never_answers_times_out(tmp_path: Path) -> None:
+    """A listening socket that accepts nothing (a hung API server): the call fails with
+    KubeUnavailable after the configured timeout instead of blocking its thread for good."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        client = KubeClient.connect(KubeSettings(NODE, kubeconfig=write(tmp_path, {"token": "t"}, {"server": url}),
+                                                 timeout=0.5))
+        started = time.monotonic()
+        try:
+            with pytest.raises(KubeUnavailable, match="get node"):
+                client.get_node()
+        finally:
+            client.close()
+        assert time.monotonic() - started < 3
