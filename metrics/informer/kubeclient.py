@@ -202,6 +202,8 @@ class KubeClient:
                                       timeout=urllib3.Timeout(connect=connect, read=read))
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise KubeUnavailable(f"{what}: {exc}") from exc
+        if resp.status == 401:
+            self.config.invalidate()  # a revoked exec token: fetch a new one for the next call
         if resp.status >= 400:
             try:
                 payload = resp.data if stream is False else resp.read()

@@ -7,12 +7,14 @@ kubelet rotates it."""
 from __future__ import annotations
 
 import base64
+import json
 import socket
 import ssl
 import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -20,7 +22,7 @@ from structlog.testing import capture_logs
 from metrics.informer import kubeclient
 from metrics.informer.kubeclient import KubeClient, KubeSettings
 from metrics.informer.kubeconfig import in_cluster
-from metrics.informer.kubetypes import KubeUnavailable
+from metrics.informer.kubetypes import KubeApiError, KubeUnavailable
 from tests.kubeapi import KubeApiServer
 from tests.unit.metrics.test_kubeconfig import openssl, write
 
@@ -124,3 +126,40 @@ def test_a_server_that_never_answers_times_out(tmp_path: Path) -> None:
         finally:
             client.close()
         assert time.monotonic() - started < 3
+
+
+def test_a_refused_exec_token_is_fetched_again(tmp_path: Path) -> None:
+    """An exec plugin's token revoked before its stated expiry: the 401 drops the cached
+    token, the next call runs the plugin again. The plugin gets KUBERNETES_EXEC_INFO with
+    its API version, as client-go passes it."""
+    counter, seen_info = tmp_path / "calls", tmp_path / "exec-info"
+    plugin = tmp_path / "plugin.sh"
+    plugin.write_text(f"#!/bin/sh\necho x >> {counter}\nprintf '%s' \"$KUBERNETES_EXEC_INFO\" > {seen_info}\n"
+                      f"n=$(wc -l < {counter} | tr -d ' ')\n"
+                      'echo "{\\"kind\\":\\"ExecCredential\\",\\"status\\":{\\"token\\":\\"tok-$n\\",'
+                      '\\"expirationTimestamp\\":\\"2999-01-01T00:00:00Z\\"}}"\n')
+    plugin.chmod(0o700)
+    api = KubeApiServer()
+    api.put("nodes", {"metadata": {"name": NODE}})
+    real = api._serve
+
+    def auth(req: Any) -> Any:
+        if req.headers.get("authorization") != "Bearer tok-2":
+            return 401, {"kind": "Status", "code": 401, "message": "Unauthorized"}
+        return real(req)
+
+    api.routes[("GET", f"/api/v1/nodes/{NODE}")] = auth
+    version = "client.authentication.k8s.io/v1beta1"
+    path = write(tmp_path, {"exec": {"apiVersion": version, "command": str(plugin)}}, {"server": api.url})
+    client = KubeClient.connect(KubeSettings(NODE, kubeconfig=path, timeout=5))
+    try:
+        with pytest.raises(KubeApiError, match="401"):
+            client.get_node()
+        assert client.get_node()["metadata"]["name"] == NODE
+        assert client.get_node()["metadata"]["name"] == NODE  # the new token is cached again
+    finally:
+        client.close()
+        api.close()
+    assert counter.read_text() == "x\nx\n"
+    assert json.loads(seen_info.read_text()) == {"apiVersion": version, "kind": "ExecCredential",
+                                                 "spec": {"interactive": False}}
