@@ -169,15 +169,17 @@ def node_owner(node: Mapping[str, Any] | None, name: str) -> dict[str, Any] | No
 
 
 def owner_patch(current: Mapping[str, Any], owner: Mapping[str, Any] | None) -> list[dict[str, Any]] | None:
-    """The ``ownerReferences`` to write when the object has no Node owner yet (created
-    before the Node was read), keeping other owners; None when nothing is to change."""
+    """The ``ownerReferences`` to write when the object has no owner reference to this
+    Node yet (created before the Node was read, or owned by a deleted Node of the same
+    name), keeping other owners; None when nothing is to change."""
     if owner is None:
         return None
     meta = current.get("metadata")
     refs = meta.get("ownerReferences") if isinstance(meta, Mapping) else None
-    kept = [dict(r) for r in refs if isinstance(r, Mapping)] if isinstance(refs, list) else []
-    if any(r.get("kind") == "Node" and r.get("apiVersion") == "v1" for r in kept):
+    old = [dict(r) for r in refs if isinstance(r, Mapping)] if isinstance(refs, list) else []
+    if any(r.get("kind") == "Node" and r.get("uid") == owner["uid"] for r in old):
         return None
+    kept = [r for r in old if not (r.get("kind") == "Node" and r.get("apiVersion") == "v1")]
     return [*kept, dict(owner)]
 
 

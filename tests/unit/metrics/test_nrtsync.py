@@ -280,3 +280,16 @@ async def test_created_before_the_node_was_read_it_gets_its_owner_reference_once
     clock.now += 301  # re-read: the owner is there, nothing written
     assert await nrt.sync_once() == "in_sync"
     assert kube.calls.count("patch") == 1
+
+
+def test_owner_patch_replaces_a_deleted_nodes_reference_and_keeps_others() -> None:
+    from metrics.report.nrtsync import node_owner, owner_patch
+
+    owner = node_owner({"metadata": {"uid": "new"}}, "node-a")
+    assert owner is not None and node_owner({"metadata": {}}, "node-a") is None
+    other = {"apiVersion": "example.com/v1", "kind": "Thing", "name": "t", "uid": "u-t"}
+    stale = {"apiVersion": "v1", "kind": "Node", "name": "node-a", "uid": "old"}
+    assert owner_patch({"metadata": {"ownerReferences": [other, stale]}}, owner) == [other, owner]
+    assert owner_patch({"metadata": {"ownerReferences": [other, owner]}}, owner) is None
+    assert owner_patch({"metadata": {"ownerReferences": "garbage"}}, owner) == [owner]
+    assert owner_patch({"metadata": {}}, None) is None
