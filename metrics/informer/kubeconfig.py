@@ -59,6 +59,12 @@ class ClusterConfig:
             return "Bearer " + self._exec_credential()
         return None if self.token is None else "Bearer " + self.token
 
+    def invalidate(self) -> None:
+        """The server refused the credential (401): run the exec plugin again next time
+        instead of sending a revoked token until its stated expiry."""
+        with self._exec_lock:
+            self._exec_token = None
+
     def _exec_credential(self) -> str:
         with self._exec_lock:
             if self._exec_token is not None and self._exec_token[1] > time.time() + 10:
@@ -69,6 +75,10 @@ class ClusterConfig:
                 raise ConfigError("user.exec.command is missing")
             args = [str(a) for a in spec.get("args") or []]
             env = dict(os.environ)
+            # What client-go passes: plugins (kubelogin, cloud auth plugins) read the API version from it.
+            env["KUBERNETES_EXEC_INFO"] = json.dumps({
+                "apiVersion": str(spec.get("apiVersion") or "client.authentication.k8s.io/v1"),
+                "kind": "ExecCredential", "spec": {"interactive": False}})
             for item in spec.get("env") or []:
                 if isinstance(item, Mapping):
                     env[str(item.get("name"))] = str(item.get("value"))

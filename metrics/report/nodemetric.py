@@ -327,6 +327,45 @@ def prediction_fields(result: Reclaimable | None) -> dict[str, Any]:
     return {"prodReclaimableMetric": metric(result.reclaimable), "prodPeakMetric": metric(result.peak)}
 
 
+#: What this agent writes in the status. The report goes out as a JSON merge patch, which
+#: keeps every key it does not name: a field left out this time (no prediction yet after a
+#: restart, no host applications any more, no NUMA samples, a resource without samples)
+#: is sent as null, so the stored status is the one built, as koordlet's UpdateStatus
+#: (which replaces the whole status) leaves it. Nothing stale stays for koord-manager.
+_STATUS_KEYS: Final = ("updateTime", "nodeMetric", "podsMetric", "hostApplicationMetric", "prodReclaimableMetric",
+                       "prodPeakMetric")
+_NODE_METRIC_KEYS: Final = ("nodeUsage", "aggregatedNodeUsages", "systemUsage", "aggregatedSystemUsages",
+                            "numaUsages")
+_RESOURCE_NAMES: Final = ("cpu", "memory")
+
+
+def _replacing_map(resource_map: Any) -> Any:
+    """A ResourceMap whose absent resources are null (removed by the merge patch)."""
+    if not isinstance(resource_map, Mapping):
+        return resource_map
+    resources = resource_map.get("resources")
+    resources = resources if isinstance(resources, Mapping) else {}
+    return {**resource_map, "resources": {**dict.fromkeys(_RESOURCE_NAMES), **resources}}
+
+
+def status_merge_patch(status: Mapping[str, Any]) -> dict[str, Any]:
+    """``status`` as a merge patch that leaves the stored status equal to it."""
+    out: dict[str, Any] = {key: status.get(key) for key in _STATUS_KEYS}
+    out.update({k: v for k, v in status.items() if k not in out})
+    node_metric = status.get("nodeMetric")
+    if isinstance(node_metric, Mapping):
+        patched = {key: node_metric.get(key) for key in _NODE_METRIC_KEYS}
+        patched.update({k: v for k, v in node_metric.items() if k not in patched})
+        for key in ("nodeUsage", "systemUsage"):
+            patched[key] = _replacing_map(patched[key])
+        out["nodeMetric"] = patched
+    for key in ("prodReclaimableMetric", "prodPeakMetric"):
+        metric = out[key]
+        if isinstance(metric, Mapping):
+            out[key] = {**metric, "resource": _replacing_map(metric.get("resource"))}
+    return out
+
+
 def rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 

@@ -153,8 +153,34 @@ def _changed_keys(patch: Mapping[str, Any]) -> list[str]:
     """What a patch changes, for the log line: annotation and label names, other fields."""
     keys = [k for k in sorted(patch) if k != "metadata"]
     meta = patch.get("metadata")
-    sections = meta.values() if isinstance(meta, Mapping) else ()
-    return keys + sorted(str(name) for section in sections if isinstance(section, Mapping) for name in section)
+    items = meta.items() if isinstance(meta, Mapping) else ()
+    return keys + sorted(str(name) for key, section in items
+                         for name in (section if isinstance(section, Mapping) else [key]))
+
+
+def node_owner(node: Mapping[str, Any] | None, name: str) -> dict[str, Any] | None:
+    """The owner reference to the Node (None while its uid is not known)."""
+    node_meta = node.get("metadata") if node is not None else None
+    uid = node_meta.get("uid") if isinstance(node_meta, Mapping) else None
+    if not uid or not isinstance(uid, str):
+        return None
+    return {"apiVersion": "v1", "kind": "Node", "name": name, "uid": uid, "controller": True,
+            "blockOwnerDeletion": True}
+
+
+def owner_patch(current: Mapping[str, Any], owner: Mapping[str, Any] | None) -> list[dict[str, Any]] | None:
+    """The ``ownerReferences`` to write when the object has no owner reference to this
+    Node yet (created before the Node was read, or owned by a deleted Node of the same
+    name), keeping other owners; None when nothing is to change."""
+    if owner is None:
+        return None
+    meta = current.get("metadata")
+    refs = meta.get("ownerReferences") if isinstance(meta, Mapping) else None
+    old = [dict(r) for r in refs if isinstance(r, Mapping)] if isinstance(refs, list) else []
+    if any(r.get("kind") == "Node" and r.get("uid") == owner["uid"] for r in old):
+        return None
+    kept = [r for r in old if not (r.get("kind") == "Node" and r.get("apiVersion") == "v1")]
+    return [*kept, dict(owner)]
 
 
 def create_doc(desired: Mapping[str, Any], node: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -163,11 +189,9 @@ def create_doc(desired: Mapping[str, Any], node: Mapping[str, Any] | None) -> di
     doc: dict[str, Any] = json.loads(json.dumps(desired))
     meta = doc["metadata"]
     meta["labels"] = {**meta.get("labels", {}), LABEL_MANAGED_BY: "Koordinator"}
-    node_meta = node.get("metadata") if node is not None else None
-    uid = node_meta.get("uid") if isinstance(node_meta, Mapping) else None
-    if uid:
-        meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": doc["metadata"]["name"],
-                                    "uid": uid, "controller": True, "blockOwnerDeletion": True}]
+    owner = node_owner(node, doc["metadata"]["name"])
+    if owner is not None:
+        meta["ownerReferences"] = [owner]
     return doc
 
 
@@ -245,6 +269,7 @@ class NRTReporter:
         self._built_at = -float("inf")
         #: The desired document last found equal to (or written to) the cluster's.
         self._synced: dict[str, Any] | None = None
+        self._synced_owner: dict[str, Any] | None = None
         self._checked_at = -float("inf")
         self._written_at = -float("inf")
         self._problems: set[str] = set()
@@ -284,30 +309,37 @@ class NRTReporter:
             return "local"
         now = self._clock()
         desired = build.doc
-        if desired == self._synced and now - self._checked_at < self._resync:
+        node = self._sources.node()
+        owner = node_owner(node, self._sources.node_name)
+        # The Node's uid is part of what is synced: an object created before the Node was
+        # read gets its owner reference as soon as the uid is known, not at the next resync.
+        if desired == self._synced and owner == self._synced_owner and now - self._checked_at < self._resync:
             return "unchanged"
         try:
             current = await asyncio.to_thread(self._kube.get_nrt)
         except KubeError as exc:
             return self._failed("get", exc)
         if current is None:
-            return await self._write("created", self._kube.create_nrt, create_doc(desired, self._sources.node()),
-                                     desired, now)
+            return await self._write("created", self._kube.create_nrt, create_doc(desired, node), desired, now,
+                                     owner)
         patch = merge_patch(current, desired)
+        if (refs := owner_patch(current, owner)) is not None:
+            patch.setdefault("metadata", {})["ownerReferences"] = refs
         if not patch:
-            self._synced, self._checked_at = desired, now
+            self._synced, self._synced_owner, self._checked_at = desired, owner, now
             return "in_sync"
-        return await self._write("patched", self._kube.patch_nrt, patch, desired, now)
+        return await self._write("patched", self._kube.patch_nrt, patch, desired, now, owner)
 
     async def _write(self, outcome: str, call: Callable[[Mapping[str, Any]], dict[str, Any]],
-                     body: Mapping[str, Any], desired: dict[str, Any], now: float) -> str:
+                     body: Mapping[str, Any], desired: dict[str, Any], now: float,
+                     owner: dict[str, Any] | None) -> str:
         if now - self._written_at < self.interval:
             return "deferred"
         try:
             await asyncio.to_thread(call, body)
         except KubeError as exc:
             return self._failed("create" if outcome == "created" else "patch", exc)
-        self._synced, self._checked_at, self._written_at = desired, now, now
+        self._synced, self._synced_owner, self._checked_at, self._written_at = desired, owner, now, now
         self.writes[outcome] += 1
         changed = _changed_keys(body) if outcome == "patched" else ["*"]
         log.info(f"nrt_{outcome}", name=self._sources.node_name, changed=changed)

@@ -27,7 +27,7 @@ from metrics.analysis.prediction import Reclaimable
 from metrics.informer.kubetypes import Kind, KubeError
 from metrics.informer.states import StatesInformer
 from metrics.model import MetricReader, PodView
-from metrics.report.nodemetric import WITH_HOT_PAGE_CACHE, CollectPolicy, build_status
+from metrics.report.nodemetric import WITH_HOT_PAGE_CACHE, CollectPolicy, build_status, status_merge_patch
 from runtimeproxy import heap
 
 if TYPE_CHECKING:  # the API client: imported only when configured
@@ -130,7 +130,7 @@ class NodeMetricReporter:
             self._send_problem("nodemetric_not_sent", "no node usage samples yet")
             return
         try:
-            sent = await asyncio.to_thread(kube.update_nodemetric_status, doc)
+            sent = await asyncio.to_thread(kube.update_nodemetric_status, status_merge_patch(doc))
         except KubeError as exc:
             self._send_problem("nodemetric_report_failed", str(exc))
             return

@@ -246,3 +246,50 @@ async def test_route_serves_the_object_without_a_cluster(tmp_path: Path) -> None
     _, _, newer = await nrt.route({})
     assert '"uid":"u2"' in json.loads(newer)["metadata"]["annotations"][ALLOCS]
     assert nrt.explain()["inputs"]["bound_by_resource_status"] == {"default/u-lse": "6", "ns/p2": "7"}
+
+
+@pytest.mark.asyncio
+async def test_created_before_the_node_was_read_it_gets_its_owner_reference_once_known(tmp_path: Path) -> None:
+    """At start the NRT sync can run before the informer listed the Node: the object was
+    created without an owner reference and never got one (nothing else changed)."""
+    kube, clock = FakeNRT(), Clock()
+    node: dict[str, Any] | None = None
+    roots = host_tree(tmp_path)
+    sources = NRTSources("node-a", roots, TopologyCollector(roots).latest, lambda: [], lambda: node,
+                         cpu_manager_state=tmp_path / "kubelet/cpu_manager_state",
+                         kubelet_config=tmp_path / "kubelet/config.yaml", clock=clock)
+    nrt = NRTReporter(sources, kube, interval=3.0, resync=300.0, clock=clock)
+    assert await nrt.sync_once() == "created"
+    assert kube.obj is not None and "ownerReferences" not in kube.obj["metadata"]
+    clock.now += 3
+    assert await nrt.sync_once() == "unchanged"
+    other = {"apiVersion": "example.com/v1", "kind": "Thing", "name": "t", "uid": "u-t"}
+    kube.obj["metadata"]["ownerReferences"] = [other]  # another writer's owner is kept
+    node = {"metadata": {"name": "node-a", "uid": "uid-node-a"}}
+    clock.now += 3
+    with capture_logs() as logs:
+        assert await nrt.sync_once() == "patched"
+    assert kube.obj["metadata"]["ownerReferences"] == [other, {
+        "apiVersion": "v1", "kind": "Node", "name": "node-a", "uid": "uid-node-a", "controller": True,
+        "blockOwnerDeletion": True}]
+    assert kube.patches[-1] == {"metadata": {"ownerReferences": kube.obj["metadata"]["ownerReferences"]}}
+    assert [e["changed"] for e in logs if e["event"] == "nrt_patched"] == [["ownerReferences"]]
+    for _ in range(3):
+        clock.now += 3
+        assert await nrt.sync_once() == "unchanged"
+    clock.now += 301  # re-read: the owner is there, nothing written
+    assert await nrt.sync_once() == "in_sync"
+    assert kube.calls.count("patch") == 1
+
+
+def test_owner_patch_replaces_a_deleted_nodes_reference_and_keeps_others() -> None:
+    from metrics.report.nrtsync import node_owner, owner_patch
+
+    owner = node_owner({"metadata": {"uid": "new"}}, "node-a")
+    assert owner is not None and node_owner({"metadata": {}}, "node-a") is None
+    other = {"apiVersion": "example.com/v1", "kind": "Thing", "name": "t", "uid": "u-t"}
+    stale = {"apiVersion": "v1", "kind": "Node", "name": "node-a", "uid": "old"}
+    assert owner_patch({"metadata": {"ownerReferences": [other, stale]}}, owner) == [other, owner]
+    assert owner_patch({"metadata": {"ownerReferences": [other, owner]}}, owner) is None
+    assert owner_patch({"metadata": {"ownerReferences": "garbage"}}, owner) == [owner]
+    assert owner_patch({"metadata": {}}, None) is None
