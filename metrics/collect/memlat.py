@@ -27,7 +27,15 @@ from typing import Any, Final, Literal, Protocol
 
 import structlog
 
-from metrics.collect.base import OnceLog, ReadError, SourceUnavailable, container_labels, read_bytes
+from metrics.collect.base import (
+    OnceLog,
+    ReadError,
+    ReasonOnce,
+    SourceUnavailable,
+    container_labels,
+    pick_source,
+    read_bytes,
+)
 from metrics.collect.bpfmap import BpfError, BpfMap
 from metrics.collect.cgroupfs import CgroupReader
 from metrics.collect.ebpf import (
@@ -316,7 +324,7 @@ class MemLatencyCollector:
         self._given = sources
         self._source: StallSource | None = None
         self._started = False
-        self._failures: set[str] = set()
+        self._failures = ReasonOnce(log, "memlat_sample_failed")
         self.reason: str | None = None
 
     @property
@@ -339,19 +347,7 @@ class MemLatencyCollector:
         if self._started:
             return
         self._started = True
-        reasons: list[str] = []
-        for candidate in self._candidates():
-            try:
-                candidate.start()
-            except SourceUnavailable as exc:
-                reasons.append(f"{candidate.name}: {exc.reason}")
-                continue
-            self._source = candidate
-            self.reason = "; ".join(reasons) or f"prefer={self.prefer}"
-            log.info("memlat_source", source=candidate.name, reason=self.reason)
-            return
-        self.reason = "; ".join(reasons)
-        log.warning("memlat_source", source="none", reason=self.reason)
+        self._source, self.reason = pick_source(self._candidates(), self.prefer, log, "memlat_source")
 
     def collect(self, now: float, pods: Sequence[PodView]) -> list[Sample]:
         self.start()
@@ -362,9 +358,7 @@ class MemLatencyCollector:
         try:
             return source.sample(containers, now)
         except SourceUnavailable as exc:
-            if exc.reason not in self._failures:
-                self._failures.add(exc.reason)
-                log.warning("memlat_sample_failed", source=source.name, reason=exc.reason)
+            self._failures.failed(source.name, exc)
             return []
 
     def explain(self) -> dict[str, Any]:
