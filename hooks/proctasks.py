@@ -28,7 +28,13 @@ class ProcessGoneError(HookError):
     """The process exited between listing and acting on it (ESRCH / ENOENT)."""
 
 
-def _read_all(path: Path) -> str:
+def parse_ids(text: str) -> list[int]:
+    """The positive ids of a ``cgroup.procs`` / ``tasks`` / ``cgroup.threads`` file, sorted."""
+    return sorted({int(t) for t in text.split() if t.isdigit() and int(t) > 0})
+
+
+def read_nofollow(path: Path) -> str:
+    """The whole file, never through a symlink at its last component (``OSError`` as is)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     chunks: list[bytes] = []
     try:
@@ -55,14 +61,14 @@ def container_procs(layout: CgroupLayout, pod: PodInfo, container_id: str) -> li
     if path.is_symlink():
         raise PathEscapeError(f"{source}: {path} is a symlink; refusing to follow it")
     try:
-        text = _read_all(path)
+        text = read_nofollow(path)
     except FileNotFoundError:
         if not directory.is_dir():
             return None  # removed while we looked
         raise CgroupError(f"{source}: {directory} has no cgroup.procs") from None
     except OSError as exc:
         raise CgroupError(f"{source}: cannot read {path}: {exc.strerror}") from exc
-    return sorted({int(t) for t in text.split() if t.isdigit() and int(t) > 0})
+    return parse_ids(text)
 
 
 class ProcFile:
@@ -82,7 +88,7 @@ class ProcFile:
     def read(self, pid: int) -> str:
         path = self.path(pid)
         try:
-            return _read_all(path).strip()
+            return read_nofollow(path).strip()
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ESRCH):
                 raise ProcessGoneError(f"process {pid} is gone ({path})") from exc

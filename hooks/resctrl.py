@@ -70,11 +70,10 @@ args: ``cgroup_driver`` (cgroupfs | systemd, default cgroupfs), ``cgroup_version
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 from collections.abc import Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any, Final
 
 import structlog
@@ -82,6 +81,7 @@ import structlog
 from hooks.cgroups import CgroupError, CgroupLayout, PathEscapeError, container_cgroup_dir
 from hooks.executor import confine
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
+from hooks.proctasks import parse_ids, read_nofollow
 from hooks.qos import QoSClass, pod_name
 from hooks.resctrlfs import ResctrlError, ResctrlFS, ResctrlNotSupported, format_schemata
 from hooks.rules import LiveRules, ResctrlQOS, Rules
@@ -351,7 +351,10 @@ class Resctrl:
             if path.is_symlink():
                 raise PathEscapeError(f"{source}: {path} is a symlink; refusing to follow it")
             if path.is_file():
-                return sorted({int(t) for t in _read_all(path, source).split() if t.isdigit() and int(t) > 0})
+                try:
+                    return parse_ids(read_nofollow(path))
+                except OSError as exc:
+                    raise CgroupError(f"{source}: cannot read {path}: {exc.strerror}") from exc
         raise CgroupError(f"{source}: {directory} has none of {', '.join(names)}")
 
     def _container(self, ctx: ContainerContext, *, gone_is_error: bool) -> ContainerPatch | None:
@@ -442,20 +445,6 @@ class Resctrl:
 
     def post_remove_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
         return self._remove(ctx)
-
-
-def _read_all(path: Path, source: str) -> str:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise CgroupError(f"{source}: cannot read {path}: {exc.strerror}") from exc
-    chunks: list[bytes] = []
-    try:
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    return b"".join(chunks).decode("ascii", "replace")
 
 
 __all__ = ["RESCTRL_ANNOTATION", "AnnotationError", "Resctrl"]

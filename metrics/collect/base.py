@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 import structlog
 
@@ -187,3 +187,47 @@ class OnceLog:
     def keep_owners(self, owners: Iterable[str]) -> None:
         live = set(owners)
         self._seen = {k for k in self._seen if k[0] in live}
+
+
+class Startable(Protocol):
+    name: str
+
+    def start(self) -> None:
+        """Raises ``SourceUnavailable`` when the source cannot work on this host."""
+
+
+S = TypeVar("S", bound=Startable)
+
+
+def pick_source(candidates: Iterable[S], prefer: str, logger: structlog.typing.FilteringBoundLogger,
+                event: str) -> tuple[S | None, str]:
+    """Start the first candidate that starts; it (None when none does) and why, logged
+    once as ``event``: the reasons the earlier ones gave, or ``prefer=`` when the first
+    started (a warning naming every reason when none did)."""
+    reasons: list[str] = []
+    for candidate in candidates:
+        try:
+            candidate.start()
+        except SourceUnavailable as exc:
+            reasons.append(f"{candidate.name}: {exc.reason}")
+            continue
+        reason = "; ".join(reasons) or f"prefer={prefer}"
+        logger.info(event, source=candidate.name, reason=reason)
+        return candidate, reason
+    reason = "; ".join(reasons)
+    logger.warning(event, source="none", reason=reason)
+    return None, reason
+
+
+class ReasonOnce:
+    """Logs a sampling failure once per reason, not once per tick."""
+
+    def __init__(self, logger: structlog.typing.FilteringBoundLogger, event: str) -> None:
+        self._log = logger
+        self._event = event
+        self._seen: set[str] = set()
+
+    def failed(self, source: str, exc: SourceUnavailable) -> None:
+        if exc.reason not in self._seen:
+            self._seen.add(exc.reason)
+            self._log.warning(self._event, source=source, reason=exc.reason)

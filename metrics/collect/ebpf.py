@@ -91,33 +91,17 @@ class EbpfSource:
         """Raises ``SourceUnavailable`` naming the first thing missing."""
         if self._maps:
             return
-        if importlib.util.find_spec("bcc") is None:
-            raise SourceUnavailable("bcc is not importable; install python3-bpfcc")
-        if bpfmap.syscall_number() is None:
-            raise SourceUnavailable(f"no bpf() system call number known for {platform.machine()}")
-        if self._reader.unified_dir("") is None:
-            raise SourceUnavailable("no cgroup v2 tree: bpf_get_current_cgroup_id() needs cgroup v2 (or hybrid)")
+        check_host(self._reader)
         if not any((self._sys / t / "events/sched/sched_switch").is_dir() for t in _TRACEFS):
             raise SourceUnavailable(
                 f"tracefs is not mounted ({self._sys}/kernel/tracing has no events/sched); "
                 "mount -t tracefs nodev /sys/kernel/tracing"
             )
-        header, fds = _run_loader(self._timeout)
-        try:
-            maps = {name: BpfMap(fds[spec["index"]], spec["key_size"], spec["value_size"], spec["max_entries"])
-                    for name, spec in header["maps"].items()}
-            events = [fds[i] for i in header["events"]]
-        except (KeyError, IndexError, TypeError) as exc:
-            _close(fds)
-            raise SourceUnavailable(f"the eBPF loader answered an unexpected header: {exc!r}") from exc
-        self._maps, self._events = maps, events
+        self._maps, self._events = open_program(self._timeout)
         log.debug("ebpf_loaded", maps=sorted(self._maps), events=len(self._events))
 
     def close(self) -> None:
-        for bmap in self._maps.values():
-            bmap.close()
-        for fd in self._events:  # the last reference: the kernel detaches the program
-            os.close(fd)
+        close_program(self._maps, self._events)
         self._maps, self._events = {}, []
 
     def sample(self, containers: Sequence[tuple[PodView, ContainerView]]) -> dict[str, LatencyStat]:
@@ -144,14 +128,53 @@ class EbpfSource:
         return out
 
     def _cgroup_id(self, owner: str, rel: str) -> int | None:
-        directory = self._reader.unified_dir(rel)
-        if directory is None:
-            return None
-        try:
-            return os.stat(directory).st_ino
-        except OSError as exc:
-            self._once.skipped(owner, os_error(directory, exc))
-            return None
+        return cgroup_inode(self._reader, self._once, owner, rel)
+
+
+def check_host(reader: CgroupReader) -> None:
+    """What every eBPF source needs before loading: bcc, a known ``bpf()`` system call
+    number, and a cgroup v2 tree; raises ``SourceUnavailable`` naming the first missing."""
+    if importlib.util.find_spec("bcc") is None:
+        raise SourceUnavailable("bcc is not importable; install python3-bpfcc")
+    if bpfmap.syscall_number() is None:
+        raise SourceUnavailable(f"no bpf() system call number known for {platform.machine()}")
+    if reader.unified_dir("") is None:
+        raise SourceUnavailable("no cgroup v2 tree: bpf_get_current_cgroup_id() needs cgroup v2 (or hybrid)")
+
+
+def open_program(timeout: float, module: str | None = None) -> tuple[dict[str, BpfMap], list[int]]:
+    """Run the loader ``module`` (default: the schedule-latency one) and open what it hands
+    over: the result maps by name and the tracepoint event descriptors (which keep the
+    program attached until closed)."""
+    header, fds = _run_loader(timeout) if module is None else _run_loader(timeout, module)
+    try:
+        maps = {name: BpfMap(fds[spec["index"]], spec["key_size"], spec["value_size"], spec["max_entries"])
+                for name, spec in header["maps"].items()}
+        events = [fds[i] for i in header["events"]]
+    except (KeyError, IndexError, TypeError) as exc:
+        _close(fds)
+        raise SourceUnavailable(f"the eBPF loader answered an unexpected header: {exc!r}") from exc
+    return maps, events
+
+
+def close_program(maps: Mapping[str, BpfMap], events: Sequence[int]) -> None:
+    for bmap in maps.values():
+        bmap.close()
+    for fd in events:  # the last reference: the kernel detaches the program
+        os.close(fd)
+
+
+def cgroup_inode(reader: CgroupReader, once: OnceLog, owner: str, rel: str) -> int | None:
+    """The v2 cgroup id (its directory's inode) of the cgroup ``rel``; None (logged once
+    per ``owner``) when it has no v2 directory or cannot be read."""
+    directory = reader.unified_dir(rel)
+    if directory is None:
+        return None
+    try:
+        return os.stat(directory).st_ino
+    except OSError as exc:
+        once.skipped(owner, os_error(directory, exc))
+        return None
 
 
 def _loader_env() -> dict[str, str]:

@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any, Final
 
 # prev_state is the task state reported by the tracepoint: 0 = running, 0x100
@@ -86,20 +87,26 @@ RESULT_MAPS: Final = ("hist", "totals")
 
 def load() -> tuple[dict[str, Any], list[int]]:
     """Compile and attach; the header and the descriptors to hand over."""
+    return load_program(PROGRAM, RESULT_MAPS, 3)
+
+
+def load_program(program: str, result_maps: tuple[str, ...], attachments: int) -> tuple[dict[str, Any], list[int]]:
+    """Compile and attach ``program`` (expecting ``attachments`` tracepoints); the header
+    naming ``result_maps`` and the tracepoint events, and the descriptors in that order."""
     import bcc  # here, not at the top: only this child may pay for LLVM
 
     # bytes, not str: bcc warns (DeprecationWarning) on str and converts
-    bpf = bcc.BPF(text=PROGRAM.encode(), cflags=["-w"])
+    bpf = bcc.BPF(text=program.encode(), cflags=["-w"])
     fds: list[int] = []
     maps: dict[str, dict[str, int]] = {}
-    for name in RESULT_MAPS:
+    for name in result_maps:
         table = bpf[name.encode()]
         maps[name] = {"index": len(fds), "key_size": _size(table.Key), "value_size": _size(table.Leaf),
                       "max_entries": int(table.max_entries)}
         fds.append(int(table.map_fd))
     events = list(bpf.tracepoint_fds.values())
-    if len(events) != 3:
-        raise RuntimeError(f"expected 3 tracepoint attachments, bcc made {len(events)}")
+    if len(events) != attachments:
+        raise RuntimeError(f"expected {attachments} tracepoint attachments, bcc made {len(events)}")
     header = {"maps": maps, "events": list(range(len(fds), len(fds) + len(events)))}
     return header, fds + [int(fd) for fd in events]
 
@@ -109,9 +116,15 @@ def _size(ctype: Any) -> int:
 
 
 def main(argv: list[str]) -> int:
+    return serve(argv, load)
+
+
+def serve(argv: list[str], loader: Callable[[], tuple[dict[str, Any], list[int]]]) -> int:
+    """The child's whole life: run ``loader``, send its answer (or the error) over the
+    socket ``argv[1]`` names, and leave without bcc's cleanup."""
     sock = socket.socket(fileno=int(argv[1]))
     try:
-        header, fds = load()
+        header, fds = loader()
     except Exception as exc:  # noqa: BLE001 - bcc raises bare Exception for compile and attach failures
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         sock.sendall(json.dumps({"error": reason}).encode())

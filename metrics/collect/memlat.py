@@ -18,7 +18,6 @@ Two sources, as for schedule latency (``metrics.collect.schedlat``):
 
 from __future__ import annotations
 
-import os
 import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,11 +27,26 @@ from typing import Any, Final, Literal, Protocol
 
 import structlog
 
-from metrics.collect import bpfmap
-from metrics.collect.base import OnceLog, ReadError, SourceUnavailable, container_labels, os_error, read_bytes
+from metrics.collect.base import (
+    OnceLog,
+    ReadError,
+    ReasonOnce,
+    SourceUnavailable,
+    container_labels,
+    pick_source,
+    read_bytes,
+)
 from metrics.collect.bpfmap import BpfError, BpfMap
 from metrics.collect.cgroupfs import CgroupReader
-from metrics.collect.ebpf import _TRACEFS, LOAD_TIMEOUT, _close, _run_loader, log2_percentile
+from metrics.collect.ebpf import (
+    _TRACEFS,
+    LOAD_TIMEOUT,
+    cgroup_inode,
+    check_host,
+    close_program,
+    log2_percentile,
+    open_program,
+)
 from metrics.collect.memlatload import KINDS, TRACEPOINTS
 from metrics.model import (
     CONTAINER_MEMORY_ALLOC_LATENCY,
@@ -146,28 +160,14 @@ class EbpfStallSource:
     def start(self) -> None:
         if self._maps:
             return
-        import importlib.util
-
-        if importlib.util.find_spec("bcc") is None:
-            raise SourceUnavailable("bcc is not importable; install python3-bpfcc")
-        if bpfmap.syscall_number() is None:
-            raise SourceUnavailable("no bpf() system call number known for this machine")
-        if self._reader.unified_dir("") is None:
-            raise SourceUnavailable("no cgroup v2 tree: bpf_get_current_cgroup_id() needs cgroup v2 (or hybrid)")
+        check_host(self._reader)
         tracefs = next((self._sys / t for t in _TRACEFS if (self._sys / t / "events").is_dir()), None)
         if tracefs is None:
             raise SourceUnavailable(f"tracefs is not mounted ({self._sys}/kernel/tracing has no events)")
         missing = [tp for tp in TRACEPOINTS if not (tracefs / "events" / tp).is_dir()]
         if missing:
             raise SourceUnavailable(f"this kernel lacks the tracepoints {', '.join(missing)}")
-        header, fds = _run_loader(self._timeout, LOADER)
-        try:
-            maps = {name: BpfMap(fds[spec["index"]], spec["key_size"], spec["value_size"], spec["max_entries"])
-                    for name, spec in header["maps"].items()}
-            events = [fds[i] for i in header["events"]]
-        except (KeyError, IndexError, TypeError) as exc:
-            _close(fds)
-            raise SourceUnavailable(f"the eBPF loader answered an unexpected header: {exc!r}") from exc
+        maps, events = open_program(self._timeout, LOADER)
         self._maps, self._events, self._last = maps, events, self._clock()
 
     def sample(self, containers: Sequence[tuple[PodView, ContainerView]], now: float) -> list[Sample]:
@@ -193,20 +193,10 @@ class EbpfStallSource:
     def _cgroup_id(self, owner: str, rel: str) -> int | None:
         """A container's cgroup keeps its inode for the container's life (a container id is
         never reused), so it is looked up once per container, not per interval."""
-        directory = self._reader.unified_dir(rel)
-        if directory is None:
-            return None
-        try:
-            return os.stat(directory).st_ino
-        except OSError as exc:
-            self._once.skipped(owner, os_error(directory, exc))
-            return None
+        return cgroup_inode(self._reader, self._once, owner, rel)
 
     def close(self) -> None:
-        for bmap in self._maps.values():
-            bmap.close()
-        for fd in self._events:
-            os.close(fd)
+        close_program(self._maps, self._events)
         self._maps, self._events = {}, []
 
 
@@ -334,7 +324,7 @@ class MemLatencyCollector:
         self._given = sources
         self._source: StallSource | None = None
         self._started = False
-        self._failures: set[str] = set()
+        self._failures = ReasonOnce(log, "memlat_sample_failed")
         self.reason: str | None = None
 
     @property
@@ -357,19 +347,7 @@ class MemLatencyCollector:
         if self._started:
             return
         self._started = True
-        reasons: list[str] = []
-        for candidate in self._candidates():
-            try:
-                candidate.start()
-            except SourceUnavailable as exc:
-                reasons.append(f"{candidate.name}: {exc.reason}")
-                continue
-            self._source = candidate
-            self.reason = "; ".join(reasons) or f"prefer={self.prefer}"
-            log.info("memlat_source", source=candidate.name, reason=self.reason)
-            return
-        self.reason = "; ".join(reasons)
-        log.warning("memlat_source", source="none", reason=self.reason)
+        self._source, self.reason = pick_source(self._candidates(), self.prefer, log, "memlat_source")
 
     def collect(self, now: float, pods: Sequence[PodView]) -> list[Sample]:
         self.start()
@@ -380,9 +358,7 @@ class MemLatencyCollector:
         try:
             return source.sample(containers, now)
         except SourceUnavailable as exc:
-            if exc.reason not in self._failures:
-                self._failures.add(exc.reason)
-                log.warning("memlat_sample_failed", source=source.name, reason=exc.reason)
+            self._failures.failed(source.name, exc)
             return []
 
     def explain(self) -> dict[str, Any]:

@@ -18,13 +18,10 @@ time is keyed by thread id and kind (the kinds may nest: compaction inside recla
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import sys
 from typing import Any, Final
 
-from metrics.collect.ebpfload import _size
+from metrics.collect.ebpfload import load_program, serve
 
 #: Kind numbers used by the program, in order (the user-space names of the ``kind`` label).
 KINDS: Final = ("direct_reclaim", "memcg_reclaim", "compaction")
@@ -89,34 +86,8 @@ TRACEPOINTS: Final = tuple(f"{group}/{name}_{end}" for group, name in (
 
 def load() -> tuple[dict[str, Any], list[int]]:
     """Compile and attach; the header and the descriptors to hand over."""
-    import bcc  # only this child pays for LLVM
-
-    bpf = bcc.BPF(text=PROGRAM.encode(), cflags=["-w"])
-    fds: list[int] = []
-    maps: dict[str, dict[str, int]] = {}
-    for name in RESULT_MAPS:
-        table = bpf[name.encode()]
-        maps[name] = {"index": len(fds), "key_size": _size(table.Key), "value_size": _size(table.Leaf),
-                      "max_entries": int(table.max_entries)}
-        fds.append(int(table.map_fd))
-    events = list(bpf.tracepoint_fds.values())
-    if len(events) != len(TRACEPOINTS):
-        raise RuntimeError(f"expected {len(TRACEPOINTS)} tracepoint attachments, bcc made {len(events)}")
-    header = {"maps": maps, "events": list(range(len(fds), len(fds) + len(events)))}
-    return header, fds + [int(fd) for fd in events]
-
-
-def main(argv: list[str]) -> int:
-    sock = socket.socket(fileno=int(argv[1]))
-    try:
-        header, fds = load()
-    except Exception as exc:  # noqa: BLE001 - bcc raises bare Exception for compile and attach failures
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        sock.sendall(json.dumps({"error": reason}).encode())
-        os._exit(0)
-    socket.send_fds(sock, [json.dumps(header).encode()], fds)
-    os._exit(0)  # no bcc cleanup: it would disable the perf events the agent now holds
+    return load_program(PROGRAM, RESULT_MAPS, len(TRACEPOINTS))
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(serve(sys.argv, load))

@@ -15,7 +15,7 @@ from typing import Literal, Protocol
 
 import structlog
 
-from metrics.collect.base import LatencyStat, SourceUnavailable, container_labels
+from metrics.collect.base import LatencyStat, ReasonOnce, SourceUnavailable, container_labels, pick_source
 from metrics.collect.cgroupfs import CgroupReader
 from metrics.collect.ebpf import EbpfSource
 from metrics.collect.schedstat import SchedstatSource
@@ -60,7 +60,7 @@ class SchedLatencyCollector:
         self._reader = CgroupReader(host.cgroup)
         self._source: LatencySource | None = None
         self._started = False
-        self._failures: set[str] = set()
+        self._failures = ReasonOnce(log, "schedlat_sample_failed")
         #: Why no source runs (None while one does or before ``start``).
         self.unavailable_reason: str | None = None
 
@@ -74,19 +74,9 @@ class SchedLatencyCollector:
         if self._started:
             return
         self._started = True
-        reasons: list[str] = []
-        for candidate in self._candidates():
-            try:
-                candidate.start()
-            except SourceUnavailable as exc:
-                reasons.append(f"{candidate.name}: {exc.reason}")
-                continue
-            self._source = candidate
-            reason = "; ".join(reasons) or f"prefer={self.prefer}"
-            log.info("schedlat_source", source=candidate.name, reason=reason)
-            return
-        self.unavailable_reason = "; ".join(reasons)
-        log.warning("schedlat_source", source="none", reason=self.unavailable_reason)
+        self._source, reason = pick_source(self._candidates(), self.prefer, log, "schedlat_source")
+        if self._source is None:
+            self.unavailable_reason = reason
 
     def _candidates(self) -> list[LatencySource]:
         ebpf = EbpfSource(self._host, self._reader)
@@ -106,9 +96,7 @@ class SchedLatencyCollector:
         try:
             stats = source.sample(containers)
         except SourceUnavailable as exc:
-            if exc.reason not in self._failures:  # once per reason, not once per tick
-                self._failures.add(exc.reason)
-                log.warning("schedlat_sample_failed", source=source.name, reason=exc.reason)
+            self._failures.failed(source.name, exc)
             return []
         out: list[Sample] = []
         for pod, container in containers:

@@ -215,6 +215,18 @@ def containerd(
         ctrd.stop()
 
 
+@pytest.fixture(scope="module")
+def db_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A private (0700) directory for the module's metrics store, removed after its last
+    test: ``/tmp/krpt-<module>-<hex>``, made when first asked for (not at import, so a
+    module collected but not run leaves nothing behind)."""
+    name = request.module.__name__.rpartition(".")[2].removeprefix("test_")
+    path = Path(tempfile.gettempdir(), f"krpt-{name}-{uuid.uuid4().hex}")
+    path.mkdir(mode=0o700)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def cgroup_prefix() -> Iterator[str]:
     """A unique cgroup parent (``/koord-test-<hex>``), removed at session end."""

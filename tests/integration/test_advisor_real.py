@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import http.server
 import shutil
-import socket
 import tempfile
-import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -44,27 +43,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def advisor_url() -> Iterator[str]:
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}/metrics"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(5)
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def advisor_url(http_server: Callable[[type[http.server.BaseHTTPRequestHandler]], AbstractContextManager[str]]
+                ) -> Iterator[str]:
+    with http_server(_Handler) as url:
+        yield f"{url}/metrics"
 
 
 @pytest.fixture(scope="module")
-def proxy_config(advisor_url: str) -> dict[str, Any]:
+def proxy_config(advisor_url: str, closed_port: Callable[[], int]) -> dict[str, Any]:
     DB_DIR.mkdir(mode=0o700)
     labels = {"pod_namespace": "namespace", "pod_name": "pod", "container_name": "container"}
     return {"tasks": {"metrics": {
@@ -72,7 +58,7 @@ def proxy_config(advisor_url: str) -> dict[str, Any]:
         "advisors": [
             {"name": "tracer", "url": advisor_url, "interval": "500ms", "metrics": ["tracer_reclaim_seconds_total"],
              "labels": labels},
-            {"name": "down", "url": f"http://127.0.0.1:{_closed_port()}/metrics", "interval": "500ms",
+            {"name": "down", "url": f"http://127.0.0.1:{closed_port()}/metrics", "interval": "500ms",
              "metrics": ["x"]},
         ],
     }}}

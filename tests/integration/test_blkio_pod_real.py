@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,16 +21,6 @@ import pytest
 from runtimeproxy.demo import kubelet_creates_pod_cgroup
 
 pytestmark = pytest.mark.integration
-
-DB_DIR = Path(tempfile.gettempdir(), f"krpt-blkio-{uuid.uuid4().hex}")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _remove_db_dir() -> Iterator[None]:
-    DB_DIR.mkdir(mode=0o700)
-    yield
-    shutil.rmtree(DB_DIR, ignore_errors=True)
-
 
 @pytest.fixture(scope="module")
 def loop_device(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
@@ -50,7 +37,7 @@ def loop_device(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def proxy_config(loop_device: str) -> dict[str, Any]:
+def proxy_config(loop_device: str, db_dir: Path) -> dict[str, Any]:
     def block(**io: int) -> dict[str, Any]:
         return {"blkioQOS": {"enable": True, "blocks": [{"name": loop_device, "type": "device", "ioCfg": io}]}}
 
@@ -60,7 +47,7 @@ def proxy_config(loop_device: str) -> dict[str, Any]:
                                           "lsrClass": block(readIOPS=900)}},
         "reconcile_interval": "1s",
         "tasks": {
-            "metrics": {"db": str(DB_DIR / "m.db"), "schedlat_source": "off", "cpi": False},
+            "metrics": {"db": str(db_dir / "m.db"), "schedlat_source": "off", "cpi": False},
             "qos-manager": {"fast_path": False, "strategies": ["blkio"]},
         },
     }

@@ -15,6 +15,7 @@ import pytest
 
 from metrics import model as m
 from metrics.collect.hostapp import HostAppCollector, parse_host_apps
+from runtimeproxy.embedded import remove_cgroup_tree
 from runtimeproxy.hookapi import HostRoots
 
 MIB = 1 << 20
@@ -35,17 +36,6 @@ def _dirs(collector: HostAppCollector, rel: str) -> list[Path]:
     return list(dict.fromkeys([reader.cpuacct_dir(rel), reader.memory_dir(rel)]))
 
 
-def _rmdir(directory: Path) -> None:
-    deadline = time.monotonic() + 5
-    while directory.exists():
-        try:
-            directory.rmdir()
-        except OSError:  # a cgroup stays busy for a moment after its last task exits
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
 @pytest.fixture
 def burner(cgroup_prefix: str) -> Iterator[tuple[HostAppCollector, str]]:
     rel = f"{cgroup_prefix}/hostapp-{uuid.uuid4().hex[:8]}"
@@ -64,8 +54,7 @@ def burner(cgroup_prefix: str) -> Iterator[tuple[HostAppCollector, str]]:
         child.wait()
         if child.stdout is not None:
             child.stdout.close()
-        for directory in dirs:
-            _rmdir(directory)
+        remove_cgroup_tree(rel, CGROUP_ROOT)
 
 
 def test_a_real_cgroup_with_a_busy_process_has_usage(burner: tuple[HostAppCollector, str]) -> None:

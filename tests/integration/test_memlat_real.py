@@ -26,6 +26,7 @@ import pytest
 from hooks.qos import QoSClass
 from metrics import model as m
 from metrics.collect.memlat import MemLatencyCollector, Prefer
+from runtimeproxy.embedded import remove_cgroup_tree
 from runtimeproxy.hookapi import HostRoots
 
 CGROUP = Path("/sys/fs/cgroup")
@@ -44,18 +45,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _rmdir(path: Path) -> None:
-    for _ in range(50):  # a killed task leaves its cgroup once reaped: EBUSY for a moment
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.1)
-    path.rmdir()
-
-
 def _start_in(dirs: list[Path], script: str) -> subprocess.Popen[bytes]:
     def enter() -> None:  # in the child, before exec: it allocates nothing outside its cgroups
         for d in dirs:
@@ -68,14 +57,12 @@ def _start_in(dirs: list[Path], script: str) -> subprocess.Popen[bytes]:
 def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[m.PodView]:
     parent = f"koord-test-{uuid.uuid4().hex[:12]}"
     data = tmp_path_factory.mktemp("memlat") / "churn"
-    made: list[Path] = []
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for name in ("busy", "idle", "compact"):
             dirs = [CGROUP / "unified" / parent / name, CGROUP / "memory" / parent / name]
             for d in dirs:
                 d.mkdir(parents=True)
-                made.append(d)
             if name == "compact":  # its task is started by the test that needs it
                 continue
             if name == "busy":
@@ -92,10 +79,7 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[m.PodView]:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGKILL)
             p.wait(timeout=10)
-        for d in made:
-            _rmdir(d)
-        for root in ("unified", "memory"):
-            _rmdir(CGROUP / root / parent)
+        remove_cgroup_tree(parent, CGROUP)
         data.unlink(missing_ok=True)
 
 

@@ -8,12 +8,8 @@ without the label keeps running. Only cpu-evict is listed, so nothing else evict
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 import urllib.request
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,30 +18,22 @@ import pytest
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.demo import kubelet_creates_pod_cgroup
 
-DB_DIR = Path(tempfile.gettempdir(), f"krpt-cpuevict-{uuid.uuid4().hex}")
 EVICT_TIMEOUT = 45.0  # a few pod ticks, a 10 s window a third full, a flush, a round
 BURN = ("sh", "-c", "while :; do :; done")
 
 
 @pytest.fixture(scope="module")
-def proxy_config(cgroup_prefix: str) -> dict[str, Any]:
+def proxy_config(cgroup_prefix: str, db_dir: Path) -> dict[str, Any]:
     return {
         "rules": {"resourceUsedThresholdWithBE": {
             "enable": True, "cpuEvictThresholdPercent": 1, "cpuEvictLowerPercent": 0,
             "cpuEvictTimeWindowSeconds": 10}},
         "tasks": {
-            "metrics": {"db": str(DB_DIR / "m.db"), "schedlat_source": "off", "memlat_source": "off", "cpi": False},
+            "metrics": {"db": str(db_dir / "m.db"), "schedlat_source": "off", "memlat_source": "off", "cpi": False},
             "qos-manager": {"besteffort_dir": f"{cgroup_prefix.strip('/')}/kubepods/besteffort",
                             "fast_path": False, "strategies": ["cpu-evict"]},
         },
     }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _remove_db_dir() -> Iterator[None]:
-    DB_DIR.mkdir(mode=0o700)
-    yield
-    shutil.rmtree(DB_DIR, ignore_errors=True)
 
 
 def _state(rt: Any, cid: str) -> int:

@@ -10,12 +10,8 @@ the pod down too.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 import urllib.request
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,29 +21,20 @@ import pytest
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.demo import kubelet_creates_pod_cgroup
 
-#: Made by ``_remove_db_dir`` (not at import: a module collected but not run left it behind).
-DB_DIR = Path(tempfile.gettempdir(), f"krpt-evict-{uuid.uuid4().hex}")
 SPEC = "node.koordinator.sh/extended-resource-spec"
 
 
 @pytest.fixture(scope="module")
-def proxy_config(cgroup_prefix: str) -> dict[str, Any]:
+def proxy_config(cgroup_prefix: str, db_dir: Path) -> dict[str, Any]:
     return {
         "rules": {"resourceUsedThresholdWithBE": {
             "enable": True, "cpuSuppressPolicy": "cfsQuota",
             "memoryEvictThresholdPercent": 1, "memoryEvictLowerPercent": 0}},
         "tasks": {
-            "metrics": {"db": str(DB_DIR / "m.db"), "schedlat_source": "off", "memlat_source": "off", "cpi": False},
+            "metrics": {"db": str(db_dir / "m.db"), "schedlat_source": "off", "memlat_source": "off", "cpi": False},
             "qos-manager": {"besteffort_dir": f"{cgroup_prefix.strip('/')}/kubepods/besteffort"},
         },
     }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _remove_db_dir() -> Iterator[None]:
-    DB_DIR.mkdir(mode=0o700)
-    yield
-    shutil.rmtree(DB_DIR, ignore_errors=True)
 
 
 def _state(rt: Any, cid: str) -> int:

@@ -9,12 +9,9 @@ stops BE gets its CPU back. The plan and its inputs are visible in ``explain``.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 import urllib.request
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,30 +22,21 @@ from runtimeproxy.demo import kubelet_creates_pod_cgroup
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 SPEC = "node.koordinator.sh/extended-resource-spec"
-#: Made by ``_remove_db_dir`` (not at import: a module collected but not run left it behind).
-DB_DIR = Path(tempfile.gettempdir(), f"krpt-qos-{uuid.uuid4().hex}")
 SPIN2 = ("sh", "-c", "while :; do :; done & while :; do :; done")
 
 
 @pytest.fixture(scope="module")
-def proxy_config(cgroup_prefix: str) -> dict[str, Any]:
+def proxy_config(cgroup_prefix: str, db_dir: Path) -> dict[str, Any]:
     return {
         "hooks": [{"name": "batch", "plugin": "batch-resource", "failure_policy": "Ignore"}],
         "rules": {"resourceUsedThresholdWithBE": {
             "enable": True, "cpuSuppressThresholdPercent": 90, "cpuSuppressPolicy": "cfsQuota"}},
         "tasks": {
-            "metrics": {"db": str(DB_DIR / "m.db"), "schedlat_source": "off", "memlat_source": "off", "cpi": False},
+            "metrics": {"db": str(db_dir / "m.db"), "schedlat_source": "off", "memlat_source": "off", "cpi": False},
             "qos-manager": {"besteffort_dir": f"{cgroup_prefix.strip('/')}/kubepods/besteffort",
                             "fast_interval": "200ms"},
         },
     }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _remove_db_dir() -> Iterator[None]:
-    DB_DIR.mkdir(mode=0o700)
-    yield
-    shutil.rmtree(DB_DIR, ignore_errors=True)
 
 
 def _quota(prefix: str) -> int:

@@ -27,6 +27,7 @@ import pytest
 from hooks.qos import QoSClass
 from metrics import model as m
 from metrics.collect.schedlat import Prefer, SchedLatencyCollector
+from runtimeproxy.embedded import remove_cgroup_tree
 from runtimeproxy.hookapi import HostRoots
 
 CGROUP = Path("/sys/fs/cgroup")
@@ -53,18 +54,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=10)
 
 
-def _rmdir(path: Path) -> None:
-    for _ in range(50):  # a killed task leaves its cgroup once reaped: EBUSY for a moment
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.1)
-    path.rmdir()
-
-
 @pytest.fixture(scope="module")
 def container() -> Iterator[m.PodView]:
     parent = f"koord-test-{uuid.uuid4().hex[:12]}"
@@ -80,9 +69,7 @@ def container() -> Iterator[m.PodView]:
                         containers=(m.ContainerView(id="c1", name="spinner", cgroup_dir=f"{parent}/c1"),))
     finally:
         _stop(child)
-        for d in dirs:
-            _rmdir(d)
-            _rmdir(d.parent)
+        remove_cgroup_tree(parent, CGROUP)
 
 
 @dataclass(frozen=True)

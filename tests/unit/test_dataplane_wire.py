@@ -13,6 +13,8 @@ import asyncio
 import itertools
 import os
 import time
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -269,14 +271,9 @@ class _SlowEvents(grpc.GenericRpcHandler):  # type: ignore[misc]
         return grpc.unary_stream_rpc_method_handler(events)
 
 
-@pytest.mark.asyncio
-async def test_an_active_stream_outlives_the_idle_timeout_a_quiet_one_is_cut(
-    fake_runtime: Any, start_proxy: Any, short_dir: Any
-) -> None:
-    """HAProxy's timeouts are inactivity timeouts: a GetContainerEvents stream with an event
-    every 0.5 s runs 4 s through a 2 s idle timeout; one quiet for 3.5 s is cut (which is
-    why the default idle timeout is 24 h: containerd may have nothing to say for hours)."""
-    _need_haproxy()
+@pytest_asyncio.fixture
+async def slow_events(short_dir: Any) -> AsyncIterator[tuple[_SlowEvents, Path]]:
+    """A ``_SlowEvents`` backend served on a unix socket, and the socket's path."""
     backend = _SlowEvents()
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((backend,))
@@ -284,30 +281,42 @@ async def test_an_active_stream_outlives_the_idle_timeout_a_quiet_one_is_cut(
     server.add_insecure_port(f"unix://{path}")
     await server.start()
     try:
-        proxy = await start_proxy(fake_runtime, backend_path=path, data_plane="haproxy",
-                                  data_plane_idle_timeout="2s")
-        for count, quiet, expect_cut in ((8, 0.0, False), (1, 3.5, True)):
-            backend.count, backend.quiet = count, quiet
-            got: list[bytes] = []
-            code = grpc.StatusCode.OK
-            start = time.monotonic()
-            try:
-                async for message in proxy.unary_stream(EVENTS)(b"", timeout=30):
-                    got.append(message)
-            except grpc.aio.AioRpcError as exc:
-                code = exc.code()
-            took = time.monotonic() - start
-            if expect_cut:
-                assert code is not grpc.StatusCode.OK and not got and 1.5 < took < 10, (code, got, took)
-            else:
-                assert code is grpc.StatusCode.OK and len(got) == 8 and took > 3.5, (code, len(got), took)
+        yield backend, path
     finally:
         await server.stop(None)
 
 
 @pytest.mark.asyncio
+async def test_an_active_stream_outlives_the_idle_timeout_a_quiet_one_is_cut(
+    fake_runtime: Any, start_proxy: Any, slow_events: tuple[_SlowEvents, Path]
+) -> None:
+    """HAProxy's timeouts are inactivity timeouts: a GetContainerEvents stream with an event
+    every 0.5 s runs 4 s through a 2 s idle timeout; one quiet for 3.5 s is cut (which is
+    why the default idle timeout is 24 h: containerd may have nothing to say for hours)."""
+    _need_haproxy()
+    backend, path = slow_events
+    proxy = await start_proxy(fake_runtime, backend_path=path, data_plane="haproxy",
+                              data_plane_idle_timeout="2s")
+    for count, quiet, expect_cut in ((8, 0.0, False), (1, 3.5, True)):
+        backend.count, backend.quiet = count, quiet
+        got: list[bytes] = []
+        code = grpc.StatusCode.OK
+        start = time.monotonic()
+        try:
+            async for message in proxy.unary_stream(EVENTS)(b"", timeout=30):
+                got.append(message)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+        took = time.monotonic() - start
+        if expect_cut:
+            assert code is not grpc.StatusCode.OK and not got and 1.5 < took < 10, (code, got, took)
+        else:
+            assert code is grpc.StatusCode.OK and len(got) == 8 and took > 3.5, (code, len(got), took)
+
+
+@pytest.mark.asyncio
 async def test_a_quiet_stream_within_the_idle_timeout_is_never_cut(
-    fake_runtime: Any, start_proxy: Any, short_dir: Any
+    fake_runtime: Any, start_proxy: Any, slow_events: tuple[_SlowEvents, Path]
 ) -> None:
     """GetContainerEvents held open far past the idle timeout while quiet stretches stay
     within it, scaled down: ``data_plane_idle_timeout`` 2 s, the stream silent for 1.5 s
@@ -319,36 +328,28 @@ async def test_a_quiet_stream_within_the_idle_timeout_is_never_cut(
     client, tunnel, http-request, client-fin and server-fin cut neither here (set anyway,
     so that no default of theirs can be shorter)."""
     _need_haproxy()
-    backend = _SlowEvents()
+    backend, path = slow_events
     backend.count, backend.quiet, backend.gap = 5, 1.5, 1.5
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((backend,))
-    path = short_dir / "events.sock"
-    server.add_insecure_port(f"unix://{path}")
-    await server.start()
+    proxy = await start_proxy(fake_runtime, backend_path=path, data_plane="haproxy",
+                              data_plane_idle_timeout="2s")
+    text = proxy.app.data_plane.layout.config_file.read_text()
+    timeouts = {line.split()[1]: line.split()[2] for line in text.splitlines()
+                if line.strip().startswith("timeout ")}
+    assert {k: v for k, v in timeouts.items() if k != "connect"} == dict.fromkeys(
+        ("client", "server", "tunnel", "client-fin", "server-fin", "http-request", "http-keep-alive"), "2000ms")
+    # One connection, as kubelet's: the stream, then a quiet connection, then a call on it.
+    channel = grpc.aio.insecure_channel(f"unix://{proxy.socket}")
     try:
-        proxy = await start_proxy(fake_runtime, backend_path=path, data_plane="haproxy",
-                                  data_plane_idle_timeout="2s")
-        text = proxy.app.data_plane.layout.config_file.read_text()
-        timeouts = {line.split()[1]: line.split()[2] for line in text.splitlines()
-                    if line.strip().startswith("timeout ")}
-        assert {k: v for k, v in timeouts.items() if k != "connect"} == dict.fromkeys(
-            ("client", "server", "tunnel", "client-fin", "server-fin", "http-request", "http-keep-alive"), "2000ms")
-        # One connection, as kubelet's: the stream, then a quiet connection, then a call on it.
-        channel = grpc.aio.insecure_channel(f"unix://{proxy.socket}")
-        try:
-            await channel.channel_ready()
-            start = time.monotonic()
-            got = [m async for m in channel.unary_stream(EVENTS)(b"", timeout=30)]
-            took = time.monotonic() - start
-            assert len(got) == 5 and took > 7.0, (len(got), took)
-            await asyncio.sleep(1.5)
-            assert channel.get_state() is grpc.ChannelConnectivity.READY
-            assert await channel.unary_unary(STATUS)(b"", timeout=5) == b""
-        finally:
-            await channel.close()
+        await channel.channel_ready()
+        start = time.monotonic()
+        got = [m async for m in channel.unary_stream(EVENTS)(b"", timeout=30)]
+        took = time.monotonic() - start
+        assert len(got) == 5 and took > 7.0, (len(got), took)
+        await asyncio.sleep(1.5)
+        assert channel.get_state() is grpc.ChannelConnectivity.READY
+        assert await channel.unary_unary(STATUS)(b"", timeout=5) == b""
     finally:
-        await server.stop(None)
+        await channel.close()
 
 
 class _Hanging(grpc.GenericRpcHandler):  # type: ignore[misc]

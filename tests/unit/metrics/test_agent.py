@@ -14,41 +14,15 @@ from typing import Any
 import pytest
 
 from metrics import model as m
-from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
+from metrics.agent import MetricsAgent
 from metrics.model import PodView, Sample
 from metrics.store.tsdb import TSDB, TSDBError
-from runtimeproxy.hookapi import HostRoots, TaskInit
+from runtimeproxy.hookapi import HostRoots
 
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-@pytest.fixture
-def host(tmp_path: Path) -> HostRoots:
-    h = HostRoots(cgroup=tmp_path / "cgroup", proc=tmp_path / "proc", sys=tmp_path / "sys", resctrl=tmp_path / "r")
-    _write(h.proc / "stat", "cpu  100 0 50 800 0 0 0 0 0 0\ncpu0 100 0 50 800 0 0 0 0 0 0\n")
-    _write(h.proc / "meminfo", "MemTotal:        8000 kB\nMemFree:         1000 kB\nMemAvailable:    3000 kB\n")
-    _write(h.sys / "devices/system/cpu/online", "0\n")
-    for controller in ("cpu", "cpuacct", "memory", "cpuset"):
-        (h.cgroup / controller).mkdir(parents=True)
-    return h
-
-
-def _agent(host: HostRoots, tmp_path: Path, **extra: Any) -> tuple[MetricsAgent, Any]:
-    routes: dict[str, Any] = {}
-    init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host,
-                    add_route=routes.__setitem__, add_explainer=lambda _name, _explainer: None,
-                    args={"db": str(tmp_path / "m.db"), "schedlat_source": "off", "cpi": False,
-                          "flush_interval": "100ms",
-                          "memlat_source": "off",
-                          "intervals": {"node": "100ms", "pods": "100ms", "psi": "300ms", "topology": "1h"},
-                          **extra})
-    run = metrics_task(init)
-    agent = init.shared[SHARED_KEY]
-    assert isinstance(agent, MetricsAgent)
-    return agent, run
+#: ``tasks.metrics`` keys every agent here gets (the ``make_agent`` fixture, conftest.py).
+FAST: dict[str, Any] = {"memlat_source": "off",
+                        "intervals": {"node": "100ms", "pods": "100ms", "psi": "300ms", "topology": "1h"}}
+AgentFactory = Callable[..., tuple[MetricsAgent, Any]]
 
 
 def _record(agent: MetricsAgent, calls: list[tuple[str, str]]) -> None:
@@ -83,8 +57,10 @@ async def _run_until(agent: MetricsAgent, run: Any, node_ticks: int,
 
 
 @pytest.mark.asyncio
-async def test_ticks_of_one_interval_run_together_in_one_worker_thread(host: HostRoots, tmp_path: Path) -> None:
-    agent, run = _agent(host, tmp_path)
+async def test_ticks_of_one_interval_run_together_in_one_worker_thread(
+    host: HostRoots, tmp_path: Path, make_agent: AgentFactory
+) -> None:
+    agent, run = make_agent(host, tmp_path, **FAST)
     calls: list[tuple[str, str]] = []
     _record(agent, calls)
     await _run_until(agent, run, node_ticks=5)
@@ -97,8 +73,10 @@ async def test_ticks_of_one_interval_run_together_in_one_worker_thread(host: Hos
 
 
 @pytest.mark.asyncio
-async def test_the_tick_flushes_and_its_cost_is_accounted(host: HostRoots, tmp_path: Path) -> None:
-    agent, run = _agent(host, tmp_path)
+async def test_the_tick_flushes_and_its_cost_is_accounted(
+    host: HostRoots, tmp_path: Path, make_agent: AgentFactory
+) -> None:
+    agent, run = make_agent(host, tmp_path, **FAST)
 
     async def check() -> None:
         before_close = TSDB.open_readonly(tmp_path / "m.db")
@@ -116,9 +94,11 @@ async def test_the_tick_flushes_and_its_cost_is_accounted(host: HostRoots, tmp_p
     await _run_until(agent, run, node_ticks=4, while_running=check)
 
 
-def test_the_store_gets_the_configured_retention_and_tiers(host: HostRoots, tmp_path: Path) -> None:
+def test_the_store_gets_the_configured_retention_and_tiers(
+    host: HostRoots, tmp_path: Path, make_agent: AgentFactory
+) -> None:
     tiers = {"raw": "20m", "step": "30s", "coarse_step": "10m", "coarse_after": "1h"}
-    agent, _run = _agent(host, tmp_path, retention="6h", max_bytes=10_000_000, tiers=tiers)
+    agent, _run = make_agent(host, tmp_path, **FAST, retention="6h", max_bytes=10_000_000, tiers=tiers)
     try:
         db = agent.tsdb
         assert (db.retention, db.max_bytes) == (6 * 3600, 10_000_000)
@@ -128,8 +108,10 @@ def test_the_store_gets_the_configured_retention_and_tiers(host: HostRoots, tmp_
 
 
 @pytest.mark.asyncio
-async def test_without_a_cluster_nodemetric_is_built_on_request_only(host: HostRoots, tmp_path: Path) -> None:
-    agent, run = _agent(host, tmp_path)
+async def test_without_a_cluster_nodemetric_is_built_on_request_only(
+    host: HostRoots, tmp_path: Path, make_agent: AgentFactory
+) -> None:
+    agent, run = make_agent(host, tmp_path, **FAST)
 
     async def check() -> None:
         assert agent.kube is None and agent.reporter.latest() is None  # no periodic build
@@ -141,10 +123,12 @@ async def test_without_a_cluster_nodemetric_is_built_on_request_only(host: HostR
 
 
 @pytest.mark.asyncio
-async def test_a_tick_that_raises_fails_the_task_and_a_slow_one_is_not_queued(host: HostRoots, tmp_path: Path) -> None:
+async def test_a_tick_that_raises_fails_the_task_and_a_slow_one_is_not_queued(
+    host: HostRoots, tmp_path: Path, make_agent: AgentFactory
+) -> None:
     """The loop does not wait for ticks, but a store failure still reaches the
     supervisor (the task fails), and ticks never pile up behind a slow one."""
-    agent, run = _agent(host, tmp_path)
+    agent, run = make_agent(host, tmp_path, **FAST)
     release = threading.Event()
     flushes = 0
 

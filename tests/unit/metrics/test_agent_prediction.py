@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,50 +18,30 @@ from prometheus_client import CollectorRegistry, generate_latest
 from structlog.testing import capture_logs
 
 from metrics import model as m
-from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
+from metrics.agent import MetricsAgent
 from metrics.analysis.prediction import NODE, SYSTEM
 from metrics.store.tsdb import TSDB
-from runtimeproxy.hookapi import HookConfigError, HostRoots, TaskInit
+from runtimeproxy.hookapi import HookConfigError, HostRoots
 
 APP = {"name": "nginx", "priority": "koord-prod", "qos": "LS",
        "cgroupPath": {"base": "CgroupRoot", "parentDir": "host-latency-sensitive", "relativePath": "nginx"}}
 APP_MEMORY = 1_000_000
 NODE_MEMORY = (8000 - 3000) * 1024  # MemTotal - MemAvailable
-
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+#: ``tasks.metrics`` keys every agent here gets (the ``make_agent`` fixture, conftest.py).
+FAST: dict[str, Any] = {"intervals": {"node": "100ms", "pods": "100ms", "psi": "300ms", "topology": "1h"}}
+AgentFactory = Callable[..., tuple[MetricsAgent, Any]]
 
 
 @pytest.fixture
-def host(tmp_path: Path) -> HostRoots:
-    h = HostRoots(cgroup=tmp_path / "cgroup", proc=tmp_path / "proc", sys=tmp_path / "sys", resctrl=tmp_path / "r")
-    _write(h.proc / "stat", "cpu  100 0 50 800 0 0 0 0 0 0\ncpu0 100 0 50 800 0 0 0 0 0 0\n")
-    _write(h.proc / "meminfo", "MemTotal:        8000 kB\nMemFree:         1000 kB\nMemAvailable:    3000 kB\n")
-    _write(h.sys / "devices/system/cpu/online", "0\n")
-    for controller in ("cpu", "cpuacct", "memory", "cpuset"):
-        (h.cgroup / controller).mkdir(parents=True)
+def host(host: HostRoots) -> HostRoots:
+    """The shared tree (conftest.py) with a host application's cgroup."""
     app = "host-latency-sensitive/nginx"
-    _write(h.cgroup / "cpuacct" / app / "cpuacct.usage", "5000000000\n")
-    _write(h.cgroup / "memory" / app / "memory.stat",
-           f"total_cache 0\ntotal_inactive_anon {APP_MEMORY}\ntotal_active_anon 0\ntotal_unevictable 0\n")
-    return h
-
-
-def _agent(host: HostRoots, tmp_path: Path, registry: CollectorRegistry | None = None,
-           **extra: Any) -> tuple[MetricsAgent, Any]:
-    init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host,
-                    add_route=lambda *_a: None, add_explainer=lambda _name, _explainer: None, registry=registry,
-                    add_exposition=lambda _render: None,
-                    args={"db": str(tmp_path / "m.db"), "schedlat_source": "off", "cpi": False,
-                          "flush_interval": "100ms",
-                          "intervals": {"node": "100ms", "pods": "100ms", "psi": "300ms", "topology": "1h"},
-                          **extra})
-    run = metrics_task(init)
-    agent = init.shared[SHARED_KEY]
-    assert isinstance(agent, MetricsAgent)
-    return agent, run
+    (host.cgroup / "cpuacct" / app).mkdir(parents=True)
+    (host.cgroup / "cpuacct" / app / "cpuacct.usage").write_text("5000000000\n")
+    (host.cgroup / "memory" / app).mkdir(parents=True)
+    (host.cgroup / "memory" / app / "memory.stat").write_text(
+        f"total_cache 0\ntotal_inactive_anon {APP_MEMORY}\ntotal_active_anon 0\ntotal_unevictable 0\n")
+    return host
 
 
 async def _run(agent: MetricsAgent, run: Any, node_ticks: int, while_running: Any = None) -> None:
@@ -83,9 +64,9 @@ async def _run(agent: MetricsAgent, run: Any, node_ticks: int, while_running: An
 
 @pytest.mark.asyncio
 async def test_yaml_host_applications_are_measured_and_left_out_of_system_usage(
-    host: HostRoots, tmp_path: Path
+    host: HostRoots, tmp_path: Path, make_agent: AgentFactory
 ) -> None:
-    agent, run = _agent(host, tmp_path, host_applications=[APP])
+    agent, run = make_agent(host, tmp_path, **FAST, host_applications=[APP])
     explained: list[Any] = []
     await _run(agent, run, node_ticks=4, while_running=lambda: explained.append(agent.explain(None)))
     app = m.labels(host_app_name="nginx", priority_class="koord-prod", qos="LS")
@@ -103,8 +84,10 @@ async def test_yaml_host_applications_are_measured_and_left_out_of_system_usage(
     assert explained[0]["host_applications"] == ["nginx"]
 
 
-def test_a_nodeslo_replaces_the_yaml_host_applications(host: HostRoots, tmp_path: Path) -> None:
-    agent, _ = _agent(host, tmp_path, host_applications=[APP])
+def test_a_nodeslo_replaces_the_yaml_host_applications(
+    host: HostRoots, tmp_path: Path, make_agent: AgentFactory
+) -> None:
+    agent, _ = make_agent(host, tmp_path, **FAST, host_applications=[APP])
     try:
         other = {**APP, "name": "db", "cgroupPath": {"relativePath": "system.slice/db.service"}}
         evil = {**APP, "name": "evil", "cgroupPath": {"relativePath": "../../etc"}}
@@ -120,9 +103,9 @@ def test_a_nodeslo_replaces_the_yaml_host_applications(host: HostRoots, tmp_path
         agent.tsdb.close()
 
 
-def test_a_bad_yaml_host_application_stops_start_up(host: HostRoots, tmp_path: Path) -> None:
+def test_a_bad_yaml_host_application_stops_start_up(host: HostRoots, tmp_path: Path, make_agent: AgentFactory) -> None:
     with pytest.raises(HookConfigError) as exc:
-        _agent(host, tmp_path, host_applications=[{**APP, "cgroupPath": {"parentDir": "/../x"}}])
+        make_agent(host, tmp_path, **FAST, host_applications=[{**APP, "cgroupPath": {"parentDir": "/../x"}}])
     assert exc.value.key_path == "tasks.metrics.host_applications"
     assert "tasks.metrics.host_applications[0].cgroupPath.parentDir: escapes the cgroup root (got '/../x')" in str(
         exc.value)
@@ -130,10 +113,10 @@ def test_a_bad_yaml_host_application_stops_start_up(host: HostRoots, tmp_path: P
 
 @pytest.mark.asyncio
 async def test_the_predictor_trains_from_the_agent_store_checkpoints_and_is_restored(
-    host: HostRoots, tmp_path: Path
+    host: HostRoots, tmp_path: Path, make_agent: AgentFactory
 ) -> None:
     registry = CollectorRegistry()
-    agent, run = _agent(host, tmp_path, registry)
+    agent, run = make_agent(host, tmp_path, registry, **FAST)
     task = agent.prediction
     assert task is not None
     checkpoint = tmp_path / "m.db.prediction.json"
@@ -168,22 +151,22 @@ async def test_the_predictor_trains_from_the_agent_store_checkpoints_and_is_rest
     assert seen["status"]["prodReclaimableMetric"] == {"resource": {"resources": {"cpu": "0m", "memory": "0"}}}
     assert seen["status"]["prodPeakMetric"]["resource"]["resources"]["cpu"] == "593m"  # 1.1 x 0.539
 
-    again, run2 = _agent(host, tmp_path)
+    again, run2 = make_agent(host, tmp_path, **FAST)
     await _run(again, run2, node_ticks=1)
     assert again.prediction is not None
     assert set(again.prediction.predictor.models) == set(task.predictor.models)
 
 
-def test_prediction_settings(host: HostRoots, tmp_path: Path) -> None:
-    agent, _r = _agent(host, tmp_path, prediction={"enabled": False})
+def test_prediction_settings(host: HostRoots, tmp_path: Path, make_agent: AgentFactory) -> None:
+    agent, _r = make_agent(host, tmp_path, **FAST, prediction={"enabled": False})
     agent.tsdb.close()
     assert agent.prediction is None
     for bad, key in (({"model_ttl": "30s"}, "model_ttl"), ({"safety_margin_percent": 101}, "safety_margin_percent"),
                      ({"cold_start": "soon"}, "cold_start"), ({"nope": 1}, "nope")):
         with pytest.raises(HookConfigError) as exc:
-            _agent(host, tmp_path, prediction=bad)
+            make_agent(host, tmp_path, **FAST, prediction=bad)
         assert exc.value.key_path == f"tasks.metrics.prediction.{key}"
-    agent, _r = _agent(host, tmp_path, prediction={"checkpoint": str(tmp_path / "state" / "p.json"),
+    agent, _r = make_agent(host, tmp_path, **FAST, prediction={"checkpoint": str(tmp_path / "state" / "p.json"),
                                                    "training_interval": "30s"})
     agent.tsdb.close()
     assert agent.prediction is not None and agent.prediction.predictor.checkpoint == tmp_path / "state" / "p.json"

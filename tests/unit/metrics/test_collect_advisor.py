@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.server
-import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -73,23 +73,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def server() -> Iterator[str]:
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(5)
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def server(http_server: Callable[[type[http.server.BaseHTTPRequestHandler]], AbstractContextManager[str]]
+           ) -> Iterator[str]:
+    with http_server(_Handler) as url:
+        yield url
 
 
 POD = PodView(uid="u-web", namespace="default", name="web", sandbox_id="s", qos=QoSClass.LS, priority=0,
@@ -181,8 +168,8 @@ def test_a_tick_never_waits_for_a_slow_endpoint(server: str) -> None:
         collector.close()
 
 
-def test_unreachable_then_back_logs_each_change_once(server: str) -> None:
-    collector = AdvisorCollector(_spec(f"http://127.0.0.1:{_closed_port()}/metrics"))
+def test_unreachable_then_back_logs_each_change_once(server: str, closed_port: Callable[[], int]) -> None:
+    collector = AdvisorCollector(_spec(f"http://127.0.0.1:{closed_port()}/metrics"))
     try:
         with capture_logs() as logs:
             _scrape(collector)

@@ -4,6 +4,7 @@ and kind, the counters fallback on fixture /proc + cgroup trees, and source sele
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -228,6 +229,32 @@ def test_no_source_collects_nothing_and_says_why(tmp_path: Path) -> None:
     collector = MemLatencyCollector(host.roots, prefer="counters")
     assert collector.collect(0, [pod("c1")]) == []
     assert collector.source is None and "counters:" in (collector.explain()["reason"] or "")
+
+
+class FailingSource:
+    """A source that starts and then fails every sample with the reasons given, in turn."""
+
+    name = "failing"
+
+    def __init__(self, *reasons: str) -> None:
+        self._reasons = list(reasons)
+
+    def start(self) -> None:
+        pass
+
+    def sample(self, containers: Sequence[tuple[m.PodView, m.ContainerView]], now: float) -> list[m.Sample]:
+        raise SourceUnavailable(self._reasons.pop(0))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_failing_sample_is_logged_once_per_reason(tmp_path: Path) -> None:
+    collector = MemLatencyCollector(Host(tmp_path).roots, sources=[FailingSource("a", "a", "b", "a")])
+    with capture_logs() as logs:
+        for i in range(4):
+            assert collector.collect(i, [pod("c1")]) == []
+    assert [e["reason"] for e in logs if e["event"] == "memlat_sample_failed"] == ["a", "b"]
 
 
 def test_a_bad_preference_is_refused() -> None:

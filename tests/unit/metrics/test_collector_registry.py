@@ -8,17 +8,20 @@ import asyncio
 import contextlib
 import importlib.metadata
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from metrics import model as m
-from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
+from metrics.agent import MetricsAgent
 from metrics.collect.registry import GROUP
 from metrics.settings import parse_metrics
 from metrics.store.tsdb import TSDB
-from runtimeproxy.hookapi import HookConfigError, HostRoots, TaskInit
+from runtimeproxy.hookapi import HookConfigError, HostRoots
+
+AgentFactory = Callable[..., tuple[MetricsAgent, Any]]
 
 TINY = '''
 from metrics.collect.registry import CollectorPlugin
@@ -43,22 +46,6 @@ tiny = CollectorPlugin(Tiny, phase=5, interval=0.1)
 '''
 
 
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-@pytest.fixture
-def host(tmp_path: Path) -> HostRoots:
-    h = HostRoots(cgroup=tmp_path / "cgroup", proc=tmp_path / "proc", sys=tmp_path / "sys", resctrl=tmp_path / "r")
-    _write(h.proc / "stat", "cpu  100 0 50 800 0 0 0 0 0 0\ncpu0 100 0 50 800 0 0 0 0 0 0\n")
-    _write(h.proc / "meminfo", "MemTotal:        8000 kB\nMemFree:         1000 kB\nMemAvailable:    3000 kB\n")
-    _write(h.sys / "devices/system/cpu/online", "0\n")
-    for controller in ("cpu", "cpuacct", "memory", "cpuset"):
-        (h.cgroup / controller).mkdir(parents=True)
-    return h
-
-
 @pytest.fixture
 def tiny_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A module on sys.path and a real ``importlib.metadata.EntryPoint`` naming it, listed
@@ -79,17 +66,6 @@ def tiny_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return module
 
 
-def _agent(host: HostRoots, tmp_path: Path, **extra: Any) -> tuple[MetricsAgent, Any]:
-    init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host,
-                    add_route=lambda _p, _h: None, add_explainer=lambda _name, _explainer: None,
-                    args={"db": str(tmp_path / "m.db"), "schedlat_source": "off", "cpi": False,
-                          "flush_interval": "100ms", **extra})
-    run = metrics_task(init)
-    agent = init.shared[SHARED_KEY]
-    assert isinstance(agent, MetricsAgent)
-    return agent, run
-
-
 async def _run_until(agent: MetricsAgent, run: Any, name: str, ticks: int) -> None:
     task = asyncio.create_task(run())
     try:
@@ -105,9 +81,9 @@ async def _run_until(agent: MetricsAgent, run: Any, name: str, ticks: int) -> No
 
 @pytest.mark.asyncio
 async def test_a_collector_from_an_entry_point_writes_to_the_store(
-    host: HostRoots, tmp_path: Path, tiny_installed: str
+    host: HostRoots, tmp_path: Path, tiny_installed: str, make_agent: AgentFactory
 ) -> None:
-    agent, run = _agent(host, tmp_path, collectors={"tiny": {"args": {"value": 7}}})
+    agent, run = make_agent(host, tmp_path, collectors={"tiny": {"args": {"value": 7}}})
     names = [c.name for c in agent.collectors]
     assert names[0] == "tiny"  # phase 5: before the node (10)
     tiny = agent.collectors[0]
@@ -123,9 +99,9 @@ async def test_a_collector_from_an_entry_point_writes_to_the_store(
 
 
 def test_a_configured_interval_and_disable_apply_to_an_entry_point_collector(
-    host: HostRoots, tmp_path: Path, tiny_installed: str
+    host: HostRoots, tmp_path: Path, tiny_installed: str, make_agent: AgentFactory
 ) -> None:
-    agent, _run = _agent(host, tmp_path, collectors={"tiny": {"interval": "250ms"}, "psi": {"enabled": False}})
+    agent, _run = make_agent(host, tmp_path, collectors={"tiny": {"interval": "250ms"}, "psi": {"enabled": False}})
     try:
         by_name = {c.name: c for c in agent.collectors}
         assert by_name["tiny"].interval == 0.25
@@ -135,15 +111,15 @@ def test_a_configured_interval_and_disable_apply_to_an_entry_point_collector(
         assert "psi" not in view
     finally:
         agent.tsdb.close()
-    agent, _run = _agent(host, tmp_path / "b", collectors={"tiny": {"enabled": False}})
+    agent, _run = make_agent(host, tmp_path / "b", collectors={"tiny": {"enabled": False}})
     try:
         assert "tiny" not in {c.name for c in agent.collectors}
     finally:
         agent.tsdb.close()
 
 
-def test_the_builtins_run_in_phase_order(host: HostRoots, tmp_path: Path) -> None:
-    agent, _run = _agent(host, tmp_path, schedlat_source="schedstat", cpi=True, memlat_source="counters")
+def test_the_builtins_run_in_phase_order(host: HostRoots, tmp_path: Path, make_agent: AgentFactory) -> None:
+    agent, _run = make_agent(host, tmp_path, schedlat_source="schedstat", cpi=True, memlat_source="counters")
     try:
         # The node before host applications before pods: the pod tick's derived series
         # combine the same tick's node and host-application readings. (resctrl-monitor:
@@ -154,11 +130,11 @@ def test_the_builtins_run_in_phase_order(host: HostRoots, tmp_path: Path) -> Non
         agent.tsdb.close()
 
 
-def test_collector_intervals_old_and_new_shape(host: HostRoots, tmp_path: Path) -> None:
+def test_collector_intervals_old_and_new_shape(host: HostRoots, tmp_path: Path, make_agent: AgentFactory) -> None:
     s = parse_metrics({"intervals": {"psi": "5s"}, "collectors": {"pods": {"interval": "2s"}}}, "tasks.metrics")
     # The new key folds into ``intervals`` (which the QoS manager reads for the pod interval).
     assert (s.intervals.psi, s.intervals.pods, s.intervals.node) == (5.0, 2.0, 1.0)
-    agent, _run = _agent(host, tmp_path, intervals={"psi": "5s"}, collectors={"pods": {"interval": "2s"}},
+    agent, _run = make_agent(host, tmp_path, intervals={"psi": "5s"}, collectors={"pods": {"interval": "2s"}},
                          memlat_source="off")
     try:
         by_name = {c.name: c.interval for c in agent.collectors}

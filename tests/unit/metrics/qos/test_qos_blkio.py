@@ -6,7 +6,7 @@ and no throttle files (one line, idle)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,17 +90,8 @@ class Env:
 
 
 @pytest.fixture
-def envs(tmp_path: Path) -> Iterator[Any]:
-    made: list[Env] = []
-
-    def make(**kw: Any) -> Env:
-        env = Env(tmp_path, **kw)
-        made.append(env)
-        return env
-
-    yield make
-    for env in made:
-        env.store.close()
+def envs(tmp_path: Path, closing: Callable[[Env], Env]) -> Callable[..., Env]:
+    return lambda **kw: closing(Env(tmp_path, **kw))
 
 
 @pytest.mark.asyncio

@@ -5,7 +5,8 @@ dry-run writes nothing but audits."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import itertools
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -83,17 +84,9 @@ class Env:
 
 
 @pytest.fixture
-def envs(tmp_path: Path) -> Iterator[Any]:
-    made: list[Env] = []
-
-    def make(**kw: Any) -> Env:
-        env = Env(tmp_path / str(len(made)), **kw)
-        made.append(env)
-        return env
-
-    yield make
-    for env in made:
-        env.store.close()
+def envs(tmp_path: Path, closing: Callable[[Env], Env]) -> Callable[..., Env]:
+    made = itertools.count()
+    return lambda **kw: closing(Env(tmp_path / str(next(made)), **kw))
 
 
 @pytest.mark.asyncio

@@ -6,7 +6,7 @@ and the v1 "off" path (one log line, nothing written)."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,17 +100,8 @@ class Env:
 
 
 @pytest.fixture
-def envs(tmp_path: Path) -> Iterator[Any]:
-    made: list[Env] = []
-
-    def make(**kw: Any) -> Env:
-        env = Env(tmp_path, **kw)
-        made.append(env)
-        return env
-
-    yield make
-    for env in made:
-        env.store.close()
+def envs(tmp_path: Path, closing: Callable[[Env], Env]) -> Callable[..., Env]:
+    return lambda **kw: closing(Env(tmp_path, **kw))
 
 
 def four_pods(env: Env) -> None:
