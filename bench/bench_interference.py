@@ -44,7 +44,7 @@ from typing import Any
 from benchlib import BenchNode
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import devpods, embedded
+from runtimeproxy import devpods, embeddedimage
 from runtimeproxy.demo import kubelet_creates_pod_cgroup
 
 PROBE = r"""
@@ -100,7 +100,7 @@ class Node:
         return sb, sid, uid
 
     def container(self, pod: tuple[Any, str, str], name: str, command: list[str], memory: int = 0) -> str:
-        cc = devpods.container_config(name=name, image=embedded.BUSYBOX_IMAGE, command=command)
+        cc = devpods.container_config(name=name, image=embeddedimage.BUSYBOX_IMAGE, command=command)
         if memory:
             cc.linux.resources.memory_limit_in_bytes = memory
         cid: str = self.rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=pod[1], config=cc,

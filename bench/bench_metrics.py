@@ -53,7 +53,7 @@ from benchlib import BenchNode, cpu_seconds
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.kubeapi
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import devpods, embedded
+from runtimeproxy import devpods, embeddedimage
 from runtimeproxy.demo import DEFAULT_CONFIG
 
 
@@ -89,7 +89,7 @@ def _run_pods(rt: Any, prefix: str, logs: Path, n: int) -> None:
         sb = devpods.sandbox_config(name=f"p{i:03d}", namespace="bench", uid=uid, log_dir=str(logs),
                                     cgroup_parent=devpods.kube_cgroup_parent(prefix, qos, uid))
         sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sb), timeout=120).pod_sandbox_id
-        cc = devpods.container_config(name="c", image=embedded.BUSYBOX_IMAGE, command=["sleep", "36000"])
+        cc = devpods.container_config(name="c", image=embeddedimage.BUSYBOX_IMAGE, command=["sleep", "36000"])
         cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=cc, sandbox_config=sb),
                                  timeout=120).container_id
         rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=120)

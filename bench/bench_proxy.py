@@ -39,7 +39,7 @@ from benchlib import BenchNode, cpu_seconds, percentile
 
 from criapi import cri_v1_pb2 as cri
 from criapi import cri_v1_pb2_grpc as cri_grpc
-from runtimeproxy import devpods, embedded
+from runtimeproxy import devpods, embedded, embeddedimage
 from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 
 BATCH = ('{"containers": {"c": {"requests": {"kubernetes.io/batch-cpu": "500", "kubernetes.io/batch-memory": '
@@ -67,7 +67,7 @@ CALLS: dict[str, Callable[[Any, str], Any]] = {
     "ListPodSandbox": lambda rt, cid: rt.ListPodSandbox(cri.ListPodSandboxRequest()),
     "ContainerStatus": lambda rt, cid: rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)),
     "ImageStatus": lambda rt, cid: rt.image.ImageStatus(cri.ImageStatusRequest(
-        image=cri.ImageSpec(image=embedded.BUSYBOX_IMAGE))),
+        image=cri.ImageSpec(image=embeddedimage.BUSYBOX_IMAGE))),
 }
 
 
@@ -105,7 +105,7 @@ def lifecycle(rt: Any, prefix: str, logs: Path) -> dict[str, float]:
     annotations = {"node.koordinator.sh/extended-resource-spec": BATCH}
     sandbox = devpods.sandbox_config(name="bench", namespace="bench", uid=uid, log_dir=str(logs),
                                      cgroup_parent=parent, labels=labels, annotations=annotations)
-    config = devpods.container_config(name="c", image=embedded.BUSYBOX_IMAGE, command=["sleep", "60"],
+    config = devpods.container_config(name="c", image=embeddedimage.BUSYBOX_IMAGE, command=["sleep", "60"],
                                       resources=cri.LinuxContainerResources(cpu_shares=256))
     out: dict[str, float] = {}
     t = start = time.perf_counter()
@@ -250,7 +250,7 @@ def main() -> int:
                 sb = devpods.sandbox_config(name=f"idle-{i}", namespace="bench", uid=uid, log_dir=str(base / "logs"),
                                             cgroup_parent=devpods.kube_cgroup_parent(prefix, "burstable", uid))
                 sid = direct.RunPodSandbox(cri.RunPodSandboxRequest(config=sb)).pod_sandbox_id
-                cc = devpods.container_config(name="c", image=embedded.BUSYBOX_IMAGE, command=["sleep", "3600"])
+                cc = devpods.container_config(name="c", image=embeddedimage.BUSYBOX_IMAGE, command=["sleep", "3600"])
                 cid = direct.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=cc,
                                                                         sandbox_config=sb)).container_id
                 direct.StartContainer(cri.StartContainerRequest(container_id=cid))

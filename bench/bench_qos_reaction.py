@@ -35,7 +35,7 @@ import grpc
 from benchlib import BenchNode, cpu_seconds, percentile
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import devpods, embedded
+from runtimeproxy import devpods, embeddedimage
 from runtimeproxy.demo import kubelet_creates_pod_cgroup
 
 SPIN2 = ["sh", "-c", "while :; do :; done & while :; do :; done"]
@@ -67,7 +67,7 @@ class Pods:
         return sb, self.rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sb), timeout=60).pod_sandbox_id
 
     def container(self, sb: Any, sid: str, name: str, command: list[str], quota: int = 0) -> str:
-        cc = devpods.container_config(name=name, image=embedded.BUSYBOX_IMAGE, command=command)
+        cc = devpods.container_config(name=name, image=embeddedimage.BUSYBOX_IMAGE, command=command)
         if quota:
             cc.linux.resources.cpu_period, cc.linux.resources.cpu_quota = 100_000, quota
         cid: str = self.rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=cc,

@@ -41,7 +41,7 @@ import yaml
 from benchlib import BenchNode
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import devpods, embedded
+from runtimeproxy import devpods, embedded, embeddedcgroup, embeddedimage
 from runtimeproxy.demo import demo_config, free_port, kubelet_creates_pod_cgroup, wait_healthy
 
 SPEC = "node.koordinator.sh/extended-resource-spec"
@@ -115,7 +115,7 @@ def _cycle(rt: Any, direct: Any, node: BenchNode, i: int, behind: bool, logs: Pa
                                 cgroup_parent=parent, labels=labels, annotations=annotations)
     kubelet_creates_pod_cgroup(parent)
     sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sb), timeout=120).pod_sandbox_id
-    cc = devpods.container_config(name="app", image=embedded.BUSYBOX_IMAGE, command=["sleep", "3600"],
+    cc = devpods.container_config(name="app", image=embeddedimage.BUSYBOX_IMAGE, command=["sleep", "3600"],
                                   resources=cri.LinuxContainerResources(cpu_shares=2))
     cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=cc, sandbox_config=sb),
                              timeout=120).container_id
@@ -125,7 +125,7 @@ def _cycle(rt: Any, direct: Any, node: BenchNode, i: int, behind: bool, logs: Pa
     down.RemoveContainer(cri.RemoveContainerRequest(container_id=cid), timeout=120)
     down.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sid), timeout=120)
     down.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sid), timeout=120)
-    embedded.remove_cgroup_tree(parent, timeout=2.0)
+    embeddedcgroup.remove_cgroup_tree(parent, timeout=2.0)
 
 
 def main() -> int:

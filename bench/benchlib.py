@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from runtimeproxy import embedded
+from runtimeproxy import embedded, embeddedcgroup, embeddedimage
 from runtimeproxy.demo import free_port, wait_healthy
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -41,20 +41,20 @@ class BenchNode:
     def __init__(self, tag: str) -> None:
         self.base = Path(tempfile.mkdtemp(prefix=f"krp{tag}-", dir="/tmp"))  # short: socket paths
         self.ctd = embedded.EmbeddedContainerd(self.base / "ctd")
-        self.prefix = embedded.unique_test_parent()
+        self.prefix = embeddedcgroup.unique_test_parent()
         self._procs: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> BenchNode:
         self.ctd.start()
-        self.ctd.import_image(embedded.build_busybox_image(self.base))
-        self.ctd.import_image(embedded.build_pause_image(self.base))
+        self.ctd.import_image(embeddedimage.build_busybox_image(self.base))
+        self.ctd.import_image(embeddedimage.build_pause_image(self.base))
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         for proc in self._procs:
             self.stop(proc)
         self.ctd.stop()
-        embedded.remove_cgroup_tree(self.prefix)
+        embeddedcgroup.remove_cgroup_tree(self.prefix)
         if os.environ.get("KRP_BENCH_KEEP"):  # e.g. to study the metrics store offline
             print(f"kept {self.base}", file=sys.stderr)
         elif not embedded.remove_workdir(self.base):

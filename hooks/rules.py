@@ -17,20 +17,19 @@ hooks and tasks read it through ``LiveRules``, which parses once per change.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import structlog
 
 from hooks.blkiorules import BlkioQOS, parse_blkio_qos
 from hooks.qos import QoSClass, pod_qos
+from hooks.rulesparse import SECTION_KEYS, Parser, boolean, choice, int_range, section
 from runtimeproxy.hookapi import HookConfigError, HookInit, PodInfo
 
 log = structlog.get_logger("hooks.rules")
 
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,98 +206,43 @@ class Rules:
 
 # --- parsing -----------------------------------------------------------------
 
-Parser = Callable[[object, str, Any], Any]  # (raw value, rules.<path>, current default) -> new value
-
-
-def _bool(raw: object, path: str, _current: Any) -> bool:
-    if not isinstance(raw, bool):
-        raise HookConfigError(path, raw, "expected true or false")
-    return raw
-
-
-def _int(low: int, high: int) -> Parser:
-    def parse(raw: object, path: str, _current: Any) -> int:
-        if isinstance(raw, bool) or not isinstance(raw, int):
-            raise HookConfigError(path, raw, f"expected an integer in [{low}, {high}]")
-        if not low <= raw <= high:
-            raise HookConfigError(path, raw, f"must be in [{low}, {high}]")
-        return raw
-
-    return parse
-
-
-def _choice(*allowed: str) -> Parser:
-    def parse(raw: object, path: str, _current: Any) -> str:
-        if raw not in allowed:
-            raise HookConfigError(path, raw, f"must be one of {', '.join(allowed)}")
-        assert isinstance(raw, str)
-        return raw
-
-    return parse
-
-
-def _section(cls: type[T], spec: Mapping[str, tuple[str, Parser]]) -> Parser:
-    """A parser for a mapping whose camelCase keys map to dataclass fields; the
-    result is ``current`` with the given fields replaced (merge over defaults)."""
-
-    def parse(raw: object, path: str, current: Any) -> T:
-        if raw is None:
-            return current  # type: ignore[no-any-return]
-        if not isinstance(raw, Mapping):
-            raise HookConfigError(path, raw, "expected a mapping")
-        changes: dict[str, Any] = {}
-        for key, value in raw.items():
-            if key not in spec:
-                raise HookConfigError(f"{path}.{key}", value, f"unknown key (known: {', '.join(spec)})")
-            attr, parser = spec[key]
-            changes[attr] = parser(value, f"{path}.{key}", getattr(current, attr))
-        return dataclasses.replace(current, **changes)  # type: ignore[no-any-return]
-
-    _KEYS[parse] = tuple(spec)
-    return parse
-
-
-#: The keys of every section parser (for ``rules_from_nodeslo``).
-_KEYS: Final[dict[Parser, tuple[str, ...]]] = {}
-
-
-_PCT: Final = _int(0, 100)
-_CPU_QOS: Final = _section(
+_PCT: Final = int_range(0, 100)
+_CPU_QOS: Final = section(
     CPUQOS,
     {
-        "enable": ("enable", _bool),
-        "groupIdentity": ("group_identity", _int(-1, 2)),
-        "schedIdle": ("sched_idle", _int(0, 1)),
-        "coreExpeller": ("core_expeller", _bool),
+        "enable": ("enable", boolean),
+        "groupIdentity": ("group_identity", int_range(-1, 2)),
+        "schedIdle": ("sched_idle", int_range(0, 1)),
+        "coreExpeller": ("core_expeller", boolean),
     },
 )
-_RESCTRL_QOS: Final = _section(
+_RESCTRL_QOS: Final = section(
     ResctrlQOS,
     {
-        "enable": ("enable", _bool),
+        "enable": ("enable", boolean),
         "catRangeStartPercent": ("cat_range_start_percent", _PCT),
         "catRangeEndPercent": ("cat_range_end_percent", _PCT),
-        "mbaPercent": ("mba_percent", _int(1, 100)),
+        "mbaPercent": ("mba_percent", int_range(1, 100)),
     },
 )
-_MEMORY_QOS: Final = _section(
+_MEMORY_QOS: Final = section(
     MemoryQOS,
     {
-        "enable": ("enable", _bool),
+        "enable": ("enable", boolean),
         "minLimitPercent": ("min_limit_percent", _PCT),
         "lowLimitPercent": ("low_limit_percent", _PCT),
         "throttlingPercent": ("throttling_percent", _PCT),
         "wmarkRatio": ("wmark_ratio", _PCT),
-        "wmarkScalePermill": ("wmark_scale_permill", _int(1, 1000)),
-        "wmarkMinAdj": ("wmark_min_adj", _int(-25, 50)),
-        "priorityEnable": ("priority_enable", _int(0, 1)),
-        "priority": ("priority", _int(0, 12)),
-        "oomKillGroup": ("oom_kill_group", _int(0, 1)),
+        "wmarkScalePermill": ("wmark_scale_permill", int_range(1, 1000)),
+        "wmarkMinAdj": ("wmark_min_adj", int_range(-25, 50)),
+        "priorityEnable": ("priority_enable", int_range(0, 1)),
+        "priority": ("priority", int_range(0, 12)),
+        "oomKillGroup": ("oom_kill_group", int_range(0, 1)),
     },
 )
 _BLKIO_QOS: Final[Parser] = parse_blkio_qos
-_KEYS[_BLKIO_QOS] = ("enable", "blocks")
-_CLASS: Final = _section(
+SECTION_KEYS[_BLKIO_QOS] = ("enable", "blocks")
+_CLASS: Final = section(
     ClassQOS,
     {
         "cpuQOS": ("cpu_qos", _CPU_QOS),
@@ -307,7 +251,7 @@ _CLASS: Final = _section(
         "blkioQOS": ("blkio_qos", _BLKIO_QOS),
     },
 )
-_STRATEGY: Final = _section(
+_STRATEGY: Final = section(
     ResourceQOSStrategy,
     {
         "lsrClass": ("lsr_class", _CLASS),
@@ -317,54 +261,54 @@ _STRATEGY: Final = _section(
         "cgroupRoot": ("cgroup_root", _CLASS),
     },
 )
-_POLICIES: Final = _section(
+_POLICIES: Final = section(
     Policies,
     {
-        "cpuPolicy": ("cpu_policy", _choice("groupIdentity", "coreSched")),
-        "netQOSPolicy": ("net_qos_policy", _choice("tc", "terway-qos")),
+        "cpuPolicy": ("cpu_policy", choice("groupIdentity", "coreSched")),
+        "netQOSPolicy": ("net_qos_policy", choice("tc", "terway-qos")),
     },
 )
-_THRESHOLD: Final = _section(
+_THRESHOLD: Final = section(
     ResourceThresholdStrategy,
     {
-        "enable": ("enable", _bool),
+        "enable": ("enable", boolean),
         "cpuSuppressThresholdPercent": ("cpu_suppress_threshold_percent", _PCT),
         "cpuSuppressMinPercent": ("cpu_suppress_min_percent", _PCT),
-        "cpuSuppressPolicy": ("cpu_suppress_policy", _choice("cpuset", "cfsQuota")),
+        "cpuSuppressPolicy": ("cpu_suppress_policy", choice("cpuset", "cfsQuota")),
         "memoryEvictThresholdPercent": ("memory_evict_threshold_percent", _PCT),
         "memoryEvictLowerPercent": ("memory_evict_lower_percent", _PCT),
-        "cpuEvictBESatisfactionLowerPercent": ("cpu_evict_be_satisfaction_lower_percent", _int(1, 60)),
-        "cpuEvictBESatisfactionUpperPercent": ("cpu_evict_be_satisfaction_upper_percent", _int(1, 99)),
+        "cpuEvictBESatisfactionLowerPercent": ("cpu_evict_be_satisfaction_lower_percent", int_range(1, 60)),
+        "cpuEvictBESatisfactionUpperPercent": ("cpu_evict_be_satisfaction_upper_percent", int_range(1, 99)),
         "cpuEvictBEUsageThresholdPercent": ("cpu_evict_be_usage_threshold_percent", _PCT),
-        "cpuEvictTimeWindowSeconds": ("cpu_evict_time_window_seconds", _int(1, 3600)),
-        "cpuEvictPolicy": ("cpu_evict_policy", _choice("evictByRealLimit", "evictByAllocatable")),
-        "cpuEvictThresholdPercent": ("cpu_evict_threshold_percent", _int(1, 99)),
+        "cpuEvictTimeWindowSeconds": ("cpu_evict_time_window_seconds", int_range(1, 3600)),
+        "cpuEvictPolicy": ("cpu_evict_policy", choice("evictByRealLimit", "evictByAllocatable")),
+        "cpuEvictThresholdPercent": ("cpu_evict_threshold_percent", int_range(1, 99)),
         "cpuEvictLowerPercent": ("cpu_evict_lower_percent", _PCT),
-        "evictEnabledPriorityThreshold": ("evict_enabled_priority_threshold", _int(0, 9999)),
-        "allocatableEvictPriorityThreshold": ("allocatable_evict_priority_threshold", _int(0, 8999)),
-        "cpuAllocatableEvictThresholdPercent": ("cpu_allocatable_evict_threshold_percent", _int(1, 1000)),
-        "cpuAllocatableEvictLowerPercent": ("cpu_allocatable_evict_lower_percent", _int(0, 1000)),
-        "memoryAllocatableEvictThresholdPercent": ("memory_allocatable_evict_threshold_percent", _int(1, 1000)),
-        "memoryAllocatableEvictLowerPercent": ("memory_allocatable_evict_lower_percent", _int(0, 1000)),
+        "evictEnabledPriorityThreshold": ("evict_enabled_priority_threshold", int_range(0, 9999)),
+        "allocatableEvictPriorityThreshold": ("allocatable_evict_priority_threshold", int_range(0, 8999)),
+        "cpuAllocatableEvictThresholdPercent": ("cpu_allocatable_evict_threshold_percent", int_range(1, 1000)),
+        "cpuAllocatableEvictLowerPercent": ("cpu_allocatable_evict_lower_percent", int_range(0, 1000)),
+        "memoryAllocatableEvictThresholdPercent": ("memory_allocatable_evict_threshold_percent", int_range(1, 1000)),
+        "memoryAllocatableEvictLowerPercent": ("memory_allocatable_evict_lower_percent", int_range(0, 1000)),
     },
 )
 #: Ranges as koordlet's file validators (min_free_kbytes itself is checked once computed).
-_SYSTEM: Final = _section(
+_SYSTEM: Final = section(
     SystemStrategy,
     {
-        "minFreeKbytesFactor": ("min_free_kbytes_factor", _int(1, 10_000)),
-        "watermarkScaleFactor": ("watermark_scale_factor", _int(10, 400)),
-        "memcgReapBackGround": ("memcg_reap_background", _int(0, 1)),
+        "minFreeKbytesFactor": ("min_free_kbytes_factor", int_range(1, 10_000)),
+        "watermarkScaleFactor": ("watermark_scale_factor", int_range(10, 400)),
+        "memcgReapBackGround": ("memcg_reap_background", int_range(0, 1)),
     },
 )
 _BURST_FIELDS: Final[Mapping[str, tuple[str, Parser]]] = {
-    "policy": ("policy", _choice("none", "cpuBurstOnly", "cfsQuotaBurstOnly", "auto")),
-    "cpuBurstPercent": ("cpu_burst_percent", _int(0, 100_000)),
-    "cfsQuotaBurstPercent": ("cfs_quota_burst_percent", _int(100, 100_000)),
-    "cfsQuotaBurstPeriodSeconds": ("cfs_quota_burst_period_seconds", _int(-1, 86_400)),
-    "sharePoolThresholdPercent": ("share_pool_threshold_percent", _int(1, 100)),
+    "policy": ("policy", choice("none", "cpuBurstOnly", "cfsQuotaBurstOnly", "auto")),
+    "cpuBurstPercent": ("cpu_burst_percent", int_range(0, 100_000)),
+    "cfsQuotaBurstPercent": ("cfs_quota_burst_percent", int_range(100, 100_000)),
+    "cfsQuotaBurstPeriodSeconds": ("cfs_quota_burst_period_seconds", int_range(-1, 86_400)),
+    "sharePoolThresholdPercent": ("share_pool_threshold_percent", int_range(1, 100)),
 }
-_BURST: Final = _section(CPUBurstStrategy, _BURST_FIELDS)
+_BURST: Final = section(CPUBurstStrategy, _BURST_FIELDS)
 
 
 def _guaranteed(raw: object, path: str, current: QoSClass) -> QoSClass:
@@ -375,7 +319,7 @@ def _guaranteed(raw: object, path: str, current: QoSClass) -> QoSClass:
     raise HookConfigError(path, raw, f"must be one of {', '.join(q.value for q in allowed)}")
 
 
-_RULES: Final = _section(
+_RULES: Final = section(
     Rules,
     {
         "resourceQOSStrategy": ("resource_qos_strategy", _STRATEGY),
@@ -478,7 +422,7 @@ def _filter(raw: Mapping[str, Any], known: Mapping[str, Any] | Parser) -> dict[s
             elif value is not None:
                 out[key] = value  # not a mapping: let parse_rules name it
         return out
-    keys = _KEYS[known]
+    keys = SECTION_KEYS[known]
     return {k: v for k, v in raw.items() if k in keys}
 
 

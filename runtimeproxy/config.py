@@ -11,10 +11,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib.resources
-import ipaddress
-import math
-import os
-import re
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +19,12 @@ from typing import Any, Final
 
 import yaml
 
+from runtimeproxy import confignet as net
+
+# ConfigError and parse_duration are re-exported: plugins and tasks import them from here.
+from runtimeproxy.configvalues import ConfigError as ConfigError
+from runtimeproxy.configvalues import mapping, positive_int, reject_unknown, string
+from runtimeproxy.configvalues import parse_duration as parse_duration
 from runtimeproxy.filetrust import path_problem
 from runtimeproxy.hookapi import HostRoots, Stage
 
@@ -32,15 +34,6 @@ DEFAULT_CONFIG_PATH: Final = Path("/etc/koord-runtime-proxy/config.yaml")
 #: absent. Data, not code: the core still names no hook.
 DEFAULT_CONFIG_RESOURCE: Final = "default-config.yaml"
 MiB: Final = 1024 * 1024
-
-
-class ConfigError(Exception):
-    """A setting is invalid. The message starts with the key path."""
-
-    def __init__(self, key_path: str, value: object, message: str) -> None:
-        super().__init__(f"{key_path}: {message} (got {value!r})")
-        self.key_path = key_path
-        self.value = value
 
 
 class FailurePolicy(enum.Enum):
@@ -136,7 +129,7 @@ class Settings:
     #: next ``run`` adopts it within it, else its watchdog stops it. 0: it stops with this process.
     #: SIGQUIT stops both at once (see docs/architecture.md, "Data plane").
     data_plane_orphan_grace: float = 30.0
-    #: Risks the operator accepted (``allow_insecure:``), see INSECURE_OPT_INS.
+    #: Risks the operator accepted (``allow_insecure:``), see confignet.INSECURE_OPT_INS.
     allow_insecure: frozenset[str] = frozenset()
     #: The accepted risks actually present: one warning line each at every start.
     accepted_risks: tuple[str, ...] = field(default=(), compare=False)
@@ -150,123 +143,7 @@ _TOP_KEYS: Final = frozenset(
         "data_plane", "data_plane_idle_timeout", "data_plane_survives_restart", "data_plane_orphan_grace",
     }
 )
-#: ``allow_insecure.<key>: true`` accepts one risk that is otherwise refused (exit 2 at
-#: start, a reload rejected); it is then warned about at every start.
-INSECURE_OPT_INS: Final = frozenset({"socket_mode", "metrics_listen", "file_permissions"})
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _HOOK_KEYS: Final = frozenset({"name", "plugin", "remote", "stages", "failure_policy", "timeout", "args"})
-
-
-def parse_duration(value: object, key_path: str) -> float:
-    """Seconds from ``1.5``, ``"500ms"``, ``"2s"``, ``"1m"``; must be > 0."""
-    if isinstance(value, bool):
-        raise ConfigError(key_path, value, "must be a duration such as 1s or 500ms")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := _DURATION.match(value)):
-        seconds = float(m.group(1)) * _UNITS[m.group(2)]
-    else:
-        raise ConfigError(key_path, value, "must be a duration such as 1s or 500ms")
-    if not seconds > 0:
-        raise ConfigError(key_path, value, "must be a duration > 0")
-    if not math.isfinite(seconds):  # YAML's .inf: a timeout that never fires, a sleep forever
-        raise ConfigError(key_path, value, "must be a finite duration")
-    return seconds
-
-
-def _mapping(value: object, key_path: str) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise ConfigError(key_path, value, "must be a mapping with string keys")
-    return value
-
-
-def _string(value: object, key_path: str, *, allow_empty: bool = True) -> str:
-    if not isinstance(value, str) or (not allow_empty and not value):
-        raise ConfigError(key_path, value, "must be a non-empty string" if not allow_empty else "must be a string")
-    return value
-
-
-def _reject_unknown(data: Mapping[str, Any], allowed: frozenset[str], prefix: str) -> None:
-    for key in data:
-        if key not in allowed:
-            # An empty or odd key ('', 'a.b') is quoted so the path still names it.
-            shown = key if re.fullmatch(r"[\w\-/]+", key) else repr(key)
-            raise ConfigError(f"{prefix}{shown}", data[key], f"unknown key; expected one of {sorted(allowed)}")
-
-
-def _endpoint(value: object, key_path: str) -> str:
-    text = _string(value, key_path)
-    text = text.removeprefix("unix://")
-    if text and not text.startswith("/"):
-        raise ConfigError(key_path, value, "must be an absolute unix socket path")
-    check_unix_path(text, key_path)
-    return text
-
-
-#: ``sockaddr_un.sun_path`` is 108 bytes on Linux, the terminating NUL included.
-UNIX_PATH_MAX = 107
-
-
-def check_unix_path(path: str, key_path: str) -> None:
-    """A path the kernel can bind or connect to as a unix socket (length only)."""
-    size = len(os.fsencode(path))
-    if size > UNIX_PATH_MAX:
-        raise ConfigError(key_path, path, f"a unix socket path is at most {UNIX_PATH_MAX} bytes, this one has {size}")
-
-
-def _socket_mode(value: object) -> int:
-    if isinstance(value, str) and re.fullmatch(r"0?[0-7]{3}", value):
-        return int(value, 8)
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 0o777:
-        return value
-    raise ConfigError("socket_mode", value, "must be an octal mode string such as '0660'")
-
-
-def _host_port(value: object, key_path: str) -> str:
-    text = _string(value, key_path)
-    if text and (not re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", text) or int(text.rpartition(":")[2]) > 65535):
-        raise ConfigError(key_path, value, "must be host:port, or empty to disable")
-    return text
-
-
-def _allow_insecure(value: object) -> frozenset[str]:
-    data = _mapping(value, "allow_insecure")
-    _reject_unknown(data, INSECURE_OPT_INS, "allow_insecure.")
-    for key, flag in data.items():
-        if not isinstance(flag, bool):
-            raise ConfigError(f"allow_insecure.{key}", flag, "must be true or false")
-    return frozenset(k for k, flag in data.items() if flag)
-
-
-def _is_loopback(host_port: str) -> bool:
-    host = host_port.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name other than localhost may resolve to anything
-
-
-def _risks(socket_mode: int, metrics_listen: str, allowed: frozenset[str]) -> tuple[str, ...]:
-    """Refuse a risky value unless allowed; return the allowed ones present."""
-    risks: list[tuple[str, str, object, str]] = []
-    if socket_mode & 0o007:
-        risks.append(("socket_mode", "socket_mode", f"{socket_mode:04o}",
-                      "gives every local user the CRI socket (root on the node); use 0660"))
-    if metrics_listen and not _is_loopback(metrics_listen):
-        risks.append(("metrics_listen", "metrics.listen", metrics_listen,
-                      "is not a loopback address: /metrics, /debug/explain and /apis/nodemetric are served "
-                      "without authentication; use 127.0.0.1:<port>"))
-    accepted = []
-    for opt_in, key_path, value, why in risks:
-        if opt_in not in allowed:
-            raise ConfigError(key_path, value, f"{why}, or set allow_insecure.{opt_in}: true to accept the risk")
-        accepted.append(f"{key_path}={value}: {why}")
-    return tuple(accepted)
 
 
 def _failure_policy(value: object, key_path: str) -> FailurePolicy:
@@ -292,11 +169,11 @@ def _stages(value: object, key_path: str) -> frozenset[Stage] | None:
 
 def _hook(raw: object, index: int, default_timeout: float) -> HookSettings:
     path = f"hooks[{index}]"
-    data = _mapping(raw, path)
-    _reject_unknown(data, _HOOK_KEYS, f"{path}.")
-    name = _string(data.get("name"), f"{path}.name", allow_empty=False)
-    plugin = _string(data.get("plugin", ""), f"{path}.plugin")
-    remote = _endpoint(data.get("remote", ""), f"{path}.remote")
+    data = mapping(raw, path)
+    reject_unknown(data, _HOOK_KEYS, f"{path}.")
+    name = string(data.get("name"), f"{path}.name", allow_empty=False)
+    plugin = string(data.get("plugin", ""), f"{path}.plugin")
+    remote = net.endpoint(data.get("remote", ""), f"{path}.remote")
     if bool(plugin) == bool(remote):
         raise ConfigError(path, dict(data), "needs exactly one of 'plugin' or 'remote'")
     timeout = default_timeout
@@ -309,7 +186,7 @@ def _hook(raw: object, index: int, default_timeout: float) -> HookSettings:
         stages=_stages(data.get("stages"), f"{path}.stages"),
         failure_policy=_failure_policy(data.get("failure_policy", "Ignore"), f"{path}.failure_policy"),
         timeout=timeout,
-        args=types.MappingProxyType(dict(_mapping(data.get("args"), f"{path}.args"))),
+        args=types.MappingProxyType(dict(mapping(data.get("args"), f"{path}.args"))),
         key_path=path,
     )
 
@@ -329,17 +206,19 @@ def _hooks(value: object) -> tuple[HookSettings, ...]:
 
 
 def _backend(value: object) -> BackendSettings:
-    data = _mapping(value, "backend")
-    _reject_unknown(
+    data = mapping(value, "backend")
+    reject_unknown(
         data,
         frozenset({"runtime_endpoint", "image_endpoint", "max_reconnect_backoff", "probe_interval", "unhealthy_after"}),
         "backend.",
     )
     default = BackendSettings()
     return BackendSettings(
-        runtime_endpoint=_endpoint(data.get("runtime_endpoint", default.runtime_endpoint), "backend.runtime_endpoint")
+        runtime_endpoint=net.endpoint(
+            data.get("runtime_endpoint", default.runtime_endpoint), "backend.runtime_endpoint"
+        )
         or default.runtime_endpoint,
-        image_endpoint=_endpoint(data.get("image_endpoint", ""), "backend.image_endpoint"),
+        image_endpoint=net.endpoint(data.get("image_endpoint", ""), "backend.image_endpoint"),
         max_reconnect_backoff=parse_duration(
             data.get("max_reconnect_backoff", default.max_reconnect_backoff), "backend.max_reconnect_backoff"
         ),
@@ -351,13 +230,13 @@ def _backend(value: object) -> BackendSettings:
 
 
 def _host(value: object) -> HostRoots:
-    data = _mapping(value, "host")
-    _reject_unknown(data, frozenset({"cgroup_root", "proc", "sys", "resctrl_root"}), "host.")
+    data = mapping(value, "host")
+    reject_unknown(data, frozenset({"cgroup_root", "proc", "sys", "resctrl_root"}), "host.")
     default = HostRoots()
     roots = {}
     for key, attr in (("cgroup_root", "cgroup"), ("proc", "proc"), ("sys", "sys"), ("resctrl_root", "resctrl")):
         raw = data.get(key, str(getattr(default, attr)))
-        text = _string(raw, f"host.{key}", allow_empty=False)
+        text = string(raw, f"host.{key}", allow_empty=False)
         if not text.startswith("/") or ".." in Path(text).parts:
             raise ConfigError(f"host.{key}", raw, "must be an absolute path without '..'")
         roots[attr] = Path(text)
@@ -365,8 +244,8 @@ def _host(value: object) -> HostRoots:
 
 
 def _log(value: object) -> tuple[str, str]:
-    data = _mapping(value, "log")
-    _reject_unknown(data, frozenset({"level", "format"}), "log.")
+    data = mapping(value, "log")
+    reject_unknown(data, frozenset({"level", "format"}), "log.")
     level = str(data.get("level", "info")).lower()
     if level not in {"debug", "info", "warning", "error"}:
         raise ConfigError("log.level", data.get("level"), "must be debug, info, warning or error")
@@ -374,12 +253,6 @@ def _log(value: object) -> tuple[str, str]:
     if fmt not in {"auto", "json", "console"}:
         raise ConfigError("log.format", data.get("format"), "must be auto, json or console")
     return level, fmt
-
-
-def _positive_int(value: object, key_path: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(key_path, value, f"must be an integer >= {minimum}")
-    return value
 
 
 def _resync_interval(value: object) -> float:
@@ -390,93 +263,51 @@ def _resync_interval(value: object) -> float:
 
 
 def _state_dir(value: object) -> str:
-    path = _string(value, "state_dir")
+    path = string(value, "state_dir")
     if path and (not path.startswith("/") or "\0" in path):
         raise ConfigError("state_dir", value, "must be an absolute path, or empty to keep state in memory only")
     return path
 
 
-DATA_PLANES: Final = ("grpc", "haproxy")
-#: HAProxy's timers are 32-bit milliseconds (~24.8 days).
-_MAX_IDLE_TIMEOUT = 24 * 86400.0
-
-
-def _data_plane(value: object) -> str:
-    if not isinstance(value, str) or value.lower() not in DATA_PLANES:
-        raise ConfigError("data_plane", value, f"must be one of {list(DATA_PLANES)}")
-    return value.lower()
-
-
-#: HAProxy's orphan watchdog sleeps at most this long (a day) before stopping it.
-_MAX_ORPHAN_GRACE = 86400.0
-
-
-def _orphan_grace(top: Mapping[str, Any], default: float) -> float:
-    """``data_plane_orphan_grace`` (0 .. 24h); the older ``data_plane_survives_restart``
-    still works alone (false: 0, true: the default grace), never together with it."""
-    if "data_plane_survives_restart" in top:
-        old = top["data_plane_survives_restart"]
-        if "data_plane_orphan_grace" in top:
-            raise ConfigError("data_plane_survives_restart", old,
-                              "replaced by data_plane_orphan_grace: set only data_plane_orphan_grace")
-        if not isinstance(old, bool):
-            raise ConfigError("data_plane_survives_restart", old, "must be true or false")
-        return default if old else 0.0
-    value = top.get("data_plane_orphan_grace", default)
-    zero = isinstance(value, int | float | str) and not isinstance(value, bool) and (
-        value == 0 or (isinstance(value, str) and (m := _DURATION.match(value)) is not None and float(m.group(1)) == 0))
-    seconds = 0.0 if zero else parse_duration(value, "data_plane_orphan_grace")
-    if seconds > _MAX_ORPHAN_GRACE:
-        raise ConfigError("data_plane_orphan_grace", value, "must be between 0 (stop with this process) and 24h")
-    return seconds
-
-
-def _idle_timeout(value: object) -> float:
-    seconds = parse_duration(value, "data_plane_idle_timeout")
-    if seconds < 1.0 or seconds > _MAX_IDLE_TIMEOUT:
-        raise ConfigError("data_plane_idle_timeout", value, "must be between 1s and 24 days (576h)")
-    return seconds
-
-
 def from_mapping(data: object) -> Settings:
     """Validate a parsed YAML document (already merged with CLI overrides)."""
-    top = _mapping(data, "<root>")
-    _reject_unknown(top, _TOP_KEYS, "")
+    top = mapping(data, "<root>")
+    reject_unknown(top, _TOP_KEYS, "")
     default = Settings()
-    skip = _mapping(top.get("skip_label"), "skip_label")
-    _reject_unknown(skip, frozenset({"key", "value"}), "skip_label.")
-    metrics = _mapping(top.get("metrics"), "metrics")
-    _reject_unknown(metrics, frozenset({"listen", "max_connections", "idle_timeout", "fd_reserve"}), "metrics.")
+    skip = mapping(top.get("skip_label"), "skip_label")
+    reject_unknown(skip, frozenset({"key", "value"}), "skip_label.")
+    metrics = mapping(top.get("metrics"), "metrics")
+    reject_unknown(metrics, frozenset({"listen", "max_connections", "idle_timeout", "fd_reserve"}), "metrics.")
     level, fmt = _log(top.get("log"))
-    listen = _endpoint(top.get("listen", default.listen), "listen")
+    listen = net.endpoint(top.get("listen", default.listen), "listen")
     if not listen:
         raise ConfigError("listen", top.get("listen"), "must be a unix socket path")
-    allow_insecure = _allow_insecure(top.get("allow_insecure"))
-    socket_mode = _socket_mode(top.get("socket_mode", "0660"))
-    metrics_listen = _host_port(metrics.get("listen", default.metrics_listen), "metrics.listen")
-    accepted_risks = _risks(socket_mode, metrics_listen, allow_insecure)
+    allow_insecure = net.allow_insecure(top.get("allow_insecure"))
+    socket_mode = net.socket_mode(top.get("socket_mode", "0660"))
+    metrics_listen = net.host_port(metrics.get("listen", default.metrics_listen), "metrics.listen")
+    accepted_risks = net.risks(socket_mode, metrics_listen, allow_insecure)
     return Settings(
         listen=listen,
         socket_mode=socket_mode,
         backend=_backend(top.get("backend")),
         hooks=_hooks(top.get("hooks")),
-        hookserver_dir=_string(top.get("hookserver_dir", default.hookserver_dir), "hookserver_dir"),
-        skip_label_key=_string(skip.get("key", default.skip_label_key), "skip_label.key", allow_empty=False),
-        skip_label_value=_string(skip.get("value", default.skip_label_value), "skip_label.value"),
+        hookserver_dir=string(top.get("hookserver_dir", default.hookserver_dir), "hookserver_dir"),
+        skip_label_key=string(skip.get("key", default.skip_label_key), "skip_label.key", allow_empty=False),
+        skip_label_value=string(skip.get("value", default.skip_label_value), "skip_label.value"),
         metrics_listen=metrics_listen,
-        metrics_max_connections=_positive_int(
+        metrics_max_connections=positive_int(
             metrics.get("max_connections", default.metrics_max_connections), "metrics.max_connections", 1
         ),
         metrics_idle_timeout=parse_duration(
             metrics.get("idle_timeout", default.metrics_idle_timeout), "metrics.idle_timeout"
         ),
-        metrics_fd_reserve=_positive_int(
+        metrics_fd_reserve=positive_int(
             metrics.get("fd_reserve", default.metrics_fd_reserve), "metrics.fd_reserve", 0
         ),
         log_level=level,
         log_format=fmt,
         shutdown_grace=parse_duration(top.get("shutdown_grace", default.shutdown_grace), "shutdown_grace"),
-        max_message_bytes=_positive_int(
+        max_message_bytes=positive_int(
             top.get("max_message_bytes", default.max_message_bytes), "max_message_bytes", 4 * MiB
         ),
         reload_poll_interval=parse_duration(
@@ -488,11 +319,11 @@ def from_mapping(data: object) -> Settings:
         resync_interval=_resync_interval(top.get("resync_interval", default.resync_interval)),
         state_dir=_state_dir(top.get("state_dir", default.state_dir)),
         host=_host(top.get("host")),
-        rules=types.MappingProxyType(dict(_mapping(top.get("rules"), "rules"))),
-        tasks=types.MappingProxyType(dict(_mapping(top.get("tasks"), "tasks"))),
-        data_plane=_data_plane(top.get("data_plane", default.data_plane)),
-        data_plane_idle_timeout=_idle_timeout(top.get("data_plane_idle_timeout", default.data_plane_idle_timeout)),
-        data_plane_orphan_grace=_orphan_grace(top, default.data_plane_orphan_grace),
+        rules=types.MappingProxyType(dict(mapping(top.get("rules"), "rules"))),
+        tasks=types.MappingProxyType(dict(mapping(top.get("tasks"), "tasks"))),
+        data_plane=net.data_plane(top.get("data_plane", default.data_plane)),
+        data_plane_idle_timeout=net.idle_timeout(top.get("data_plane_idle_timeout", default.data_plane_idle_timeout)),
+        data_plane_orphan_grace=net.orphan_grace(top, default.data_plane_orphan_grace),
         allow_insecure=allow_insecure,
         accepted_risks=accepted_risks,
     )

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import devpods, embedded
+from runtimeproxy import devpods, embedded, embeddedcgroup, embeddedimage
 from runtimeproxy.config import DEFAULT_CONFIG_RESOURCE
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -136,7 +136,7 @@ def _run_pod(rt: Any, spec: DemoPod, prefix: str, logs: Path) -> tuple[str, str,
                                      log_dir=str(logs / spec.name), labels=spec.labels, annotations=spec.annotations)
     kubelet_creates_pod_cgroup(parent)
     sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sandbox), timeout=60).pod_sandbox_id
-    config = devpods.container_config(name="main", image=embedded.BUSYBOX_IMAGE, command=["sleep", "3600"],
+    config = devpods.container_config(name="main", image=embeddedimage.BUSYBOX_IMAGE, command=["sleep", "3600"],
                                       resources=spec.resources)
     cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=config, sandbox_config=sandbox),
                              timeout=60).container_id
@@ -193,8 +193,8 @@ def main(*, workdir: Path | None, config_path: Path | None, once: bool = False) 
     try:
         print(f"starting a private containerd (root {base / 'ctd'}) ...")
         containerd.start()
-        containerd.import_image(embedded.build_busybox_image(base))
-        containerd.import_image(embedded.build_pause_image(base))
+        containerd.import_image(embeddedimage.build_busybox_image(base))
+        containerd.import_image(embeddedimage.build_pause_image(base))
         socket, port = base / "proxy.sock", free_port()
         cfg = config_path or (base / "config.yaml")
         if config_path is None:
@@ -229,7 +229,7 @@ def main(*, workdir: Path | None, config_path: Path | None, once: bool = False) 
             proxy.send_signal(signal.SIGQUIT)  # a full stop: its HAProxy too, not after the orphan grace
             proxy.wait(timeout=30)
         containerd.stop()
-        embedded.remove_cgroup_tree(prefix)
+        embeddedcgroup.remove_cgroup_tree(prefix)
         if not embedded.remove_workdir(base):
             print(f"kept {base}: something is still mounted under it", file=sys.stderr)
         print("done")

@@ -33,7 +33,8 @@ import structlog
 
 from criapi import cri_v1_pb2
 from runtimeproxy.backend import CallError, Code, Reply
-from runtimeproxy.config import ConfigError, check_unix_path
+from runtimeproxy.config import ConfigError
+from runtimeproxy.confignet import check_unix_path
 from runtimeproxy.grpcbackend import GrpcBackend, forwardable, to_call_error
 from runtimeproxy.lifecycle import CallInfo, Lifecycle
 from runtimeproxy.promstats import MethodStats, ProxyMetrics

@@ -21,7 +21,7 @@ import yaml
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
-from runtimeproxy.embedded import remove_cgroup_tree
+from runtimeproxy.embeddedcgroup import remove_cgroup_tree
 
 FAILURES = ("hook_failed", "reconcile_failed")
 SPEC = "node.koordinator.sh/extended-resource-spec"

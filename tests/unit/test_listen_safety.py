@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from runtimeproxy.config import UNIX_PATH_MAX, ConfigError
+from runtimeproxy.config import ConfigError
+from runtimeproxy.confignet import UNIX_PATH_MAX
 from runtimeproxy.grpcserver import SocketInUse, prepare_socket
 
 

@@ -1,0 +1,69 @@
+"""The parser combinators behind ``hooks.rules``: a NodeSLO section is a mapping of
+camelCase keys to dataclass fields, each with its own value parser; a parse merges
+the given keys over the current (default) value. Every error is a ``HookConfigError``
+naming ``rules.<path>`` and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Final, TypeVar
+
+from runtimeproxy.hookapi import HookConfigError
+
+T = TypeVar("T")
+
+Parser = Callable[[object, str, Any], Any]  # (raw value, rules.<path>, current default) -> new value
+
+
+def boolean(raw: object, path: str, _current: Any) -> bool:
+    if not isinstance(raw, bool):
+        raise HookConfigError(path, raw, "expected true or false")
+    return raw
+
+
+def int_range(low: int, high: int) -> Parser:
+    def parse(raw: object, path: str, _current: Any) -> int:
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise HookConfigError(path, raw, f"expected an integer in [{low}, {high}]")
+        if not low <= raw <= high:
+            raise HookConfigError(path, raw, f"must be in [{low}, {high}]")
+        return raw
+
+    return parse
+
+
+def choice(*allowed: str) -> Parser:
+    def parse(raw: object, path: str, _current: Any) -> str:
+        if raw not in allowed:
+            raise HookConfigError(path, raw, f"must be one of {', '.join(allowed)}")
+        assert isinstance(raw, str)
+        return raw
+
+    return parse
+
+
+def section(cls: type[T], spec: Mapping[str, tuple[str, Parser]]) -> Parser:
+    """A parser for a mapping whose camelCase keys map to dataclass fields; the
+    result is ``current`` with the given fields replaced (merge over defaults)."""
+
+    def parse(raw: object, path: str, current: Any) -> T:
+        if raw is None:
+            return current  # type: ignore[no-any-return]
+        if not isinstance(raw, Mapping):
+            raise HookConfigError(path, raw, "expected a mapping")
+        changes: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key not in spec:
+                raise HookConfigError(f"{path}.{key}", value, f"unknown key (known: {', '.join(spec)})")
+            attr, parser = spec[key]
+            changes[attr] = parser(value, f"{path}.{key}", getattr(current, attr))
+        return dataclasses.replace(current, **changes)  # type: ignore[no-any-return]
+
+    SECTION_KEYS[parse] = tuple(spec)
+    return parse
+
+
+#: The keys of every section parser (for ``rules_from_nodeslo``).
+SECTION_KEYS: Final[dict[Parser, tuple[str, ...]]] = {}

@@ -1,0 +1,280 @@
+"""The read side of ``metrics.store.tsdb.TSDB``: per-thread read-only connections,
+read snapshots and the queries (``aggregate*``, ``last``, ``points``, ``series`` ...).
+
+Each reading thread has its own read-only connection, so a read never waits for the
+writer (WAL); every query runs in one read transaction. While the store is degraded
+(``metrics.store.tsdbdegraded``) reads add the in-memory batch to what the file holds.
+The state is set up by ``TSDB.__init__``; this base class only declares it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from metrics.model import Aggregate, Labels, Sample
+from metrics.store import tsdbdegraded as d
+from metrics.store import tsdbframes as f
+from metrics.store import tsdbquery as q
+from metrics.store import tsdbrollup as r
+from metrics.store.tsdbcols import Columns
+from metrics.store.tsdbquery import CorruptStore, TSDBError, wrap
+
+#: ``metric + "\n" + labels JSON``: a str caches its hash, so the several dict lookups
+#: a sample goes through do not rehash a tuple of label pairs each time.
+SeriesKey = str
+#: One ``write()`` call's samples: series keys, times (ms), values.
+Frame = tuple[list[SeriesKey], list[int], list[float]]
+_R = TypeVar("_R")
+#: ``aggregate_many``'s read of the file: series ids, raw samples and buckets by id.
+_ManyRead = tuple[dict[tuple[str, Labels], int | None], dict[int, Columns], dict[int, list[r.Bucket]]]
+
+
+def series_key(metric: str, canonical: Labels) -> SeriesKey:
+    return f"{metric}\n{q.encode_labels(canonical)}"
+
+
+class TSDBReads:
+    """The queries of ``TSDB`` (``MetricReader``)."""
+
+    path: Path
+    coarse_step: float
+    _degraded: d.Degradation
+    #: kv records not written yet because the store is degraded: key -> (JSON, time).
+    _pending_kv: dict[str, tuple[str, float]]
+    _batch_lock: threading.Lock
+    _batch: list[Frame]
+    #: Newest sample written per series (flushed or not), for ``last()``.
+    _latest: dict[SeriesKey, tuple[int, float]]
+    #: Series key -> (metric, canonical labels), for ``newest_values``.
+    _key_labels: dict[SeriesKey, tuple[str, Labels]]
+    _readers: q.ReaderConnections
+    _closed: bool
+
+    def _reader(self) -> sqlite3.Connection:
+        if self._closed:
+            raise TSDBError(self.path, "closed")
+        try:
+            return self._readers.connection()
+        except sqlite3.Error as exc:
+            raise wrap(self.path, "cannot open for reading", exc) from exc
+
+    def _read(self, sql: str, params: Sequence[object]) -> list[Any]:
+        try:
+            return self._reader().execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            raise wrap(self.path, "query failed", exc) from exc
+
+    @contextmanager
+    def _snapshot(self) -> Iterator[sqlite3.Connection]:
+        """A read transaction: its statements all see the same committed state."""
+        conn = self._reader()
+        try:
+            conn.execute("BEGIN")
+            yield conn
+        except sqlite3.Error as exc:
+            raise wrap(self.path, "query failed", exc) from exc
+        except q.DamagedChunk as exc:
+            raise CorruptStore(self.path, f"query failed: {exc}") from exc
+        finally:
+            if conn.in_transaction:
+                conn.execute("COMMIT")
+
+    # --- reading ------------------------------------------------------------------
+
+    def get_kv(self, key: str) -> object | None:
+        pending = self._pending_kv.get(key)
+        rows = [pending] if pending is not None else self._read(q.GET_KV, (key,))
+        if not rows:
+            return None
+        try:
+            value: object = json.loads(str(rows[0][0]))
+            return value
+        except ValueError as exc:
+            raise TSDBError(self.path, f"kv record {key!r} is not valid JSON: {exc}") from exc
+
+    @staticmethod
+    def _series_id(conn: sqlite3.Connection, metric: str, labels: Labels) -> int | None:
+        row = conn.execute(q.SELECT_SERIES_ID, (metric, q.encode_labels(q.canonical(labels)))).fetchone()
+        return None if row is None else int(row[0])
+
+    def _pending(self) -> list[Frame] | None:
+        """While degraded, the batch (the frames reads add to the file's); else None.
+        Taken after the file was read: a flush that recovers in between moves frames
+        the read then misses once, rather than counting them twice."""
+        if not self._degraded.active:
+            return None
+        with self._batch_lock:
+            return list(self._batch)
+
+    def _from_file(self, read: Callable[[], _R], empty: _R) -> _R:
+        """``read()``; ``empty`` when the file cannot be read while the store is
+        degraded (an I/O error: the reads serve what is in memory)."""
+        try:
+            return read()
+        except CorruptStore:
+            raise
+        except TSDBError:
+            if not self._degraded.active:
+                raise
+            return empty
+
+    def _window(self, metric: str, labels: Labels, start: float, end: float) -> tuple[Columns, list[r.Bucket]]:
+        """One series' raw samples and buckets in ``[start, end]``, from one snapshot
+        (plus the batch while degraded)."""
+        lo, hi = q.to_ms(start), q.to_ms(end)
+
+        def read() -> tuple[Columns, list[r.Bucket]]:
+            with self._snapshot() as conn:
+                series_id = self._series_id(conn, metric, labels)
+                if series_id is None:
+                    return Columns(), []
+                return f.raw_window(conn, series_id, lo, hi), r.buckets_window(conn, series_id, lo, hi)
+
+        nothing: tuple[Columns, list[r.Bucket]] = (Columns(), [])
+        cols, buckets = self._from_file(read, nothing)
+        pending = self._pending()
+        if pending:
+            for extra in d.pending_columns(pending, {series_key(metric, q.canonical(labels))}, lo, hi).values():
+                cols.extend(extra)
+        return cols, buckets
+
+    def aggregate(self, metric: str, labels: Labels, start: float, end: float) -> Aggregate | None:
+        """The series over ``[start, end]`` (flushed samples); None without samples.
+        Rolled-up buckets count when wholly inside the window; percentiles over them
+        are approximated (``metrics.store.tsdbrollup``)."""
+        return r.combine(*self._window(metric, labels, start, end))
+
+    def aggregate_all(self, metric: str, start: float, end: float) -> Mapping[Labels, Aggregate]:
+        """Every series of ``metric`` with flushed samples in ``[start, end]`` (and
+        unflushed ones while degraded)."""
+        lo, hi = q.to_ms(start), q.to_ms(end)
+
+        def read() -> tuple[dict[str, Columns], dict[str, list[r.Bucket]]]:
+            with self._snapshot() as conn:
+                return f.raw_window_all(conn, metric, lo, hi), r.buckets_window_all(conn, metric, lo, hi)
+
+        nothing: tuple[dict[str, Columns], dict[str, list[r.Bucket]]] = ({}, {})
+        raw, buckets = self._from_file(read, nothing)
+        pending = self._pending()
+        if pending:
+            for text, extra in d.pending_of_metric(pending, metric, lo, hi).items():
+                raw.setdefault(text, Columns()).extend(extra)
+        return r.combine_all(raw, buckets)
+
+    def aggregate_many(self, series: Iterable[tuple[str, Labels]], start: float, end: float
+                       ) -> dict[tuple[str, Labels], Aggregate]:
+        """Several series over ``[start, end]`` from one snapshot and one scan of the
+        newest rows; series without samples are absent. Keys are as given."""
+        lo, hi = q.to_ms(start), q.to_ms(end)
+        wanted = list(dict.fromkeys(series))
+        out: dict[tuple[str, Labels], Aggregate] = {}
+
+        def read() -> _ManyRead:
+            with self._snapshot() as conn:
+                ids = {key: self._series_id(conn, key[0], key[1]) for key in wanted}
+                known = [i for i in ids.values() if i is not None]
+                return ids, f.raw_window_many(conn, known, lo, hi), {i: r.buckets_window(conn, i, lo, hi)
+                                                                     for i in known}
+
+        nothing: _ManyRead = ({}, {}, {})
+        ids, raw, buckets = self._from_file(read, nothing)
+        pending = self._pending()
+        extra: dict[SeriesKey, Columns] = {}
+        keys: dict[tuple[str, Labels], SeriesKey] = {}
+        if pending:
+            keys = {key: series_key(key[0], q.canonical(key[1])) for key in wanted}
+            extra = d.pending_columns(pending, set(keys.values()), lo, hi)
+        for key in wanted:
+            series_id = ids.get(key)
+            cols = raw[series_id] if series_id is not None else Columns()
+            if extra:
+                cols.extend(extra.get(keys[key], Columns()))
+            agg = r.combine(cols, buckets[series_id] if series_id is not None else [])
+            if agg is not None:
+                out[key] = agg
+        return out
+
+    def last(self, metric: str, labels: Labels, max_age: float, now: float) -> Sample | None:
+        """Newest sample in ``[now - max_age, now]``, flushed, still in the batch, or
+        the last one of a bucket (a bucket straddling ``now`` is not looked into)."""
+        canon = q.canonical(labels)
+        lo, hi = q.to_ms(now - max_age), q.to_ms(now)
+        with self._batch_lock:
+            pending = self._latest.get(series_key(metric, canon))
+        if pending is not None and pending[0] <= hi:
+            # The newest sample this writer has written for the series: nothing in the
+            # file is newer (unless the clock went back across a restart), so no query
+            # (per-series reads of the time-ordered rows scan every series).
+            return Sample(metric, pending[1], canon, q.from_ms(pending[0])) if lo <= pending[0] else None
+
+        def read() -> list[q.Point]:
+            with self._snapshot() as conn:
+                series_id = self._series_id(conn, metric, canon)
+                if series_id is None:
+                    return []
+                bucket = (series_id, lo, hi, q.to_ms(self.coarse_step))
+                return [*f.raw_last(conn, series_id, lo, hi),
+                        *((int(t), float(v)) for t, v in conn.execute(r.LAST_BUCKET, bucket))]
+
+        nothing: list[q.Point] = []
+        candidates = self._from_file(read, nothing)
+        if not candidates:
+            return None
+        ms, value = max(candidates)
+        return Sample(metric, value, canon, q.from_ms(ms))
+
+    def newest_values(self) -> list[tuple[str, Labels, float]]:
+        """``(metric, labels, value)`` of the newest sample of every series this writer
+        wrote (flushed or not; until GC's retention cut), for the Prometheus exporter:
+        the write path keeps them anyway, so the exporter needs no copy of its own."""
+        with self._batch_lock:
+            items = list(self._latest.items())
+        names = self._key_labels
+        out: list[tuple[str, Labels, float]] = []
+        for key, (_ms, value) in items:
+            named = names.get(key)
+            if named is None:  # forgotten with the key cache: decode once more
+                metric, encoded = key.split("\n", 1)
+                named = names[key] = (metric, q.decode_labels(encoded))
+            out.append((*named, value))
+        return out
+
+    def series(self, metric: str) -> list[Labels]:
+        """Label sets of the flushed series of ``metric``, sorted."""
+        return [q.decode_labels(str(text)) for (text,) in self._read(q.SERIES_OF, (metric,))]
+
+    def points(self, metric: str, labels: Labels, start: float, end: float) -> list[tuple[float, float]]:
+        """``(ts, value)`` of one series over ``[start, end]``, ascending; a bucket
+        wholly inside the window is one point: ``(its start, its mean)``."""
+        cols, buckets = self._window(metric, labels, start, end)
+        rows = list(zip(cols.ts, cols.vals, strict=True)) + [(b.start_ms, b.mean) for b in buckets]
+        return [(q.from_ms(ms), v) for ms, v in sorted(rows)]
+
+    def rollups(self, metric: str, labels: Labels, start: float, end: float) -> list[r.Bucket]:
+        """The buckets of one series wholly inside ``[start, end]``, ascending."""
+        return self._window(metric, labels, start, end)[1]
+
+    def latest_ts(self, metric: str) -> float | None:
+        """Time of the newest flushed sample of any series of ``metric``."""
+        with self._snapshot() as conn:
+            stored = conn.execute(q.LATEST_TS, (metric,)).fetchone()[0]
+            pending = f.latest_ms(conn, metric)
+        newest = max((int(ms) for ms in (stored, pending) if ms is not None), default=None)
+        return None if newest is None else q.from_ms(newest)
+
+    def size_bytes(self) -> int:
+        """The database file plus its write-ahead log."""
+        total = 0
+        for suffix in ("", "-wal"):
+            try:
+                total += os.stat(f"{self.path}{suffix}").st_size
+            except FileNotFoundError:
+                pass
+        return total
