@@ -22,8 +22,12 @@ MIB = 1 << 20
 ANON = 32 * MIB
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
+# It allocates only once told it is in the cgroup: on v1 pages charged before a move stay
+# with the old cgroup (no move_charge_at_immigrate), so an early allocation was seen
+# short of ANON.
 _BURNER = f"""
 import sys, time
+sys.stdin.readline()
 held = bytearray(b"a" * {ANON})
 print("ready", flush=True)
 while True:
@@ -43,17 +47,22 @@ def burner(cgroup_prefix: str) -> Iterator[tuple[HostAppCollector, str]]:
     dirs = _dirs(collector, rel)
     for directory in dirs:
         directory.mkdir(parents=True)
-    child = subprocess.Popen([sys.executable, "-c", _BURNER], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", _BURNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
     try:
         for directory in dirs:
             (directory / "cgroup.procs").write_text(f"{child.pid}\n")
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "ready"
         yield collector, rel
     finally:
         child.kill()
         child.wait()
-        if child.stdout is not None:
-            child.stdout.close()
+        for stream in (child.stdin, child.stdout):
+            if stream is not None:
+                stream.close()
         remove_cgroup_tree(rel, CGROUP_ROOT)
 
 
