@@ -3,6 +3,8 @@
 * ``host``: fixture /proc, /sys and cgroup v1 trees the agent's node collectors can read
   (one CPU, 8000 kB of memory, the four controllers mounted, no pods). A module that
   needs more overrides it by a ``host`` fixture taking this one.
+* ``api``, ``kube``: a local API server (``tests.kubeapi``) and a ``KubeClient`` of node
+  ``node-a`` connected to it (fast back-off).
 * ``make_agent``: builds the metrics task as the proxy does (``metrics_task``) on a host
   and a db in a directory, with the collectors that need a real kernel (schedlat, CPI)
   off and a 100 ms flush; keyword arguments are ``tasks.metrics`` keys laid over these.
@@ -10,14 +12,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
+from metrics.informer.kubeclient import KubeClient, KubeSettings
 from runtimeproxy.hookapi import HostRoots, TaskInit
+from tests.kubeapi import KubeApiServer
+from tests.unit.metrics.kubehelpers import kubeconfig
 
 #: ``make_agent(host, directory, registry=None, **args) -> (agent, run)``
 AgentFactory = Callable[..., tuple[MetricsAgent, Any]]
@@ -54,3 +59,20 @@ def _make_agent(host: HostRoots, directory: Path, registry: Any = None, **args: 
 @pytest.fixture
 def make_agent() -> AgentFactory:
     return _make_agent
+
+
+
+@pytest.fixture
+def api() -> Iterator[KubeApiServer]:
+    server = KubeApiServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def kube(tmp_path: Path, api: KubeApiServer) -> Iterator[KubeClient]:
+    settings = KubeSettings("node-a", kubeconfig=kubeconfig(tmp_path, api.url), qps=1000, timeout=5,
+                            backoff_initial=0.05, backoff_max=0.2, watch_seconds=30)
+    client = KubeClient.connect(settings)
+    yield client
+    client.close()

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
 from hooks.qos import QoSClass
-from metrics.informer.kubeclient import KubeClient, KubeSettings
+from metrics.informer.kubeclient import KubeClient
 from metrics.model import PodView
 from metrics.qos.evict import EvictionError
 from metrics.qos.evictevents import RecordingEvictor
@@ -22,25 +21,6 @@ from tests.kubeapi import KubeApiServer
 NODE = "node-a"
 POD = PodView(uid="uid-1", namespace="shop", name="batch", sandbox_id="sb", qos=QoSClass.BE, priority=0,
               priority_class="koord-batch", cgroup_dir="kubepods/besteffort/poduid-1")
-
-
-@pytest.fixture
-def api() -> Iterator[KubeApiServer]:
-    server = KubeApiServer()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def kube(tmp_path: Path, api: KubeApiServer) -> Iterator[KubeClient]:
-    path = tmp_path / "kubeconfig"
-    path.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: t\n"
-        f"clusters: [{{name: t, cluster: {{server: '{api.url}'}}}}]\n"
-        "users: [{name: u, user: {token: tok}}]\ncontexts: [{name: t, context: {cluster: t, user: u}}]\n")
-    client = KubeClient.connect(KubeSettings(NODE, kubeconfig=path, qps=1000, timeout=5))
-    yield client
-    client.close()
 
 
 class Clock:

@@ -5,11 +5,10 @@ send and how we handle the answers."""
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,36 +28,10 @@ from metrics.model import NODE_CPU_USAGE, Sample
 from metrics.report.reporter import NodeMetricReporter
 from metrics.store.tsdb import TSDB
 from tests.kubeapi import HOLD, KubeApiServer, merge_patch
+from tests.unit.metrics.kubehelpers import kubeconfig
 
 NODE = "node-a"
 CRD = "/apis/slo.koordinator.sh/v1alpha1"
-
-
-@pytest.fixture
-def api() -> Iterator[KubeApiServer]:
-    server = KubeApiServer()
-    yield server
-    server.close()
-
-
-def kubeconfig(tmp_path: Path, server: str) -> Path:
-    path = tmp_path / "kubeconfig"
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": server}}],
-        "users": [{"name": "agent", "user": {"token": "test-token"}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "agent"}}],
-    }))
-    return path
-
-
-@pytest.fixture
-def kube(tmp_path: Path, api: KubeApiServer) -> Iterator[KubeClient]:
-    settings = KubeSettings(NODE, kubeconfig=kubeconfig(tmp_path, api.url), qps=1000, timeout=5,
-                            backoff_initial=0.05, backoff_max=0.2, watch_seconds=30)
-    client = KubeClient.connect(settings)
-    yield client
-    client.close()
 
 
 def test_get_nodemetric_and_missing_nodeslo(api: KubeApiServer, kube: KubeClient) -> None:

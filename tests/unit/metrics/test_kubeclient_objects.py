@@ -5,38 +5,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
 
-from metrics.informer.kubeclient import Kind, KubeApiError, KubeClient, KubeSettings
+from metrics.informer.kubeclient import Kind, KubeApiError, KubeClient
 from tests.kubeapi import KubeApiServer
 
 NODE = "node-a"
 NRT_PATH = f"/apis/topology.node.k8s.io/v1alpha1/noderesourcetopologies/{NODE}"
-
-
-@pytest.fixture
-def api() -> Iterator[KubeApiServer]:
-    server = KubeApiServer()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def kube(tmp_path: Path, api: KubeApiServer) -> Iterator[KubeClient]:
-    path = tmp_path / "kubeconfig"
-    path.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: t\n"
-        f"clusters: [{{name: t, cluster: {{server: '{api.url}'}}}}]\n"
-        "users: [{name: u, user: {token: tok}}]\ncontexts: [{name: t, context: {cluster: t, user: u}}]\n")
-    client = KubeClient.connect(KubeSettings(NODE, kubeconfig=path, qps=1000, timeout=5, backoff_initial=0.05,
-                                             backoff_max=0.2, watch_seconds=30))
-    yield client
-    client.close()
 
 
 POLICY = {"kubelet.koordinator.sh/cpu-manager-policy": '{"policy":"none"}'}

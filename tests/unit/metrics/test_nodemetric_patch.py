@@ -19,7 +19,8 @@ from metrics.report.nodemetric import status_merge_patch
 from metrics.report.reporter import NodeMetricReporter
 from metrics.store.tsdb import TSDB
 from tests.kubeapi import KubeApiServer, merge_patch
-from tests.unit.metrics.test_kubeclient import NODE, kubeconfig, stop_informer
+from tests.unit.metrics.kubehelpers import kubeconfig
+from tests.unit.metrics.test_kubeclient import NODE, stop_informer
 
 QUANTITIES = {"resources": {"cpu": "4", "memory": "8Gi"}}
 STALE: dict[str, Any] = {
