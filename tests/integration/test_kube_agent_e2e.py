@@ -34,6 +34,7 @@ import pytest
 from runtimeproxy.demo import kubelet_creates_pod_cgroup
 from tests.integration.conftest import http_get
 from tests.kubeapi import KubeApiServer
+from tests.unit.metrics.kubehelpers import kubeconfig
 
 NODE = "krp-e2e-node"
 NRT_PATH = f"/apis/topology.node.k8s.io/v1alpha1/noderesourcetopologies/{NODE}"
@@ -65,18 +66,12 @@ def _workdir() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def proxy_config(api: KubeApiServer, _workdir: None) -> dict[str, Any]:
-    kubeconfig = WORK / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
-        "users": [{"name": "agent", "user": {"token": "test-token"}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "agent"}}],
-    }))
+    config = kubeconfig(WORK, api.url)
     return {
         "tasks": {
             "metrics": {
                 "db": str(WORK / "m.db"), "schedlat_source": "off", "cpi": False, "memlat_source": "off",
-                "kube": True, "kubeconfig": str(kubeconfig), "node_name": NODE,
+                "kube": True, "kubeconfig": str(config), "node_name": NODE,
                 "nrt_interval": "500ms",
                 # no kubelet files on this machine: the paths say so rather than /var/lib/kubelet
                 "kubelet_cpu_manager_state": str(WORK / "cpu_manager_state"),

@@ -36,6 +36,7 @@ import pytest
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.demo import kubelet_creates_pod_cgroup
 from tests.kubeapi import KubeApiServer
+from tests.unit.metrics.kubehelpers import kubeconfig
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 SPEC = "node.koordinator.sh/extended-resource-spec"
@@ -61,20 +62,14 @@ def api() -> Iterator[KubeApiServer]:
 
 @pytest.fixture(scope="module")
 def proxy_config(cgroup_prefix: str, api: KubeApiServer) -> dict[str, Any]:
-    kubeconfig = DB_DIR / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
-        "users": [{"name": "agent", "user": {"token": "test-token"}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "agent"}}],
-    }))
+    config = kubeconfig(DB_DIR, api.url)
     return {
         "hooks": [{"name": "batch", "plugin": "batch-resource", "failure_policy": "Ignore"}],
         "rules": {"resourceUsedThresholdWithBE": {
             "enable": True, "cpuSuppressThresholdPercent": 90, "cpuSuppressPolicy": "cpuset"}},
         "tasks": {
             "metrics": {"db": str(DB_DIR / "m.db"), "schedlat_source": "off", "cpi": False, "kube": True,
-                        "kubeconfig": str(kubeconfig), "node_name": NODE, "report_interval": "1h",
+                        "kubeconfig": str(config), "node_name": NODE, "report_interval": "1h",
                         "memlat_source": "off"},
             "qos-manager": {"besteffort_dir": f"{cgroup_prefix.strip('/')}/kubepods/besteffort",
                             "fast_interval": "100ms"},
