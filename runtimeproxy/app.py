@@ -14,6 +14,7 @@ import gc
 import json
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import prometheus_client
 import structlog
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import __version__, fdlimits, haproxystats, heap, logsetup, plugins, sdnotify
+from runtimeproxy import __version__, fdlimits, haproxy, haproxystats, heap, logsetup, plugins, sdnotify
 from runtimeproxy.backend import CallError
 from runtimeproxy.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.chain import HookChain, HookPools
@@ -77,7 +78,7 @@ class App:
             skip_label=lambda: SkipLabel(self.settings.skip_label_key, self.settings.skip_label_value),
         )
         self.handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics)
-        self.data_plane = choose_data_plane(settings)
+        self.data_plane = choose_data_plane(settings, lambda: haproxy.intercepted_paths(self.chain.calls))
         # With HAProxy in front, this server gets only the lifecycle calls, on a private socket.
         listen, mode = Path(settings.listen), settings.socket_mode
         if self.data_plane is not None:
@@ -204,6 +205,9 @@ class App:
         if self.data_plane is not None and self.data_plane.pid is not None:
             await self._quiesce(self.settings.shutdown_grace)
         await self.server.stop(self.settings.shutdown_grace)
+        # Post stages of answered calls (they run after the reply) finish before the hooks close.
+        if not await self.lifecycle.posts.settle(self.settings.shutdown_grace):
+            log.warning("post_hooks_unfinished", pods=self.lifecycle.posts.pending)
         await self.supervisor.stop(timeout=5.0)
         if self.http is not None:
             await self.http.stop()
@@ -412,8 +416,11 @@ class App:
         return 200, "application/json", json.dumps(body, indent=2, default=str).encode()
 
 
-def choose_data_plane(settings: Settings) -> HaproxyDataPlane | None:
-    """HAProxy when configured and installed; None for the in-process gRPC transport."""
+def choose_data_plane(
+    settings: Settings, intercepted: Callable[[], tuple[str, ...]]
+) -> HaproxyDataPlane | None:
+    """HAProxy when configured and installed; None for the in-process gRPC transport.
+    ``intercepted``: the lifecycle paths HAProxy sends to Python (the chain's, at each render)."""
     if settings.data_plane != "haproxy":
         return None
     binary = find_haproxy()
@@ -421,7 +428,7 @@ def choose_data_plane(settings: Settings) -> HaproxyDataPlane | None:
         log.warning("data_plane_fallback", configured="haproxy", using="grpc",
                     reason="no haproxy binary on PATH or in /usr/sbin (apt install haproxy)")
         return None
-    return HaproxyDataPlane(binary, settings)
+    return HaproxyDataPlane(binary, settings, intercepted)
 
 
 def announce(settings: Settings) -> None:

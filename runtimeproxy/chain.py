@@ -204,6 +204,12 @@ class HookChain:
     def for_stage(self, stage: Stage) -> tuple[BoundHook, ...]:
         return self._by_stage[stage]
 
+    @property
+    def calls(self) -> frozenset[str]:
+        """The CRI methods (``StopContainer``, ...) with a hook at their Pre or Post stage:
+        with HAProxy in front only these reach Python; the others go straight to containerd."""
+        return frozenset(s.call for s, hooks in self._by_stage.items() if hooks and s.call is not None)
+
     async def run(self, ctx: Context, *, deadline: float | None) -> Outcome:
         """Run ``ctx.stage``'s hooks. ``deadline`` is a ``time.monotonic()`` value."""
         patches: list[tuple[str, Patch]] = []
@@ -229,7 +235,14 @@ class HookChain:
             if budget <= 0:
                 raise TimeoutError
             call_deadline = time.monotonic() + budget
-            result = await asyncio.wait_for(self._invoke(hook, ctx, call_deadline), timeout=budget)
+            method: Callable[[Context], Any] = getattr(hook.impl, ctx.stage.method_name)
+            if inspect.iscoroutinefunction(method):
+                result = await asyncio.wait_for(self._invoke_async(method, ctx, call_deadline), timeout=budget)
+            else:
+                # No task of its own (as wait_for would make): a sync hook runs in a context
+                # copy in its thread, and a task per hook costs ~20 % of this hand-off.
+                async with asyncio.timeout(budget):
+                    result = await self._invoke_sync(hook.name, method, ctx, call_deadline)
             patch = _check_result(hook, ctx, result)
             if patch is not None:
                 self._validator.check(ctx, patch)
@@ -246,15 +259,15 @@ class HookChain:
         self._observe(hook.name, stage, "ok", start)
         return patch
 
-    async def _invoke(self, hook: BoundHook, ctx: Context, deadline: float) -> object:
-        method: Callable[[Context], Any] = getattr(hook.impl, ctx.stage.method_name)
-        if inspect.iscoroutinefunction(method):
-            HOOK_DEADLINE.set(deadline)  # wait_for runs us in a task of our own: a context copy
-            return await method(ctx)
+    async def _invoke_async(self, method: Callable[[Context], Any], ctx: Context, deadline: float) -> object:
+        HOOK_DEADLINE.set(deadline)  # wait_for runs us in a task of our own: a context copy
+        return await method(ctx)
+
+    async def _invoke_sync(self, hook: str, method: Callable[[Context], Any], ctx: Context, deadline: float) -> object:
         # Sync hooks usually write cgroupfs: keep that off the loop, with our contextvars
         # and the call's deadline, which every host write checks.
-        call = functools.partial(contextvars.copy_context().run, _call_until, hook.name, method, ctx, deadline)
-        return await asyncio.wrap_future(self._pools.submit(hook.name, deadline, call))
+        call = functools.partial(contextvars.copy_context().run, _call_until, hook, method, ctx, deadline)
+        return await asyncio.wrap_future(self._pools.submit(hook, deadline, call))
 
     def _failed(
         self, hook: BoundHook, ctx: Context, reason: str, result: HookResult, start: float, *,

@@ -33,6 +33,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -110,8 +111,13 @@ class _Backoff:
 class HaproxyDataPlane:
     """Owns the HAProxy master process, its configuration and its private directory."""
 
-    def __init__(self, binary: str, settings: Settings) -> None:
+    def __init__(
+        self, binary: str, settings: Settings,
+        intercepted: Callable[[], tuple[str, ...]] = lambda: haproxy.LIFECYCLE_METHODS,
+    ) -> None:
         self.binary = binary
+        #: The lifecycle paths the running hook chain needs in Python, read at every render.
+        self._intercepted = intercepted
         self.layout = haproxy.Layout.for_listen(Path(settings.listen))
         self._settings = settings
         self._proc: asyncio.subprocess.Process | None = None
@@ -160,7 +166,7 @@ class HaproxyDataPlane:
 
     async def _write_config(self, settings: Settings) -> bool:
         """Render, check with ``haproxy -c``, replace the file; False if unchanged."""
-        text = haproxy.render(settings, self.layout)
+        text = haproxy.render(settings, self.layout, self._intercepted())
         if text == self._rendered and self.layout.config_file.exists():
             return False
         tmp = self.layout.config_file.with_suffix(".new")

@@ -3,8 +3,12 @@
 With ``data_plane: haproxy`` kubelet's socket belongs to HAProxy (Debian's 2.6), not to
 Python. Pass-through CRI calls (every ``runtime.v1.RuntimeService`` and
 ``runtime.v1.ImageService`` method except the 8 lifecycle methods) go from HAProxy
-straight to containerd over HTTP/2: no Python work per call. The lifecycle methods go
-by exact path to our gRPC interception server on a private socket; any other path
+straight to containerd over HTTP/2: no Python work per call. The lifecycle methods that
+have a hook in the running chain (``HookChain.calls``), and the three that bring objects
+into the store (``STORE_CALLS``), go by exact path to our gRPC interception server on a
+private socket; the other lifecycle methods are pass-through too (with the shipped chain:
+StopContainer and RemoveContainer; the store learns of them at its next re-sync). Any
+other path
 (containerd's native API behind the same backend socket, say) is answered
 UNIMPLEMENTED by HAProxy itself and never reaches containerd.
 
@@ -25,13 +29,28 @@ from runtimeproxy.config import Settings
 from runtimeproxy.grpcserver import known_methods
 from runtimeproxy.haproxystats import NOT_CRI_KEY, TABLE
 
-#: The methods the interception server handles (hooks run there); matched exactly.
+RUNTIME_SERVICE: Final = "/runtime.v1.RuntimeService/"
+#: The methods the interception server can handle (hooks run there); matched exactly.
 LIFECYCLE_METHODS: Final = tuple(
-    f"/runtime.v1.RuntimeService/{name}" for name in (
+    RUNTIME_SERVICE + name for name in (
         "RunPodSandbox", "StopPodSandbox", "RemovePodSandbox", "CreateContainer", "StartContainer",
         "StopContainer", "RemoveContainer", "UpdateContainerResources",
     )
 )
+
+
+#: Always through Python, hooks or not: the calls that bring a pod or container into the
+#: store, which is the agent's view of the node (metrics, QoS and eviction act on a new pod
+#: at once). Objects going away are learnt at the next re-sync (before every reconciler
+#: pass) when no hook needs their Stop/Remove call.
+STORE_CALLS: Final = frozenset({"RunPodSandbox", "CreateContainer", "StartContainer"})
+
+
+def intercepted_paths(calls: frozenset[str]) -> tuple[str, ...]:
+    """The lifecycle method paths to send to Python for a chain's ``calls`` plus
+    ``STORE_CALLS`` (in a fixed order: the rendered text decides whether HAProxy reloads)."""
+    wanted = calls | STORE_CALLS
+    return tuple(path for path in LIFECYCLE_METHODS if path.removeprefix(RUNTIME_SERVICE) in wanted)
 #: A CRI method of either service (one path segment after the service), as grpcserver.cri_service.
 _CRI_PATH: Final = r"^/runtime\.v1\.(RuntimeService|ImageService)/[^/]+$"
 NOT_CRI_MESSAGE: Final = (
@@ -132,9 +151,15 @@ def _server(name: str, socket: str) -> str:
     return f"    server {name} {_quote('unix@' + socket)} proto h2"
 
 
-def render(settings: Settings, layout: Layout) -> str:
+def render(settings: Settings, layout: Layout, intercepted: tuple[str, ...] = LIFECYCLE_METHODS) -> str:
     """The whole HAProxy configuration for these settings (deterministic text: a reload
-    happens only when this changes)."""
+    happens only when this changes). ``intercepted``: the lifecycle paths the Python
+    server gets (``intercepted_paths``); every other CRI method goes to containerd."""
+    if not set(intercepted) <= set(LIFECYCLE_METHODS):
+        raise ValueError(f"not lifecycle methods: {sorted(set(intercepted) - set(LIFECYCLE_METHODS))}")
+    # Nothing for Python (not what ``intercepted_paths`` gives, but a valid configuration):
+    # ``always_false``, as an empty pattern list is no valid acl.
+    lifecycle = "path " + " ".join(intercepted) if intercepted else "always_false"
     idle = _ms(settings.data_plane_idle_timeout)
     runtime = settings.backend.runtime_endpoint
     image = settings.backend.image_endpoint or runtime
@@ -173,10 +198,10 @@ def render(settings: Settings, layout: Layout) -> str:
         "",
         "frontend cri",
         f"    bind {_quote('unix@' + settings.listen)} mode {settings.socket_mode:03o} proto h2",
-        "    acl lifecycle path " + " ".join(LIFECYCLE_METHODS),
+        f"    acl lifecycle {lifecycle}",
         f"    acl cri path_reg {_CRI_PATH}",
         "    acl image path_beg /runtime.v1.ImageService/",
-        *_counting(LIFECYCLE_METHODS),
+        *_counting(intercepted),
         f"    http-request return status 200 errorfile {_quote(str(layout.not_cri_reply))} unless cri",
         "    use_backend intercept if lifecycle",
         "    use_backend image if image",

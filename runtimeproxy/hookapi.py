@@ -72,6 +72,14 @@ class Stage(enum.Enum):
         return self.value.startswith("Pre")
 
     @property
+    def call(self) -> str | None:
+        """The CRI method whose call runs this stage (``PreStopContainer`` →
+        ``StopContainer``); None for the reconciler's stages."""
+        if self.value.startswith("Reconcile"):
+            return None
+        return self.value.removeprefix("Pre").removeprefix("Post")
+
+    @property
     def patchable(self) -> bool:
         """Only stages whose CRI request carries a config can be patched; the
         others (stop/remove/start take an id) can observe or veto, not change."""

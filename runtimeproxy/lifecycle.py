@@ -32,6 +32,7 @@ from runtimeproxy.hookapi import (
     PodPatch,
     Stage,
 )
+from runtimeproxy.posthooks import PostQueue
 from runtimeproxy.store import Store, load_container, load_pod
 
 log = structlog.get_logger("runtimeproxy.lifecycle")
@@ -69,6 +70,8 @@ class Lifecycle:
         self._backend = backend
         self._chain = chain
         self._skip_label = skip_label
+        #: Post stages run after the reply, in order per pod; a drain waits for them.
+        self.posts = PostQueue()
         self._handlers: Mapping[str, _Handler] = {
             RUNTIME + "RunPodSandbox": self._run_pod_sandbox,
             RUNTIME + "StopPodSandbox": self._stop_pod_sandbox,
@@ -269,6 +272,7 @@ class Lifecycle:
         return ctx.pod.labels.get(skip.key) == skip.value
 
     async def _pre(self, ctx: Context, deadline: float | None) -> Outcome:
+        await self.posts.wait(ctx.pod.meta.uid)  # an earlier call's Post stage comes first
         if self._skipped(ctx):
             return Outcome(context=ctx, patches=(), changes=())
         try:
@@ -298,11 +302,11 @@ class Lifecycle:
         try:
             reply = await self._backend.unary(RUNTIME + name, payload, timeout=timeout, metadata=call.metadata)
         except CallError as exc:
-            await self._post(replace(post, result=CallResult(False, exc.code.name, exc.details)), deadline)
+            self._post_after_reply(replace(post, result=CallResult(False, exc.code.name, exc.details)), deadline)
             log.info("cri_call", result=exc.code.name, error=exc.details, changes=len(outcome.changes))
             raise
         updated = await after(reply)
-        await self._post(replace(post if updated is None else updated, result=CallResult(True)), deadline)
+        self._post_after_reply(replace(post if updated is None else updated, result=CallResult(True)), deadline)
         log.info(
             "cri_call",
             result="OK",
@@ -310,6 +314,12 @@ class Lifecycle:
             changes=[f"{c.hook}:{c.target}={c.new}" for c in outcome.changes],
         )
         return reply
+
+    def _post_after_reply(self, ctx: Context, deadline: float | None) -> None:
+        """The Post stage, queued behind this pod's earlier ones (runtimeproxy.posthooks)."""
+        if self._skipped(ctx) or not self._chain().for_stage(ctx.stage):
+            return
+        self.posts.add(ctx.pod.meta.uid, lambda: self._post(ctx, deadline))
 
     async def _post(self, ctx: Context, deadline: float | None) -> None:
         if self._skipped(ctx):

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import grpc
 import pytest
@@ -25,6 +25,14 @@ from runtimeproxy.embedded import EmbeddedContainerd, runtime_stub, unix_channel
 VERSION = "/runtime.v1.RuntimeService/Version"
 LIST = "/runtime.v1.RuntimeService/ListContainers"
 CALL_TIMEOUT = 2.0
+
+
+#: HAProxy sends Python only the lifecycle calls some hook needs (plus the three that bring
+#: objects into the store): hooks that make Python get StopContainer / RemovePodSandbox.
+#: The remote one points nowhere: its Post stage fails, ignored, after the call.
+WATCH_STOP: Final = {"name": "watch-stop", "remote": "/nonexistent/krp-hook.sock",
+                     "stages": ["PostStopContainer"], "failure_policy": "Ignore"}
+CPUSET: Final = {"name": "cpuset", "plugin": "cpuset"}
 
 
 @pytest.fixture
@@ -227,6 +235,54 @@ def test_second_instance_refuses_haproxys_live_socket(proxy_factory: Any, haprox
     assert _answers(running.socket)
 
 
+def _calls(proxy: Any, method: str, path: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    wanted = f'koord_runtime_proxy_cri_calls_total{{method="/runtime.v1.RuntimeService/{method}",path="{path}"}}'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(wanted))
+
+
+def test_python_gets_only_the_lifecycle_calls_a_hook_needs_and_a_reload_reroutes(
+    proxy_factory: Any, haproxy_config: dict[str, Any], pods: Any
+) -> None:
+    """No hooks: Run/Create/StartContainer (they bring objects into the store) reach Python,
+    Stop/Remove go straight to containerd, counted by HAProxy. A reload that adds a hook at
+    PostStopContainer sends StopContainer to Python from then on."""
+    proxy = proxy_factory.start(extra=haproxy_config)
+    rt = proxy.runtime()
+
+    def cycle(name: str) -> None:
+        pod = pods.sandbox(name)
+        sid = pods.run(rt, pod)
+        cid = pods.create(rt, sid, pod, pods.container("app", command=["sleep", "3600"]))
+        pods.start(rt, cid)
+        rt.StopContainer(cri.StopContainerRequest(container_id=cid, timeout=0), timeout=30)
+        rt.RemoveContainer(cri.RemoveContainerRequest(container_id=cid), timeout=30)
+        rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sid), timeout=30)
+        rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sid), timeout=30)
+
+    cycle("route-a")
+    seen = {e["method"] for e in proxy.events("cri_call", pod_name="route-a")}
+    assert seen == {"RunPodSandbox", "CreateContainer", "StartContainer"}
+    for method in ("StopContainer", "RemoveContainer", "StopPodSandbox", "RemovePodSandbox"):
+        assert _calls(proxy, method, "passthrough") == 1, method
+        assert _calls(proxy, method, "intercepted") == 0, method
+    assert _calls(proxy, "StartContainer", "intercepted") == 1
+    assert _calls(proxy, "StartContainer", "passthrough") == 0
+
+    doc = proxy.config()
+    doc["hooks"] = [WATCH_STOP]
+    proxy.write_config(doc)
+    proxy.wait_event("data_plane_reloaded", timeout=10)
+    proxy.wait_event("config_reloaded", timeout=10)
+    time.sleep(0.5)  # the new worker takes the listener
+    cycle("route-b")
+    seen = {e["method"] for e in proxy.events("cri_call", pod_name="route-b")}
+    assert seen == {"RunPodSandbox", "CreateContainer", "StartContainer", "StopContainer"}
+    assert _calls(proxy, "StopContainer", "intercepted") == 1
+    assert _calls(proxy, "StopContainer", "passthrough") == 1  # route-a's, counted by the old worker
+
+
 def _intercepted_stop_calls(proxy: Any) -> float:
     """The interception server's StopContainer counter (counted as the call arrives)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{proxy.metrics_port}/metrics", timeout=5) as resp:
@@ -242,7 +298,7 @@ def test_during_the_drain_pass_through_keeps_working_and_new_lifecycle_calls_fai
     """SIGTERM with a lifecycle call in flight: Python drains it; HAProxy, stopped last,
     still relays pass-through calls meanwhile; a new lifecycle call gets UNAVAILABLE at once
     (kubelet retries), not a hang."""
-    proxy = proxy_factory.start(extra=haproxy_config)
+    proxy = proxy_factory.start([WATCH_STOP], extra=haproxy_config)
     rt = proxy.runtime()
     pod = pods.sandbox("drain-hx")
     sid = pods.run(rt, pod)
@@ -260,7 +316,7 @@ def test_during_the_drain_pass_through_keeps_working_and_new_lifecycle_calls_fai
         assert stub.Version(cri.VersionRequest(), timeout=2).runtime_name == "containerd"
         start = time.monotonic()
         with pytest.raises(grpc.RpcError) as refused:
-            stub.RemoveContainer(cri.RemoveContainerRequest(container_id="no-such"), timeout=5)
+            stub.StartContainer(cri.StartContainerRequest(container_id="no-such"), timeout=5)
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
         assert time.monotonic() - start < 2.0
     in_flight.result(timeout=30)  # the drained call completes
@@ -328,7 +384,7 @@ def test_python_restarts_are_invisible_to_pass_through(
     previous process's watchdog. SIGQUIT stops it all."""
     assert _shipped_orphan_grace() == "30s"
     config = {**haproxy_config, "data_plane_orphan_grace": _shipped_orphan_grace()}
-    proxy = proxy_factory.start(extra=config)
+    proxy = proxy_factory.start([CPUSET], extra=config)  # cpuset has a PostRemovePodSandbox hook
     socket_path = proxy.socket
     haproxy_pid = _haproxy_pid(proxy, 1)
     inode = os.stat(socket_path).st_ino
@@ -352,7 +408,7 @@ def test_python_restarts_are_invisible_to_pass_through(
                 time.sleep(0.3)  # the window without Python: pass-through goes on
                 assert version.ok() + lists.ok() > before
                 previous = _armed(proxy)
-                proxy = proxy_factory.start(extra=config, socket_path=socket_path)
+                proxy = proxy_factory.start([CPUSET], extra=config, socket_path=socket_path)
                 assert proxy.wait_event("data_plane_adopted")["pid"] == haproxy_pid
                 assert not proxy.events("data_plane_started")
                 assert os.stat(socket_path).st_ino == inode

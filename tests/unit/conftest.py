@@ -316,7 +316,10 @@ class Proxy:
         self, method: str, payload: bytes = b"", *, timeout: float | None = 5.0,
         metadata: Sequence[tuple[str, str | bytes]] | None = None,
     ) -> bytes:
-        response: bytes = await self.channel.unary_unary(method)(payload, timeout=timeout, metadata=metadata)
+        try:
+            response: bytes = await self.channel.unary_unary(method)(payload, timeout=timeout, metadata=metadata)
+        finally:
+            await self.app.lifecycle.posts.settle()  # Post stages run after the reply: tests read what they did
         return response
 
     def unary(self, method: str) -> grpc.aio.UnaryUnaryMultiCallable:
@@ -536,6 +539,23 @@ class Sleeper:
         finally:  # finished, timed out or cancelled: when did it stop?
             ENDED.append((self.name, time.monotonic()))
         return PodPatch(annotations={"slept": self.name})
+
+
+class PostSleeper:
+    """Sync: PostRunPodSandbox sleeps args.seconds; every stage notes when it ended in ENDED."""
+
+    def __init__(self, init):
+        self.name = init.name
+        self.seconds = float(init.args.get("seconds", 1.0))
+
+    def post_run_pod_sandbox(self, ctx):
+        EVENTS.append((self.name, ctx.stage.value, ctx))
+        time.sleep(self.seconds)
+        ENDED.append((f"{ctx.stage.value}:{ctx.pod.meta.uid}", time.monotonic()))
+
+    def pre_create_container(self, ctx):
+        EVENTS.append((self.name, ctx.stage.value, ctx))
+        ENDED.append((f"{ctx.stage.value}:{ctx.pod.meta.uid}", time.monotonic()))
 
 
 class SyncSleeper:

@@ -9,11 +9,16 @@ from pathlib import Path
 import pytest
 import structlog.testing
 
-from runtimeproxy import haproxy
+from runtimeproxy import haproxy, plugins
 from runtimeproxy.app import choose_data_plane
+from runtimeproxy.chain import HookChain, HookPools
 from runtimeproxy.config import ConfigError, Settings, builtin_default, from_mapping
 from runtimeproxy.dataplane import find_haproxy
 from runtimeproxy.grpcserver import known_methods
+
+
+def _ALL() -> tuple[str, ...]:
+    return haproxy.LIFECYCLE_METHODS
 
 
 def _settings(tmp_path: Path, **doc: object) -> Settings:
@@ -42,6 +47,45 @@ def test_lifecycle_methods_are_routed_by_exact_path_everything_else_of_cri_to_co
     assert f'bind "unix@{s.listen}" mode 660 proto h2' in text
     [ret] = _lines(text, "http-request return")
     assert ret.endswith("unless cri") and str(layout.not_cri_reply) in ret
+
+
+#: The Pre/Post hooks of the shipped chain (systemd/config.yaml): no hook at StopContainer or RemoveContainer.
+SHIPPED_CALLS = frozenset({"RunPodSandbox", "CreateContainer", "StartContainer", "UpdateContainerResources",
+                           "StopPodSandbox", "RemovePodSandbox"})
+
+
+def test_the_shipped_chain_intercepts_only_the_calls_it_has_hooks_for() -> None:
+    chain = plugins.build_chain(from_mapping(builtin_default()), pools=HookPools())
+    assert chain.calls == SHIPPED_CALLS
+    assert HookChain([]).calls == frozenset()
+
+
+def test_only_the_chains_lifecycle_methods_go_to_python_the_others_are_counted_pass_through(tmp_path: Path) -> None:
+    s = _settings(tmp_path)
+    text = haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)), haproxy.intercepted_paths(SHIPPED_CALLS))
+    [acl] = _lines(text, "acl lifecycle")
+    routed = {p.removeprefix("/runtime.v1.RuntimeService/") for p in acl.split()[3:]}
+    assert routed == SHIPPED_CALLS
+    known = {p for line in _lines(text, "acl known path") for p in line.split()[3:]}
+    # Pass-through lifecycle methods are counted per method by HAProxy like any other known method.
+    assert {"/runtime.v1.RuntimeService/StopContainer", "/runtime.v1.RuntimeService/RemoveContainer"} <= known
+    assert not known & set(acl.split()[3:])
+
+
+def test_without_hooks_python_still_gets_the_calls_that_bring_objects_into_the_store() -> None:
+    assert haproxy.intercepted_paths(frozenset()) == tuple(
+        "/runtime.v1.RuntimeService/" + m for m in ("RunPodSandbox", "CreateContainer", "StartContainer"))
+    assert haproxy.intercepted_paths(frozenset({"StopContainer"}))[-1] == "/runtime.v1.RuntimeService/StopContainer"
+
+
+def test_an_empty_interception_set_renders_an_acl_that_matches_nothing(tmp_path: Path) -> None:
+    s = _settings(tmp_path)
+    text = haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)), ())
+    assert _lines(text, "acl lifecycle") == ["acl lifecycle always_false"]
+    known = {p for line in _lines(text, "acl known path") for p in line.split()[3:]}
+    assert set(haproxy.LIFECYCLE_METHODS) <= known
+    with pytest.raises(ValueError, match="not lifecycle methods"):
+        haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)), ("/runtime.v1.RuntimeService/Version",))
 
 
 def test_unix_sockets_only(tmp_path: Path) -> None:
@@ -114,23 +158,28 @@ def test_orphan_grace_defaults_to_30s_and_the_old_key_still_works_alone() -> Non
 def test_missing_haproxy_falls_back_to_grpc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr("runtimeproxy.app.find_haproxy", lambda: None)
     with structlog.testing.capture_logs() as logs:
-        assert choose_data_plane(_settings(tmp_path, data_plane="haproxy")) is None
+        assert choose_data_plane(_settings(tmp_path, data_plane="haproxy"), _ALL) is None
     # Said once, at start (the App chooses once), naming what to install.
     [warning] = [e for e in logs if e["event"] == "data_plane_fallback"]
     assert warning["log_level"] == "warning" and "apt install haproxy" in warning["reason"]
     with structlog.testing.capture_logs() as logs:
-        assert choose_data_plane(_settings(tmp_path)) is None  # the default is haproxy too
-        assert choose_data_plane(_settings(tmp_path, data_plane="grpc")) is None
+        assert choose_data_plane(_settings(tmp_path), _ALL) is None  # the default is haproxy too
+        assert choose_data_plane(_settings(tmp_path, data_plane="grpc"), _ALL) is None
     assert [e["event"] for e in logs] == ["data_plane_fallback"]
 
 
 @pytest.mark.skipif(find_haproxy() is None, reason="haproxy not installed")
-def test_haproxy_accepts_the_generated_configuration_without_warnings(tmp_path: Path) -> None:
+@pytest.mark.parametrize("intercepted", [haproxy.LIFECYCLE_METHODS, haproxy.intercepted_paths(SHIPPED_CALLS),
+                                         haproxy.intercepted_paths(frozenset()), ()],
+                         ids=["all", "shipped", "no-hooks", "empty"])
+def test_haproxy_accepts_the_generated_configuration_without_warnings(
+    tmp_path: Path, intercepted: tuple[str, ...]
+) -> None:
     s = dataclasses.replace(_settings(tmp_path), shutdown_grace=5.0)
     layout = haproxy.Layout.for_listen(Path(s.listen))
     layout.run_dir.mkdir()
     layout.not_cri_reply.write_bytes(haproxy.NOT_CRI_REPLY)
-    layout.config_file.write_text(haproxy.render(s, layout))
+    layout.config_file.write_text(haproxy.render(s, layout, intercepted))
     binary = find_haproxy()
     assert binary is not None
     out = subprocess.run([binary, "-c", "-f", str(layout.config_file)], capture_output=True, text=True, check=False)

@@ -31,10 +31,10 @@ SKIP_KEY = "runtimeproxy.koordinator.sh/skip-hookserver"
 
 
 def pod_config(
-    *, labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None
+    *, labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None, uid: str = "uid-1"
 ) -> cri.PodSandboxConfig:
     cfg = cri.PodSandboxConfig(
-        metadata=cri.PodSandboxMetadata(name="web-0", namespace="prod", uid="uid-1", attempt=0),
+        metadata=cri.PodSandboxMetadata(name="web-0", namespace="prod", uid=uid, attempt=0),
         hostname="web-0",
         labels={"app": "web", **(labels or {})},
         annotations=annotations or {},
@@ -311,6 +311,43 @@ async def test_post_hooks_see_successful_result(fake_runtime, start_proxy, hook_
     assert by_stage["PostCreateContainer"].result == CallResult(ok=True)
     assert by_stage["PostCreateContainer"].container.id == "ctr-1"
     assert by_stage["PostCreateContainer"].pod.id == "sb-1"
+
+
+@pytest.mark.asyncio
+async def test_the_reply_does_not_wait_for_post_hooks_the_pods_next_call_does(
+    fake_runtime, start_proxy, hook_module, answer
+) -> None:
+    """Post stages run after the reply (runtimeproxy.posthooks), in call order per pod."""
+    proxy = await start_proxy(fake_runtime, hooks=[
+        plugin_hook(hook_module, "slow", "PostSleeper", args={"seconds": 0.6})])
+    posts = proxy.app.lifecycle.posts
+    start = time.monotonic()
+    await proxy.unary(RUN)(run_request(), timeout=5)  # not proxy.call: that one waits for the Post stages
+    assert time.monotonic() - start < 0.45, "the reply waited for the Post hook"
+    assert posts.pending == 1
+    # Another pod is not held up by it ...
+    fake_runtime.answer(RUN, answer(payload=cri.RunPodSandboxResponse(pod_sandbox_id="sb-2").SerializeToString()))
+    await proxy.unary(RUN)(run_request(uid="uid-2"), timeout=5)
+    assert time.monotonic() - start < 0.45
+    # ... the same pod's next call is: its Pre stage runs once the Post stage before it ended.
+    await proxy.unary(CREATE)(create_request().SerializeToString(), timeout=5)
+    assert time.monotonic() - start >= 0.6
+    order = [name for name, _ in hook_module.ended]
+    assert order.index("PostRunPodSandbox:uid-1") < order.index("PreCreateContainer:uid-1")
+    assert await posts.settle(timeout=5)
+    assert posts.pending == 0
+    assert sorted(order) == ["PostRunPodSandbox:uid-1", "PostRunPodSandbox:uid-2", "PreCreateContainer:uid-1"]
+
+
+@pytest.mark.asyncio
+async def test_a_stop_waits_for_post_hooks_of_answered_calls(fake_runtime, start_proxy, hook_module) -> None:
+    proxy = await start_proxy(fake_runtime, hooks=[
+        plugin_hook(hook_module, "slow", "PostSleeper", args={"seconds": 0.5})])
+    await proxy.unary(RUN)(run_request(), timeout=5)
+    assert proxy.app.lifecycle.posts.pending == 1
+    proxy.app.request_stop()
+    assert await asyncio.wait_for(proxy.task, timeout=10) == 0
+    assert [name for name, _ in hook_module.ended] == ["PostRunPodSandbox:uid-1"]
 
 
 @pytest.mark.asyncio
