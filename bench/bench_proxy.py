@@ -14,7 +14,9 @@ In one run, against one private containerd with ``--idle-pods`` running pods, it
     its HAProxy reloaded on a config without the per-method counting rules (track-sc,
     sc-inc-gpc): with "haproxy" in the same interleaved run it gives the counting rules'
     CPU per call, and in the lifecycle what the hooks cost (haproxy - haproxy-bare) apart
-    from the interception hop (haproxy-bare - direct).
+    from the interception hop (haproxy-bare - direct). With no hooks HAProxy sends Python
+    only RunPodSandbox, CreateContainer and StartContainer (runtimeproxy.haproxy.STORE_CALLS);
+    with the shipped chain also UpdateContainerResources, StopPodSandbox and RemovePodSandbox.
 It prints a Markdown table (docs/benchmarks.md keeps the last one).
 """
 
