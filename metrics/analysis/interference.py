@@ -130,6 +130,9 @@ class Observation:
     stamps: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     node_memory_used: float | None = None
     node_memory_total: float | None = None
+    #: Per pod, signal -> (container id, container name) of a per-container signal (the
+    #: worst container's); absent for pod- and node-level signals.
+    containers: Mapping[str, Mapping[str, tuple[str, str]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,6 +128,7 @@ class SignalReader:
         signals: dict[str, dict[str, float]] = {}
         sources: dict[str, dict[str, str]] = {}
         stamps: dict[str, dict[str, float]] = {}
+        containers: dict[str, dict[str, tuple[str, str]]] = {}
         refs: list[PodRef] = []
         be: list[BEUsage] = []
         for pod in pods:
@@ -152,6 +153,9 @@ class SignalReader:
                 if found:
                     top = max(found, key=lambda s: s.value)
                     mine[signal], src[signal], ts[signal] = top.value, "container", top.ts
+                    cid = _get(top.labels, model.CONTAINER_ID)
+                    name = next((c.name for c in pod.containers if c.id == cid), "")
+                    containers.setdefault(pod.uid, {})[signal] = (cid, name)
             for signal, lbls in (("cpu_psi", psi_cpu), ("memory_psi", psi_memory)):
                 sample = read(model.POD_PSI, lbls, now)
                 if sample is not None:
@@ -170,7 +174,7 @@ class SignalReader:
         total = read(model.NODE_MEMORY_TOTAL, model.NO_LABELS, now)
         return Observation(now, tuple(refs), signals, sources, tuple(be), stamps,
                            node_memory_used=used.value if used else None,
-                           node_memory_total=total.value if total else None)
+                           node_memory_total=total.value if total else None, containers=containers)
 
 
 def summary(obs: Observation) -> Mapping[str, object]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hooks.qos import QoSClass
 from metrics import model
@@ -84,9 +85,46 @@ def test_store_to_verdict_explain_metrics_and_events(db: TSDB) -> None:
     assert ('koordetector_interference{node="node-1",pod_name="pod-ls",pod_namespace="ns",pod_uid="ls",'
             'resource="cpu"} 2.0') in text
     assert 'resource="memory"} 0.0' in text
-    assert 'koordetector_signal{node="node-1",pod_name="pod-ls",pod_namespace="ns",pod_uid="ls",' \
-           'signal="sched_latency_p99"} 0.03' in text
+    assert 'koordetector_signal{container_id="c-ls",container_name="main",node="node-1",pod_name="pod-ls",' \
+           'pod_namespace="ns",pod_uid="ls",signal="sched_latency_p99"} 0.03' in text
     assert "koordetector_analysis_seconds_total" in text
+
+
+def test_per_container_signals_carry_the_seed_labels(db: TSDB) -> None:
+    """Every koordetector series names node and pod; a per-container signal also names
+    its (worst) container; pod-level signals and the verdict keep the pod labels only."""
+    ls = PodView(uid="ls", namespace="ns", name="pod-ls", sandbox_id="ls", qos=QoSClass.LS, priority=0,
+                 priority_class="", cgroup_dir="kubepods/ls",
+                 containers=(ContainerView("c-app", "app", "kubepods/ls/a"),
+                             ContainerView("c-side", "sidecar", "kubepods/ls/s")))
+    pods = [ls, _view("be", QoSClass.BE)]
+    task = InterferenceTask(InterferenceSettings(min_baseline=5), db, lambda: pods)
+    psi = model.labels(pod_uid="ls", resource="cpu", kind="some", window="avg10")
+    for i in range(3):
+        t = 1000.0 + i
+        db.write([
+            Sample(model.CONTAINER_SCHED_LATENCY_P99, 0.0004, model.labels(pod_uid="ls", container_id="c-app",
+                                                                             source="ebpf"), t),
+            Sample(model.CONTAINER_SCHED_LATENCY_P99, 0.0009, model.labels(pod_uid="ls", container_id="c-side",
+                                                                             source="ebpf"), t),
+            Sample(model.POD_PSI, 3.0, psi, t),
+        ])
+        db.flush()
+        task.step(pods, t)
+    registry = CollectorRegistry()
+    registry.register(task.gauges("node-1"))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    pod = {"node": "node-1", "pod_namespace": "ns", "pod_name": "pod-ls", "pod_uid": "ls"}
+    for name in ("koordetector_signal", "koordetector_signal_baseline"):
+        by_signal = {s.labels["signal"]: s.labels for s in families[name].samples}
+        assert by_signal["sched_latency_p99"] == {**pod, "container_id": "c-side", "container_name": "sidecar",
+                                                  "signal": "sched_latency_p99"}
+        assert by_signal["cpu_psi"] == {**pod, "container_id": "", "container_name": "", "signal": "cpu_psi"}
+    assert {s.labels["signal"]: s.value for s in families["koordetector_signal"].samples}["sched_latency_p99"] \
+        == 0.0009
+    assert [s.labels for s in families["koordetector_interference"].samples] == [
+        {**pod, "resource": "cpu"}, {**pod, "resource": "memory"}]
+    assert task.explain_uid("ls")["signals"]["sched_latency_p99"]["container_name"] == "sidecar"
 
 
 @pytest.mark.parametrize(("raw", "key", "value"), [
