@@ -1,26 +1,28 @@
 """The analyser's inputs from the store: one ``Observation`` per step.
 
 Per LS-class pod: schedule-latency p99 (eBPF) or mean (schedstat), the worst of its
-containers; CPU and memory PSI ``some avg10`` of the pod's cgroup (v2), else of the node
-(source ``node``: every LS pod then sees the same value); CFS throttling of the pod;
-CPI (worst container) and reclaim latency where a collector writes them. BE pods: CPU
-and memory usage. Values are the newest sample not older than ``max_age``.
+containers (named: ``Observation.containers``); CPU and memory PSI ``some avg10`` of the
+pod's cgroup (v2), else of the node (source ``node``: every LS pod then sees the same
+value); CFS throttling of the pod; CPI (worst container) and reclaim latency where a
+collector writes them. BE pods: CPU and memory usage. Values are the newest sample not
+older than ``max_age``.
 
 Which series exist (their label sets: schedule latency carries a ``source`` label,
 reclaim latency whatever its collector chose) is looked up with one ``aggregate_all``
-per metric every ``index_every`` seconds; each step then reads only those series with
-``last`` (in memory for samples this process wrote), so absent signals (no CPI
-counters, no reclaim collector) cost nothing per step. A series is not read again
-before its next sample can exist (its collection period, learnt from its timestamps:
-PSI and schedule latency at the shipped 10 s are read once in 10 steps), and
-throttling only for pods with a CPU limit.
+per metric every ``index_every`` seconds, so absent signals (no CPI counters, no reclaim
+collector) cost nothing per step. Each step then reads only those series' newest
+samples from the store's in-memory latest-value view (``LatestView``: a dict lookup by a
+handle made once per series; no label encoding, no query), so every signal can be read
+at every step of a 1 s analyser at 110 pods. A reader without that view (not the
+agent's store) gets ``last`` per series. Throttling is read only for pods with a CPU
+limit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol, runtime_checkable
 
 from hooks.qos import QoSClass
 from metrics import model
@@ -49,6 +51,15 @@ _CONTAINER_SOURCES: Final = (
 _PSI: Final = {"cpu_psi": "cpu", "memory_psi": "memory"}
 
 
+@runtime_checkable
+class LatestView(Protocol):
+    """The store's record of the newest sample per series (``TSDB.series_handle``, ``newest``)."""
+
+    def series_handle(self, metric: str, labels: Labels) -> str: ...
+
+    def newest(self, handle: str) -> tuple[float, float] | None: ...
+
+
 def _psi_labels(resource: str, **extra: str) -> Labels:
     return model.labels(**extra, **{model.RESOURCE: resource, model.KIND: "some", model.WINDOW: "avg10"})
 
@@ -69,35 +80,33 @@ class SignalReader:
 
     def __init__(self, reader: MetricReader, *, max_age: float = 25.0, index_every: float = 10.0) -> None:
         self._reader = reader
+        self._view = reader if isinstance(reader, LatestView) else None
         self.max_age = max_age
         self.index_every = index_every
         self._indexed_at = float("-inf")
         #: (signal, pod uid) -> label sets of that pod's series.
         self._series: dict[tuple[str, str], list[tuple[str, Labels]]] = {}
-        #: (metric, labels) -> (timestamp, value, collection period seen) of the last sample.
-        self._cache: dict[tuple[str, Labels], tuple[float, float, float]] = {}
+        #: (metric, labels) -> the view's handle of the series, made once.
+        self._handles: dict[tuple[str, Labels], str] = {}
         #: pod uid -> its label tuples (pod, cpu PSI, memory PSI), built once.
         self._labels: dict[str, tuple[Labels, Labels, Labels]] = {}
+        #: Store queries made (``last``; the view's lookups are not queries).
         self.reads = 0
 
     def _last(self, metric: str, lbls: Labels, now: float) -> Sample | None:
-        """``reader.last``, skipped while the next sample of a series cannot be there yet:
-        a series collected every 10 s (PSI, schedule latency at the shipped intervals) is
-        read once per period, not at every step."""
+        view = self._view
+        if view is None:
+            self.reads += 1
+            return self._reader.last(metric, lbls, self.max_age, now)
         key = (metric, lbls)
-        cached = self._cache.get(key)
-        if cached is not None and now - cached[0] <= self.max_age and now < cached[0] + cached[2]:
-            return Sample(metric, cached[1], lbls, cached[0])
-        self.reads += 1
-        sample = self._reader.last(metric, lbls, self.max_age, now)
-        if sample is None:
-            self._cache.pop(key, None)
+        handle = self._handles.get(key)
+        if handle is None:
+            handle = self._handles[key] = view.series_handle(metric, lbls)
+        found = view.newest(handle)
+        # A sample stamped after ``now`` (collected while this step started) is the newest.
+        if found is None or now - found[0] > self.max_age:
             return None
-        period = cached[2] if cached is not None else 0.0
-        if cached is not None and sample.ts > cached[0]:
-            period = sample.ts - cached[0] if sample.ts - cached[0] <= self.max_age else 0.0
-        self._cache[key] = (sample.ts, sample.value, period)
-        return sample
+        return Sample(metric, found[1], lbls, found[0])
 
     def _pod_labels(self, uid: str) -> tuple[Labels, Labels, Labels]:
         found = self._labels.get(uid)
@@ -115,7 +124,6 @@ class SignalReader:
                     series.setdefault((src.signal, uid), []).append((src.metric, lbls))
         self._series = series
         self._indexed_at = now
-        self._cache = {k: v for k, v in self._cache.items() if now - v[0] <= self.max_age}
 
     def observe(self, pods: Sequence[PodView], now: float) -> Observation:
         if now - self._indexed_at >= self.index_every or now < self._indexed_at:
@@ -123,8 +131,10 @@ class SignalReader:
         read = self._last
         node_psi = {sig: read(model.NODE_PSI, _psi_labels(res), now) for sig, res in _PSI.items()}
         present = {p.uid for p in pods}
-        if len(self._labels) > 2 * len(present):
+        if len(self._labels) > 2 * len(present):  # pods gone: their labels go
             self._labels = {u: v for u, v in self._labels.items() if u in present}
+        if len(self._handles) > 16 * len(present) + 64:  # ~8 series a pod; more: gone pods' or containers'
+            self._handles.clear()
         signals: dict[str, dict[str, float]] = {}
         sources: dict[str, dict[str, str]] = {}
         stamps: dict[str, dict[str, float]] = {}
