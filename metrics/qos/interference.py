@@ -5,10 +5,13 @@
   priority (``SUPPRESS + 5``) wins the conflict on ``kubepods/besteffort``'s quota, so
   arbitration keeps this cap while the verdict lasts; a quota already lower (suppress
   tighter still) is left alone. On cgroup v1, BE children with quotas above the cap are
-  clamped first and restored after (``tierquota``). With ``be_cpus`` > 0 BE is also
-  confined to that many CPUs (the highest BE may use), the cpuset winning over
-  cpu-suppress's the same way: a quota alone lets throttled BE threads run in bursts
-  on every CPU at the start of each period, which is what a latency-sensitive victim feels.
+  clamped first and restored after (``tierquota``). BE is also confined to ``be_cpus``
+  CPUs (the highest BE may use; default ``auto``: the cap rounded up, so 1 CPU for
+  0.5 core: the quota already allows no more, and the victims get the other CPUs to
+  themselves; 0: quota only), the cpuset winning over cpu-suppress's the same way: a
+  quota alone lets throttled BE threads run in bursts on every CPU at the start of each
+  period, which is what a latency-sensitive victim feels (koordlet's default
+  cpuSuppressPolicy is a cpuset too).
 * a **confirmed memory verdict** evicts the top culprit (the BE pod whose memory grew
   most), at most once per ``memory_cool_down`` (default 60 s). Reclaim by lowering the
   culprit's limit is not done: on cgroup v1 a limit below usage fails or OOM-kills
@@ -26,6 +29,7 @@ plans nothing and says why.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
@@ -48,6 +52,8 @@ NAME: Final = "interference"
 #: the interference task registers itself.
 TASKS: Final = "tasks"
 Verdicts = Mapping[str, Mapping[str, Verdict]]
+#: ``args.be_cpus`` when unset: BE confined to ceil(be_cpu_cores) CPUs while capped.
+DEFAULT_BE_CPUS: Final = "auto"
 
 
 def _verdict_summary(verdicts: Verdicts | None) -> dict[str, Any] | None:
@@ -77,6 +83,8 @@ class Interference(Strategy):
         self.hold = hold
         #: >0: BE is also confined to this many CPUs (the highest of the recovery set).
         self.be_cpus = be_cpus
+        #: How ``be_cpus`` was chosen, for explain (``auto``: ceil(be_cpu_cores)).
+        self.be_cpus_why = f"{be_cpus}" if be_cpus else "0 (quota only)"
         self._cpusets = SuppressStrategy(suppress, topology)
         self.last_confirmed = float("-inf")
         self.dry_run = dry_run
@@ -104,7 +112,7 @@ class Interference(Strategy):
         cpu, memory = confirmed(verdicts, CPU), confirmed(verdicts, MEMORY)
         info: dict[str, Any] = {"cpu_confirmed": [_brief(v) for v in cpu],
                                 "memory_confirmed": [_brief(v) for v in memory],
-                                "be_cpu_cores": self.be_cpu_cores}
+                                "be_cpu_cores": self.be_cpu_cores, "be_cpus": self.be_cpus_why}
         actions: list[Action] = []
         reasons: list[str] = []
         state = inputs[self.state_input]
@@ -215,16 +223,22 @@ def _number(args: Mapping[str, Any], key: str, default: float, key_path: str) ->
 
 
 def interference(init: StrategyInit) -> Interference:
-    """Entry point. ``args``: ``be_cpu_cores`` (0.5), ``be_cpus`` (0: quota only),
+    """Entry point. ``args``: ``be_cpu_cores`` (0.5), ``be_cpus`` (auto: ceil(be_cpu_cores); 0: quota only),
     ``hold`` (30s), ``memory_evict`` (true), ``memory_cool_down`` (60s)."""
     args, where = init.args, init.key_path
     known = ("be_cpu_cores", "be_cpus", "hold", "memory_evict", "memory_cool_down")
     unknown = sorted(set(args) - set(known))
     if unknown:
         raise HookConfigError(f"{where}.{unknown[0]}", args[unknown[0]], f"unknown key ({', '.join(known)})")
-    be_cpus = args.get("be_cpus", 0)
-    if isinstance(be_cpus, bool) or not isinstance(be_cpus, int) or be_cpus < 0:
-        raise HookConfigError(f"{where}.be_cpus", be_cpus, "must be a number of CPUs >= 0 (0: quota only)")
+    cap = _number(args, "be_cpu_cores", 0.5, where)
+    be_cpus = args.get("be_cpus", DEFAULT_BE_CPUS)
+    if be_cpus == "auto":
+        be_cpus = max(math.ceil(cap), 1)
+        why = f"{be_cpus} (auto: be_cpu_cores {cap:g} rounded up)"
+    elif isinstance(be_cpus, bool) or not isinstance(be_cpus, int) or be_cpus < 0:
+        raise HookConfigError(f"{where}.be_cpus", be_cpus, "must be auto or a number of CPUs >= 0 (0: quota only)")
+    else:
+        why = f"{be_cpus}" if be_cpus else "0 (quota only)"
     memory_evict = args.get("memory_evict", True)
     if not isinstance(memory_evict, bool):
         raise HookConfigError(f"{where}.memory_evict", memory_evict, "must be true or false")
@@ -245,6 +259,8 @@ def interference(init: StrategyInit) -> Interference:
         task = from_shared(tasks) if isinstance(tasks, Mapping) else None
         return task.verdicts if task is not None else None
 
-    return Interference(verdicts, be_cpu_cores=_number(args, "be_cpu_cores", 0.5, where), memory_evict=memory_evict,
-                        memory_cool_down=cool, dry_run=init.config.dry_run, suppress=init.config.suppress, hold=hold,
-                        be_cpus=be_cpus, topology=init.topology)
+    strategy = Interference(verdicts, be_cpu_cores=cap, memory_evict=memory_evict, memory_cool_down=cool,
+                            dry_run=init.config.dry_run, suppress=init.config.suppress, hold=hold, be_cpus=be_cpus,
+                            topology=init.topology)
+    strategy.be_cpus_why = why
+    return strategy
