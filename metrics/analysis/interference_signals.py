@@ -3,8 +3,9 @@
 Per LS-class pod: schedule-latency p99 (eBPF) or mean (schedstat), the worst of its
 containers (named: ``Observation.containers``); CPU and memory PSI ``some avg10`` of the
 pod's cgroup (v2), else of the node (source ``node``: every LS pod then sees the same
-value); CFS throttling of the pod; CPI (worst container) and reclaim latency where a
-collector writes them. BE pods: CPU and memory usage. Values are the newest sample not
+value); CFS throttling of the pod; CPI (worst container) where counters exist; the
+memlat collector's reclaim/compaction latency p99 and stalled share (worst container
+and kind). BE pods: CPU and memory usage. Values are the newest sample not
 older than ``max_age``.
 
 Which series exist (their label sets: schedule latency carries a ``source`` label,
@@ -29,9 +30,10 @@ from metrics import model
 from metrics.analysis.interference import BEUsage, Observation, PodRef
 from metrics.model import Labels, MetricReader, PodView, Sample
 
-#: The reclaim (memory allocation) latency series of an optional collector, tried in order.
-RECLAIM_METRICS: Final = ("container_memory_reclaim_latency_p99_seconds", "container_memory_reclaim_latency_seconds",
-                          "pod_memory_reclaim_latency_seconds")
+#: The reclaim (memory allocation) latency series: the memlat collector's p99 (eBPF), then
+#: those of other collectors (an advisor's, say); the pod's worst series is the signal.
+RECLAIM_METRICS: Final = (model.CONTAINER_MEMORY_ALLOC_LATENCY_P99, "container_memory_reclaim_latency_p99_seconds",
+                          "container_memory_reclaim_latency_seconds", "pod_memory_reclaim_latency_seconds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,9 @@ _CONTAINER_SOURCES: Final = (
     _Source("sched_latency_mean", model.CONTAINER_SCHED_LATENCY),
     _Source("cpi", model.CONTAINER_CPI),
     *(_Source("reclaim_latency", m) for m in RECLAIM_METRICS),
+    # Written for every container and kind at every memlat tick (0 when it did not stall),
+    # unlike the latencies (only where there were stalls): a baseline is learnt.
+    _Source("alloc_stall", model.CONTAINER_MEMORY_ALLOC_STALL),
 )
 _PSI: Final = {"cpu_psi": "cpu", "memory_psi": "memory"}
 
@@ -155,7 +160,7 @@ class SignalReader:
             mine: dict[str, float] = {}
             src: dict[str, str] = {}
             ts: dict[str, float] = {}
-            for signal in ("sched_latency_p99", "sched_latency_mean", "cpi", "reclaim_latency"):
+            for signal in ("sched_latency_p99", "sched_latency_mean", "cpi", "reclaim_latency", "alloc_stall"):
                 if signal == "sched_latency_mean" and "sched_latency_p99" in mine:
                     continue  # the mean is the fallback of schedstat only
                 found = [s for metric, lbls in self._series.get((signal, pod.uid), ())

@@ -173,3 +173,30 @@ def test_a_confirmed_verdict_is_a_warning_event_on_the_victim_pod(db: TSDB) -> N
     assert (involved["kind"], involved["name"], involved["namespace"], involved["uid"]) == ("Pod", "pod-ls", "ns", "ls")
     message = str(event["message"])
     assert message.startswith("cpu interference confirmed (sched_latency_p99 0.03") and "ns/pod-be" in message
+
+
+def test_the_memlat_collectors_series_feed_the_memory_signals(db: TSDB) -> None:
+    """memlat's stalled share (every tick, 0 when idle) and reclaim p99 (only with
+    stalls) are the memory signals: a learnt quiet share, then stalls while a BE pod
+    grows, confirm a memory verdict naming the container and the BE pod."""
+    task = InterferenceTask(InterferenceSettings(min_baseline=5), db, lambda: PODS)
+    stall = {"pod_uid": "ls", "container_id": "c-ls", "source": "ebpf"}
+    for i in range(40):
+        t = 1000.0 + i
+        hot = i >= 25
+        samples = [Sample(model.CONTAINER_MEMORY_ALLOC_STALL, 0.4 if hot else 0.0,
+                          model.labels(**stall, kind=kind), t) for kind in ("reclaim", "compaction")]
+        if hot:
+            samples.append(Sample(model.CONTAINER_MEMORY_ALLOC_LATENCY_P99, 0.016,
+                                  model.labels(**stall, kind="reclaim"), t))
+        samples += [Sample(model.POD_CPU_USAGE, 0.1, model.labels(pod_uid="be"), t),
+                    Sample(model.POD_MEMORY_USED, 1e8 + (i - 25) * 2e7 * hot, model.labels(pod_uid="be"), t)]
+        db.write(samples)
+        db.flush()
+        task.step(PODS, t)
+    memory = task.verdicts["ls"]["memory"]
+    assert memory.level == 2 and memory.culprits[0].pod.name == "pod-be"
+    assert {e.signal for e in memory.evidence} == {"alloc_stall"}  # reclaim_latency: no quiet baseline yet
+    signals = task.explain_uid("ls")["signals"]
+    assert signals["alloc_stall"]["value"] == 0.4 and signals["alloc_stall"]["container_name"] == "main"
+    assert signals["reclaim_latency"]["value"] == 0.016
