@@ -54,20 +54,23 @@ from runtimeproxy import devpods, embeddedimage
 from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 
 PROBE = r"""
-import json, sys, time
-for path in sys.argv[2:]:
+import json, os, sys, time
+stop = sys.argv[2]
+for path in sys.argv[3:]:
     try:
         with open(path, "w") as f:
             f.write("0")
     except OSError as exc:
         print(f"probe: cannot join {path}: {exc}", file=sys.stderr)
-end = time.perf_counter() + float(sys.argv[1])
-late = []
-while (now := time.perf_counter()) < end:
+end = time.monotonic() + float(sys.argv[1])
+stamps, late = [], []
+while (now := time.monotonic()) < end:
     time.sleep(0.001)
-    late.append(time.perf_counter() - now - 0.001)
-late.sort()
-print(json.dumps({"n": len(late), "p50": late[len(late) // 2], "p99": late[int(len(late) * 0.99)]}))
+    stamps.append(now)
+    late.append(time.monotonic() - now - 0.001)
+    if len(late) % 256 == 0 and os.path.exists(stop):
+        break
+print(json.dumps({"t": stamps, "late": late}))
 """
 
 
@@ -169,12 +172,38 @@ def _cgroup_files(cid: str) -> list[str]:
     return out
 
 
-def probe(cid: str, seconds: float) -> dict[str, float]:
-    run = subprocess.run([sys.executable, "-c", PROBE, str(seconds), *_cgroup_files(cid)], capture_output=True,
-                         text=True, timeout=seconds + 60, check=True)
-    if run.stderr:
-        print(run.stderr.strip(), file=sys.stderr)
-    return {k: float(v) for k, v in json.loads(run.stdout).items()}
+class Probe:
+    """The latency probe in the container's cgroups for up to ``seconds`` (``stop`` ends
+    it early); every wake-up's lateness with its time (``time.monotonic``, the same clock
+    as this process's), so windows can be cut out afterwards."""
+
+    def __init__(self, cid: str, seconds: float, tmp: Path) -> None:
+        self.stopfile = tmp / f"probe-stop-{uuid.uuid4().hex[:8]}"
+        self.proc = subprocess.Popen([sys.executable, "-c", PROBE, str(seconds), str(self.stopfile),
+                                      *_cgroup_files(cid)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def stop(self, timeout: float = 120) -> tuple[list[float], list[float]]:
+        self.stopfile.touch()
+        out, err = self.proc.communicate(timeout=timeout)
+        self.stopfile.unlink(missing_ok=True)
+        if err:
+            print(err.strip(), file=sys.stderr)
+        found = json.loads(out)
+        return found["t"], found["late"]
+
+
+def window(records: tuple[list[float], list[float]], lo: float = float("-inf"),
+           hi: float = float("inf")) -> dict[str, float]:
+    late = sorted(v for t, v in zip(*records, strict=True) if lo <= t < hi)
+    if not late:
+        return {"n": 0, "p50": float("nan"), "p99": float("nan")}
+    return {"n": len(late), "p50": late[len(late) // 2], "p99": late[int(len(late) * 0.99)]}
+
+
+def probe(cid: str, seconds: float, tmp: Path) -> dict[str, float]:
+    p = Probe(cid, seconds, tmp)
+    p.proc.wait(seconds + 60)
+    return window(p.stop())
 
 
 class Watch(threading.Thread):
@@ -208,6 +237,7 @@ def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespac
     proc, sock, port = bench.proxy(name, doc)
     node = Node(bench, sock, port)
     out: dict[str, Any] = {}
+    running: Probe | None = None
     try:
         ls = node.pod(f"ls-{name}", "burstable", "LS")
         work = " ".join(["while :; do :; done &"] * args.ls_threads) + " sleep 36000"
@@ -216,10 +246,13 @@ def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespac
         watch = Watch(node, key)
         watch.start()
         # Idle: the baseline is learnt (min_baseline samples), then every verdict is a false one.
-        out["alone"] = probe(ls_cid, args.idle)
+        out["alone"] = probe(ls_cid, args.idle, bench.base)
         out["false_idle"] = [c for c in watch.changes if c[2] != "none"]
         be = node.pod(f"be-{name}", "besteffort", "BE")
         spin = " ".join(["while :; do :; done &"] * args.hogs) + " wait"
+        # The probe goes on through detection, measurement, clearing and the memory phase:
+        # with no work of its own the LS container's schedule latency is the probe's.
+        running = Probe(ls_cid, 30 + 2 + 2 * args.measure + 45 + 60, bench.base)
         t0 = time.monotonic()
         hog = node.container(be, "hog", ["sh", "-c", spin])
         deadline = t0 + 30
@@ -230,7 +263,8 @@ def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespac
         out["during"] = node.explain(key).get("tasks", {}).get("interference", {})
         time.sleep(2)  # the next manager round has acted (or only planned, in dry-run)
         out["be_quota"] = node.be_quota()
-        out["under"] = probe(ls_cid, args.measure)
+        under_from = time.monotonic()
+        time.sleep(args.measure)
         node.stop(hog)
         t1 = time.monotonic()
         while time.monotonic() < t1 + 40 and watch.last.get("cpu") != "none":
@@ -246,9 +280,15 @@ def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespac
             time.sleep(args.measure)
             out["memory_verdicts"] = [c for c in watch.changes if c[0] >= t2 and c[1] == "memory"]
         watch.halt.set()
+        records = running.stop()
+        out["under"] = window(records, under_from, under_from + args.measure)
+        out["detecting"] = window(records, t0, under_from)
         out["explain"] = node.verdict(key)
         out["signals"] = node.explain(key).get("tasks", {}).get("interference", {}).get("signals")
     finally:
+        if running is not None and running.proc.poll() is None:
+            running.proc.kill()  # only on a failure: stop() has collected it otherwise
+            running.proc.wait()
         node.clean()
         bench.stop(proc)
     return out
