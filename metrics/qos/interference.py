@@ -35,10 +35,11 @@ from typing import Any, Final
 
 import structlog
 
-from hooks.cgroups import CPU_CFS_QUOTA
+from hooks.cgroups import CPU_CFS_QUOTA, CPUSET_CPUS
+from hooks.cpusets import format_cpu_list
 from metrics.analysis.interference import CPU, MEMORY, Level, Verdict, confirmed
 from metrics.model import PodView
-from metrics.qos.plan import Action, Evict, Plan, Priority, SetCgroup
+from metrics.qos.plan import Action, Evict, LeveledWrite, Plan, Priority, SetCgroup
 from metrics.qos.strategy import Input, RoundContext, RoundInputs, Strategy, StrategyInit
 from metrics.qos.suppress import BEState, CPULike, SuppressConfig, SuppressStrategy, read_be_state
 from metrics.qos.tierquota import ChildClamps
@@ -126,24 +127,37 @@ class Interference(Strategy):
             reasons.append(f"CPU interference cleared; cap held {left:.0f}s more")
             actions += self._cap(state, [], reasons, info, inputs.pods)
         elif self.capping:
-            actions += self._release(reasons, inputs.pods)
+            actions += self._release(reasons, inputs.pods, state)
         if memory and self.memory_evict:
             actions += self._evict(inputs, memory, reasons, info)
         return Plan(NAME, self.priority, tuple(actions), info, "; ".join(reasons) or "no confirmed interference")
 
     def _cap(self, state: BEState, cpu: list[Verdict], reasons: list[str], info: dict[str, Any],
              pods: Sequence[PodView]) -> list[Action]:
-        out = self._confine(pods, info) if self.be_cpus > 0 else []
+        out = self._confine(pods, info, state) if self.be_cpus > 0 else []
         return out + self._cap_quota(state, cpu, reasons, info)
 
-    def _confine(self, pods: Sequence[PodView], info: dict[str, Any]) -> list[Action]:
+    def _confine(self, pods: Sequence[PodView], info: dict[str, Any], state: BEState) -> list[Action]:
         """BE on the last ``be_cpus`` CPUs BE may use: the victims get the others to themselves."""
         allowed = sorted(self._cpusets.recovery_cpus(pods))
         if len(allowed) <= self.be_cpus:
             return []
         chosen = frozenset(allowed[-self.be_cpus:])
         info["cpuset"] = sorted(chosen)
-        return [self._cpusets._cpuset_write(pods, chosen, f"interference: BE confined to {sorted(chosen)}")]
+        return [self._cpuset(pods, chosen, f"interference: BE confined to {sorted(chosen)}", state)]
+
+    def _cpuset(self, pods: Sequence[PodView], cpus: frozenset[int], why: str, state: BEState | None) -> Action:
+        """The tier's, pods' and containers' cpusets; on v1 every cgroup under the tier as
+        found on the filesystem (``state.children``): a v1 cpuset may not drop CPUs a
+        child still has (EBUSY), and a sandbox's pause cgroup is in no pod view."""
+        views = self._cpusets._cpuset_write(pods, cpus, why)
+        if state is None or not state.children:
+            return views
+        text = format_cpu_list(cpus)
+        depths: dict[int, list[SetCgroup]] = {}
+        for child in state.children:
+            depths.setdefault(child.depth, []).append(SetCgroup(child.cgroup, CPUSET_CPUS, text, why, child.pod_uid))
+        return LeveledWrite((views.levels[0], *(tuple(depths[d]) for d in sorted(depths))), why)
 
     def _cap_quota(self, state: BEState, cpu: list[Verdict], reasons: list[str], info: dict[str, Any]
                    ) -> list[Action]:
@@ -165,7 +179,7 @@ class Interference(Strategy):
         info["quota"] = quota
         return [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, why), state.children)]
 
-    def _release(self, reasons: list[str], pods: Sequence[PodView]) -> list[Action]:
+    def _release(self, reasons: list[str], pods: Sequence[PodView], state: BEState | None = None) -> list[Action]:
         original = self.original_quota if self.original_quota is not None else -1
         why = f"CPU interference cleared: BE cfs quota back to {original}"
         self._audit("release_be_cpu", [], quota=original)
@@ -173,7 +187,7 @@ class Interference(Strategy):
         reasons.append(why)
         out: list[Action] = [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, original, why), None)]
         if self.be_cpus > 0:
-            out.append(self._cpusets._cpuset_write(pods, self._cpusets.recovery_cpus(pods), why))
+            out.append(self._cpuset(pods, self._cpusets.recovery_cpus(pods), why, state))
         return out
 
     def _evict(self, inputs: RoundInputs, memory: list[Verdict], reasons: list[str],

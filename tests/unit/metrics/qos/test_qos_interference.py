@@ -223,6 +223,27 @@ async def test_by_default_be_is_confined_to_the_cap_rounded_up(envs: Any, cap: f
         assert env.quota() == ("-1" if dry else str(int(cap * 100_000)))
 
 
+@pytest.mark.asyncio
+async def test_confinement_narrows_every_cgroup_under_the_tier_first(envs: Any) -> None:
+    """v1: a cpuset may not drop CPUs a child still has (EBUSY), so the sandbox's pause
+    cgroup, in no pod view, is narrowed too, bottom-up, and widened back after."""
+    env = envs(args={"hold": "5s"})
+    pause = Path(BE.cgroup_dir) / "sandbox-c"
+    for controller, files in (("cpu", {"cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000"}),
+                              ("cpuset", {"cpuset.cpus": "0-7"})):
+        (env.root / controller / pause).mkdir()
+        for name, value in files.items():
+            (env.root / controller / pause / name).write_text(value + "\n")
+    env.verdicts = verdicts(cpu=Level.CONFIRMED)
+    await env.round()
+    assert (env.root / "cpuset" / pause / "cpuset.cpus").read_text().strip() == "7"
+    assert (env.root / "cpuset" / BE_DIR / "cpuset.cpus").read_text().strip() == "7"
+    env.verdicts = verdicts()
+    env.now += 5
+    await env.round()
+    assert (env.root / "cpuset" / pause / "cpuset.cpus").read_text().strip() == "0-7"
+
+
 def test_be_cpus_must_be_a_count() -> None:
     init = StrategyInit(name="interference", args={"be_cpus": -1}, key_path="s.args", config=ManagerConfig(),
                         topology=[], executor=CgroupExecutor(CgroupLayout(Path("/nonexistent"), version=1)))
