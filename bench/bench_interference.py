@@ -182,8 +182,10 @@ class Probe:
         self.proc = subprocess.Popen([sys.executable, "-c", PROBE, str(seconds), str(self.stopfile),
                                       *_cgroup_files(cid)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def stop(self, timeout: float = 120) -> tuple[list[float], list[float]]:
-        self.stopfile.touch()
+    def stop(self, timeout: float = 120, early: bool = True) -> tuple[list[float], list[float]]:
+        """Its records (``early``: cut short now; else when its time is up)."""
+        if early:
+            self.stopfile.touch()
         out, err = self.proc.communicate(timeout=timeout)
         self.stopfile.unlink(missing_ok=True)
         if err:
@@ -201,9 +203,7 @@ def window(records: tuple[list[float], list[float]], lo: float = float("-inf"),
 
 
 def probe(cid: str, seconds: float, tmp: Path) -> dict[str, float]:
-    p = Probe(cid, seconds, tmp)
-    p.proc.wait(seconds + 60)
-    return window(p.stop())
+    return window(Probe(cid, seconds, tmp).stop(timeout=seconds + 60, early=False))
 
 
 class Watch(threading.Thread):
