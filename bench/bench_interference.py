@@ -3,16 +3,21 @@
 Run by hand as root (not part of the test suite): ``.venv/bin/python bench/bench_interference.py``.
 Prints Markdown tables (docs/benchmarks.md).
 
-Through a private containerd and the real proxy (tasks metrics with 1 s PSI and
-schedule-latency intervals, interference, qos-manager with cpu-suppress + interference):
+Through a private containerd and the real proxy (tasks metrics and interference at the
+shipped intervals and settings unless ``--collect`` / ``--analyser-interval`` /
+``--min-baseline`` say otherwise; qos-manager with the interference strategy, plus
+cpu-suppress with ``--with-suppress``):
 
-* an LS pod (burstable, ``sleep``) and a **latency probe** in its container's cgroups: a
+* an LS pod (burstable, ``sleep``; ``--ls-threads`` N adds N spinning threads of its own
+  work, default 0: the probe alone, as the issue has it) and a **latency probe** in its
+  container's cgroups: a
   host process moved into the container's cgroup (every v1 controller and the unified
   tree) that sleeps 1 ms in a loop and records how late it wakes (p50/p99). A host
   process rather than a busybox loop: busybox's ``usleep``/``date`` fork per iteration,
   which costs more than the lateness being measured;
-* **idle**: the LS pod alone for ``--idle`` seconds: its baseline, and every verdict
-  above none in that time is a false one;
+* **idle**: the LS pod alone for ``--idle`` seconds (the issue's run: 600): its baseline,
+  and every verdict above none in that time is a false one (suspected and confirmed
+  counted apart);
 * **CPU antagonist**: a BE pod with ``--hogs`` spinning threads (more runnable threads than
   CPUs); time from its StartContainer to a *confirmed* CPU verdict on the LS pod naming
   the BE pod as top culprit; the probe's p99 under interference, once with the QoS manager
@@ -41,45 +46,68 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import yaml
 from benchlib import BenchNode
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy import devpods, embeddedimage
-from runtimeproxy.demo import kubelet_creates_pod_cgroup
+from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 
 PROBE = r"""
-import json, sys, time
-for path in sys.argv[2:]:
+import json, os, sys, time
+stop = sys.argv[2]
+for path in sys.argv[3:]:
     try:
         with open(path, "w") as f:
             f.write("0")
     except OSError as exc:
         print(f"probe: cannot join {path}: {exc}", file=sys.stderr)
-end = time.perf_counter() + float(sys.argv[1])
-late = []
-while (now := time.perf_counter()) < end:
+end = time.monotonic() + float(sys.argv[1])
+stamps, late = [], []
+while (now := time.monotonic()) < end:
     time.sleep(0.001)
-    late.append(time.perf_counter() - now - 0.001)
-late.sort()
-print(json.dumps({"n": len(late), "p50": late[len(late) // 2], "p99": late[int(len(late) * 0.99)]}))
+    stamps.append(now)
+    late.append(time.monotonic() - now - 0.001)
+    if len(late) % 256 == 0 and os.path.exists(stop):
+        break
+print(json.dumps({"t": stamps, "late": late}))
 """
 
 
-def _doc(name: str, base: Path, prefix: str, dry_run: bool, min_baseline: int, suppress: bool,
-         cap: float, be_cpus: int) -> dict[str, Any]:
-    mine = {"name": "interference", "args": {"be_cpu_cores": cap, "be_cpus": be_cpus}}
+def _doc(name: str, base: Path, prefix: str, dry_run: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """The shipped metrics intervals and interference settings (``--collect``,
+    ``--analyser-interval``, ``--min-baseline`` override them), the QoS manager with the
+    ``interference`` strategy (and cpu-suppress with ``--with-suppress``)."""
+    mine: dict[str, Any] = {"name": "interference", "args": {"be_cpu_cores": args.be_cpu_cores}}
+    if args.be_cpus is not None:
+        mine["args"]["be_cpus"] = args.be_cpus
+    metrics, analyser = shipped_settings(args)
     return {
         "rules": {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 65,
                                                   "cpuSuppressPolicy": "cfsQuota"}},
         "tasks": {
-            "metrics": {"db": str(base / f"{name}.db"), "cpi": False,
-                        "intervals": {"node": "1s", "pods": "1s", "psi": "1s", "schedlat": "1s"}},
-            "interference": {"interval": "1s", "min_baseline": min_baseline},
+            "metrics": {"db": str(base / f"{name}.db"), "cpi": False, "intervals": metrics},
+            "interference": analyser,
             "qos-manager": {"besteffort_dir": f"{prefix.strip('/')}/kubepods/besteffort", "dry_run": dry_run,
                             "psi_trigger": False,
-                            "strategies": ["cpu-suppress", mine] if suppress else [mine]},
+                            "strategies": ["cpu-suppress", mine] if args.with_suppress else [mine]},
         },
     }
+
+
+def shipped_settings(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, Any]]:
+    """(metrics intervals, interference settings): the shipped config's, overridden by flags."""
+    shipped = yaml.safe_load(DEFAULT_CONFIG.read_text())["tasks"]
+    intervals = dict(shipped["metrics"]["intervals"])
+    for item in filter(None, args.collect.split(",")):
+        collector, _, every = item.partition("=")
+        intervals[collector] = every
+    analyser = dict(shipped["interference"])
+    if args.analyser_interval:
+        analyser["interval"] = args.analyser_interval
+    if args.min_baseline:
+        analyser["min_baseline"] = args.min_baseline
+    return intervals, analyser
 
 
 class Node:
@@ -144,12 +172,38 @@ def _cgroup_files(cid: str) -> list[str]:
     return out
 
 
-def probe(cid: str, seconds: float) -> dict[str, float]:
-    run = subprocess.run([sys.executable, "-c", PROBE, str(seconds), *_cgroup_files(cid)], capture_output=True,
-                         text=True, timeout=seconds + 60, check=True)
-    if run.stderr:
-        print(run.stderr.strip(), file=sys.stderr)
-    return {k: float(v) for k, v in json.loads(run.stdout).items()}
+class Probe:
+    """The latency probe in the container's cgroups for up to ``seconds`` (``stop`` ends
+    it early); every wake-up's lateness with its time (``time.monotonic``, the same clock
+    as this process's), so windows can be cut out afterwards."""
+
+    def __init__(self, cid: str, seconds: float, tmp: Path) -> None:
+        self.stopfile = tmp / f"probe-stop-{uuid.uuid4().hex[:8]}"
+        self.proc = subprocess.Popen([sys.executable, "-c", PROBE, str(seconds), str(self.stopfile),
+                                      *_cgroup_files(cid)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def stop(self, timeout: float = 120, early: bool = True) -> tuple[list[float], list[float]]:
+        """Its records (``early``: cut short now; else when its time is up)."""
+        if early:
+            self.stopfile.touch()
+        out, err = self.proc.communicate(timeout=timeout)
+        self.stopfile.unlink(missing_ok=True)
+        if err:
+            print(err.strip(), file=sys.stderr)
+        found = json.loads(out)
+        return found["t"], found["late"]
+
+
+def window(records: tuple[list[float], list[float]], lo: float = float("-inf"),
+           hi: float = float("inf")) -> dict[str, float]:
+    late = sorted(v for t, v in zip(*records, strict=True) if lo <= t < hi)
+    if not late:
+        return {"n": 0, "p50": float("nan"), "p99": float("nan")}
+    return {"n": len(late), "p50": late[len(late) // 2], "p99": late[int(len(late) * 0.99)]}
+
+
+def probe(cid: str, seconds: float, tmp: Path) -> dict[str, float]:
+    return window(Probe(cid, seconds, tmp).stop(timeout=seconds + 60, early=False))
 
 
 class Watch(threading.Thread):
@@ -179,11 +233,11 @@ class Watch(threading.Thread):
 
 
 def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespace) -> dict[str, Any]:
-    doc = _doc(name, bench.base, bench.prefix, dry_run, args.min_baseline, args.with_suppress, args.be_cpu_cores,
-               args.be_cpus)
+    doc = _doc(name, bench.base, bench.prefix, dry_run, args)
     proc, sock, port = bench.proxy(name, doc)
     node = Node(bench, sock, port)
     out: dict[str, Any] = {}
+    running: Probe | None = None
     try:
         ls = node.pod(f"ls-{name}", "burstable", "LS")
         work = " ".join(["while :; do :; done &"] * args.ls_threads) + " sleep 36000"
@@ -192,10 +246,13 @@ def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespac
         watch = Watch(node, key)
         watch.start()
         # Idle: the baseline is learnt (min_baseline samples), then every verdict is a false one.
-        out["alone"] = probe(ls_cid, args.idle)
+        out["alone"] = probe(ls_cid, args.idle, bench.base)
         out["false_idle"] = [c for c in watch.changes if c[2] != "none"]
         be = node.pod(f"be-{name}", "besteffort", "BE")
         spin = " ".join(["while :; do :; done &"] * args.hogs) + " wait"
+        # The probe goes on through detection, measurement, clearing and the memory phase:
+        # with no work of its own the LS container's schedule latency is the probe's.
+        running = Probe(ls_cid, 30 + 2 + 2 * args.measure + 45 + 60, bench.base)
         t0 = time.monotonic()
         hog = node.container(be, "hog", ["sh", "-c", spin])
         deadline = t0 + 30
@@ -206,7 +263,8 @@ def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespac
         out["during"] = node.explain(key).get("tasks", {}).get("interference", {})
         time.sleep(2)  # the next manager round has acted (or only planned, in dry-run)
         out["be_quota"] = node.be_quota()
-        out["under"] = probe(ls_cid, args.measure)
+        under_from = time.monotonic()
+        time.sleep(args.measure)
         node.stop(hog)
         t1 = time.monotonic()
         while time.monotonic() < t1 + 40 and watch.last.get("cpu") != "none":
@@ -222,19 +280,27 @@ def scenario(bench: BenchNode, name: str, dry_run: bool, args: argparse.Namespac
             time.sleep(args.measure)
             out["memory_verdicts"] = [c for c in watch.changes if c[0] >= t2 and c[1] == "memory"]
         watch.halt.set()
+        records = running.stop()
+        out["under"] = window(records, under_from, under_from + args.measure)
+        out["detecting"] = window(records, t0, under_from)
         out["explain"] = node.verdict(key)
         out["signals"] = node.explain(key).get("tasks", {}).get("interference", {}).get("signals")
     finally:
+        if running is not None and running.proc.poll() is None:
+            running.proc.kill()  # only on a failure: stop() has collected it otherwise
+            running.proc.wait()
         node.clean()
         bench.stop(proc)
     return out
 
 
-def synthetic(steps: int, slow_every: int = 1, step_every: int = 1) -> tuple[float, float]:
+def synthetic(steps: int, psi_every: int = 1, step_every: int = 1, sched_every: int = 0) -> tuple[float, float]:
     """(ms per step of the analyser, ms per step of its store reads alone) at 110 pods;
-    PSI and schedule latency written every ``slow_every`` s (1: the bench's intervals,
-    10: the shipped ones), usage every second; every LS pod has a CPU limit; the
-    analyser steps every ``step_every`` s. Returns ms of CPU per second of wall time."""
+    PSI written every ``psi_every`` s, schedule latency every ``sched_every`` s (0: with
+    PSI; the shipped config: 10 and 1), usage every second; every LS pod has a CPU
+    limit; the analyser steps every ``step_every`` s. Returns ms of CPU per second of
+    wall time."""
+    sched_every = sched_every or psi_every
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from hooks.qos import QoSClass
     from metrics import model
@@ -264,11 +330,12 @@ def synthetic(steps: int, slow_every: int = 1, step_every: int = 1) -> tuple[flo
                 samples += [Sample(model.POD_CPU_USAGE, 0.1 + j % 7 * 0.01, lb, t),
                             Sample(model.POD_MEMORY_USED, 1e8 + j, lb, t),
                             Sample(model.POD_CPU_THROTTLED, 0.0, lb, t)]
-                if p.qos is not QoSClass.BE and int(t) % slow_every == 0:
+                if p.qos is not QoSClass.BE and int(t) % sched_every == 0:
                     cl = model.labels(pod_uid=p.uid, container_id=p.containers[0].id, source="ebpf")
                     samples += [Sample(model.CONTAINER_SCHED_LATENCY_P99, 0.0004 + (j % 5) * 1e-5, cl, t),
-                                Sample(model.CONTAINER_SCHED_LATENCY, 0.0001, cl, t),
-                                Sample(model.POD_PSI, 1.0, model.labels(pod_uid=p.uid, resource="cpu", **psi), t),
+                                Sample(model.CONTAINER_SCHED_LATENCY, 0.0001, cl, t)]
+                if p.qos is not QoSClass.BE and int(t) % psi_every == 0:
+                    samples += [Sample(model.POD_PSI, 1.0, model.labels(pod_uid=p.uid, resource="cpu", **psi), t),
                                 Sample(model.POD_PSI, 0.1, model.labels(pod_uid=p.uid, resource="memory", **psi), t)]
             db.write(samples)
 
@@ -297,28 +364,35 @@ def synthetic(steps: int, slow_every: int = 1, step_every: int = 1) -> tuple[flo
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--idle", type=float, default=120.0, help="seconds of the LS pod alone (baseline, false verdicts)")
+    ap.add_argument("--idle", type=float, default=120.0,
+                    help="seconds of the LS pod alone (baseline, false verdicts; the issue's run: 600)")
     ap.add_argument("--measure", type=float, default=20.0, help="seconds of probing under interference")
     ap.add_argument("--hogs", type=int, default=6, help="spinning threads of the BE antagonist")
     ap.add_argument("--mem-mib", type=int, default=512, help="memory antagonist's allocation loop (0: skip)")
-    ap.add_argument("--min-baseline", type=int, default=20)
+    ap.add_argument("--min-baseline", type=int, default=0, help="the analyser's min_baseline (0: shipped)")
+    ap.add_argument("--collect", default="", metavar="NAME=DUR,...",
+                    help="collector intervals instead of the shipped ones (e.g. psi=1s,schedlat=1s)")
+    ap.add_argument("--analyser-interval", default="", help="the analyser's interval (empty: shipped)")
     ap.add_argument("--synthetic", type=int, default=300, help="steps of the 110-pod cost run (0: skip)")
     ap.add_argument("--skip-live", action="store_true")
     ap.add_argument("--be-cpu-cores", type=float, default=0.5, help="the strategy's cap (args.be_cpu_cores)")
-    ap.add_argument("--be-cpus", type=int, default=0, help="the strategy's args.be_cpus (0: quota only)")
+    ap.add_argument("--be-cpus", type=int, default=None,
+                    help="the strategy's args.be_cpus (0: quota only; unset: the strategy's default)")
     ap.add_argument("--only-acting", type=int, default=0, choices=(0, 1), help="1: skip the dry-run scenario")
-    ap.add_argument("--ls-threads", type=int, default=1, help="spinning threads of the LS pod's own work")
+    ap.add_argument("--ls-threads", type=int, default=0,
+                    help="spinning threads of the LS pod's own work (0: the probe alone, as the issue has it)")
     ap.add_argument("--with-suppress", action="store_true",
                     help="also cpu-suppress (on a host loaded by others it floors BE at once, hiding interference)")
     args = ap.parse_args()
     if args.synthetic:
         print("\n### Analyser CPU at 110 pods (80 LS-class with a CPU limit, 30 BE)\n")
-        print("| PSI / schedule latency collected every | analyser interval | store reads alone (anchor) ms/s |"
-              " whole step ms/s | % of a core |")
-        print("|---|---:|---:|---:|---:|")
-        for every, step in ((1, 1), (10, 1), (10, 2)):
-            full, reads = synthetic(args.synthetic, every, step)
-            print(f"| {every} s | {step} s | {reads:.3f} | {full:.3f} | {full / 10:.3f} |")
+        print("| PSI collected every | schedule latency every | analyser interval | reading signals alone (anchor)"
+              " ms/s | whole step ms/s | % of a core |")
+        print("|---|---:|---:|---:|---:|---:|")
+        # (psi, schedlat, analyser): everything every second; the shipped config; the old shipped ones
+        for psi_every, sched_every, step in ((1, 1, 1), (10, 1, 1), (10, 10, 1), (10, 10, 2)):
+            full, reads = synthetic(args.synthetic, psi_every, step, sched_every)
+            print(f"| {psi_every} s | {sched_every} s | {step} s | {reads:.3f} | {full:.3f} | {full / 10:.3f} |")
     if args.skip_live:
         return 0
     results: dict[str, dict[str, Any]] = {}
@@ -330,10 +404,13 @@ def main() -> int:
     def ms(v: float) -> str:
         return f"{v * 1000:.2f}"
 
-    print(f"\n### Interference scenario ({args.hogs} spinning BE threads on {len(_cpus())} CPUs)\n")
+    intervals, analyser = shipped_settings(args)
+    print(f"\n### Interference scenario ({args.hogs} spinning BE threads on {len(_cpus())} CPUs, LS pod: probe"
+          f" + {args.ls_threads} spinning threads; collectors {intervals}; analyser {analyser};"
+          f" be_cpu_cores {args.be_cpu_cores:g}, be_cpus {'default' if args.be_cpus is None else args.be_cpus})\n")
     print("| strategy | probe p50 / p99 ms alone | BE start -> suspected s | -> confirmed cpu s | top culprit |"
           " probe p50 / p99 ms under BE | p99 vs alone | BE quota under BE | verdict cleared after BE stop s |"
-          " false verdicts idle |")
+          " false verdicts idle (suspected / confirmed) |")
     print("|---|---|---:|---:|---|---|---:|---:|---:|---:|")
     for name, r in results.items():
         conf, susp = r["cpu_confirmed"], r["cpu_suspected"]
@@ -347,7 +424,8 @@ def main() -> int:
             f"{r['under']['p99'] / r['alone']['p99']:.1f}x",
             str(r["be_quota"]),
             f"{r['cleared_after']:.1f}" if r["cleared_after"] is not None else "not in 40 s",
-            f"{len(r['false_idle'])} in {args.idle:.0f} s",
+            f"{_count(r['false_idle'], 'suspected')} suspected / {_count(r['false_idle'], 'confirmed')} confirmed"
+            f" in {args.idle:.0f} s",
         ]
         print("| " + " | ".join(cells) + " |")
     for name, r in results.items():
@@ -355,6 +433,11 @@ def main() -> int:
             print(f"\n{name}: memory antagonist ({args.mem_mib} MiB loop under a {args.mem_mib // 2} MiB limit): "
                   f"LS memory verdict changes {[(c[2], c[3]) for c in r.get('memory_verdicts', [])]}")
     return 0
+
+
+def _count(changes: list[Any], level: str) -> int:
+    """Changes to ``level`` (any resource): a suspected verdict later confirmed counts in both."""
+    return sum(1 for c in changes if c[2] == level)
 
 
 def _cpus() -> list[str]:

@@ -232,6 +232,10 @@ def main() -> int:
                     help="--steady without the NodeMetric fetch: the shipped default (no cluster, no reporter)")
     ap.add_argument("--kube", action="store_true", help="with kube: true against the test API server")
     ap.add_argument("--kube-baseline", default="", help="--kube: also run this checkout's code (a directory)")
+    ap.add_argument("--intervals", action="append", default=[], metavar="NAME=DUR,...",
+                    help="also a variant with these collector intervals (e.g. psi=2s,schedlat=1s); repeatable;"
+                         " --only-intervals: just these, after no tasks and the defaults")
+    ap.add_argument("--only-intervals", action="store_true", help="leave out the schedstat variant")
     args = ap.parse_args()
     with BenchNode("m") as node:
         rt = node.runtime()
@@ -247,6 +251,12 @@ def main() -> int:
                     ("metrics (defaults)", {"metrics": {"db": str(node.base / "m.db")}}),
                     ("metrics, schedlat from schedstat",
                      {"metrics": {"db": str(node.base / "s.db"), "schedlat_source": "schedstat"}}))
+        if args.only_intervals:
+            variants = variants[:2]
+        for k, spec in enumerate(args.intervals):
+            collectors = {name: {"interval": dur} for name, dur in (item.split("=", 1) for item in spec.split(","))}
+            variants += ((f"metrics, {spec}", {"metrics": {"db": str(node.base / f"i{k}.db"),
+                                                           "collectors": collectors}}),)
         for i, (name, tasks) in enumerate(variants):
             proc, _sock, port = node.proxy(f"v{i}", {"tasks": tasks})
             rows.append((name, _measure(proc, port, args.warmup, args.window)))

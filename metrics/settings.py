@@ -43,7 +43,7 @@ class Intervals:
     node: float = 1.0
     pods: float = 1.0
     psi: float = 10.0
-    schedlat: float = 10.0
+    schedlat: float = 1.0  # the interference analyser's CPU signal: a verdict within 10 s
     cpi: float = 60.0
     topology: float = 60.0
     memlat: float = 10.0

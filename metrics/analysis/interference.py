@@ -15,7 +15,7 @@ store is ``interference_signals``; the loop, explain and Prometheus are
   (PSI 10 points, schedule-latency p99 2 ms, ...) nor ``rel`` of the baseline: a pod
   whose latency is flat at 50 µs is not "interfered" at 80 µs.
 * **Per resource** (cpu: schedule latency, CPU PSI, throttling, CPI; memory: memory
-  PSI, reclaim latency), a verdict needs an unbroken run of anomalous steps:
+  PSI, reclaim latency, allocation stall share), a verdict needs an unbroken run of anomalous steps:
   **suspected** once the run is ``suspect_after`` long, **confirmed** once it is
   ``confirm_after`` long *and* BE pods explain it (cpu: BE pods use at least
   ``be_cpu_min`` cores; memory: BE pods' memory grew by ``be_memory_growth_min`` over
@@ -74,6 +74,8 @@ SIGNALS: Final[Mapping[str, SignalSpec]] = {
         SignalSpec("cpi", CPU, floor=0.5, rel=0.3),
         SignalSpec("memory_psi", MEMORY, floor=5.0, rel=1.0),
         SignalSpec("reclaim_latency", MEMORY, floor=0.001, rel=1.0),
+        # Share of time the container stalled in direct reclaim/compaction (memlat; 0 when idle).
+        SignalSpec("alloc_stall", MEMORY, floor=0.05, rel=1.0),
     )
 }
 
@@ -130,6 +132,9 @@ class Observation:
     stamps: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     node_memory_used: float | None = None
     node_memory_total: float | None = None
+    #: Per pod, signal -> (container id, container name) of a per-container signal (the
+    #: worst container's); absent for pod- and node-level signals.
+    containers: Mapping[str, Mapping[str, tuple[str, str]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,35 +1,39 @@
 """The analyser's inputs from the store: one ``Observation`` per step.
 
 Per LS-class pod: schedule-latency p99 (eBPF) or mean (schedstat), the worst of its
-containers; CPU and memory PSI ``some avg10`` of the pod's cgroup (v2), else of the node
-(source ``node``: every LS pod then sees the same value); CFS throttling of the pod;
-CPI (worst container) and reclaim latency where a collector writes them. BE pods: CPU
-and memory usage. Values are the newest sample not older than ``max_age``.
+containers (named: ``Observation.containers``); CPU and memory PSI ``some avg10`` of the
+pod's cgroup (v2), else of the node (source ``node``: every LS pod then sees the same
+value); CFS throttling of the pod; CPI (worst container) where counters exist; the
+memlat collector's reclaim/compaction latency p99 and stalled share (worst container
+and kind). BE pods: CPU and memory usage. Values are the newest sample not
+older than ``max_age``.
 
 Which series exist (their label sets: schedule latency carries a ``source`` label,
 reclaim latency whatever its collector chose) is looked up with one ``aggregate_all``
-per metric every ``index_every`` seconds; each step then reads only those series with
-``last`` (in memory for samples this process wrote), so absent signals (no CPI
-counters, no reclaim collector) cost nothing per step. A series is not read again
-before its next sample can exist (its collection period, learnt from its timestamps:
-PSI and schedule latency at the shipped 10 s are read once in 10 steps), and
-throttling only for pods with a CPU limit.
+per metric every ``index_every`` seconds, so absent signals (no CPI counters, no reclaim
+collector) cost nothing per step. Each step then reads only those series' newest
+samples from the store's in-memory latest-value view (``LatestView``: a dict lookup by a
+handle made once per series; no label encoding, no query), so every signal can be read
+at every step of a 1 s analyser at 110 pods. A reader without that view (not the
+agent's store) gets ``last`` per series. Throttling is read only for pods with a CPU
+limit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol, runtime_checkable
 
 from hooks.qos import QoSClass
 from metrics import model
 from metrics.analysis.interference import BEUsage, Observation, PodRef
 from metrics.model import Labels, MetricReader, PodView, Sample
 
-#: The reclaim (memory allocation) latency series of an optional collector, tried in order.
-RECLAIM_METRICS: Final = ("container_memory_reclaim_latency_p99_seconds", "container_memory_reclaim_latency_seconds",
-                          "pod_memory_reclaim_latency_seconds")
+#: The reclaim (memory allocation) latency series: the memlat collector's p99 (eBPF), then
+#: those of other collectors (an advisor's, say); the pod's worst series is the signal.
+RECLAIM_METRICS: Final = (model.CONTAINER_MEMORY_ALLOC_LATENCY_P99, "container_memory_reclaim_latency_p99_seconds",
+                          "container_memory_reclaim_latency_seconds", "pod_memory_reclaim_latency_seconds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +49,20 @@ _CONTAINER_SOURCES: Final = (
     _Source("sched_latency_mean", model.CONTAINER_SCHED_LATENCY),
     _Source("cpi", model.CONTAINER_CPI),
     *(_Source("reclaim_latency", m) for m in RECLAIM_METRICS),
+    # Written for every container and kind at every memlat tick (0 when it did not stall),
+    # unlike the latencies (only where there were stalls): a baseline is learnt.
+    _Source("alloc_stall", model.CONTAINER_MEMORY_ALLOC_STALL),
 )
 _PSI: Final = {"cpu_psi": "cpu", "memory_psi": "memory"}
+
+
+@runtime_checkable
+class LatestView(Protocol):
+    """The store's record of the newest sample per series (``TSDB.series_handle``, ``newest``)."""
+
+    def series_handle(self, metric: str, labels: Labels) -> str: ...
+
+    def newest(self, handle: str) -> tuple[float, float] | None: ...
 
 
 def _psi_labels(resource: str, **extra: str) -> Labels:
@@ -69,35 +85,33 @@ class SignalReader:
 
     def __init__(self, reader: MetricReader, *, max_age: float = 25.0, index_every: float = 10.0) -> None:
         self._reader = reader
+        self._view = reader if isinstance(reader, LatestView) else None
         self.max_age = max_age
         self.index_every = index_every
         self._indexed_at = float("-inf")
         #: (signal, pod uid) -> label sets of that pod's series.
         self._series: dict[tuple[str, str], list[tuple[str, Labels]]] = {}
-        #: (metric, labels) -> (timestamp, value, collection period seen) of the last sample.
-        self._cache: dict[tuple[str, Labels], tuple[float, float, float]] = {}
+        #: (metric, labels) -> the view's handle of the series, made once.
+        self._handles: dict[tuple[str, Labels], str] = {}
         #: pod uid -> its label tuples (pod, cpu PSI, memory PSI), built once.
         self._labels: dict[str, tuple[Labels, Labels, Labels]] = {}
+        #: Store queries made (``last``; the view's lookups are not queries).
         self.reads = 0
 
     def _last(self, metric: str, lbls: Labels, now: float) -> Sample | None:
-        """``reader.last``, skipped while the next sample of a series cannot be there yet:
-        a series collected every 10 s (PSI, schedule latency at the shipped intervals) is
-        read once per period, not at every step."""
+        view = self._view
+        if view is None:
+            self.reads += 1
+            return self._reader.last(metric, lbls, self.max_age, now)
         key = (metric, lbls)
-        cached = self._cache.get(key)
-        if cached is not None and now - cached[0] <= self.max_age and now < cached[0] + cached[2]:
-            return Sample(metric, cached[1], lbls, cached[0])
-        self.reads += 1
-        sample = self._reader.last(metric, lbls, self.max_age, now)
-        if sample is None:
-            self._cache.pop(key, None)
+        handle = self._handles.get(key)
+        if handle is None:
+            handle = self._handles[key] = view.series_handle(metric, lbls)
+        found = view.newest(handle)
+        # A sample stamped after ``now`` (collected while this step started) is the newest.
+        if found is None or now - found[0] > self.max_age:
             return None
-        period = cached[2] if cached is not None else 0.0
-        if cached is not None and sample.ts > cached[0]:
-            period = sample.ts - cached[0] if sample.ts - cached[0] <= self.max_age else 0.0
-        self._cache[key] = (sample.ts, sample.value, period)
-        return sample
+        return Sample(metric, found[1], lbls, found[0])
 
     def _pod_labels(self, uid: str) -> tuple[Labels, Labels, Labels]:
         found = self._labels.get(uid)
@@ -115,7 +129,6 @@ class SignalReader:
                     series.setdefault((src.signal, uid), []).append((src.metric, lbls))
         self._series = series
         self._indexed_at = now
-        self._cache = {k: v for k, v in self._cache.items() if now - v[0] <= self.max_age}
 
     def observe(self, pods: Sequence[PodView], now: float) -> Observation:
         if now - self._indexed_at >= self.index_every or now < self._indexed_at:
@@ -123,11 +136,14 @@ class SignalReader:
         read = self._last
         node_psi = {sig: read(model.NODE_PSI, _psi_labels(res), now) for sig, res in _PSI.items()}
         present = {p.uid for p in pods}
-        if len(self._labels) > 2 * len(present):
+        if len(self._labels) > 2 * len(present):  # pods gone: their labels go
             self._labels = {u: v for u, v in self._labels.items() if u in present}
+        if len(self._handles) > 16 * len(present) + 64:  # ~8 series a pod; more: gone pods' or containers'
+            self._handles.clear()
         signals: dict[str, dict[str, float]] = {}
         sources: dict[str, dict[str, str]] = {}
         stamps: dict[str, dict[str, float]] = {}
+        containers: dict[str, dict[str, tuple[str, str]]] = {}
         refs: list[PodRef] = []
         be: list[BEUsage] = []
         for pod in pods:
@@ -144,7 +160,7 @@ class SignalReader:
             mine: dict[str, float] = {}
             src: dict[str, str] = {}
             ts: dict[str, float] = {}
-            for signal in ("sched_latency_p99", "sched_latency_mean", "cpi", "reclaim_latency"):
+            for signal in ("sched_latency_p99", "sched_latency_mean", "cpi", "reclaim_latency", "alloc_stall"):
                 if signal == "sched_latency_mean" and "sched_latency_p99" in mine:
                     continue  # the mean is the fallback of schedstat only
                 found = [s for metric, lbls in self._series.get((signal, pod.uid), ())
@@ -152,6 +168,9 @@ class SignalReader:
                 if found:
                     top = max(found, key=lambda s: s.value)
                     mine[signal], src[signal], ts[signal] = top.value, "container", top.ts
+                    cid = _get(top.labels, model.CONTAINER_ID)
+                    name = next((c.name for c in pod.containers if c.id == cid), "")
+                    containers.setdefault(pod.uid, {})[signal] = (cid, name)
             for signal, lbls in (("cpu_psi", psi_cpu), ("memory_psi", psi_memory)):
                 sample = read(model.POD_PSI, lbls, now)
                 if sample is not None:
@@ -170,7 +189,7 @@ class SignalReader:
         total = read(model.NODE_MEMORY_TOTAL, model.NO_LABELS, now)
         return Observation(now, tuple(refs), signals, sources, tuple(be), stamps,
                            node_memory_used=used.value if used else None,
-                           node_memory_total=total.value if total else None)
+                           node_memory_total=total.value if total else None, containers=containers)
 
 
 def summary(obs: Observation) -> Mapping[str, object]:

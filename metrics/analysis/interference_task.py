@@ -15,8 +15,9 @@ Outputs:
   baseline, threshold, ratio, source) and culprits, and every signal with its baseline;
 * Prometheus (labels ``node, pod_namespace, pod_name, pod_uid``):
   ``koordetector_interference{…,resource}`` 0 none / 1 suspected / 2 confirmed for every
-  LS-class pod, ``koordetector_signal{…,signal}`` and
-  ``koordetector_signal_baseline{…,signal}`` (its learnt median), and
+  LS-class pod, ``koordetector_signal{…,container_id,container_name,signal}`` and
+  ``koordetector_signal_baseline{…}`` (its learnt median; the container is the worst
+  one of a per-container signal, empty for pod/node signals), and
   ``koordetector_analysis_seconds_total`` (the analyser's own CPU time);
 * one log line ``interference_verdict`` per change of a pod's verdict, and the same
   change to an event sink (a Kubernetes Event on the victim pod, when one is given:
@@ -64,7 +65,7 @@ EventSink = Callable[[PodRef, Verdict], None]
 
 @dataclass(frozen=True, slots=True)
 class InterferenceSettings:
-    interval: float = 2.0
+    interval: float = 1.0
     suspect_after: float = 2.0
     confirm_after: float = 4.0
     clear_after: float = 10.0
@@ -179,11 +180,14 @@ class InterferenceTask:
         obs = self.observation
         signals = obs.signals.get(uid, {}) if obs is not None else {}
         sources = obs.sources.get(uid, {}) if obs is not None else {}
-        detail = {}
+        where = obs.containers.get(uid, {}) if obs is not None else {}
+        detail: dict[str, dict[str, Any]] = {}
         for name, value in sorted(signals.items()):
             median, enter, leave = self.analyser.thresholds(uid, name)
             detail[name] = {"value": value, "source": sources.get(name, "pod"), "baseline": median,
                             "enter": enter, "exit": leave}
+            if name in where:
+                detail[name]["container_id"], detail[name]["container_name"] = where[name]
         be = [{"pod": b.pod.key, "cpu": b.cpu, "memory": b.memory} for b in obs.be] if obs is not None else []
         return {"pod_uid": uid, "at": self.at, "verdict": {r: v.as_dict() for r, v in mine.items()},
                 "signals": detail, "be_pods": be}
@@ -196,6 +200,8 @@ class InterferenceTask:
 
 class _Gauges(PromCollector):
     _POD: Final = ["node", "pod_namespace", "pod_name", "pod_uid"]
+    _CONTAINER: Final = ["container_id", "container_name"]
+    _NO_CONTAINER: Final = ("", "")
 
     def __init__(self, task: InterferenceTask, node: str) -> None:
         self._task = task
@@ -212,10 +218,13 @@ class _Gauges(PromCollector):
         level = GaugeMetricFamily("koordetector_interference",
                                   "Interference verdict of an LS-class pod: 0 none, 1 suspected, 2 confirmed",
                                   labels=[*self._POD, "resource"])
+        # A per-container signal (the worst container's) names its container; a pod- or
+        # node-level one leaves container_id/container_name empty (absent to Prometheus).
         signal = GaugeMetricFamily("koordetector_signal", "An interference signal of an LS-class pod (last value)",
-                                   labels=[*self._POD, "signal"])
+                                   labels=[*self._POD, *self._CONTAINER, "signal"])
         baseline = GaugeMetricFamily("koordetector_signal_baseline",
-                                     "The learnt quiet median of an interference signal", labels=[*self._POD, "signal"])
+                                     "The learnt quiet median of an interference signal",
+                                     labels=[*self._POD, *self._CONTAINER, "signal"])
         cost = CounterMetricFamily("koordetector_analysis_seconds",
                                    "CPU time spent by the interference analyser", labels=["node"])
         if fill:
@@ -226,10 +235,13 @@ class _Gauges(PromCollector):
                 for resource in RESOURCES:
                     if resource in mine:
                         level.add_metric([*base, resource], float(mine[resource].level))
-                for name, value in (obs.signals.get(uid, {}) if obs is not None else {}).items():
+                signals = obs.signals.get(uid, {}) if obs is not None else {}
+                where = obs.containers.get(uid, {}) if obs is not None else {}
+                for name, value in signals.items():
                     if name in SIGNALS:
-                        signal.add_metric([*base, name], value)
-                        baseline.add_metric([*base, name], task.analyser.thresholds(uid, name)[0])
+                        labels = [*base, *where.get(name, self._NO_CONTAINER), name]
+                        signal.add_metric(labels, value)
+                        baseline.add_metric(labels, task.analyser.thresholds(uid, name)[0])
             cost.add_metric([self._node], task.cpu_seconds)
         yield level
         yield signal

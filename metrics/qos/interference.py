@@ -5,10 +5,13 @@
   priority (``SUPPRESS + 5``) wins the conflict on ``kubepods/besteffort``'s quota, so
   arbitration keeps this cap while the verdict lasts; a quota already lower (suppress
   tighter still) is left alone. On cgroup v1, BE children with quotas above the cap are
-  clamped first and restored after (``tierquota``). With ``be_cpus`` > 0 BE is also
-  confined to that many CPUs (the highest BE may use), the cpuset winning over
-  cpu-suppress's the same way: a quota alone lets throttled BE threads run in bursts
-  on every CPU at the start of each period, which is what a latency-sensitive victim feels.
+  clamped first and restored after (``tierquota``). BE is also confined to ``be_cpus``
+  CPUs (the highest BE may use; default ``auto``: the cap rounded up, so 1 CPU for
+  0.5 core: the quota already allows no more, and the victims get the other CPUs to
+  themselves; 0: quota only), the cpuset winning over cpu-suppress's the same way: a
+  quota alone lets throttled BE threads run in bursts on every CPU at the start of each
+  period, which is what a latency-sensitive victim feels (koordlet's default
+  cpuSuppressPolicy is a cpuset too).
 * a **confirmed memory verdict** evicts the top culprit (the BE pod whose memory grew
   most), at most once per ``memory_cool_down`` (default 60 s). Reclaim by lowering the
   culprit's limit is not done: on cgroup v1 a limit below usage fails or OOM-kills
@@ -26,15 +29,17 @@ plans nothing and says why.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import structlog
 
-from hooks.cgroups import CPU_CFS_QUOTA
+from hooks.cgroups import CPU_CFS_QUOTA, CPUSET_CPUS
+from hooks.cpusets import format_cpu_list
 from metrics.analysis.interference import CPU, MEMORY, Level, Verdict, confirmed
 from metrics.model import PodView
-from metrics.qos.plan import Action, Evict, Plan, Priority, SetCgroup
+from metrics.qos.plan import Action, Evict, LeveledWrite, Plan, Priority, SetCgroup
 from metrics.qos.strategy import Input, RoundContext, RoundInputs, Strategy, StrategyInit
 from metrics.qos.suppress import BEState, CPULike, SuppressConfig, SuppressStrategy, read_be_state
 from metrics.qos.tierquota import ChildClamps
@@ -48,6 +53,8 @@ NAME: Final = "interference"
 #: the interference task registers itself.
 TASKS: Final = "tasks"
 Verdicts = Mapping[str, Mapping[str, Verdict]]
+#: ``args.be_cpus`` when unset: BE confined to ceil(be_cpu_cores) CPUs while capped.
+DEFAULT_BE_CPUS: Final = "auto"
 
 
 def _verdict_summary(verdicts: Verdicts | None) -> dict[str, Any] | None:
@@ -77,6 +84,8 @@ class Interference(Strategy):
         self.hold = hold
         #: >0: BE is also confined to this many CPUs (the highest of the recovery set).
         self.be_cpus = be_cpus
+        #: How ``be_cpus`` was chosen, for explain (``auto``: ceil(be_cpu_cores)).
+        self.be_cpus_why = f"{be_cpus}" if be_cpus else "0 (quota only)"
         self._cpusets = SuppressStrategy(suppress, topology)
         self.last_confirmed = float("-inf")
         self.dry_run = dry_run
@@ -104,7 +113,7 @@ class Interference(Strategy):
         cpu, memory = confirmed(verdicts, CPU), confirmed(verdicts, MEMORY)
         info: dict[str, Any] = {"cpu_confirmed": [_brief(v) for v in cpu],
                                 "memory_confirmed": [_brief(v) for v in memory],
-                                "be_cpu_cores": self.be_cpu_cores}
+                                "be_cpu_cores": self.be_cpu_cores, "be_cpus": self.be_cpus_why}
         actions: list[Action] = []
         reasons: list[str] = []
         state = inputs[self.state_input]
@@ -118,24 +127,37 @@ class Interference(Strategy):
             reasons.append(f"CPU interference cleared; cap held {left:.0f}s more")
             actions += self._cap(state, [], reasons, info, inputs.pods)
         elif self.capping:
-            actions += self._release(reasons, inputs.pods)
+            actions += self._release(reasons, inputs.pods, state)
         if memory and self.memory_evict:
             actions += self._evict(inputs, memory, reasons, info)
         return Plan(NAME, self.priority, tuple(actions), info, "; ".join(reasons) or "no confirmed interference")
 
     def _cap(self, state: BEState, cpu: list[Verdict], reasons: list[str], info: dict[str, Any],
              pods: Sequence[PodView]) -> list[Action]:
-        out = self._confine(pods, info) if self.be_cpus > 0 else []
+        out = self._confine(pods, info, state) if self.be_cpus > 0 else []
         return out + self._cap_quota(state, cpu, reasons, info)
 
-    def _confine(self, pods: Sequence[PodView], info: dict[str, Any]) -> list[Action]:
+    def _confine(self, pods: Sequence[PodView], info: dict[str, Any], state: BEState) -> list[Action]:
         """BE on the last ``be_cpus`` CPUs BE may use: the victims get the others to themselves."""
         allowed = sorted(self._cpusets.recovery_cpus(pods))
         if len(allowed) <= self.be_cpus:
             return []
         chosen = frozenset(allowed[-self.be_cpus:])
         info["cpuset"] = sorted(chosen)
-        return [self._cpusets._cpuset_write(pods, chosen, f"interference: BE confined to {sorted(chosen)}")]
+        return [self._cpuset(pods, chosen, f"interference: BE confined to {sorted(chosen)}", state)]
+
+    def _cpuset(self, pods: Sequence[PodView], cpus: frozenset[int], why: str, state: BEState | None) -> Action:
+        """The tier's, pods' and containers' cpusets; on v1 every cgroup under the tier as
+        found on the filesystem (``state.children``): a v1 cpuset may not drop CPUs a
+        child still has (EBUSY), and a sandbox's pause cgroup is in no pod view."""
+        views = self._cpusets._cpuset_write(pods, cpus, why)
+        if state is None or not state.children:
+            return views
+        text = format_cpu_list(cpus)
+        depths: dict[int, list[SetCgroup]] = {}
+        for child in state.children:
+            depths.setdefault(child.depth, []).append(SetCgroup(child.cgroup, CPUSET_CPUS, text, why, child.pod_uid))
+        return LeveledWrite((views.levels[0], *(tuple(depths[d]) for d in sorted(depths))), why)
 
     def _cap_quota(self, state: BEState, cpu: list[Verdict], reasons: list[str], info: dict[str, Any]
                    ) -> list[Action]:
@@ -157,7 +179,7 @@ class Interference(Strategy):
         info["quota"] = quota
         return [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, why), state.children)]
 
-    def _release(self, reasons: list[str], pods: Sequence[PodView]) -> list[Action]:
+    def _release(self, reasons: list[str], pods: Sequence[PodView], state: BEState | None = None) -> list[Action]:
         original = self.original_quota if self.original_quota is not None else -1
         why = f"CPU interference cleared: BE cfs quota back to {original}"
         self._audit("release_be_cpu", [], quota=original)
@@ -165,7 +187,7 @@ class Interference(Strategy):
         reasons.append(why)
         out: list[Action] = [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, original, why), None)]
         if self.be_cpus > 0:
-            out.append(self._cpusets._cpuset_write(pods, self._cpusets.recovery_cpus(pods), why))
+            out.append(self._cpuset(pods, self._cpusets.recovery_cpus(pods), why, state))
         return out
 
     def _evict(self, inputs: RoundInputs, memory: list[Verdict], reasons: list[str],
@@ -215,16 +237,22 @@ def _number(args: Mapping[str, Any], key: str, default: float, key_path: str) ->
 
 
 def interference(init: StrategyInit) -> Interference:
-    """Entry point. ``args``: ``be_cpu_cores`` (0.5), ``be_cpus`` (0: quota only),
+    """Entry point. ``args``: ``be_cpu_cores`` (0.5), ``be_cpus`` (auto: ceil(be_cpu_cores); 0: quota only),
     ``hold`` (30s), ``memory_evict`` (true), ``memory_cool_down`` (60s)."""
     args, where = init.args, init.key_path
     known = ("be_cpu_cores", "be_cpus", "hold", "memory_evict", "memory_cool_down")
     unknown = sorted(set(args) - set(known))
     if unknown:
         raise HookConfigError(f"{where}.{unknown[0]}", args[unknown[0]], f"unknown key ({', '.join(known)})")
-    be_cpus = args.get("be_cpus", 0)
-    if isinstance(be_cpus, bool) or not isinstance(be_cpus, int) or be_cpus < 0:
-        raise HookConfigError(f"{where}.be_cpus", be_cpus, "must be a number of CPUs >= 0 (0: quota only)")
+    cap = _number(args, "be_cpu_cores", 0.5, where)
+    be_cpus = args.get("be_cpus", DEFAULT_BE_CPUS)
+    if be_cpus == "auto":
+        be_cpus = max(math.ceil(cap), 1)
+        why = f"{be_cpus} (auto: be_cpu_cores {cap:g} rounded up)"
+    elif isinstance(be_cpus, bool) or not isinstance(be_cpus, int) or be_cpus < 0:
+        raise HookConfigError(f"{where}.be_cpus", be_cpus, "must be auto or a number of CPUs >= 0 (0: quota only)")
+    else:
+        why = f"{be_cpus}" if be_cpus else "0 (quota only)"
     memory_evict = args.get("memory_evict", True)
     if not isinstance(memory_evict, bool):
         raise HookConfigError(f"{where}.memory_evict", memory_evict, "must be true or false")
@@ -245,6 +273,8 @@ def interference(init: StrategyInit) -> Interference:
         task = from_shared(tasks) if isinstance(tasks, Mapping) else None
         return task.verdicts if task is not None else None
 
-    return Interference(verdicts, be_cpu_cores=_number(args, "be_cpu_cores", 0.5, where), memory_evict=memory_evict,
-                        memory_cool_down=cool, dry_run=init.config.dry_run, suppress=init.config.suppress, hold=hold,
-                        be_cpus=be_cpus, topology=init.topology)
+    strategy = Interference(verdicts, be_cpu_cores=cap, memory_evict=memory_evict, memory_cool_down=cool,
+                            dry_run=init.config.dry_run, suppress=init.config.suppress, hold=hold, be_cpus=be_cpus,
+                            topology=init.topology)
+    strategy.be_cpus_why = why
+    return strategy

@@ -230,6 +230,20 @@ class TSDBReads:
         ms, value = max(candidates)
         return Sample(metric, value, canon, q.from_ms(ms))
 
+    def series_handle(self, metric: str, labels: Labels) -> SeriesKey:
+        """A handle of one series for ``newest`` (its labels encoded once, read many)."""
+        return series_key(metric, q.canonical(labels))
+
+    def newest(self, handle: SeriesKey) -> tuple[float, float] | None:
+        """``(ts, value)`` of the newest sample this writer wrote for the series (None:
+        none since start, or forgotten at GC): the in-memory latest-value view the write
+        path keeps anyway. No label encoding, no query: what a reader of every pod's
+        newest signals every second needs (``last`` per series cost the interference
+        analyser twice its own work, most of it encoding labels)."""
+        with self._batch_lock:
+            found = self._latest.get(handle)
+        return (found[0] / 1000, found[1]) if found is not None else None
+
     def newest_values(self) -> list[tuple[str, Labels, float]]:
         """``(metric, labels, value)`` of the newest sample of every series this writer
         wrote (flushed or not; until GC's retention cut), for the Prometheus exporter:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hooks.qos import QoSClass
 from metrics import model
@@ -84,9 +85,46 @@ def test_store_to_verdict_explain_metrics_and_events(db: TSDB) -> None:
     assert ('koordetector_interference{node="node-1",pod_name="pod-ls",pod_namespace="ns",pod_uid="ls",'
             'resource="cpu"} 2.0') in text
     assert 'resource="memory"} 0.0' in text
-    assert 'koordetector_signal{node="node-1",pod_name="pod-ls",pod_namespace="ns",pod_uid="ls",' \
-           'signal="sched_latency_p99"} 0.03' in text
+    assert 'koordetector_signal{container_id="c-ls",container_name="main",node="node-1",pod_name="pod-ls",' \
+           'pod_namespace="ns",pod_uid="ls",signal="sched_latency_p99"} 0.03' in text
     assert "koordetector_analysis_seconds_total" in text
+
+
+def test_per_container_signals_carry_the_seed_labels(db: TSDB) -> None:
+    """Every koordetector series names node and pod; a per-container signal also names
+    its (worst) container; pod-level signals and the verdict keep the pod labels only."""
+    ls = PodView(uid="ls", namespace="ns", name="pod-ls", sandbox_id="ls", qos=QoSClass.LS, priority=0,
+                 priority_class="", cgroup_dir="kubepods/ls",
+                 containers=(ContainerView("c-app", "app", "kubepods/ls/a"),
+                             ContainerView("c-side", "sidecar", "kubepods/ls/s")))
+    pods = [ls, _view("be", QoSClass.BE)]
+    task = InterferenceTask(InterferenceSettings(min_baseline=5), db, lambda: pods)
+    psi = model.labels(pod_uid="ls", resource="cpu", kind="some", window="avg10")
+    for i in range(3):
+        t = 1000.0 + i
+        db.write([
+            Sample(model.CONTAINER_SCHED_LATENCY_P99, 0.0004, model.labels(pod_uid="ls", container_id="c-app",
+                                                                             source="ebpf"), t),
+            Sample(model.CONTAINER_SCHED_LATENCY_P99, 0.0009, model.labels(pod_uid="ls", container_id="c-side",
+                                                                             source="ebpf"), t),
+            Sample(model.POD_PSI, 3.0, psi, t),
+        ])
+        db.flush()
+        task.step(pods, t)
+    registry = CollectorRegistry()
+    registry.register(task.gauges("node-1"))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    pod = {"node": "node-1", "pod_namespace": "ns", "pod_name": "pod-ls", "pod_uid": "ls"}
+    for name in ("koordetector_signal", "koordetector_signal_baseline"):
+        by_signal = {s.labels["signal"]: s.labels for s in families[name].samples}
+        assert by_signal["sched_latency_p99"] == {**pod, "container_id": "c-side", "container_name": "sidecar",
+                                                  "signal": "sched_latency_p99"}
+        assert by_signal["cpu_psi"] == {**pod, "container_id": "", "container_name": "", "signal": "cpu_psi"}
+    assert {s.labels["signal"]: s.value for s in families["koordetector_signal"].samples}["sched_latency_p99"] \
+        == 0.0009
+    assert [s.labels for s in families["koordetector_interference"].samples] == [
+        {**pod, "resource": "cpu"}, {**pod, "resource": "memory"}]
+    assert task.explain_uid("ls")["signals"]["sched_latency_p99"]["container_name"] == "sidecar"
 
 
 @pytest.mark.parametrize(("raw", "key", "value"), [
@@ -135,3 +173,30 @@ def test_a_confirmed_verdict_is_a_warning_event_on_the_victim_pod(db: TSDB) -> N
     assert (involved["kind"], involved["name"], involved["namespace"], involved["uid"]) == ("Pod", "pod-ls", "ns", "ls")
     message = str(event["message"])
     assert message.startswith("cpu interference confirmed (sched_latency_p99 0.03") and "ns/pod-be" in message
+
+
+def test_the_memlat_collectors_series_feed_the_memory_signals(db: TSDB) -> None:
+    """memlat's stalled share (every tick, 0 when idle) and reclaim p99 (only with
+    stalls) are the memory signals: a learnt quiet share, then stalls while a BE pod
+    grows, confirm a memory verdict naming the container and the BE pod."""
+    task = InterferenceTask(InterferenceSettings(min_baseline=5), db, lambda: PODS)
+    stall = {"pod_uid": "ls", "container_id": "c-ls", "source": "ebpf"}
+    for i in range(40):
+        t = 1000.0 + i
+        hot = i >= 25
+        samples = [Sample(model.CONTAINER_MEMORY_ALLOC_STALL, 0.4 if hot else 0.0,
+                          model.labels(**stall, kind=kind), t) for kind in ("reclaim", "compaction")]
+        if hot:
+            samples.append(Sample(model.CONTAINER_MEMORY_ALLOC_LATENCY_P99, 0.016,
+                                  model.labels(**stall, kind="reclaim"), t))
+        samples += [Sample(model.POD_CPU_USAGE, 0.1, model.labels(pod_uid="be"), t),
+                    Sample(model.POD_MEMORY_USED, 1e8 + (i - 25) * 2e7 * hot, model.labels(pod_uid="be"), t)]
+        db.write(samples)
+        db.flush()
+        task.step(PODS, t)
+    memory = task.verdicts["ls"]["memory"]
+    assert memory.level == 2 and memory.culprits[0].pod.name == "pod-be"
+    assert {e.signal for e in memory.evidence} == {"alloc_stall"}  # reclaim_latency: no quiet baseline yet
+    signals = task.explain_uid("ls")["signals"]
+    assert signals["alloc_stall"]["value"] == 0.4 and signals["alloc_stall"]["container_name"] == "main"
+    assert signals["reclaim_latency"]["value"] == 0.016

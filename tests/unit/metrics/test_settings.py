@@ -27,7 +27,7 @@ def test_shipped_tasks_are_the_documented_defaults() -> None:
     # every installed collector listed, enabled, at its default interval
     assert {c.name for c in metrics.collectors} == set(installed_collectors())
     assert all(c.enabled and c.interval is None and not c.args for c in metrics.collectors)
-    assert metrics.intervals == Intervals(node=1, pods=1, psi=10, schedlat=10, cpi=60, topology=60)
+    assert metrics.intervals == Intervals(node=1, pods=1, psi=10, schedlat=1, cpi=60, topology=60)
     qos = parse_qos(tasks["qos-manager"], "tasks.qos-manager")
     assert replace(qos, strategies=None) == QoSSettings()
     # the shipped list is what no list means: every installed strategy, in the documented order

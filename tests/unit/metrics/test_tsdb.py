@@ -399,6 +399,29 @@ def test_newest_values_are_kept_until_a_series_is_silent_for_latest_keep(path: P
         assert db.last(CPU, B, LATEST_KEEP * 2, T0 + LATEST_KEEP + 1) == Sample(CPU, 2.0, B, T0), "from the file"
 
 
+def test_newest_by_handle_is_the_latest_value_view(path: Path) -> None:
+    """``newest(series_handle(...))``: the newest sample written, flushed or not, in any
+    label order; out-of-order samples do not replace it; forgotten at GC like
+    ``newest_values`` (the file still has it for ``last``)."""
+    from metrics.store.tsdb import LATEST_KEEP
+
+    clock = Clock()
+    with TSDB(path, clock=clock) as db:
+        a = db.series_handle(CPU, A)
+        both = labels(pod_uid="a", container_id="c")
+        assert db.series_handle(CPU, tuple(reversed(both))) == db.series_handle(CPU, both)
+        assert db.newest(a) is None
+        db.write([Sample(CPU, 1.0, A, T0)])
+        assert db.newest(a) == (T0, 1.0)
+        db.flush()
+        db.write([Sample(CPU, 2.0, A, T0 + 2), Sample(CPU, 9.0, A, T0 + 1)])
+        assert db.newest(a) == (T0 + 2, 2.0)
+        assert db.newest(db.series_handle(CPU, B)) is None
+        db.flush()
+        db.gc(now=T0 + 2 + LATEST_KEEP + 1)
+        assert db.newest(a) is None
+
+
 def test_gc_forgets_the_label_sets_of_series_silent_past_latest_keep(path: Path) -> None:
     """Pod churn: the label-set index of series whose pods are gone (silent past
     ``LATEST_KEEP``) is dropped at GC, not kept until 100 000 label sets pile up

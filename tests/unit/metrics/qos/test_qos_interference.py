@@ -91,7 +91,7 @@ def envs(tmp_path: Path, closing: Callable[[Env], Env]) -> Callable[..., Env]:
 
 @pytest.mark.asyncio
 async def test_confirmed_cpu_caps_be_below_suppress_and_clearing_gives_it_back(envs: Any) -> None:
-    env = envs()
+    env = envs(args={"be_cpus": 0})  # quota only
     await env.round()
     suppressed = int(env.quota())
     assert suppressed > 50_000  # usage-based suppression alone: 8 x 65% - 1 - reserved
@@ -201,6 +201,47 @@ async def test_be_cpus_also_confines_be_and_gives_the_cpus_back(envs: Any) -> No
     env.now += 5
     await env.round()
     assert cpus.read_text().strip() == "0-7" and pod_cpus.read_text().strip() == "0-7"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("cap", "confined"), [(0.5, "7"), (1.5, "6-7")])
+async def test_by_default_be_is_confined_to_the_cap_rounded_up(envs: Any, cap: float, confined: str) -> None:
+    """``be_cpus`` unset (auto): BE on ceil(be_cpu_cores) CPUs while capped, explained;
+    in dry-run the same plan is audited and nothing is written."""
+    for dry in (True, False):
+        env = envs(dry_run=dry, args={"be_cpu_cores": cap})
+        cpus = env.root / "cpuset" / BE_DIR / "cpuset.cpus"
+        env.verdicts = verdicts(cpu=Level.CONFIRMED)
+        with capture_logs() as logs:
+            await env.round()
+        plan = env.manager.explain()["strategies"]["interference"]["plan"]
+        assert plan["inputs"]["be_cpus"] == f"{confined.count('-') + 1} (auto: be_cpu_cores {cap:g} rounded up)"
+        assert plan["inputs"]["cpuset"] == [int(c) for c in confined.split("-")]
+        assert [(a["action"], a["dry_run"]) for a in logs if a["event"] == "interference_action"] == [
+            ("cap_be_cpu", dry)]
+        assert cpus.read_text().strip() == ("0-7" if dry else confined)
+        assert env.quota() == ("-1" if dry else str(int(cap * 100_000)))
+
+
+@pytest.mark.asyncio
+async def test_confinement_narrows_every_cgroup_under_the_tier_first(envs: Any) -> None:
+    """v1: a cpuset may not drop CPUs a child still has (EBUSY), so the sandbox's pause
+    cgroup, in no pod view, is narrowed too, bottom-up, and widened back after."""
+    env = envs(args={"hold": "5s"})
+    pause = Path(BE.cgroup_dir) / "sandbox-c"
+    for controller, files in (("cpu", {"cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000"}),
+                              ("cpuset", {"cpuset.cpus": "0-7"})):
+        (env.root / controller / pause).mkdir()
+        for name, value in files.items():
+            (env.root / controller / pause / name).write_text(value + "\n")
+    env.verdicts = verdicts(cpu=Level.CONFIRMED)
+    await env.round()
+    assert (env.root / "cpuset" / pause / "cpuset.cpus").read_text().strip() == "7"
+    assert (env.root / "cpuset" / BE_DIR / "cpuset.cpus").read_text().strip() == "7"
+    env.verdicts = verdicts()
+    env.now += 5
+    await env.round()
+    assert (env.root / "cpuset" / pause / "cpuset.cpus").read_text().strip() == "0-7"
 
 
 def test_be_cpus_must_be_a_count() -> None:
