@@ -272,11 +272,12 @@ class Lifecycle:
         return ctx.pod.labels.get(skip.key) == skip.value
 
     async def _pre(self, ctx: Context, deadline: float | None) -> Outcome:
-        await self.posts.wait(ctx.pod.meta.uid)  # an earlier call's Post stage comes first
-        if self._skipped(ctx):
+        chain = self._chain()
+        if self._skipped(ctx) or not chain.for_stage(ctx.stage):
             return Outcome(context=ctx, patches=(), changes=())
+        await self.posts.wait(ctx.pod.meta.uid)  # a Pre hook sees what the pod's earlier Post hooks did
         try:
-            return await self._chain().run(ctx, deadline=deadline)
+            return await chain.run(ctx, deadline=deadline)
         except HookFailed as exc:
             code = Code.DEADLINE_EXCEEDED if exc.deadline and _expired(deadline) else Code.FAILED_PRECONDITION
             log.error("cri_call_rejected", hook=exc.hook, stage=exc.stage.value, reason=exc.reason)

@@ -6,10 +6,11 @@ the backend answered and the store is updated, and the Post stage runs right aft
 Measured on the shipped chain (docs/benchmarks.md): ~2 ms of hook time per pod lifecycle
 left the reply path, on calls of which the proxy's own cost is the point of issue 15.
 
-What still holds: one pod's Post stages run one after another in call order, and the
-next call on that pod runs its Pre stage only once the earlier Post stages are done (so a
-StopPodSandbox's cleanup never overtakes the RunPodSandbox that preceded it, and a Pre
-hook sees what the Post hooks before it left). A drain waits for them too.
+What still holds: one pod's Post stages run one after another in call order, and a
+Pre stage with hooks on that pod runs only once the earlier Post stages are done (a Pre
+hook sees what the Post hooks before it left). A call with no Pre hook does not wait:
+nothing of ours runs before it, and its own Post stage queues behind the others. A
+drain waits for them too.
 """
 
 from __future__ import annotations

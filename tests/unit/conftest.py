@@ -557,6 +557,11 @@ class PostSleeper:
         EVENTS.append((self.name, ctx.stage.value, ctx))
         ENDED.append((f"{ctx.stage.value}:{ctx.pod.meta.uid}", time.monotonic()))
 
+    def post_create_container(self, ctx):
+        EVENTS.append((self.name, ctx.stage.value, ctx))
+        time.sleep(self.seconds)
+        ENDED.append((f"{ctx.stage.value}:{ctx.pod.meta.uid}", time.monotonic()))
+
 
 class SyncSleeper:
     """Blocking sleep in the hook thread (the chain must not wait for it past its timeout)."""

@@ -340,6 +340,22 @@ async def test_the_reply_does_not_wait_for_post_hooks_the_pods_next_call_does(
 
 
 @pytest.mark.asyncio
+async def test_a_call_without_pre_hooks_does_not_wait_for_the_pods_post_hooks(
+    fake_runtime, start_proxy, hook_module
+) -> None:
+    proxy = await start_proxy(fake_runtime, hooks=[
+        plugin_hook(hook_module, "slow", "PostSleeper", args={"seconds": 0.6})])
+    await proxy.call(RUN, run_request())
+    await proxy.unary(CREATE)(create_request().SerializeToString(), timeout=5)
+    assert proxy.app.lifecycle.posts.pending == 1  # PostCreateContainer sleeping
+    start = time.monotonic()
+    await proxy.unary(START)(cri.StartContainerRequest(container_id="ctr-1").SerializeToString(), timeout=5)
+    assert time.monotonic() - start < 0.45, "StartContainer (no Pre hook) waited for PostCreateContainer"
+    assert [name for name, _ in hook_module.ended][-1] != "PostCreateContainer:uid-1"
+    assert await proxy.app.lifecycle.posts.settle(timeout=5)
+
+
+@pytest.mark.asyncio
 async def test_a_stop_waits_for_post_hooks_of_answered_calls(fake_runtime, start_proxy, hook_module) -> None:
     proxy = await start_proxy(fake_runtime, hooks=[
         plugin_hook(hook_module, "slow", "PostSleeper", args={"seconds": 0.5})])
