@@ -65,7 +65,7 @@ EventSink = Callable[[PodRef, Verdict], None]
 
 @dataclass(frozen=True, slots=True)
 class InterferenceSettings:
-    interval: float = 1.0
+    interval: float = 2.0
     suspect_after: float = 2.0
     confirm_after: float = 4.0
     clear_after: float = 10.0

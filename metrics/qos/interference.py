@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import PurePosixPath
 from typing import Any, Final
 
 import structlog
 
-from hooks.cgroups import CPU_CFS_QUOTA, CPUSET_CPUS
+from hooks.cgroups import CPU_CFS_QUOTA, CPU_IDLE, CPUSET_CPUS, CgroupError
 from hooks.cpusets import format_cpu_list
 from metrics.analysis.interference import CPU, MEMORY, Level, Verdict, confirmed
 from metrics.model import PodView
@@ -76,7 +77,7 @@ class Interference(Strategy):
     def __init__(self, verdicts: Callable[[], Verdicts | None], *, be_cpu_cores: float = 0.5,
                  memory_evict: bool = True, memory_cool_down: float = 60.0, dry_run: bool = False,
                  suppress: SuppressConfig = SuppressConfig(), hold: float = 30.0, be_cpus: int = 0,
-                 topology: Sequence[CPULike] = ()) -> None:
+                 topology: Sequence[CPULike] = (), be_idle: bool = True) -> None:
         self._verdicts = verdicts
         self.be_cpu_cores = be_cpu_cores
         self.memory_evict = memory_evict
@@ -86,6 +87,11 @@ class Interference(Strategy):
         self.be_cpus = be_cpus
         #: How ``be_cpus`` was chosen, for explain (``auto``: ceil(be_cpu_cores)).
         self.be_cpus_why = f"{be_cpus}" if be_cpus else "0 (quota only)"
+        #: The BE tier SCHED_IDLE (cpu.idle 1) while capping: a victim's wake-up then preempts
+        #: BE at once and counts BE's CPUs as idle when placed (koordlet's BE group identity).
+        self.be_idle = be_idle
+        #: The tier's cpu.idle found before the cap (None: not set by us).
+        self.original_idle: int | None = None
         self._cpusets = SuppressStrategy(suppress, topology)
         self.last_confirmed = float("-inf")
         self.dry_run = dry_run
@@ -98,13 +104,21 @@ class Interference(Strategy):
         self.verdict_input: Input[Verdicts | None] = Input("interference_verdicts", self._read, _verdict_summary)
         # Same name as cpu-suppress's input: read once per round when both are listed.
         self.state_input: Input[BEState] = Input("be_state", self._read_state, _state_summary)
-        self.reads = (self.verdict_input, self.state_input)
+        self.idle_input: Input[int | None] = Input("be_tier_cpu_idle", self._read_idle, lambda v: v)
+        self.reads = (self.verdict_input, self.state_input, self.idle_input)
 
     def _read(self, ctx: RoundContext) -> Verdicts | None:
         return self._verdicts()
 
     def _read_state(self, ctx: RoundContext) -> BEState:
         return read_be_state(ctx.executor, self.cfg, ctx.pods)
+
+    def _read_idle(self, ctx: RoundContext) -> int | None:
+        """The BE tier's cpu.idle; None without one (kernels before 5.15) or unreadable."""
+        try:
+            return int(ctx.executor.read(PurePosixPath(self.cfg.besteffort_dir), CPU_IDLE).strip())
+        except (CgroupError, ValueError):
+            return None
 
     def plan(self, inputs: RoundInputs) -> Plan:
         verdicts = inputs[self.verdict_input]
@@ -116,16 +130,16 @@ class Interference(Strategy):
                                 "be_cpu_cores": self.be_cpu_cores, "be_cpus": self.be_cpus_why}
         actions: list[Action] = []
         reasons: list[str] = []
-        state = inputs[self.state_input]
+        state, idle = inputs[self.state_input], inputs[self.idle_input]
         if cpu:
             self.last_confirmed = inputs.now
-            actions += self._cap(state, cpu, reasons, info, inputs.pods)
+            actions += self._cap(state, cpu, reasons, info, inputs.pods) + self._idle(idle, cpu, info)
         elif self.capping and inputs.now - self.last_confirmed < self.hold:
             # Held a while after the verdict clears: the cap is what cleared it, and
             # lifting it at once would bring the interference straight back (flapping).
             left = self.hold - (inputs.now - self.last_confirmed)
             reasons.append(f"CPU interference cleared; cap held {left:.0f}s more")
-            actions += self._cap(state, [], reasons, info, inputs.pods)
+            actions += self._cap(state, [], reasons, info, inputs.pods) + self._idle(idle, [], info)
         elif self.capping:
             actions += self._release(reasons, inputs.pods, state)
         if memory and self.memory_evict:
@@ -179,6 +193,19 @@ class Interference(Strategy):
         info["quota"] = quota
         return [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, why), state.children)]
 
+    def _idle(self, idle: int | None, cpu: list[Verdict], info: dict[str, Any]) -> list[Action]:
+        if not self.be_idle:
+            return []
+        if idle is None:
+            info["be_idle"] = f"no cpu.idle on {self.cfg.besteffort_dir}: not set"
+            return []
+        if self.original_idle is None:
+            self.original_idle = idle
+        info["be_idle"] = 1
+        victims = ", ".join(v.pod.key for v in cpu) or "none now (held)"
+        return [SetCgroup(self.cfg.besteffort_dir, CPU_IDLE, 1,
+                          f"interference on {victims}: BE tier SCHED_IDLE (cpu.idle 1)")]
+
     def _release(self, reasons: list[str], pods: Sequence[PodView], state: BEState | None = None) -> list[Action]:
         original = self.original_quota if self.original_quota is not None else -1
         why = f"CPU interference cleared: BE cfs quota back to {original}"
@@ -188,6 +215,10 @@ class Interference(Strategy):
         out: list[Action] = [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, original, why), None)]
         if self.be_cpus > 0:
             out.append(self._cpuset(pods, self._cpusets.recovery_cpus(pods), why, state))
+        if self.original_idle is not None:
+            out.append(SetCgroup(self.cfg.besteffort_dir, CPU_IDLE, self.original_idle,
+                                 f"CPU interference cleared: BE tier cpu.idle back to {self.original_idle}"))
+            self.original_idle = None
         return out
 
     def _evict(self, inputs: RoundInputs, memory: list[Verdict], reasons: list[str],
@@ -238,9 +269,10 @@ def _number(args: Mapping[str, Any], key: str, default: float, key_path: str) ->
 
 def interference(init: StrategyInit) -> Interference:
     """Entry point. ``args``: ``be_cpu_cores`` (0.5), ``be_cpus`` (auto: ceil(be_cpu_cores); 0: quota only),
-    ``hold`` (30s), ``memory_evict`` (true), ``memory_cool_down`` (60s)."""
+    ``be_idle`` (true: the BE tier SCHED_IDLE while capping), ``hold`` (30s), ``memory_evict`` (true),
+    ``memory_cool_down`` (60s)."""
     args, where = init.args, init.key_path
-    known = ("be_cpu_cores", "be_cpus", "hold", "memory_evict", "memory_cool_down")
+    known = ("be_cpu_cores", "be_cpus", "be_idle", "hold", "memory_evict", "memory_cool_down")
     unknown = sorted(set(args) - set(known))
     if unknown:
         raise HookConfigError(f"{where}.{unknown[0]}", args[unknown[0]], f"unknown key ({', '.join(known)})")
@@ -253,6 +285,9 @@ def interference(init: StrategyInit) -> Interference:
         raise HookConfigError(f"{where}.be_cpus", be_cpus, "must be auto or a number of CPUs >= 0 (0: quota only)")
     else:
         why = f"{be_cpus}" if be_cpus else "0 (quota only)"
+    be_idle = args.get("be_idle", True)
+    if not isinstance(be_idle, bool):
+        raise HookConfigError(f"{where}.be_idle", be_idle, "must be true or false")
     memory_evict = args.get("memory_evict", True)
     if not isinstance(memory_evict, bool):
         raise HookConfigError(f"{where}.memory_evict", memory_evict, "must be true or false")
@@ -275,6 +310,6 @@ def interference(init: StrategyInit) -> Interference:
 
     strategy = Interference(verdicts, be_cpu_cores=cap, memory_evict=memory_evict, memory_cool_down=cool,
                             dry_run=init.config.dry_run, suppress=init.config.suppress, hold=hold, be_cpus=be_cpus,
-                            topology=init.topology)
+                            topology=init.topology, be_idle=be_idle)
     strategy.be_cpus_why = why
     return strategy

@@ -249,3 +249,44 @@ def test_be_cpus_must_be_a_count() -> None:
                         topology=[], executor=CgroupExecutor(CgroupLayout(Path("/nonexistent"), version=1)))
     with pytest.raises(HookConfigError, match=r"s\.args\.be_cpus"):
         interference(init)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("dry_run", "be_idle", "expected"),
+                         [(False, True, "1"), (True, True, "0"), (False, False, "0")])
+async def test_a_confirmed_cpu_verdict_makes_the_be_tier_sched_idle_until_released(
+    envs: Any, dry_run: bool, be_idle: bool, expected: str
+) -> None:
+    """The kernel then preempts BE at once when a victim wakes and places the victim on a
+    CPU running only BE (measured: LS probe p99 1.8x alone under 6 BE hogs, 12x without)."""
+    env = envs(dry_run=dry_run, args={"be_cpus": 0, "be_idle": be_idle})
+    idle = env.root / "cpu" / BE_DIR / "cpu.idle"
+    idle.write_text("0\n")
+    env.verdicts = verdicts(cpu=Level.CONFIRMED)
+    await env.round()
+    assert idle.read_text().strip() == expected
+    inputs = env.manager.explain()["strategies"]["interference"]["plan"]["inputs"]
+    assert inputs.get("be_idle") == (1 if be_idle else None)
+    env.verdicts = verdicts()
+    env.now += 31  # past the hold
+    await env.round()
+    assert idle.read_text().strip() == "0"  # given back with the quota
+    assert env.strategy.original_idle is None
+
+
+@pytest.mark.asyncio
+async def test_without_cpu_idle_the_tier_is_left_alone_and_explain_says_so(envs: Any) -> None:
+    env = envs(args={"be_cpus": 0})
+    env.verdicts = verdicts(cpu=Level.CONFIRMED)
+    await env.round()
+    assert env.quota() == "50000"
+    assert not (env.root / "cpu" / BE_DIR / "cpu.idle").exists()
+    assert "no cpu.idle" in env.manager.explain()["strategies"]["interference"]["plan"]["inputs"]["be_idle"]
+
+
+def test_be_idle_must_be_a_bool() -> None:
+    init = StrategyInit(name="interference", args={"be_idle": "yes"}, key_path="strategies[4].args",
+                        config=ManagerConfig(), topology=[],
+                        executor=CgroupExecutor(CgroupLayout(Path("/nonexistent"), version=1)))
+    with pytest.raises(HookConfigError, match=r"strategies\[4\]\.args\.be_idle"):
+        interference(init)
