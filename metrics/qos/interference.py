@@ -36,11 +36,10 @@ from typing import Any, Final
 
 import structlog
 
-from hooks.cgroups import CPU_CFS_QUOTA, CPU_IDLE, CPUSET_CPUS, CgroupError
-from hooks.cpusets import format_cpu_list
+from hooks.cgroups import CPU_CFS_QUOTA, CPU_IDLE, CgroupError
 from metrics.analysis.interference import CPU, MEMORY, Level, Verdict, confirmed
 from metrics.model import PodView
-from metrics.qos.plan import Action, Evict, LeveledWrite, Plan, Priority, SetCgroup
+from metrics.qos.plan import Action, Evict, Plan, Priority, SetCgroup
 from metrics.qos.strategy import Input, RoundContext, RoundInputs, Strategy, StrategyInit
 from metrics.qos.suppress import BEState, CPULike, SuppressConfig, SuppressStrategy, read_be_state
 from metrics.qos.tierquota import ChildClamps
@@ -162,16 +161,8 @@ class Interference(Strategy):
 
     def _cpuset(self, pods: Sequence[PodView], cpus: frozenset[int], why: str, state: BEState | None) -> Action:
         """The tier's, pods' and containers' cpusets; on v1 every cgroup under the tier as
-        found on the filesystem (``state.children``): a v1 cpuset may not drop CPUs a
-        child still has (EBUSY), and a sandbox's pause cgroup is in no pod view."""
-        views = self._cpusets._cpuset_write(pods, cpus, why)
-        if state is None or not state.children:
-            return views
-        text = format_cpu_list(cpus)
-        depths: dict[int, list[SetCgroup]] = {}
-        for child in state.children:
-            depths.setdefault(child.depth, []).append(SetCgroup(child.cgroup, CPUSET_CPUS, text, why, child.pod_uid))
-        return LeveledWrite((views.levels[0], *(tuple(depths[d]) for d in sorted(depths))), why)
+        found on the filesystem (see ``SuppressStrategy._cpuset_write``)."""
+        return self._cpusets._cpuset_write(pods, cpus, why, state.children if state is not None else ())
 
     def _cap_quota(self, state: BEState, cpu: list[Verdict], reasons: list[str], info: dict[str, Any]
                    ) -> list[Action]:

@@ -247,10 +247,21 @@ class SuppressStrategy:
         lse = bound_cpus(pods, frozenset({QoSClass.LSE}), self._warned)
         return frozenset(c.cpu for c in self.topology) - lse - self.cfg.reserved_cpus
 
-    def _cpuset_write(self, pods: Sequence[PodView], cpus: frozenset[int], reason: str) -> LeveledWrite:
+    def _cpuset_write(self, pods: Sequence[PodView], cpus: frozenset[int], reason: str,
+                      children: Sequence[ChildQuota] = ()) -> LeveledWrite:
+        """The tier's, pods' and containers' cpusets. With ``children`` (every cgroup under
+        the tier as found on the filesystem, v1: ``BEState.children``) those are the levels:
+        a v1 cpuset may not drop CPUs a child still has (EBUSY), and a sandbox's pause
+        cgroup is in no pod view."""
         text = format_cpu_list(cpus)
-        be = [p for p in pods if p.qos is QoSClass.BE]
         top = (SetCgroup(self.cfg.besteffort_dir, CPUSET_CPUS, text, reason),)
+        if children:
+            depths: dict[int, list[SetCgroup]] = {}
+            for child in children:
+                depths.setdefault(child.depth, []).append(
+                    SetCgroup(child.cgroup, CPUSET_CPUS, text, reason, child.pod_uid))
+            return LeveledWrite((top, *(tuple(depths[d]) for d in sorted(depths))), reason)
+        be = [p for p in pods if p.qos is QoSClass.BE]
         pod_level = tuple(SetCgroup(PurePosixPath(p.cgroup_dir), CPUSET_CPUS, text, reason, p.uid) for p in be)
         ctr_level = tuple(SetCgroup(PurePosixPath(c.cgroup_dir), CPUSET_CPUS, text, reason, p.uid)
                           for p in be for c in p.containers)
@@ -311,7 +322,7 @@ class SuppressStrategy:
             return Plan(NAME, Priority.SUPPRESS, (), info, "no decision: no CPU left for BE")
         reason = f"BE suppress: {formula.suppress:.2f} cores -> cpuset {format_cpu_list(cpus)}"
         self.decision = Decision("cpuset", float(len(cpus)), formula)
-        actions = (self._cpuset_write(inputs.pods, cpus, reason),
+        actions = (self._cpuset_write(inputs.pods, cpus, reason, state.children),
                    *self.recover(inputs.pods, cpuset=False, quota=True, why="policy cpuset"))
         return Plan(NAME, Priority.SUPPRESS, actions, info, reason)
 

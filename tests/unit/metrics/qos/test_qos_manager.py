@@ -126,6 +126,23 @@ async def test_a_round_suppresses_the_be_tree_only(env_factory: Any) -> None:
 
 
 @pytest.mark.asyncio
+async def test_the_cpuset_policy_narrows_the_sandboxs_pause_cgroup_too(env_factory: Any) -> None:
+    """v1: a cpuset may not drop CPUs a child still has (EBUSY), and the sandbox's pause
+    cgroup is in no pod view: it is found on the filesystem and narrowed first."""
+    env = env_factory(ON)
+    pause = Path(BE.cgroup_dir) / "sandbox-c"
+    for controller, files in (("cpu", {"cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000"}),
+                              ("cpuset", {"cpuset.cpus": "0-7"})):
+        (env.root / controller / pause).mkdir()
+        for name, value in files.items():
+            (env.root / controller / pause / name).write_text(value + "\n")
+    env.usage()
+    await env.manager.run_once()
+    assert env.read("cpuset", str(pause), "cpuset.cpus") == "0,2,4"
+    assert env.read("cpuset", BE_DIR, "cpuset.cpus") == "0,2,4"
+
+
+@pytest.mark.asyncio
 async def test_dry_run_writes_nothing_but_explains(env_factory: Any) -> None:
     env = env_factory({**ON, "cpuBurstStrategy": {"policy": "auto"}}, dry_run=True)
     env.usage(mem=900.0)
