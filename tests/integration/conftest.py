@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from criapi import cri_v1_pb2
 from runtimeproxy.dataplane import find_haproxy
@@ -330,6 +331,18 @@ class ProxyProcess:
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.metrics_port}"
+
+    def cri_calls(self, method: str, path: str = "intercepted") -> float:
+        """``koord_runtime_proxy_cri_calls_total`` of a RuntimeService method on ``path``
+        (intercepted: counted by Python as the call arrives; passthrough: HAProxy's)."""
+        status, body = http_get(self.metrics_port, "/metrics", timeout=5)
+        assert status == 200, body
+        labels = {"method": f"/runtime.v1.RuntimeService/{method}", "path": path}
+        for family in text_string_to_metric_families(body.decode()):
+            for sample in family.samples:
+                if sample.name == "koord_runtime_proxy_cri_calls_total" and sample.labels == labels:
+                    return float(sample.value)
+        return 0.0
 
     # -- logs --------------------------------------------------------------
 

@@ -10,7 +10,6 @@ import signal
 import socket
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, Final
@@ -235,13 +234,6 @@ def test_second_instance_refuses_haproxys_live_socket(proxy_factory: Any, haprox
     assert _answers(running.socket)
 
 
-def _calls(proxy: Any, method: str, path: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.metrics_port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    wanted = f'koord_runtime_proxy_cri_calls_total{{method="/runtime.v1.RuntimeService/{method}",path="{path}"}}'
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(wanted))
-
-
 def test_python_gets_only_the_lifecycle_calls_a_hook_needs_and_a_reload_reroutes(
     proxy_factory: Any, haproxy_config: dict[str, Any], pods: Any
 ) -> None:
@@ -265,10 +257,10 @@ def test_python_gets_only_the_lifecycle_calls_a_hook_needs_and_a_reload_reroutes
     seen = {e["method"] for e in proxy.events("cri_call", pod_name="route-a")}
     assert seen == {"RunPodSandbox", "CreateContainer", "StartContainer"}
     for method in ("StopContainer", "RemoveContainer", "StopPodSandbox", "RemovePodSandbox"):
-        assert _calls(proxy, method, "passthrough") == 1, method
-        assert _calls(proxy, method, "intercepted") == 0, method
-    assert _calls(proxy, "StartContainer", "intercepted") == 1
-    assert _calls(proxy, "StartContainer", "passthrough") == 0
+        assert proxy.cri_calls(method, "passthrough") == 1, method
+        assert proxy.cri_calls(method, "intercepted") == 0, method
+    assert proxy.cri_calls("StartContainer", "intercepted") == 1
+    assert proxy.cri_calls("StartContainer", "passthrough") == 0
 
     doc = proxy.config()
     doc["hooks"] = [WATCH_STOP]
@@ -279,17 +271,8 @@ def test_python_gets_only_the_lifecycle_calls_a_hook_needs_and_a_reload_reroutes
     cycle("route-b")
     seen = {e["method"] for e in proxy.events("cri_call", pod_name="route-b")}
     assert seen == {"RunPodSandbox", "CreateContainer", "StartContainer", "StopContainer"}
-    assert _calls(proxy, "StopContainer", "intercepted") == 1
-    assert _calls(proxy, "StopContainer", "passthrough") == 1  # route-a's, counted by the old worker
-
-
-def _intercepted_stop_calls(proxy: Any) -> float:
-    """The interception server's StopContainer counter (counted as the call arrives)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.metrics_port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    wanted = 'koord_runtime_proxy_cri_calls_total{method="/runtime.v1.RuntimeService/StopContainer",' \
-             'path="intercepted"}'
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(wanted))
+    assert proxy.cri_calls("StopContainer", "intercepted") == 1
+    assert proxy.cri_calls("StopContainer", "passthrough") == 1  # route-a's, counted by the old worker
 
 
 def test_during_the_drain_pass_through_keeps_working_and_new_lifecycle_calls_fail_fast(
@@ -306,7 +289,7 @@ def test_during_the_drain_pass_through_keeps_working_and_new_lifecycle_calls_fai
     pods.start(rt, cid)
     # sleep is PID 1 and ignores SIGTERM: containerd waits the full 3 s, then SIGKILLs.
     in_flight = rt.StopContainer.future(cri.StopContainerRequest(container_id=cid, timeout=3), timeout=30)
-    _wait(lambda: _intercepted_stop_calls(proxy) >= 1, 10, "StopContainer at the proxy")
+    _wait(lambda: proxy.cri_calls("StopContainer") >= 1, 10, "StopContainer at the proxy")
     proxy.send(signal.SIGTERM)
     proxy.wait_event("stopping", timeout=5)
     assert not in_flight.done()

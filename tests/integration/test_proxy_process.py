@@ -6,13 +6,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from typing import Any
 
 import grpc
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.embedded import EmbeddedContainerd, runtime_stub, unix_channel
@@ -97,18 +95,6 @@ def test_reload_rejects_bad_config_and_applies_good_one(proxy_factory: Any, pods
 # --- (c) graceful stop -----------------------------------------------------------------
 
 
-def _intercepted_calls(proxy: Any, method: str) -> float:
-    """The proxy's call counter for an intercepted method: counted as the call arrives."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.metrics_port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    labels = {"method": f"/runtime.v1.RuntimeService/{method}", "path": "intercepted"}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "koord_runtime_proxy_cri_calls_total" and sample.labels == labels:
-                return float(sample.value)
-    return 0.0
-
-
 def test_sigterm_drains_in_flight_calls_and_refuses_new_ones(proxy_factory: Any, pods: Any) -> None:
     """The gRPC transport's drain: the socket is Python's, so every new call is refused.
     (With HAProxy, the default, pass-through goes on during the drain and new lifecycle
@@ -126,7 +112,7 @@ def test_sigterm_drains_in_flight_calls_and_refuses_new_ones(proxy_factory: Any,
     # SIGTERM only once the proxy has the call (not after a fixed pause a loaded machine
     # may outlast): the call is then in flight and must be drained, not refused.
     deadline = time.monotonic() + 10
-    while _intercepted_calls(proxy, "StopContainer") < 1:
+    while proxy.cri_calls("StopContainer") < 1:
         assert time.monotonic() < deadline, "StopContainer did not reach the proxy within 10 s"
         time.sleep(0.02)
     proxy.send(signal.SIGTERM)
