@@ -35,6 +35,7 @@ from runtimeproxy.history import ChangeHistory
 from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, RulesProvider, TaskInit
 from runtimeproxy.hostwrites import FailureCollector
 from runtimeproxy.lifecycle import Lifecycle, SkipLabel
+from runtimeproxy.notices import NoticeServer
 from runtimeproxy.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.reconcile import Reconciler
 from runtimeproxy.remote import registration_fingerprint
@@ -78,7 +79,7 @@ class App:
             skip_label=lambda: SkipLabel(self.settings.skip_label_key, self.settings.skip_label_value),
         )
         self.handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics)
-        self.data_plane = choose_data_plane(settings, lambda: haproxy.intercepted_paths(self.chain.calls))
+        self.data_plane = choose_data_plane(settings, lambda: haproxy.intercepted_paths(self.chain.pre_calls))
         # With HAProxy in front, this server gets only the lifecycle calls, on a private socket.
         listen, mode = Path(settings.listen), settings.socket_mode
         if self.data_plane is not None:
@@ -86,6 +87,13 @@ class App:
             # Pass-through calls are counted by HAProxy; its counters are read at scrape time.
             haproxystats.install(self.registry, self.metrics.cri_calls, self.metrics.cri_errors,
                                  self.data_plane.layout.stats_socket)
+        #: The lifecycle calls HAProxy relays straight to containerd, told after the reply.
+        self.notices: NoticeServer | None = None
+        if self.data_plane is not None:
+            self.notices = NoticeServer(
+                self.data_plane.layout.notice_socket, frozenset(haproxy.LIFECYCLE_METHODS),
+                lambda n: self.lifecycle.notice(n.method, n.payload, n.result),
+            )
         self.server = ProxyServer(
             listen=listen, socket_mode=mode, max_message_bytes=settings.max_message_bytes, handler=self.handler,
         )
@@ -152,6 +160,10 @@ class App:
             # Here, not before listening: a start-up that fails (exit 2) touches no state file.
             self.store.restore_history()
             await self._rebuild_store()
+            if self.notices is not None:
+                # After the rebuild: HAProxy's ring may hold calls answered while we were away.
+                self.notices.start()
+                self.lifecycle.catch_up = self.notices.catch_up
             self.supervisor.add("resync", self.resyncer.run_forever)
             channel = self.backend.channel_for(VERSION_METHOD)
             self.supervisor.add("backend-watch", lambda: watch_reconnects(channel, self.resyncer.trigger))
@@ -205,6 +217,8 @@ class App:
         if self.data_plane is not None and self.data_plane.pid is not None:
             await self._quiesce(self.settings.shutdown_grace)
         await self.server.stop(self.settings.shutdown_grace)
+        if self.notices is not None:
+            self.notices.close()  # what HAProxy told us so far gets its Post stages; its ring keeps the rest
         # Post stages of answered calls (they run after the reply) finish before the hooks close.
         if not await self.lifecycle.posts.settle(self.settings.shutdown_grace):
             log.warning("post_hooks_unfinished", pods=self.lifecycle.posts.pending)

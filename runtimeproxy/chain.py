@@ -206,9 +206,15 @@ class HookChain:
 
     @property
     def calls(self) -> frozenset[str]:
-        """The CRI methods (``StopContainer``, ...) with a hook at their Pre or Post stage:
-        with HAProxy in front only these reach Python; the others go straight to containerd."""
+        """The CRI methods (``StopContainer``, ...) with a hook at their Pre or Post stage."""
         return frozenset(s.call for s, hooks in self._by_stage.items() if hooks and s.call is not None)
+
+    @property
+    def pre_calls(self) -> frozenset[str]:
+        """The CRI methods with a hook at their Pre stage (it may change or refuse the
+        request): with HAProxy in front these reach Python before containerd; the calls
+        with only Post hooks go straight to containerd and are noticed after."""
+        return frozenset(s.call for s, hooks in self._by_stage.items() if hooks and s.is_pre and s.call is not None)
 
     async def run(self, ctx: Context, *, deadline: float | None) -> Outcome:
         """Run ``ctx.stage``'s hooks. ``deadline`` is a ``time.monotonic()`` value."""

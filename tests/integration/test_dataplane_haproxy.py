@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Final
 
 import grpc
@@ -26,12 +27,40 @@ LIST = "/runtime.v1.RuntimeService/ListContainers"
 CALL_TIMEOUT = 2.0
 
 
-#: HAProxy sends Python only the lifecycle calls some hook needs (plus the three that bring
-#: objects into the store): hooks that make Python get StopContainer / RemovePodSandbox.
-#: The remote one points nowhere: its Post stage fails, ignored, after the call.
-WATCH_STOP: Final = {"name": "watch-stop", "remote": "/nonexistent/krp-hook.sock",
-                     "stages": ["PostStopContainer"], "failure_policy": "Ignore"}
-CPUSET: Final = {"name": "cpuset", "plugin": "cpuset"}
+#: HAProxy sends Python only the lifecycle calls some Pre hook needs (plus the two that bring
+#: objects into the store): plugins (``watch_plugin``) that make Python get StopContainer /
+#: RemovePodSandbox first. They change nothing.
+WATCH_STOP: Final = {"name": "watch-stop", "plugin": "krp_watch:PreStop", "failure_policy": "Ignore"}
+WATCH_REMOVE: Final = {"name": "watch-remove", "plugin": "krp_watch:PreRemove", "failure_policy": "Ignore"}
+WATCH_MODULE: Final = """
+class PreStop:
+    def __init__(self, init):
+        pass
+
+    def pre_stop_container(self, ctx):
+        return None
+
+
+class PreRemove:
+    def __init__(self, init):
+        pass
+
+    def pre_remove_pod_sandbox(self, ctx):
+        return None
+"""
+#: Post stages only: their calls go straight to containerd and are noticed after the reply.
+#: A remote hook that points nowhere: each of its stages is a logged failure (hook_failed), ignored.
+WATCH_POST: Final = {"name": "watch-post", "remote": "/nonexistent/krp-hook.sock",
+                     "stages": ["PostStartContainer", "PostStopContainer", "PostStopPodSandbox"],
+                     "failure_policy": "Ignore"}
+
+
+@pytest.fixture
+def watch_plugin(proxy_factory: Any) -> list[Path]:
+    """The ``pythonpath`` of a proxy that runs WATCH_STOP / WATCH_REMOVE."""
+    directory = proxy_factory.mkdtemp()
+    (directory / "krp_watch.py").write_text(WATCH_MODULE)
+    return [directory]
 
 
 @pytest.fixture
@@ -234,54 +263,99 @@ def test_second_instance_refuses_haproxys_live_socket(proxy_factory: Any, haprox
     assert _answers(running.socket)
 
 
-def test_python_gets_only_the_lifecycle_calls_a_hook_needs_and_a_reload_reroutes(
-    proxy_factory: Any, haproxy_config: dict[str, Any], pods: Any
+def _cycle(rt: Any, pods: Any, name: str) -> None:
+    pod = pods.sandbox(name)
+    sid = pods.run(rt, pod)
+    cid = pods.create(rt, sid, pod, pods.container("app", command=["sleep", "3600"]))
+    pods.start(rt, cid)
+    rt.StopContainer(cri.StopContainerRequest(container_id=cid, timeout=0), timeout=30)
+    rt.RemoveContainer(cri.RemoveContainerRequest(container_id=cid), timeout=30)
+    rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sid), timeout=30)
+    rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sid), timeout=30)
+
+
+def _post_stages(proxy: Any, pod: str) -> set[str]:
+    return {e["stage"] for e in proxy.events("hook_failed", pod_name=pod, noticed=True)}
+
+
+def test_python_gets_only_the_calls_a_pre_hook_needs_the_others_are_noticed_and_a_reload_reroutes(
+    proxy_factory: Any, haproxy_config: dict[str, Any], pods: Any, watch_plugin: list[Path]
 ) -> None:
-    """No hooks: Run/Create/StartContainer (they bring objects into the store) reach Python,
-    Stop/Remove go straight to containerd, counted by HAProxy. A reload that adds a hook at
-    PostStopContainer sends StopContainer to Python from then on."""
-    proxy = proxy_factory.start(extra=haproxy_config)
+    """Only Post hooks: Run/CreateContainer (they bring objects into the store) reach Python
+    before containerd; Start/Stop/Remove go straight to containerd, counted by HAProxy, and
+    are noticed after their reply: their Post stages run in Python (the hook points nowhere,
+    so each is a logged, ignored failure). A reload that adds a PreStopContainer hook sends
+    StopContainer to Python first from then on."""
+    proxy = proxy_factory.start([WATCH_POST], extra=haproxy_config, pythonpath=watch_plugin)
     rt = proxy.runtime()
 
-    def cycle(name: str) -> None:
-        pod = pods.sandbox(name)
-        sid = pods.run(rt, pod)
-        cid = pods.create(rt, sid, pod, pods.container("app", command=["sleep", "3600"]))
-        pods.start(rt, cid)
-        rt.StopContainer(cri.StopContainerRequest(container_id=cid, timeout=0), timeout=30)
-        rt.RemoveContainer(cri.RemoveContainerRequest(container_id=cid), timeout=30)
-        rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sid), timeout=30)
-        rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sid), timeout=30)
-
-    cycle("route-a")
+    _cycle(rt, pods, "route-a")
     seen = {e["method"] for e in proxy.events("cri_call", pod_name="route-a")}
-    assert seen == {"RunPodSandbox", "CreateContainer", "StartContainer"}
-    for method in ("StopContainer", "RemoveContainer", "StopPodSandbox", "RemovePodSandbox"):
+    assert seen == {"RunPodSandbox", "CreateContainer"}
+    for method in ("StartContainer", "StopContainer", "RemoveContainer", "StopPodSandbox", "RemovePodSandbox"):
         assert proxy.cri_calls(method, "passthrough") == 1, method
         assert proxy.cri_calls(method, "intercepted") == 0, method
-    assert proxy.cri_calls("StartContainer", "intercepted") == 1
-    assert proxy.cri_calls("StartContainer", "passthrough") == 0
+    want = {"PostStartContainer", "PostStopContainer", "PostStopPodSandbox"}
+    _wait(lambda: _post_stages(proxy, "route-a") == want, 10, "the noticed calls' Post stages run")
+    [stop] = proxy.events("hook_failed", pod_name="route-a", stage="PostStopContainer")
+    assert stop["method"] == "StopContainer" and stop["container_name"] == "app"
 
     doc = proxy.config()
-    doc["hooks"] = [WATCH_STOP]
+    doc["hooks"] = [WATCH_POST, WATCH_STOP]
     proxy.write_config(doc)
     proxy.wait_event("data_plane_reloaded", timeout=10)
     proxy.wait_event("config_reloaded", timeout=10)
     time.sleep(0.5)  # the new worker takes the listener
-    cycle("route-b")
+    _cycle(rt, pods, "route-b")
     seen = {e["method"] for e in proxy.events("cri_call", pod_name="route-b")}
-    assert seen == {"RunPodSandbox", "CreateContainer", "StartContainer", "StopContainer"}
+    assert seen == {"RunPodSandbox", "CreateContainer", "StopContainer"}
     assert proxy.cri_calls("StopContainer", "intercepted") == 1
     assert proxy.cri_calls("StopContainer", "passthrough") == 1  # route-a's, counted by the old worker
+    _wait(lambda: _post_stages(proxy, "route-b") == {"PostStartContainer", "PostStopPodSandbox"}, 10,
+          "the noticed calls' Post stages run after the reload")
+
+
+def test_calls_noticed_while_python_is_away_reach_the_next_process(
+    proxy_factory: Any, haproxy_config: dict[str, Any], pods: Any
+) -> None:
+    """kill -9 of Python; StartContainer then goes through HAProxy alone (OK); the next
+    process adopts HAProxy, whose ring kept the call's line: its Post stage runs there."""
+    config = {**haproxy_config, "data_plane_orphan_grace": "30s"}
+    proxy = proxy_factory.start([WATCH_POST], extra=config)
+    socket_path = proxy.socket
+    haproxy_pid = _haproxy_pid(proxy, 1)
+    watchdogs = _armed(proxy)
+    try:
+        rt = proxy.runtime()
+        pod = pods.sandbox("away")
+        sid = pods.run(rt, pod)
+        cid = pods.create(rt, sid, pod, pods.container("app", command=["sleep", "3600"]))
+        proxy.send(signal.SIGKILL)
+        assert proxy.wait_exit() == -9
+        with unix_channel(socket_path) as channel:  # HAProxy alone answers: no Python at all
+            runtime_stub(channel).StartContainer(cri.StartContainerRequest(container_id=cid), timeout=30)
+        proxy = proxy_factory.start([WATCH_POST], extra=config, socket_path=socket_path)
+        assert proxy.wait_event("data_plane_adopted")["pid"] == haproxy_pid
+        watchdogs += [pid for pid in _armed(proxy) if pid not in watchdogs]
+        _wait(lambda: _post_stages(proxy, "away") == {"PostStartContainer"}, 15,
+              "the Post stage of the call answered while Python was away")
+        [started] = proxy.events("hook_failed", pod_name="away", stage="PostStartContainer")
+        assert started["container_id"] == cid
+        proxy.send(signal.SIGQUIT)
+        assert proxy.wait_exit() == 0
+    finally:
+        for pid in [haproxy_pid, *watchdogs]:  # what this test started, by pid
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_during_the_drain_pass_through_keeps_working_and_new_lifecycle_calls_fail_fast(
-    proxy_factory: Any, haproxy_config: dict[str, Any], pods: Any
+    proxy_factory: Any, haproxy_config: dict[str, Any], pods: Any, watch_plugin: list[Path]
 ) -> None:
     """SIGTERM with a lifecycle call in flight: Python drains it; HAProxy, stopped last,
     still relays pass-through calls meanwhile; a new lifecycle call gets UNAVAILABLE at once
     (kubelet retries), not a hang."""
-    proxy = proxy_factory.start([WATCH_STOP], extra=haproxy_config)
+    proxy = proxy_factory.start([WATCH_STOP], extra=haproxy_config, pythonpath=watch_plugin)
     rt = proxy.runtime()
     pod = pods.sandbox("drain-hx")
     sid = pods.run(rt, pod)
@@ -299,7 +373,7 @@ def test_during_the_drain_pass_through_keeps_working_and_new_lifecycle_calls_fai
         assert stub.Version(cri.VersionRequest(), timeout=2).runtime_name == "containerd"
         start = time.monotonic()
         with pytest.raises(grpc.RpcError) as refused:
-            stub.StartContainer(cri.StartContainerRequest(container_id="no-such"), timeout=5)
+            stub.StopContainer(cri.StopContainerRequest(container_id="no-such"), timeout=5)  # intercepted
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
         assert time.monotonic() - start < 2.0
     in_flight.result(timeout=30)  # the drained call completes
@@ -357,7 +431,7 @@ def _armed(proxy: Any) -> list[int]:
 
 
 def test_python_restarts_are_invisible_to_pass_through(
-    proxy_factory: Any, haproxy_config: dict[str, Any]
+    proxy_factory: Any, haproxy_config: dict[str, Any], watch_plugin: list[Path]
 ) -> None:
     """With the SHIPPED settings (data_plane_orphan_grace as in the default config): 5 restarts
     of the Python process (SIGTERM and kill -9 in turn) while 5 clients loop on
@@ -367,7 +441,8 @@ def test_python_restarts_are_invisible_to_pass_through(
     previous process's watchdog. SIGQUIT stops it all."""
     assert _shipped_orphan_grace() == "30s"
     config = {**haproxy_config, "data_plane_orphan_grace": _shipped_orphan_grace()}
-    proxy = proxy_factory.start([CPUSET], extra=config)  # cpuset has a PostRemovePodSandbox hook
+    # RemovePodSandbox goes to Python first (a Pre hook), else it would be noticed: pass-through.
+    proxy = proxy_factory.start([WATCH_REMOVE], extra=config, pythonpath=watch_plugin)
     socket_path = proxy.socket
     haproxy_pid = _haproxy_pid(proxy, 1)
     inode = os.stat(socket_path).st_ino
@@ -391,7 +466,8 @@ def test_python_restarts_are_invisible_to_pass_through(
                 time.sleep(0.3)  # the window without Python: pass-through goes on
                 assert version.ok() + lists.ok() > before
                 previous = _armed(proxy)
-                proxy = proxy_factory.start([CPUSET], extra=config, socket_path=socket_path)
+                proxy = proxy_factory.start([WATCH_REMOVE], extra=config, socket_path=socket_path,
+                                            pythonpath=watch_plugin)
                 assert proxy.wait_event("data_plane_adopted")["pid"] == haproxy_pid
                 assert not proxy.events("data_plane_started")
                 assert os.stat(socket_path).st_ino == inode

@@ -342,14 +342,14 @@ def test_lifecycle_through_proxy_matches_direct(
     assert "CONTAINER_EXITED" in dict(expected)["StopContainer"]
     assert dict(expected)["RemoveContainer"].startswith("NOT_FOUND")
     # The proxied run really went through the proxy's interception path: every lifecycle call
-    # with the gRPC transport; behind HAProxy (no hooks here) only the three that bring
+    # with the gRPC transport; behind HAProxy (no hooks here) only the two that bring
     # objects into the store, the rest straight to containerd (runtimeproxy.haproxy.STORE_CALLS).
     intercepted = {e["method"] for e in proxy.events("cri_call", pod_name="parity-life", result="OK")}
     if proxy.config()["data_plane"] == "grpc":
         assert intercepted == {"RunPodSandbox", "CreateContainer", "StartContainer", "UpdateContainerResources",
                                "StopContainer", "RemoveContainer", "StopPodSandbox", "RemovePodSandbox"}
     else:
-        assert intercepted == {"RunPodSandbox", "CreateContainer", "StartContainer"}
+        assert intercepted == {"RunPodSandbox", "CreateContainer"}
 
 
 def test_requests_reach_containerd_unchanged_without_hooks(pods: Any, proxy: Any) -> None:

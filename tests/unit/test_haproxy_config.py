@@ -52,30 +52,54 @@ def test_lifecycle_methods_are_routed_by_exact_path_everything_else_of_cri_to_co
 #: The Pre/Post hooks of the shipped chain (systemd/config.yaml): no hook at StopContainer or RemoveContainer.
 SHIPPED_CALLS = frozenset({"RunPodSandbox", "CreateContainer", "StartContainer", "UpdateContainerResources",
                            "StopPodSandbox", "RemovePodSandbox"})
+#: The calls with a Pre hook in the shipped chain (batch-resource, cpuset, group-identity, blkio,
+#: cpu-normalization); StartContainer, Stop- and RemovePodSandbox have only Post hooks.
+SHIPPED_PRE_CALLS = frozenset({"RunPodSandbox", "CreateContainer", "UpdateContainerResources"})
+RUNTIME = "/runtime.v1.RuntimeService/"
 
 
-def test_the_shipped_chain_intercepts_only_the_calls_it_has_hooks_for() -> None:
+def test_the_shipped_chain_intercepts_only_the_calls_it_has_pre_hooks_for() -> None:
     chain = plugins.build_chain(from_mapping(builtin_default()), pools=HookPools())
     assert chain.calls == SHIPPED_CALLS
-    assert HookChain([]).calls == frozenset()
+    assert chain.pre_calls == SHIPPED_PRE_CALLS
+    assert HookChain([]).calls == HookChain([]).pre_calls == frozenset()
 
 
-def test_only_the_chains_lifecycle_methods_go_to_python_the_others_are_counted_pass_through(tmp_path: Path) -> None:
+def test_only_the_chains_pre_hooked_calls_go_to_python_the_other_lifecycle_calls_are_noticed(tmp_path: Path) -> None:
     s = _settings(tmp_path)
-    text = haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)), haproxy.intercepted_paths(SHIPPED_CALLS))
+    layout = haproxy.Layout.for_listen(Path(s.listen))
+    text = haproxy.render(s, layout, haproxy.intercepted_paths(SHIPPED_PRE_CALLS))
     [acl] = _lines(text, "acl lifecycle")
-    routed = {p.removeprefix("/runtime.v1.RuntimeService/") for p in acl.split()[3:]}
-    assert routed == SHIPPED_CALLS
+    routed = {p.removeprefix(RUNTIME) for p in acl.split()[3:]}
+    assert routed == SHIPPED_PRE_CALLS
+    [noticed] = _lines(text, "acl noticed path")
+    assert {p.removeprefix(RUNTIME) for p in noticed.split()[3:]} == {
+        "StartContainer", "StopContainer", "RemoveContainer", "StopPodSandbox", "RemovePodSandbox"}
     known = {p for line in _lines(text, "acl known path") for p in line.split()[3:]}
-    # Pass-through lifecycle methods are counted per method by HAProxy like any other known method.
-    assert {"/runtime.v1.RuntimeService/StopContainer", "/runtime.v1.RuntimeService/RemoveContainer"} <= known
+    # Noticed lifecycle methods are pass-through: counted per method by HAProxy like any other known method.
+    assert set(noticed.split()[3:]) <= known
     assert not known & set(acl.split()[3:])
+    # Their lines go into a ring forwarded to Python's notice socket; nothing else is logged.
+    assert f"    server python \"unix@{layout.notice_socket}\"" in text.splitlines()
+    assert _lines(text, "http-request set-log-level") == ["http-request set-log-level silent unless noticed"]
+    assert _lines(text, "log-format") == [f'log-format "{haproxy.NOTICE_FORMAT}"']
 
 
 def test_without_hooks_python_still_gets_the_calls_that_bring_objects_into_the_store() -> None:
-    assert haproxy.intercepted_paths(frozenset()) == tuple(
-        "/runtime.v1.RuntimeService/" + m for m in ("RunPodSandbox", "CreateContainer", "StartContainer"))
-    assert haproxy.intercepted_paths(frozenset({"StopContainer"}))[-1] == "/runtime.v1.RuntimeService/StopContainer"
+    assert haproxy.intercepted_paths(frozenset()) == tuple(RUNTIME + m for m in ("RunPodSandbox", "CreateContainer"))
+    assert haproxy.intercepted_paths(frozenset({"StopContainer"}))[-1] == RUNTIME + "StopContainer"
+    assert haproxy.noticed_paths(haproxy.intercepted_paths(frozenset())) == tuple(
+        RUNTIME + m for m in ("StopPodSandbox", "RemovePodSandbox", "StartContainer", "StopContainer",
+                              "RemoveContainer", "UpdateContainerResources"))
+
+
+def test_nothing_noticed_no_ring_and_no_log(tmp_path: Path) -> None:
+    s = _settings(tmp_path)
+    text = haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)), haproxy.LIFECYCLE_METHODS)
+    words = {line.split()[0] for line in text.splitlines() if line.strip() and not line.startswith("#")}
+    assert {"global", "defaults", "frontend", "backend"} <= words
+    assert not {"ring", "log", "log-format"} & words
+    assert not _lines(text, "acl noticed")
 
 
 def test_an_empty_interception_set_renders_an_acl_that_matches_nothing(tmp_path: Path) -> None:
@@ -169,7 +193,7 @@ def test_missing_haproxy_falls_back_to_grpc(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 @pytest.mark.skipif(find_haproxy() is None, reason="haproxy not installed")
-@pytest.mark.parametrize("intercepted", [haproxy.LIFECYCLE_METHODS, haproxy.intercepted_paths(SHIPPED_CALLS),
+@pytest.mark.parametrize("intercepted", [haproxy.LIFECYCLE_METHODS, haproxy.intercepted_paths(SHIPPED_PRE_CALLS),
                                          haproxy.intercepted_paths(frozenset()), ()],
                          ids=["all", "shipped", "no-hooks", "empty"])
 def test_haproxy_accepts_the_generated_configuration_without_warnings(
