@@ -205,11 +205,6 @@ class HookChain:
         return self._by_stage[stage]
 
     @property
-    def calls(self) -> frozenset[str]:
-        """The CRI methods (``StopContainer``, ...) with a hook at their Pre or Post stage."""
-        return frozenset(s.call for s, hooks in self._by_stage.items() if hooks and s.call is not None)
-
-    @property
     def pre_calls(self) -> frozenset[str]:
         """The CRI methods with a hook at their Pre stage (it may change or refuse the
         request): with HAProxy in front these reach Python before containerd; the calls
