@@ -45,6 +45,7 @@ from runtimeproxy.hookapi import (
     TargetGoneError,
     frozen_map,
 )
+from runtimeproxy.hookbatch import Batch, Step
 from runtimeproxy.hostwrites import HOOK_DEADLINE, is_repeat
 from runtimeproxy.validate import PatchValidator
 
@@ -200,6 +201,11 @@ class HookChain:
         self._by_stage: Mapping[Stage, tuple[BoundHook, ...]] = {
             stage: tuple(h for h in self.hooks if stage in h.stages) for stage in Stage
         }
+        #: Per stage, per hook: a sync method (runs in a worker thread; consecutive ones share one hand-off).
+        self._sync_by_stage: Mapping[Stage, tuple[bool, ...]] = {
+            stage: tuple(not inspect.iscoroutinefunction(getattr(h.impl, stage.method_name)) for h in hooks)
+            for stage, hooks in self._by_stage.items()
+        }
 
     def for_stage(self, stage: Stage) -> tuple[BoundHook, ...]:
         return self._by_stage[stage]
@@ -215,16 +221,88 @@ class HookChain:
         """Run ``ctx.stage``'s hooks. ``deadline`` is a ``time.monotonic()`` value."""
         patches: list[tuple[str, Patch]] = []
         changes: list[Change] = []
-        for hook in self._by_stage[ctx.stage]:
-            patch = await self._run_one(hook, ctx, deadline)
-            if patch is None:
+        hooks, sync = self._by_stage[ctx.stage], self._sync_by_stage[ctx.stage]
+        i = 0
+        while i < len(hooks):
+            end = i
+            while end < len(hooks) and sync[end]:
+                end += 1
+            if end - i >= 2:  # a run of sync hooks: one hand-off to a worker thread (runtimeproxy.hookbatch)
+                ctx = await self._run_batch(hooks[i:end], ctx, deadline, patches, changes)
+                i = end
                 continue
-            new_ctx, new_changes = apply_patch(ctx, patch, hook.name)
-            if new_changes:
-                patches.append((hook.name, patch))
-                changes.extend(new_changes)
-            ctx = new_ctx
+            hook = hooks[i]
+            i += 1
+            ctx = await self._run_alone(hook, ctx, deadline, patches, changes)
         return Outcome(context=ctx, patches=tuple(patches), changes=tuple(changes))
+
+    async def _run_alone(self, hook: BoundHook, ctx: Context, deadline: float | None,
+                         patches: list[tuple[str, Patch]], changes: list[Change]) -> Context:
+        patch = await self._run_one(hook, ctx, deadline)
+        if patch is None:
+            return ctx
+        new_ctx, new_changes = apply_patch(ctx, patch, hook.name)
+        if new_changes:
+            patches.append((hook.name, patch))
+            changes.extend(new_changes)
+        return new_ctx
+
+    async def _run_batch(self, run: tuple[BoundHook, ...], ctx: Context, deadline: float | None,
+                         patches: list[tuple[str, Patch]], changes: list[Change]) -> Context:
+        batch = Batch(run, ctx, deadline, self._checked, apply_patch, _stops_chain)
+        now = time.monotonic()
+        steps: list[Step] = []
+        pending, timed_out = 0, False
+        try:
+            future = self._pools.submit(f"stage:{ctx.stage.value}", now + sum(max(batch.budget(k, now), 0.0)
+                                        for k in range(len(run))),
+                                        functools.partial(contextvars.copy_context().run, batch))
+        except HookBusyError:
+            pass  # too many batches of this stage stuck: one hand-off per hook, each under its own pool
+        else:
+            waiting = asyncio.wrap_future(future)
+            try:
+                while not waiting.done():
+                    left = batch.wait_for()
+                    if left <= 0:
+                        break
+                    await asyncio.wait({waiting}, timeout=left)
+            except asyncio.CancelledError:
+                batch.stop()
+                raise
+            timed_out = not waiting.done()
+            steps, pending = batch.stop()
+            if not timed_out:
+                waiting.result()  # only a BaseException of the thread's own (each hook's Exception is a Step)
+        for step in steps:
+            hook = run[step.index]
+            self._observe_seconds(hook.name, ctx.stage.value, step.result, step.seconds)
+            if step.result == "ok":
+                if step.changes:
+                    patches.append((hook.name, cast(Patch, step.patch)))
+                    changes.extend(cast(tuple[Change, ...], step.changes))
+                ctx = step.ctx
+            elif step.result == "timeout":
+                self._policy(hook, ctx, f"timed out after {step.budget:.3f}s", deadline=True)
+            else:
+                exc = cast(Exception, step.error)
+                self._policy(hook, ctx, f"{type(exc).__name__}: {exc}", repeat=self._quiet(exc, ctx))
+        rest = run[len(steps):]
+        if timed_out and pending < len(run):
+            hook = run[pending]
+            budget = batch.budget(pending, now)
+            self._observe_seconds(hook.name, ctx.stage.value, "timeout", max(budget, 0.0))
+            self._policy(hook, ctx, f"timed out after {budget:.3f}s", deadline=True)
+            rest = run[pending + 1:]
+        for hook in rest:  # after a timeout, or when the stage's pool was busy
+            ctx = await self._run_alone(hook, ctx, deadline, patches, changes)
+        return ctx
+
+    def _checked(self, hook: BoundHook, ctx: Context, result: object) -> Patch | None:
+        patch = _check_result(hook, ctx, result)
+        if patch is not None:
+            self._validator.check(ctx, patch)
+        return patch
 
     async def _run_one(self, hook: BoundHook, ctx: Context, deadline: float | None) -> Patch | None:
         budget = hook.timeout
@@ -253,9 +331,7 @@ class HookChain:
             self._failed(hook, ctx, f"timed out after {budget:.3f}s", "timeout", start, deadline=True)
             return None
         except Exception as exc:  # noqa: BLE001 - a plugin may raise anything; its policy decides
-            # Quiet: a failure logged before, or a reconciled object torn down meanwhile.
-            quiet = is_repeat(exc) or (isinstance(exc, TargetGoneError) and ctx.stage in _RECONCILE_STAGES)
-            self._failed(hook, ctx, f"{type(exc).__name__}: {exc}", "error", start, repeat=quiet)
+            self._failed(hook, ctx, f"{type(exc).__name__}: {exc}", "error", start, repeat=self._quiet(exc, ctx))
             return None
         self._observe(hook.name, stage, "ok", start)
         return patch
@@ -275,6 +351,16 @@ class HookChain:
         deadline: bool = False, repeat: bool = False,
     ) -> None:
         self._observe(hook.name, ctx.stage.value, result, start)
+        self._policy(hook, ctx, reason, deadline=deadline, repeat=repeat)
+
+    @staticmethod
+    def _quiet(exc: Exception, ctx: Context) -> bool:
+        """A failure logged before, or a reconciled object torn down meanwhile."""
+        return is_repeat(exc) or (isinstance(exc, TargetGoneError) and ctx.stage in _RECONCILE_STAGES)
+
+    def _policy(self, hook: BoundHook, ctx: Context, reason: str, *, deadline: bool = False,
+                repeat: bool = False) -> None:
+        """A failed hook: counted, then its policy (Fail raises ``HookFailed``, Ignore logs)."""
         if self._observer is not None:
             self._observer.hook_failed(hook.name, ctx.stage.value, hook.policy.value)
         if hook.policy is FailurePolicy.FAIL:
@@ -286,8 +372,15 @@ class HookChain:
         emit("hook_failed", hook=hook.name, stage=ctx.stage.value, policy="Ignore", reason=reason)
 
     def _observe(self, hook: str, stage: str, result: HookResult, start: float) -> None:
+        self._observe_seconds(hook, stage, result, time.perf_counter() - start)
+
+    def _observe_seconds(self, hook: str, stage: str, result: HookResult, seconds: float) -> None:
         if self._observer is not None:
-            self._observer.hook_observed(hook, stage, result, time.perf_counter() - start)
+            self._observer.hook_observed(hook, stage, result, seconds)
+
+
+def _stops_chain(hook: BoundHook) -> bool:
+    return hook.policy is FailurePolicy.FAIL
 
 
 def _call_until(hook: str, method: Callable[[Context], Any], ctx: Context, deadline: float) -> object:
