@@ -12,6 +12,11 @@ into the thread) and every host write checks it: past its deadline a hook writes
 nothing. Each hook has its own bounded pool (``HookPools``): a hook stuck past
 its deadline holds only its own threads, and once ``max_overdue`` of its calls
 are stuck, its next calls fail fast under its policy instead of queueing.
+
+Consecutive sync hooks of a stage go to a worker thread together, in one hand-off
+(``runtimeproxy.hookbatch``; their pool is the stage's, ``stage:<Stage>``): each
+still has its own deadline, policy and observation, and one past its deadline
+stops the batch, the hooks after it running alone as above.
 """
 
 from __future__ import annotations

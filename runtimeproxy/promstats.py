@@ -77,7 +77,8 @@ class ProxyMetrics:
         )
         self.hook_duration = Histogram(
             "koord_runtime_proxy_hook_duration_seconds",
-            "Wall time of one hook invocation, by hook, stage and result.",
+            "Time of one hook invocation, by hook, stage and result: its own run time when it ran with the "
+            "stage's other sync hooks in one thread hand-off, else including the hand-off.",
             ["hook", "stage", "result"],
             buckets=CRI_BUCKETS,
             registry=registry,
