@@ -226,17 +226,15 @@ class Lifecycle:
 
     async def _start_container(self, payload: bytes, call: CallInfo) -> Reply:
         cid = cri.StartContainerRequest.FromString(payload).container_id
-        stages = (Stage.PRE_START_CONTAINER, Stage.POST_START_CONTAINER)
-        return await self._container_id_only("StartContainer", cid, payload, call, stages)
+        return await self._container_id_only("StartContainer", cid, payload, call, _CONTAINER_STAGES["StartContainer"])
 
     async def _stop_container(self, payload: bytes, call: CallInfo) -> Reply:
         cid = cri.StopContainerRequest.FromString(payload).container_id
-        stages = (Stage.PRE_STOP_CONTAINER, Stage.POST_STOP_CONTAINER)
-        return await self._container_id_only("StopContainer", cid, payload, call, stages)
+        return await self._container_id_only("StopContainer", cid, payload, call, _CONTAINER_STAGES["StopContainer"])
 
     async def _remove_container(self, payload: bytes, call: CallInfo) -> Reply:
         cid = cri.RemoveContainerRequest.FromString(payload).container_id
-        stages = (Stage.PRE_REMOVE_CONTAINER, Stage.POST_REMOVE_CONTAINER)
+        stages = _CONTAINER_STAGES["RemoveContainer"]
         return await self._container_id_only("RemoveContainer", cid, payload, call, stages)
 
     async def _update_container_resources(self, payload: bytes, call: CallInfo) -> Reply:
