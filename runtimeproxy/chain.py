@@ -268,16 +268,16 @@ class HookChain:
             waiting = asyncio.wrap_future(future)
             try:
                 while not waiting.done():
-                    left = batch.wait_for()
-                    if left <= 0:
+                    expired = batch.overdue()
+                    if expired is not None:
+                        (steps, pending), timed_out = expired, True
                         break
-                    await asyncio.wait({waiting}, timeout=left)
+                    await asyncio.wait({waiting}, timeout=max(batch.wait_for(), 0.001))
             except asyncio.CancelledError:
                 batch.stop()
                 raise
-            timed_out = not waiting.done()
-            steps, pending = batch.stop()
             if not timed_out:
+                steps, pending = batch.stop()
                 waiting.result()  # only a BaseException of the thread's own (each hook's Exception is a Step)
         for step in steps:
             hook = run[step.index]
@@ -327,9 +327,7 @@ class HookChain:
                 # copy in its thread, and a task per hook costs ~20 % of this hand-off.
                 async with asyncio.timeout(budget):
                     result = await self._invoke_sync(hook.name, method, ctx, call_deadline)
-            patch = _check_result(hook, ctx, result)
-            if patch is not None:
-                self._validator.check(ctx, patch)
+            patch = self._checked(hook, ctx, result)
         except asyncio.CancelledError:
             raise
         except TimeoutError:

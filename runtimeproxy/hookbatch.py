@@ -153,6 +153,24 @@ class Batch:
             return 0.05  # all recorded: the thread is returning
         return self.budget(index, now) if index else self._queued + self.budget(0, self._queued) - now
 
+    def overdue(self) -> tuple[list[Step], int] | None:
+        """If the hook the loop waits for is past its deadline: stop the batch (atomically
+        with the thread's recording, so a hook that just finished is not called late) and
+        return the outcomes so far and that hook's index; else None."""
+        now = time.monotonic()
+        with self._lock:
+            if self._running is not None:
+                index, until = self._running
+            else:
+                index = len(self._steps)
+                if index >= len(self.hooks) or index > 0:
+                    return None  # all done, or the next hook is starting: it sets its own deadline
+                until = self._queued + self.budget(0, self._queued)
+            if until > now:
+                return None
+            self._stopped = True
+            return list(self._steps), index
+
     def stop(self) -> tuple[list[Step], int]:
         """No later hook starts: the outcomes recorded so far, and the index of the hook
         that has none (the one running or about to start; ``len(hooks)`` when all ran)."""

@@ -146,10 +146,7 @@ class Lifecycle:
 
         async def after(_: Reply) -> None:
             self._store.record_changes(pod.meta.uid, outcome.changes)
-            if remove:
-                self._store.remove_pod(sandbox_id)
-            else:
-                self._store.set_pod_state(sandbox_id, cri.SANDBOX_NOTREADY)
+            self._pod_done(sandbox_id, remove)
 
         return await self._forward(name, payload, call, deadline, PodContext(post, pod), after, outcome)
 
@@ -216,10 +213,7 @@ class Lifecycle:
 
         async def after(_: Reply) -> None:
             self._store.record_changes(pod.meta.uid, outcome.changes)
-            if stages[0] is Stage.PRE_REMOVE_CONTAINER:
-                self._store.remove_container(container_id)
-            elif stages[0] in _STATE_AFTER:
-                self._store.set_container_state(container_id, _STATE_AFTER[stages[0]])
+            self._container_done(container_id, stages[0])
 
         post = ContainerContext(stages[1], pod, container)
         return await self._forward(name, payload, call, deadline, post, after, outcome)
@@ -270,8 +264,8 @@ class Lifecycle:
     def notice(self, method: str, payload: bytes, result: CallResult) -> None:
         """A lifecycle call that went straight to containerd, told after its reply: the
         store update and the Post stage an intercepted call gets. An object the store does
-        not know (created behind our back) is left to the next re-sync, like an
-        intercepted call's, it gets no hooks."""
+        not know (created behind our back) gets no hooks and is left to the next re-sync;
+        an intercepted call would ask containerd about it first, a notice does not wait."""
         name = method.removeprefix(RUNTIME)
         with logsetup.scoped(method=name, noticed=True):
             if name in ("StopPodSandbox", "RemovePodSandbox"):
@@ -292,10 +286,7 @@ class Lifecycle:
             return
         _bind_pod(pod)
         if result.ok:
-            if remove:
-                self._store.remove_pod(sandbox_id)
-            else:
-                self._store.set_pod_state(sandbox_id, cri.SANDBOX_NOTREADY)
+            self._pod_done(sandbox_id, remove)
         stage = Stage.POST_REMOVE_POD_SANDBOX if remove else Stage.POST_STOP_POD_SANDBOX
         self._post_after_reply(PodContext(stage, pod, result), None)
         log.debug("cri_call_noticed", result=result.code)
@@ -317,17 +308,28 @@ class Lifecycle:
         pre, post = _CONTAINER_STAGES[name]
         if name == "UpdateContainerResources":
             container = replace(container, resources=patching.merge_update(container.resources, req.linux))
-        if result.ok:
-            if pre is Stage.PRE_REMOVE_CONTAINER:
-                self._store.remove_container(container_id)
-            elif pre is Stage.PRE_UPDATE_CONTAINER_RESOURCES:
-                self._store.update_container_resources(container_id, container.resources)
-            elif pre in _STATE_AFTER:
-                self._store.set_container_state(container_id, _STATE_AFTER[pre])
+        if result.ok and pre is Stage.PRE_UPDATE_CONTAINER_RESOURCES:
+            self._store.update_container_resources(container_id, container.resources)
+        elif result.ok:
+            self._container_done(container_id, pre)
         self._post_after_reply(ContainerContext(post, pod, container, result), None)
         log.debug("cri_call_noticed", result=result.code)
 
     # --- shared steps ------------------------------------------------------------
+
+    def _pod_done(self, sandbox_id: str, remove: bool) -> None:
+        """The store after a successful Stop/RemovePodSandbox (intercepted or noticed)."""
+        if remove:
+            self._store.remove_pod(sandbox_id)
+        else:
+            self._store.set_pod_state(sandbox_id, cri.SANDBOX_NOTREADY)
+
+    def _container_done(self, container_id: str, pre: Stage) -> None:
+        """The store after a successful Start/Stop/RemoveContainer (intercepted or noticed)."""
+        if pre is Stage.PRE_REMOVE_CONTAINER:
+            self._store.remove_container(container_id)
+        elif pre in _STATE_AFTER:
+            self._store.set_container_state(container_id, _STATE_AFTER[pre])
 
     def _skipped(self, ctx: Context) -> bool:
         skip = self._skip_label()

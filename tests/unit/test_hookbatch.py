@@ -184,3 +184,21 @@ async def test_an_async_hook_splits_the_runs_in_yaml_order(pools: Counting) -> N
     assert pools.keys == ["stage:PreCreateContainer", "c"]  # a+b batched, the lone c alone
     assert order == ["remote"] and c.seen == [{"a": "0", "b": "1"}]
     assert dict(outcome.context.container.annotations) == {"a": "0", "b": "1", "c": "2"}
+
+
+def test_overdue_stops_the_batch_atomically_with_the_threads_recording() -> None:
+    """The loop's "past its deadline" and the thread's "done, record it, start the next"
+    cannot interleave: once the loop stops the batch for hook 0, hook 0's late outcome is
+    not recorded and hook 1 never starts; a hook still in time is not stopped."""
+    from runtimeproxy.hookbatch import Batch, Step
+
+    a, b = Noting("a"), Noting("b")
+    batch = Batch([bind(a), bind(b)], CTX, None, lambda h, c, r: None, lambda c, p, n: (c, ()), lambda h: False)
+    assert batch._start(0, time.monotonic() + 5)
+    assert batch.overdue() is None  # in time: keep waiting
+    assert batch._record(Step(0, "ok", None, None, 0.0, 5.0, CTX))
+    assert batch._start(1, time.monotonic() - 0.001)  # hook 1 running, already past its deadline
+    steps, pending = batch.overdue() or ([], -1)
+    assert [s.index for s in steps] == [0] and pending == 1
+    assert not batch._record(Step(1, "ok", None, None, 0.0, 5.0, CTX))  # its late outcome is dropped
+    assert not batch._start(1, time.monotonic() + 5)
