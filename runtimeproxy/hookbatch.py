@@ -74,7 +74,7 @@ Stops = Callable[[Any], bool]
 class Batch:
     """Runs in the worker thread (``__call__``); the loop reads its progress under a lock."""
 
-    def __init__(self, hooks: Sequence[Any], ctx: Context, deadline: float | None,
+    def __init__(self, hooks: Sequence[HookSpec], ctx: Context, deadline: float | None,
                  check: Check, apply: Apply, stops: Stops) -> None:
         self.hooks = tuple(hooks)
         self._ctx = ctx
@@ -124,7 +124,7 @@ class Batch:
             self._running = None
             return True
 
-    def _one(self, index: int, hook: Any, ctx: Context, method_name: str, budget: float,
+    def _one(self, index: int, hook: HookSpec, ctx: Context, method_name: str, budget: float,
              hook_deadline: float, start: float) -> Step:
         if budget <= 0 or time.monotonic() >= hook_deadline:
             return Step(index, "timeout", None, None, time.perf_counter() - start, budget, ctx)

@@ -27,7 +27,16 @@ from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.strategy import StrategyInit
 from metrics.store.tsdb import TSDB
 from runtimeproxy.hookapi import HookConfigError
-from tests.unit.metrics.qos.test_qos_manager import BE, BE_DIR, LS, NOW, TOPOLOGY, FakeRuntime, build_tree
+from tests.unit.metrics.qos.test_qos_manager import (
+    BE,
+    BE_DIR,
+    LS,
+    NOW,
+    TOPOLOGY,
+    FakeRuntime,
+    add_pause_cgroup,
+    build_tree,
+)
 
 LS_REF = PodRef(LS.uid, LS.namespace, LS.name, QoSClass.LS)
 BE_REF = PodRef(BE.uid, BE.namespace, BE.name, QoSClass.BE)
@@ -228,12 +237,7 @@ async def test_confinement_narrows_every_cgroup_under_the_tier_first(envs: Any) 
     """v1: a cpuset may not drop CPUs a child still has (EBUSY), so the sandbox's pause
     cgroup, in no pod view, is narrowed too, bottom-up, and widened back after."""
     env = envs(args={"hold": "5s"})
-    pause = Path(BE.cgroup_dir) / "sandbox-c"
-    for controller, files in (("cpu", {"cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000"}),
-                              ("cpuset", {"cpuset.cpus": "0-7"})):
-        (env.root / controller / pause).mkdir()
-        for name, value in files.items():
-            (env.root / controller / pause / name).write_text(value + "\n")
+    pause = add_pause_cgroup(env.root)
     env.verdicts = verdicts(cpu=Level.CONFIRMED)
     await env.round()
     assert (env.root / "cpuset" / pause / "cpuset.cpus").read_text().strip() == "7"

@@ -41,6 +41,18 @@ FILES = {"cpu": {"cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000", "cpu.c
          "cpuset": {"cpuset.cpus": "0-7", "cpuset.mems": "0"}}
 
 
+def add_pause_cgroup(root: Path) -> Path:
+    """The BE sandbox's pause cgroup (v1 cpu and cpuset, all CPUs): in no pod view, found
+    only on the filesystem. Returns its path relative to a controller."""
+    pause = Path(BE.cgroup_dir) / "sandbox-c"
+    for controller, files in (("cpu", {"cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000"}),
+                              ("cpuset", {"cpuset.cpus": "0-7"})):
+        (root / controller / pause).mkdir()
+        for name, value in files.items():
+            (root / controller / pause / name).write_text(value + "\n")
+    return pause
+
+
 def build_tree(root: Path) -> None:
     dirs = ["", "kubepods", BE_DIR, "kubepods/burstable"]
     dirs += [d for p in (LS, BE) for d in (p.cgroup_dir, p.containers[0].cgroup_dir)]
@@ -130,12 +142,7 @@ async def test_the_cpuset_policy_narrows_the_sandboxs_pause_cgroup_too(env_facto
     """v1: a cpuset may not drop CPUs a child still has (EBUSY), and the sandbox's pause
     cgroup is in no pod view: it is found on the filesystem and narrowed first."""
     env = env_factory(ON)
-    pause = Path(BE.cgroup_dir) / "sandbox-c"
-    for controller, files in (("cpu", {"cpu.cfs_quota_us": "-1", "cpu.cfs_period_us": "100000"}),
-                              ("cpuset", {"cpuset.cpus": "0-7"})):
-        (env.root / controller / pause).mkdir()
-        for name, value in files.items():
-            (env.root / controller / pause / name).write_text(value + "\n")
+    pause = add_pause_cgroup(env.root)
     env.usage()
     await env.manager.run_once()
     assert env.read("cpuset", str(pause), "cpuset.cpus") == "0,2,4"
