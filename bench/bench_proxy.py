@@ -9,7 +9,11 @@ In one run, against one private containerd with ``--idle-pods`` running pods, it
   * CPU per pass-through call of each path's processes (proxy + haproxy master and
     worker, from /proc), idle CPU and RSS, and % of a core at 10 and 50 calls/s;
   * the pod lifecycle time (Run, Create, Start, Stop, Remove) direct vs both data planes
-    with the hook chain on, as a ratio of medians, and per CRI call;
+    with the hook chain on, as a ratio of medians, and per CRI call, with the proxy's CPU
+    per lifecycle; the path order shuffled every round and ``--settle`` seconds of idle
+    before each lifecycle (kubelet's lifecycle calls come after idle, when the proxy's
+    caches and threads are cold; ``--settle 0`` measures back-to-back lifecycles);
+    ``--lifecycle-only`` skips the other phases;
   * a fifth path, "haproxy-bare": the proxy with ``data_plane: haproxy``, no hooks, and
     its HAProxy reloaded on a config without the per-method counting rules (track-sc,
     sc-inc-gpc): with "haproxy" in the same interleaved run it gives the counting rules'
@@ -137,6 +141,31 @@ def lifecycle(rt: Any, prefix: str, logs: Path) -> dict[str, float]:
     return out
 
 
+def lifecycles(stubs: dict[str, Any], pids: dict[str, list[int]], prefix: str, logs: Path, pods: int,
+               settle: float) -> tuple[dict[str, list[dict[str, float]]], dict[str, float]]:
+    """``pods`` lifecycles per path, the path order shuffled every round (seeded). Each
+    lifecycle starts ``settle`` seconds after the one before, on any path: the work a
+    proxy leaves after its last reply (Post stages of RemovePodSandbox, the store, logs)
+    then lands on no other path's lifecycle. A rotation with no pause put the gRPC
+    transport's leftovers on the haproxy path's RunPodSandbox in 3 rounds of 4.
+    Also the CPU ms per lifecycle of each path's processes (proxy and HAProxy), the
+    settle pause included (the work left after the last reply is the proxy's too)."""
+    names = ("direct", "grpc", "haproxy", "haproxy-bare")
+    for name in names:  # warm each path's hooks, executors and caches
+        for _ in range(3):
+            lifecycle(stubs[name], prefix, logs)
+    order = random.Random(15)
+    times: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    cpu = dict.fromkeys(names, 0.0)
+    for _ in range(pods):
+        for name in order.sample(names, len(names)):
+            before = _cpu(pids[name])
+            time.sleep(settle)
+            times[name].append(lifecycle(stubs[name], prefix, logs))
+            cpu[name] += _cpu(pids[name]) - before
+    return times, {name: total / pods * 1000 for name, total in cpu.items()}
+
+
 def strip_counting(proxy_pid: int, config: Path) -> list[int]:
     """Reload the HAProxy under ``proxy_pid`` on its config without the counting rules
     (the proxy re-renders it only when its own config changes); its new process group."""
@@ -221,6 +250,9 @@ def main() -> int:
     ap.add_argument("--idle-pods", type=int, default=20, help="running pods while pass-through is measured")
     ap.add_argument("--idle-seconds", type=float, default=20.0, help="window for the idle CPU of each path")
     ap.add_argument("--rate-seconds", type=float, default=10.0, help="window per path and rate (10 and 50 calls/s)")
+    ap.add_argument("--settle", type=float, default=0.1,
+                    help="pause before each pod lifecycle, so no path's leftover work lands on another's")
+    ap.add_argument("--lifecycle-only", action="store_true", help="skip the pass-through, idle and rate phases")
     ap.add_argument("--hooks", type=int, default=-1,
                     help="example hooks in the chain; -1 (default) = the shipped QoS chain of systemd/config.yaml")
     args = ap.parse_args()
@@ -256,6 +288,11 @@ def main() -> int:
                 cid = direct.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=cc,
                                                                         sandbox_config=sb)).container_id
                 direct.StartContainer(cri.StartContainerRequest(container_id=cid))
+            pids["haproxy-bare"] = [bare_proc.pid, *bare[1:]]
+            if args.lifecycle_only:
+                times, lc_cpu = lifecycles(stubs, pids, prefix, base / "logs", args.pods, args.settle)
+                _report_lifecycles(args, times, lc_cpu)
+                return 0
             idle = {}
             for name, group in pids.items():
                 idle[name] = (_cpu(group), _rss_mb(group))
@@ -272,18 +309,14 @@ def main() -> int:
                     groups = {name: pids[name]}
                     if name == "haproxy":
                         groups["haproxy (data plane only)"] = pids["haproxy (data plane only)"]
-                    for group, pct in at_rate(stubs[name], groups, cid, rate, args.rate_seconds).items():
-                        rated[(group, rate)] = pct
-            times: dict[str, list[dict[str, float]]] = {"direct": [], "grpc": [], "haproxy": [], "haproxy-bare": []}
-            for i in range(args.pods):
-                order = list(times)
-                k = i % len(order)
-                for name in order[k:] + order[:k]:
-                    times[name].append(lifecycle(stubs[name], prefix, base / "logs"))
+                    for label, pct in at_rate(stubs[name], groups, cid, rate, args.rate_seconds).items():
+                        rated[(label, rate)] = pct
+            times, lc_cpu = lifecycles(stubs, pids, prefix, base / "logs", args.pods, args.settle)
         finally:
             relay.terminate()
             relay.wait(10)
-        _report(args, lat, cpu_us, idle, times)
+        _report(args, lat, cpu_us, idle)
+        _report_lifecycles(args, times, lc_cpu)
         print(f"\n### Measured at a kubelet-like rate ({args.rate_seconds:.0f} s each, the 5 methods in turn)\n")
         print("| path | % of a core at 10 calls/s | at 50 calls/s |")
         print("|---|---:|---:|")
@@ -293,7 +326,7 @@ def main() -> int:
 
 
 def _report(args: argparse.Namespace, lat: dict[str, dict[str, list[float]]], cpu_us: dict[str, float],
-            idle: dict[str, tuple[float, float]], steps: dict[str, list[dict[str, float]]]) -> None:
+            idle: dict[str, tuple[float, float]]) -> None:
     paths = ["relay", "grpc", "haproxy", "haproxy-bare"]
     print(f"\n### Pass-through, {args.calls} calls per method and path, interleaved, {args.idle_pods} pods "
           "(microseconds)\n")
@@ -319,17 +352,23 @@ def _report(args: argparse.Namespace, lat: dict[str, dict[str, list[float]]], cp
     counting = cpu_us["haproxy (data plane only)"] - cpu_us["haproxy-bare (data plane only)"]
     print(f"\nHAProxy's per-method counting rules: {counting:+.1f} µs CPU per pass-through call "
           "(haproxy - haproxy-bare, data plane only, same interleaved run)")
+
+
+def _report_lifecycles(args: argparse.Namespace, steps: dict[str, list[dict[str, float]]],
+                       cpu_ms: dict[str, float]) -> None:
     times = {name: [run["total"] for run in runs] for name, runs in steps.items()}
     dm = statistics.median(times["direct"])
     print(f"\n### Pod lifecycle (Run, Create, Start, Stop, Remove), {args.pods} pods per path, chain: "
           f"{'shipped QoS chain' if args.hooks < 0 else f'{args.hooks} example hooks'} "
-          "(haproxy-bare: no hooks)\n")
-    print("| path | median s | min s | max s | median / direct | 95 % interval of the ratio (bootstrap) |")
-    print("|---|---:|---:|---:|---:|---|")
+          f"(haproxy-bare: no hooks), {args.settle:.2f} s apart, path order shuffled per round\n")
+    print("| path | median s | min s | max s | median / direct | 95 % interval of the ratio (bootstrap) "
+          "| proxy CPU ms per lifecycle |")
+    print("|---|---:|---:|---:|---:|---|---:|")
     for name, values in times.items():
         m = statistics.median(values)
         low, high = _ratio_interval(values, times["direct"])
-        print(f"| {name} | {m:.3f} | {min(values):.3f} | {max(values):.3f} | {m / dm:.3f} | {low:.3f} … {high:.3f} |")
+        print(f"| {name} | {m:.3f} | {min(values):.3f} | {max(values):.3f} | {m / dm:.3f} | {low:.3f} … {high:.3f} "
+              f"| {cpu_ms[name]:.2f} |")
     print("\n### Pod lifecycle per CRI call, median ms (added over direct)\n")
     print("| call | " + " | ".join(steps) + " |")
     print("|---|" + "---:|" * len(steps))

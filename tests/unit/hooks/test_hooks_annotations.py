@@ -142,3 +142,16 @@ def test_long_values_are_shortened_in_errors() -> None:
     with pytest.raises(HookError) as info:
         extended_resource_spec(_pod({EXTENDED_RESOURCE_SPEC: raw}))
     assert len(str(info.value)) < 600
+
+
+def test_a_spec_is_parsed_once_and_shared_while_errors_name_each_pod() -> None:
+    raw = '{"containers": {"main": {"requests": {"kubernetes.io/batch-cpu": "1500"}}}}'
+    first = extended_resource_spec(_pod({EXTENDED_RESOURCE_SPEC: raw}))
+    other = PodInfo(PodMeta("job-2", "batch", "uid-3"), annotations=frozen_map({EXTENDED_RESOURCE_SPEC: raw}))
+    assert first is not None and extended_resource_spec(other) is first  # one parse, immutable, shared
+    assert dict(first.containers["main"].requests) == {BATCH_CPU: 1500}
+    bad = '{"containers": {"main": 1}}'
+    for name in ("job-1", "job-2"):  # a failed parse is not cached: every pod's error names that pod
+        pod = PodInfo(PodMeta(name, "batch", "uid-9"), annotations=frozen_map({EXTENDED_RESOURCE_SPEC: bad}))
+        with pytest.raises(HookError, match=f"pod batch/{name}"):
+            extended_resource_spec(pod)

@@ -178,6 +178,27 @@ def test_symlink_escape_rejected(tmp_path: Path) -> None:
     assert (outside / "cpu.weight").read_text() == "100"
 
 
+def test_a_symlink_above_the_cgroup_is_resolved_by_the_kernel_and_refused(tmp_path: Path) -> None:
+    # kubepods/evil -> outside, and the update names a directory *below* the link:
+    # the O_PATH resolution must follow the link in the middle of the path too.
+    outside = tmp_path / "outside"
+    (outside / "pod1").mkdir(parents=True)
+    (outside / "pod1" / "cpu.weight").write_text("100")
+    ex = make_v2(tmp_path / "cg", [POD])
+    (tmp_path / "cg" / "kubepods" / "evil").symlink_to(outside)
+    with pytest.raises(PathEscapeError, match=r"resolves to .*outside/pod1, outside the root"):
+        ex.apply([Update(PurePosixPath("kubepods/evil/pod1"), CPU_SHARES, 512, "s", "annotation 'x'")])
+    assert (outside / "pod1" / "cpu.weight").read_text() == "100"
+
+
+def test_a_file_updated_twice_in_one_batch_is_read_again_before_its_second_write(tmp_path: Path) -> None:
+    ex = make_v1(tmp_path / "cg", [POD])
+    writes = ex.apply([Update(POD, CPU_SHARES, 512, "first"), Update(POD, CPU_SHARES, 512, "again"),
+                       Update(POD, CPU_CFS_QUOTA, 200000, "quota")])
+    assert [(w.old, w.new, w.changed) for w in writes] == [
+        ("1024", "512", True), ("512", "512", False), ("-1", "200000", True)]
+
+
 def test_symlinked_file_refused(tmp_path: Path) -> None:
     ex = make_v2(tmp_path / "cg", [POD])
     target = tmp_path / "cg" / POD / "cpu.weight"
