@@ -20,14 +20,12 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import bench_proxy as bp
 import yaml
 
-from criapi import cri_v1_pb2 as cri
-from runtimeproxy import config, devpods, embeddedcgroup, patching, plugins
+from runtimeproxy import config, embeddedcgroup, patching, plugins
 from runtimeproxy.chain import HookPools
 from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 from runtimeproxy.hookapi import ContainerContext, Context, PodContext, Stage
@@ -64,17 +62,10 @@ def main() -> int:
 
     try:
         for i in range(args.pods + WARMUP):
-            uid = str(uuid.uuid4())
-            parent = devpods.kube_cgroup_parent(prefix, "besteffort", uid)
+            parent, sandbox, container_config = bp.be_pod(prefix, Path("/tmp"))
             kubelet_creates_pod_cgroup(parent)
-            sandbox = devpods.sandbox_config(
-                name="bench", namespace="bench", uid=uid, log_dir="/tmp", cgroup_parent=parent,
-                labels={"koordinator.sh/qosClass": "BE"},
-                annotations={"node.koordinator.sh/extended-resource-spec": bp.BATCH})
             pod = patching.pod_info(sandbox, runtime_handler="")
-            container = patching.container_info(devpods.container_config(
-                name="c", image="busybox", command=["sleep", "60"],
-                resources=cri.LinuxContainerResources(cpu_shares=256)))
+            container = patching.container_info(container_config)
             run(PodContext(Stage.PRE_RUN_POD_SANDBOX, pod), i >= WARMUP)
             run(ContainerContext(Stage.PRE_CREATE_CONTAINER, pod, container), i >= WARMUP)
     finally:

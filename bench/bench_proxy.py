@@ -103,8 +103,8 @@ STEPS = ("RunPodSandbox", "CreateContainer", "StartContainer", "StopContainer", 
 COUNTING = ("track-sc0", "sc-inc-gpc", "set-var(txn.grpc_status)")
 
 
-def lifecycle(rt: Any, prefix: str, logs: Path) -> dict[str, float]:
-    """Seconds per step and in all ("total") for one pod's lifecycle."""
+def be_pod(prefix: str, logs: Path) -> tuple[str, cri.PodSandboxConfig, cri.ContainerConfig]:
+    """A new BE pod with batch resources (the lifecycle's): its cgroup parent, sandbox and container config."""
     uid = str(uuid.uuid4())
     parent = devpods.kube_cgroup_parent(prefix, "besteffort", uid)
     labels = {"koordinator.sh/qosClass": "BE"}
@@ -113,6 +113,12 @@ def lifecycle(rt: Any, prefix: str, logs: Path) -> dict[str, float]:
                                      cgroup_parent=parent, labels=labels, annotations=annotations)
     config = devpods.container_config(name="c", image=embeddedimage.BUSYBOX_IMAGE, command=["sleep", "60"],
                                       resources=cri.LinuxContainerResources(cpu_shares=256))
+    return parent, sandbox, config
+
+
+def lifecycle(rt: Any, prefix: str, logs: Path) -> dict[str, float]:
+    """Seconds per step and in all ("total") for one pod's lifecycle."""
+    parent, sandbox, config = be_pod(prefix, logs)
     out: dict[str, float] = {}
     t = start = time.perf_counter()
 

@@ -199,9 +199,8 @@ class Lifecycle:
         pod = await self._pod_by_id(rec.pod_id)
         return (pod, rec.info) if pod is not None else None
 
-    async def _container_id_only(
-        self, name: str, container_id: str, payload: bytes, call: CallInfo, stages: tuple[Stage, Stage]
-    ) -> Reply:
+    async def _container_id_only(self, name: str, container_id: str, payload: bytes, call: CallInfo) -> Reply:
+        pre, post_stage = _CONTAINER_STAGES[name]
         found = await self._container_by_id(container_id)
         if found is None:
             return await self._plain(name, payload, call)
@@ -209,27 +208,26 @@ class Lifecycle:
         _bind_pod(pod)
         logsetup.bind_container(name=container.meta.name, id=container.id)
         deadline = _deadline(call)
-        outcome = await self._pre(ContainerContext(stages[0], pod, container), deadline)
+        outcome = await self._pre(ContainerContext(pre, pod, container), deadline)
 
         async def after(_: Reply) -> None:
             self._store.record_changes(pod.meta.uid, outcome.changes)
-            self._container_done(container_id, stages[0])
+            self._container_done(container_id, pre)
 
-        post = ContainerContext(stages[1], pod, container)
+        post = ContainerContext(post_stage, pod, container)
         return await self._forward(name, payload, call, deadline, post, after, outcome)
 
     async def _start_container(self, payload: bytes, call: CallInfo) -> Reply:
         cid = cri.StartContainerRequest.FromString(payload).container_id
-        return await self._container_id_only("StartContainer", cid, payload, call, _CONTAINER_STAGES["StartContainer"])
+        return await self._container_id_only("StartContainer", cid, payload, call)
 
     async def _stop_container(self, payload: bytes, call: CallInfo) -> Reply:
         cid = cri.StopContainerRequest.FromString(payload).container_id
-        return await self._container_id_only("StopContainer", cid, payload, call, _CONTAINER_STAGES["StopContainer"])
+        return await self._container_id_only("StopContainer", cid, payload, call)
 
     async def _remove_container(self, payload: bytes, call: CallInfo) -> Reply:
         cid = cri.RemoveContainerRequest.FromString(payload).container_id
-        stages = _CONTAINER_STAGES["RemoveContainer"]
-        return await self._container_id_only("RemoveContainer", cid, payload, call, stages)
+        return await self._container_id_only("RemoveContainer", cid, payload, call)
 
     async def _update_container_resources(self, payload: bytes, call: CallInfo) -> Reply:
         req = cri.UpdateContainerResourcesRequest.FromString(payload)
