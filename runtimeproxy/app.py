@@ -13,24 +13,25 @@ import dataclasses
 import gc
 import json
 import signal
-import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import prometheus_client
 import structlog
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy import __version__, fdlimits, haproxy, haproxystats, heap, logsetup, plugins, sdnotify
-from runtimeproxy.backend import CallError
+from runtimeproxy.backend import Backend, CallError
 from runtimeproxy.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.chain import HookChain, HookPools
 from runtimeproxy.config import ConfigError, Settings, load
 from runtimeproxy.dataplane import HaproxyDataPlane, find_haproxy
 from runtimeproxy.grpcbackend import GrpcBackend
 from runtimeproxy.grpcserver import ProxyHandler, ProxyServer
+from runtimeproxy.h1backend import H1Backend
+from runtimeproxy.h1server import H1InterceptServer
 from runtimeproxy.history import ChangeHistory
 from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, RulesProvider, TaskInit
 from runtimeproxy.hostwrites import FailureCollector
@@ -51,6 +52,15 @@ _RESTART_ONLY = ("listen", "socket_mode", "backend", "metrics_listen", "max_mess
                  "data_plane", "data_plane_orphan_grace")
 #: Pods whose change history is kept on disk (each its last CHANGES_PER_POD changes).
 HISTORY_PODS = 512
+
+
+class InterceptServer(Protocol):
+    """Where the lifecycle calls arrive: kubelet's socket (gRPC transport) or HAProxy's hop."""
+
+    async def start(self) -> None: ...
+    def unlisten(self) -> None: ...
+    async def stop(self, grace: float) -> None:
+        """Refuse new calls, let the calls in flight finish within ``grace``."""
 
 
 class App:
@@ -74,29 +84,34 @@ class App:
                    if settings.state_dir else None)
         self.store = Store(history)
         self.backend = GrpcBackend(settings.backend, max_message_bytes=settings.max_message_bytes)
+        self.data_plane = choose_data_plane(settings, lambda: haproxy.intercepted_paths(self.chain.pre_calls))
+        #: The lifecycle's backend: behind HAProxy, HTTP/1.1 to its private listener (gRPC if it is away).
+        self.lifecycle_backend: Backend = self.backend
+        if self.data_plane is not None:
+            self.lifecycle_backend = H1Backend(self.data_plane.layout.upstream_socket,
+                                               max_message_bytes=settings.max_message_bytes, fallback=self.backend)
         self.lifecycle = Lifecycle(
-            store=self.store, backend=self.backend, chain=lambda: self.chain,
+            store=self.store, backend=self.lifecycle_backend, chain=lambda: self.chain,
             skip_label=lambda: SkipLabel(self.settings.skip_label_key, self.settings.skip_label_value),
         )
-        self.handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics)
-        self.data_plane = choose_data_plane(settings, lambda: haproxy.intercepted_paths(self.chain.pre_calls))
-        # With HAProxy in front, this server gets only the lifecycle calls, on a private socket.
-        listen, mode = Path(settings.listen), settings.socket_mode
-        if self.data_plane is not None:
-            listen, mode = self.data_plane.intercept_socket, 0o600
-            # Pass-through calls are counted by HAProxy; its counters are read at scrape time.
-            haproxystats.install(self.registry, self.metrics.cri_calls, self.metrics.cri_errors,
-                                 self.data_plane.layout.stats_socket)
+        self.server: InterceptServer
         #: The lifecycle calls HAProxy relays straight to containerd, told after the reply.
         self.notices: NoticeServer | None = None
         if self.data_plane is not None:
+            # HAProxy owns kubelet's socket; Python gets only the lifecycle calls, on a private socket.
+            self.server = H1InterceptServer(listen=self.data_plane.intercept_socket, lifecycle=self.lifecycle,
+                                            metrics=self.metrics, max_message_bytes=settings.max_message_bytes)
+            # Pass-through calls are counted by HAProxy; its counters are read at scrape time.
+            haproxystats.install(self.registry, self.metrics.cri_calls, self.metrics.cri_errors,
+                                 self.data_plane.layout.stats_socket)
             self.notices = NoticeServer(
                 self.data_plane.layout.notice_socket, frozenset(haproxy.LIFECYCLE_METHODS),
                 lambda n: self.lifecycle.notice(n.method, n.payload, n.result),
             )
-        self.server = ProxyServer(
-            listen=listen, socket_mode=mode, max_message_bytes=settings.max_message_bytes, handler=self.handler,
-        )
+        else:
+            self.handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics)
+            self.server = ProxyServer(listen=Path(settings.listen), socket_mode=settings.socket_mode,
+                                      max_message_bytes=settings.max_message_bytes, handler=self.handler)
         self.supervisor = Supervisor()
         self.monitor = self._backend_monitor(settings)
         self.resyncer = Resyncer(store=self.store, backend=self.backend,
@@ -214,8 +229,6 @@ class App:
         # Unlisten before the "stopping" line: whoever sees it can rely on new connects failing.
         self.server.unlisten()
         log.info("stopping", grace_seconds=self.settings.shutdown_grace)
-        if self.data_plane is not None and self.data_plane.pid is not None:
-            await self._quiesce(self.settings.shutdown_grace)
         await self.server.stop(self.settings.shutdown_grace)
         if self.notices is not None:
             self.notices.close()  # what HAProxy told us so far gets its Post stages; its ring keeps the rest
@@ -227,6 +240,8 @@ class App:
             await self.http.stop()
         await plugins.close_hooks(self.chain.hooks)
         await self.backend.close()
+        if self.lifecycle_backend is not self.backend:
+            await self.lifecycle_backend.close()  # type: ignore[attr-defined]
         self._pools.shutdown()
         self.store.close()
         if self.data_plane is not None:
@@ -235,15 +250,6 @@ class App:
             await self.data_plane.stop(self.settings.shutdown_grace, full=self._full_stop)
         log.info("stopped")
         return 0
-
-    async def _quiesce(self, grace: float) -> None:
-        """Behind HAProxy: let the lifecycle calls in flight finish before the gRPC server
-        stops. Its stop sends GOAWAY on HAProxy's connection, and a call still running
-        then was seen to reach kubelet without its trailers (UNKNOWN) in ~1 of 3 drains."""
-        deadline = time.monotonic() + grace
-        while self.handler.intercepting and time.monotonic() < deadline:  # noqa: ASYNC110 - a counter, polled
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.1)  # the last reply's frames are written after its handler returns
 
     async def _start_http(self) -> None:
         if not self.settings.metrics_listen:

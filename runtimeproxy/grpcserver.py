@@ -32,7 +32,8 @@ import grpc.aio
 import structlog
 
 from criapi import cri_v1_pb2
-from runtimeproxy.backend import CallError, Code, Reply
+from runtimeproxy import intercept
+from runtimeproxy.backend import CallError, Reply
 from runtimeproxy.config import ConfigError
 from runtimeproxy.confignet import check_unix_path
 from runtimeproxy.grpcbackend import GrpcBackend, forwardable, to_call_error
@@ -266,20 +267,11 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
                 self.intercepting -= 1
 
         async def handle(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-            stats.calls.inc()
-            start = time.perf_counter()
             info = CallInfo(context.time_remaining(), forwardable(context.invocation_metadata()))
             try:
-                reply = await lifecycle.handle(method, request, info)
+                reply = await intercept.serve(lifecycle, stats, method, request, info)
             except CallError as err:
-                stats.error(err.code.name)
                 await _abort(context, err)
-            except Exception as exc:  # a bug must not end kubelet's call without a status
-                log.exception("intercept_internal_error", method=method)
-                stats.error("INTERNAL")
-                await _abort(context, CallError(Code.INTERNAL, f"koord-runtime-proxy: {type(exc).__name__}: {exc}"))
-            finally:
-                stats.duration.observe(time.perf_counter() - start)
             await _relay_metadata(context, reply)
             return reply.payload
 

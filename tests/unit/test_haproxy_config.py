@@ -41,9 +41,10 @@ def test_lifecycle_methods_are_routed_by_exact_path_everything_else_of_cri_to_co
     assert len(haproxy.LIFECYCLE_METHODS) == 8
     assert all(m in known_methods() for m in haproxy.LIFECYCLE_METHODS)
     assert _lines(text, "use_backend intercept") == ["use_backend intercept if lifecycle"]
-    assert f'server python "unix@{layout.intercept_socket}" proto h2' in text
-    assert 'server containerd "unix@/run/c.sock" proto h2' in text
-    assert 'server containerd "unix@/run/i.sock" proto h2' in text
+    # Python speaks HTTP/1.1 to HAProxy both ways (runtimeproxy.h1server, runtimeproxy.h1backend).
+    assert _lines(text, "server python") == [f'server python "unix@{layout.intercept_socket}"']
+    assert text.count('server containerd "unix@/run/c.sock" proto h2') == 2  # kubelet's and Python's
+    assert text.count('server containerd "unix@/run/i.sock" proto h2') == 2
     assert f'bind "unix@{s.listen}" mode 660 proto h2' in text
     [ret] = _lines(text, "http-request return")
     assert ret.endswith("unless cri") and str(layout.not_cri_reply) in ret
@@ -115,10 +116,11 @@ def test_unix_sockets_only(tmp_path: Path) -> None:
     s = _settings(tmp_path)
     layout = haproxy.Layout.for_listen(Path(s.listen))
     text = haproxy.render(s, layout)
-    assert _lines(text, "bind ") == [f'bind "unix@{s.listen}" mode 660 proto h2']
+    assert _lines(text, "bind ") == [f'bind "unix@{s.listen}" mode 660 proto h2',
+                                     f'bind "unix@{layout.upstream_socket}" mode 600']
     assert [line.split()[2] for line in _lines(text, "stats socket")] == [f'"unix@{layout.stats_socket}"']
     servers = _lines(text, "server ")
-    assert len(servers) == 3 and all(line.split()[2].startswith('"unix@') for line in servers), servers
+    assert len(servers) == 5 and all(line.split()[2].startswith('"unix@') for line in servers), servers
     assert not _lines(text, "listen ") and not _lines(text, "peers")
     assert haproxy.command("/usr/sbin/haproxy", layout)[-1] == f"{layout.master_socket},mode,600"
 
@@ -126,7 +128,39 @@ def test_unix_sockets_only(tmp_path: Path) -> None:
 def test_image_backend_defaults_to_the_runtime_endpoint(tmp_path: Path) -> None:
     s = _settings(tmp_path, backend={"runtime_endpoint": "/run/c.sock"})
     text = haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)))
-    assert text.count('server containerd "unix@/run/c.sock" proto h2') == 2
+    assert text.count('server containerd "unix@/run/c.sock" proto h2') == 4
+
+
+def _section(text: str, header: str) -> list[str]:
+    """The lines of one section (``header`` up to the next blank line)."""
+    lines = [*text.splitlines(), ""]
+    start = lines.index(header)
+    end = lines.index("", start)
+    return [line.strip() for line in lines[start + 1:end]]
+
+
+def test_the_interception_hop_is_http1_reused_and_cancellable(tmp_path: Path) -> None:
+    """Python's side of the hop: HTTP/1.1 connections HAProxy keeps for the next call; a
+    trailers-only reply's length is not relayed as metadata; Python's own calls reach
+    containerd through a listener of their own whose close resets containerd's stream
+    (abortonclose, which HAProxy 2.6 honours only from a defaults section)."""
+    s = _settings(tmp_path)
+    layout = haproxy.Layout.for_listen(Path(s.listen))
+    text = haproxy.render(s, layout)
+    intercept = _section(text, "backend intercept")
+    assert "http-reuse always" in intercept
+    assert "http-response del-header content-length if { res.hdr(grpc-status) -m found }" in intercept
+    first, second = _section(text, "defaults"), _section(text, "defaults upstream")
+    assert second == [*first, "option abortonclose"]
+    assert "option abortonclose" not in first
+    lines = text.splitlines()
+    after = lines[lines.index("defaults upstream"):]  # these sections inherit the second defaults
+    assert "frontend lifecycle_upstream" in after and "frontend cri" not in after
+    upstream = _section(text, "frontend lifecycle_upstream")
+    assert upstream[0] == f'bind "unix@{layout.upstream_socket}" mode 600'
+    assert "use_backend upstream_image if image" in upstream and "default_backend upstream_runtime" in upstream
+    assert _section(text, "backend upstream_runtime") == ['server containerd "unix@/run/c.sock" proto h2']
+    assert _section(text, "backend upstream_image") == ['server containerd "unix@/run/i.sock" proto h2']
 
 
 def test_measured_settings_and_idle_timeouts(tmp_path: Path) -> None:

@@ -1,0 +1,187 @@
+"""Nothing of gRPC is lost on an intercepted call, through either data plane: the gRPC
+transport (grpc.aio server and client in Python), and HAProxy with the HTTP/1.1 hop to
+Python and back (runtimeproxy.h1server, runtimeproxy.h1backend) in front of the fake
+containerd.
+
+RunPodSandbox always goes through Python (the store needs it). Status, message and
+details, trailers-only errors, metadata both ways (``-bin`` too), ``grpc-timeout``,
+cancellation, 16 MiB both ways and unknown fields, as test_dataplane_wire checks them
+for pass-through calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+import pytest_asyncio
+
+from criapi import cri_v1_pb2 as cri
+from runtimeproxy.h1backend import H1Backend
+from tests.unit import h2raw
+from tests.unit.test_dataplane_wire import CLOCK_SLACK, MiB, _need_haproxy
+
+RT = "/runtime.v1.RuntimeService/"
+RUN = RT + "RunPodSandbox"
+UNKNOWN = b"\xfa\x06\x03abc"  # field 111, length-delimited: unknown to every CRI message
+
+
+def _run_request(extra: bytes = b"", annotation: str = "") -> bytes:
+    config = cri.PodSandboxConfig(metadata=cri.PodSandboxMetadata(name="p", namespace="n", uid="u"),
+                                  annotations={"big": annotation} if annotation else {})
+    return cri.RunPodSandboxRequest(config=config).SerializeToString() + extra
+
+
+@pytest.fixture(params=["grpc", "haproxy"])
+def plane(request: pytest.FixtureRequest) -> str:
+    if request.param == "haproxy":
+        _need_haproxy()
+    return str(request.param)
+
+
+@pytest_asyncio.fixture
+async def proxy(fake_runtime: Any, start_proxy: Any, plane: str) -> Any:
+    p = await start_proxy(fake_runtime, data_plane=plane)
+    assert isinstance(p.app.lifecycle_backend, H1Backend) == (plane == "haproxy")
+    return p
+
+
+def _intercepted(proxy: Any) -> float:
+    return float(proxy.calls_total(RUN, "intercepted"))
+
+
+@pytest.mark.asyncio
+async def test_reply_and_unknown_fields_pass_both_ways(answer: Any, fake_runtime: Any, proxy: Any) -> None:
+    reply = cri.RunPodSandboxResponse(pod_sandbox_id="sb-9").SerializeToString() + UNKNOWN
+    fake_runtime.answer(RUN, answer(payload=reply))
+    assert await proxy.call(RUN, _run_request(UNKNOWN)) == reply
+    [seen] = fake_runtime.received(RUN)
+    assert seen.payload.endswith(UNKNOWN)
+    assert _intercepted(proxy) == 1
+
+
+@pytest.mark.asyncio
+async def test_error_status_details_and_trailers(answer: Any, fake_runtime: Any, proxy: Any, wire: Any) -> None:
+    details_bin = wire.rpc_status(grpc.StatusCode.ALREADY_EXISTS.value[0], "name p_n_u_0 is reserved")
+    fake_runtime.answer(RUN, answer(
+        code=grpc.StatusCode.ALREADY_EXISTS, details="name \"p_n_u_0\" reserved: ü 100% %41",
+        trailing_metadata=(("grpc-status-details-bin", details_bin), ("x-backend-trailer", "t1"))))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await proxy.call(RUN, _run_request())
+    assert err.value.code() is grpc.StatusCode.ALREADY_EXISTS
+    assert err.value.details() == "name \"p_n_u_0\" reserved: ü 100% %41"
+    trailing = tuple(err.value.trailing_metadata())
+    assert ("grpc-status-details-bin", details_bin) in trailing and ("x-backend-trailer", "t1") in trailing
+    # No hop header turned into metadata on the way (HTTP/1.1's content-length, say).
+    assert {k for k, _ in trailing} == {"grpc-status-details-bin", "x-backend-trailer"}, trailing
+    assert _intercepted(proxy) == 1
+
+
+@pytest.mark.asyncio
+async def test_trailers_only_stays_trailers_only_and_a_reply_keeps_its_trailers(
+    answer: Any, fake_runtime: Any, proxy: Any
+) -> None:
+    """On the wire (h2raw): an error is one HEADERS frame with END_STREAM, as direct."""
+    def shapes(path: Any) -> list[tuple[int, int]]:
+        return [(f.type, f.flags & h2raw.END_STREAM) for f in h2raw.unary(path, RUN, _run_request())]
+
+    reply = [(h2raw.HEADERS, 0), (h2raw.DATA, 0), (h2raw.HEADERS, h2raw.END_STREAM)]
+    for path in (fake_runtime.path, proxy.socket):
+        assert await asyncio.to_thread(shapes, path) == reply, path
+    fake_runtime.answer(RUN, answer(code=grpc.StatusCode.NOT_FOUND, details="no such image"))
+    for path in (fake_runtime.path, proxy.socket):
+        assert await asyncio.to_thread(shapes, path) == [(h2raw.HEADERS, h2raw.END_STREAM)], path
+    await proxy.app.lifecycle.posts.settle()
+
+
+@pytest.mark.asyncio
+async def test_metadata_both_ways(answer: Any, fake_runtime: Any, proxy: Any) -> None:
+    fake_runtime.answer(RUN, answer(
+        payload=cri.RunPodSandboxResponse(pod_sandbox_id="sb-2").SerializeToString(),
+        initial_metadata=(("x-backend-initial", "i1"), ("x-i-bin", b"\x00\x01")),
+        trailing_metadata=(("x-backend-trailer", "t1"), ("x-bin-bin", b"\x00\xff\xfe"))))
+    call = proxy.unary(RUN)(_run_request(), timeout=5,
+                            metadata=(("x-koord-test", "hello world"), ("x-koord-bin", b"\x01\x02\xff")))
+    assert cri.RunPodSandboxResponse.FromString(await call).pod_sandbox_id == "sb-2"
+    initial = tuple(await call.initial_metadata())
+    assert ("x-backend-initial", "i1") in initial and ("x-i-bin", b"\x00\x01") in initial
+    trailing = tuple(await call.trailing_metadata())
+    assert ("x-backend-trailer", "t1") in trailing and ("x-bin-bin", b"\x00\xff\xfe") in trailing
+    [seen] = fake_runtime.received(RUN)
+    assert seen.md("x-koord-test") == ["hello world"] and seen.md("x-koord-bin") == [b"\x01\x02\xff"]
+    await proxy.app.lifecycle.posts.settle()
+
+
+@pytest.mark.asyncio
+async def test_deadline_reaches_the_backend_and_ends_the_call(answer: Any, fake_runtime: Any, proxy: Any) -> None:
+    for timeout in (3.0, 0.7):
+        await proxy.call(RUN, _run_request(), timeout=timeout)
+    first, second = (c.time_remaining for c in fake_runtime.received(RUN))
+    assert first is not None and 2.0 < first <= 3.0 + CLOCK_SLACK
+    assert second is not None and 0 < second <= 0.7 + CLOCK_SLACK
+    fake_runtime.answer(RUN, answer(delay=5.0))
+    start = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await proxy.call(RUN, _run_request(), timeout=0.3)
+    assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 2.0
+    # The interception server is free again: the next call goes through at once.
+    fake_runtime.answer(RUN, answer(payload=cri.RunPodSandboxResponse(pod_sandbox_id="sb-3").SerializeToString()))
+    assert cri.RunPodSandboxResponse.FromString(await proxy.call(RUN, _run_request())).pod_sandbox_id == "sb-3"
+
+
+@pytest.mark.asyncio
+async def test_client_cancellation_reaches_the_backend(answer: Any, fake_runtime: Any, proxy: Any) -> None:
+    """kubelet gives up on RunPodSandbox: containerd's handler is cancelled too, within a second."""
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    def slow(_request: bytes) -> Any:
+        started.set()
+        return answer(delay=30.0)
+
+    fake_runtime.answer(RUN, slow)
+    original = fake_runtime.unary
+
+    async def unary(method: str, request: bytes, context: Any) -> bytes:
+        try:
+            return await original(method, request, context)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    fake_runtime.unary = unary
+    call = proxy.unary(RUN)(_run_request(), timeout=30)
+    await asyncio.wait_for(started.wait(), 5)
+    call.cancel()
+    await asyncio.wait_for(cancelled.wait(), 1.0)
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+
+@pytest.mark.asyncio
+async def test_16_mib_messages_both_ways(answer: Any, fake_runtime: Any, proxy: Any) -> None:
+    size = 16 * MiB - 256
+    # Field 99, length-delimited, ~16 MiB: unknown to the proxy, relayed as bytes.
+    filler = b"z" * (size - 64)
+    length = len(filler)
+    varint = bytearray()
+    while True:
+        byte, length = length & 0x7F, length >> 7
+        varint.append(byte | (0x80 if length else 0))
+        if not length:
+            break
+    big_reply = cri.RunPodSandboxResponse(pod_sandbox_id="sb-4").SerializeToString() + b"\x9a\x06" + bytes(
+        varint) + filler
+    fake_runtime.answer(RUN, answer(payload=big_reply))
+    request = _run_request(annotation="a" * (size - 200))
+    assert await proxy.call(RUN, request, timeout=30) == big_reply
+    assert fake_runtime.received(RUN)[0].payload == request
+    # One byte over the limit: refused before containerd, RESOURCE_EXHAUSTED.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await proxy.call(RUN, _run_request(annotation="a" * (16 * MiB)), timeout=30)
+    assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(fake_runtime.received(RUN)) == 1
