@@ -86,10 +86,11 @@ class App:
         self.backend = GrpcBackend(settings.backend, max_message_bytes=settings.max_message_bytes)
         self.data_plane = choose_data_plane(settings, lambda: haproxy.intercepted_paths(self.chain.pre_calls))
         #: The lifecycle's backend: behind HAProxy, HTTP/1.1 to its private listener (gRPC if it is away).
-        self.lifecycle_backend: Backend = self.backend
+        self._h1_backend: H1Backend | None = None
         if self.data_plane is not None:
-            self.lifecycle_backend = H1Backend(self.data_plane.layout.upstream_socket,
-                                               max_message_bytes=settings.max_message_bytes, fallback=self.backend)
+            self._h1_backend = H1Backend(self.data_plane.layout.upstream_socket,
+                                         max_message_bytes=settings.max_message_bytes, fallback=self.backend)
+        self.lifecycle_backend: Backend = self._h1_backend or self.backend
         self.lifecycle = Lifecycle(
             store=self.store, backend=self.lifecycle_backend, chain=lambda: self.chain,
             skip_label=lambda: SkipLabel(self.settings.skip_label_key, self.settings.skip_label_value),
@@ -240,8 +241,8 @@ class App:
             await self.http.stop()
         await plugins.close_hooks(self.chain.hooks)
         await self.backend.close()
-        if self.lifecycle_backend is not self.backend:
-            await self.lifecycle_backend.close()  # type: ignore[attr-defined]
+        if self._h1_backend is not None:
+            await self._h1_backend.close()
         self._pools.shutdown()
         self.store.close()
         if self.data_plane is not None:

@@ -22,9 +22,12 @@ from pathlib import Path
 from typing import Final
 
 import httptools
+import structlog
 
 from runtimeproxy import grpcwire
 from runtimeproxy.backend import Backend, CallError, Code, Metadata, Reply
+
+log = structlog.get_logger("runtimeproxy.h1backend")
 
 #: Idle connections kept (one per concurrent call beyond this is closed after its reply).
 MAX_IDLE: Final = 8
@@ -148,6 +151,7 @@ class H1Backend:
         self._idle: list[_Connection] = []
         #: Calls that went over the fallback because the data plane's listener was not there.
         self.fallbacks = 0
+        self._falling_back = False
 
     async def unary(
         self, method: str, payload: bytes, *, timeout: float | None = None, metadata: Metadata = ()
@@ -161,8 +165,13 @@ class H1Backend:
                             b"content-length: %d\r\n\r\n" % (len(payload) + 5), grpcwire.frame(payload)))
         conn = await self._connection()
         if conn is None:
+            if not self._falling_back:  # one line per episode, not per call
+                log.info("lifecycle_backend_fallback", socket=self._socket, using="grpc",
+                         reason="the data plane's listener is not there (restarting?)")
             self.fallbacks += 1
+            self._falling_back = True
             return await self._fallback.unary(method, payload, timeout=timeout, metadata=metadata)
+        self._falling_back = False
         try:
             if timeout is None:
                 got = await conn.send(request)

@@ -16,6 +16,7 @@ from typing import Any
 import prometheus_client
 import pytest
 import pytest_asyncio
+import structlog.testing
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy import grpcwire
@@ -442,5 +443,8 @@ async def test_client_connection_lost_mid_reply_is_unavailable_and_no_listener_m
         Code.UNAVAILABLE, "the data plane closed the connection before the reply")
     await fake.stop()
     fake.path.unlink()  # HAProxy away (restarting): its listener is gone
-    assert await client.unary(RUN, REQUEST) == Reply(b"from-grpc")
-    assert fallback.calls == [RUN] and client.fallbacks == 1
+    with structlog.testing.capture_logs() as logs:
+        assert await client.unary(RUN, REQUEST) == Reply(b"from-grpc")
+        assert await client.unary(RUN, REQUEST) == Reply(b"from-grpc")
+    assert fallback.calls == [RUN, RUN] and client.fallbacks == 2
+    assert [e["event"] for e in logs] == ["lifecycle_backend_fallback"]  # once per episode
