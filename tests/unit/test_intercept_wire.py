@@ -185,3 +185,29 @@ async def test_16_mib_messages_both_ways(answer: Any, fake_runtime: Any, proxy: 
         await proxy.call(RUN, _run_request(annotation="a" * (16 * MiB)), timeout=30)
     assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert len(fake_runtime.received(RUN)) == 1
+
+
+@pytest.mark.asyncio
+async def test_concurrent_calls_each_get_their_own_reply(answer: Any, fake_runtime: Any, proxy: Any) -> None:
+    """kubelet's pod workers start pods in parallel: 20 RunPodSandbox calls in flight at once
+    (HAProxy then holds 20 connections to Python, and Python 20 to HAProxy), each answered
+    with its own sandbox id."""
+    arrived: list[float] = []
+
+    def by_name(request: bytes) -> Any:
+        arrived.append(time.monotonic())
+        name = cri.RunPodSandboxRequest.FromString(request).config.metadata.name
+        return answer(payload=cri.RunPodSandboxResponse(pod_sandbox_id="sb-" + name).SerializeToString(), delay=1.0)
+
+    fake_runtime.answer(RUN, by_name)
+
+    async def one(i: int) -> str:
+        request = cri.RunPodSandboxRequest(config=cri.PodSandboxConfig(
+            metadata=cri.PodSandboxMetadata(name=f"p{i}", namespace="n", uid=f"u{i}"))).SerializeToString()
+        return cri.RunPodSandboxResponse.FromString(await proxy.call(RUN, request, timeout=20)).pod_sandbox_id
+
+    got = await asyncio.gather(*(one(i) for i in range(20)))
+    assert got == [f"sb-p{i}" for i in range(20)]
+    assert len(arrived) == 20 and max(arrived) - min(arrived) < 1.0  # all in flight before the first answered
+    if isinstance(proxy.app.lifecycle_backend, H1Backend):
+        assert proxy.app.lifecycle_backend.fallbacks == 0
