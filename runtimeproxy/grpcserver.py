@@ -121,6 +121,23 @@ def prepare_socket(path: Path) -> None:
     raise SocketInUse(f"{path} is held by a live process (another koord-runtime-proxy?)")
 
 
+def socket_identity(path: Path) -> tuple[int, int]:
+    """(device, inode) of the socket just bound at ``path``, for ``unlink_bound``."""
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
+
+
+def unlink_bound(path: Path, bound: tuple[int, int] | None) -> None:
+    """Remove ``path`` if it is still the socket we bound (``socket_identity``); never
+    a path we refused to replace, nor a file that replaced ours since."""
+    if bound is None:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        st = os.lstat(path)
+        if (st.st_dev, st.st_ino) == bound:
+            path.unlink()
+
+
 def _remove_stale(path: Path, probed: os.stat_result) -> None:
     # Remove only what was probed: the same socket inode, not whatever replaced it since.
     try:
@@ -314,8 +331,7 @@ class ProxyServer:
     async def start(self) -> None:
         prepare_socket(self._listen)
         self._server.add_insecure_port("unix://" + str(self._listen))  # binds: the file exists now
-        st = os.lstat(self._listen)
-        self._bound = (st.st_dev, st.st_ino)
+        self._bound = socket_identity(self._listen)
         await self._server.start()
         os.chmod(self._listen, self._mode)
         log.info("listening", socket=str(self._listen), mode=oct(self._mode))
@@ -327,13 +343,7 @@ class ProxyServer:
         racing the shutdown can still be accepted and its call then cancelled (CANCELLED,
         not the UNAVAILABLE kubelet retries on). Removing the path first closes that window.
         """
-        # Only the socket this server bound: never a path it refused to replace.
-        if self._bound is None:
-            return
-        with contextlib.suppress(FileNotFoundError):
-            st = os.lstat(self._listen)
-            if (st.st_dev, st.st_ino) == self._bound:
-                self._listen.unlink()
+        unlink_bound(self._listen, self._bound)
 
     async def stop(self, grace: float) -> None:
         """Refuse new calls, let in-flight ones finish within ``grace``."""

@@ -19,7 +19,6 @@ connections for the next call (``http-reuse always``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,7 +29,7 @@ import structlog
 
 from runtimeproxy import grpcwire, intercept
 from runtimeproxy.backend import CallError, Code, Reply
-from runtimeproxy.grpcserver import prepare_socket
+from runtimeproxy.grpcserver import prepare_socket, socket_identity, unlink_bound
 from runtimeproxy.lifecycle import CallInfo, Lifecycle
 from runtimeproxy.promstats import MethodStats, ProxyMetrics
 
@@ -84,8 +83,7 @@ class H1InterceptServer:
         prepare_socket(self._listen)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: _Connection(self), str(self._listen))
-        st = os.lstat(self._listen)
-        self._bound = (st.st_dev, st.st_ino)
+        self._bound = socket_identity(self._listen)
         os.chmod(self._listen, 0o600)
         log.info("listening", socket=str(self._listen), transport="http/1.1")
 
@@ -94,12 +92,7 @@ class H1InterceptServer:
         kubelet UNAVAILABLE); calls on open connections go on."""
         if self._server is not None:
             self._server.close()
-        if self._bound is None:
-            return
-        with contextlib.suppress(FileNotFoundError):
-            st = os.lstat(self._listen)
-            if (st.st_dev, st.st_ino) == self._bound:
-                self._listen.unlink()
+        unlink_bound(self._listen, self._bound)
 
     async def stop(self, grace: float) -> None:
         """Let the calls in flight finish within ``grace``, then close every connection

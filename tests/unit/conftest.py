@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -42,6 +43,7 @@ from criapi import hook_v1alpha1_pb2 as hookpb
 from criapi import hook_v1alpha1_pb2_grpc as hookpb_grpc
 from runtimeproxy import config
 from runtimeproxy.app import App
+from runtimeproxy.dataplane import find_haproxy
 
 RT = "/runtime.v1.RuntimeService/"
 IMG = "/runtime.v1.ImageService/"
@@ -253,6 +255,22 @@ class _FakeHandler(grpc.GenericRpcHandler):
             return await fake.unary(method, request, context)
 
         return grpc.unary_unary_rpc_method_handler(unary)
+
+
+def need_haproxy() -> None:
+    """Skip without haproxy, except under CI (scripts/setup-host.sh installs it): fail there."""
+    if find_haproxy() is None:
+        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+            pytest.fail("haproxy is not installed; scripts/setup-host.sh installs it (apt install haproxy)")
+        pytest.skip("haproxy is not installed (apt install haproxy)")
+
+
+@pytest.fixture(params=["grpc", "haproxy"])
+def plane(request: pytest.FixtureRequest) -> str:
+    """Each data plane in turn (``data_plane=`` for ``start_proxy``)."""
+    if request.param == "haproxy":
+        need_haproxy()
+    return str(request.param)
 
 
 @pytest.fixture

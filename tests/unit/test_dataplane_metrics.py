@@ -14,7 +14,6 @@ import pytest_asyncio
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.haproxystats import DataPlaneCounters, parse_table
-from tests.unit.test_dataplane_wire import _need_haproxy
 
 RT = "/runtime.v1.RuntimeService/"
 LIST = RT + "ListContainers"
@@ -22,13 +21,6 @@ STATUS = RT + "Status"
 NATIVE = "/containerd.services.version.v1.Version/Version"
 CALLS = "koord_runtime_proxy_cri_calls_total"
 ERRORS = "koord_runtime_proxy_cri_errors_total"
-
-
-@pytest.fixture(params=["grpc", "haproxy"])
-def plane(request: pytest.FixtureRequest) -> str:
-    if request.param == "haproxy":
-        _need_haproxy()
-    return str(request.param)
 
 
 @pytest_asyncio.fixture

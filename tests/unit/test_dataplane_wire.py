@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,8 +23,8 @@ import pytest_asyncio
 import yaml
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.dataplane import find_haproxy
 from tests.unit import h2raw
+from tests.unit.conftest import need_haproxy
 
 RT = "/runtime.v1.RuntimeService/"
 STATUS = RT + "Status"
@@ -36,22 +35,6 @@ EXEC_SYNC = RT + "ExecSync"
 NATIVE = "/containerd.services.version.v1.Version/Version"
 MiB = 1024 * 1024
 CLOCK_SLACK = 0.05
-
-
-def _need_haproxy() -> None:
-    """Skip without haproxy, except under CI (scripts/setup-host.sh installs it): fail there."""
-    if find_haproxy() is None:
-        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
-            pytest.fail("haproxy is not installed; scripts/setup-host.sh installs it (apt install haproxy)")
-        pytest.skip("haproxy is not installed (apt install haproxy)")
-
-
-@pytest.fixture(params=["grpc", "haproxy"])
-def plane(request: pytest.FixtureRequest) -> str:
-    name = str(request.param)
-    if name == "haproxy":
-        _need_haproxy()
-    return name
 
 
 @pytest_asyncio.fixture
@@ -229,7 +212,7 @@ async def test_lifecycle_calls_reach_the_interception_server(fake_runtime: Any, 
 async def test_reload_rewrites_haproxy_but_keeps_what_needs_a_restart(
     fake_runtime: Any, start_proxy: Any, short_dir: Any
 ) -> None:
-    _need_haproxy()
+    need_haproxy()
     proxy = await start_proxy(fake_runtime, data_plane="haproxy", config_file=True)
     plane = proxy.app.data_plane
     pid = plane.pid
@@ -293,7 +276,7 @@ async def test_an_active_stream_outlives_the_idle_timeout_a_quiet_one_is_cut(
     """HAProxy's timeouts are inactivity timeouts: a GetContainerEvents stream with an event
     every 0.5 s runs 4 s through a 2 s idle timeout; one quiet for 3.5 s is cut (which is
     why the default idle timeout is 24 h: containerd may have nothing to say for hours)."""
-    _need_haproxy()
+    need_haproxy()
     backend, path = slow_events
     proxy = await start_proxy(fake_runtime, backend_path=path, data_plane="haproxy",
                               data_plane_idle_timeout="2s")
@@ -327,7 +310,7 @@ async def test_a_quiet_stream_within_the_idle_timeout_is_never_cut(
     ``timeout http-keep-alive`` closes the idle connection (GOAWAY: the channel goes IDLE);
     client, tunnel, http-request, client-fin and server-fin cut neither here (set anyway,
     so that no default of theirs can be shorter)."""
-    _need_haproxy()
+    need_haproxy()
     backend, path = slow_events
     backend.count, backend.quiet, backend.gap = 5, 1.5, 1.5
     proxy = await start_proxy(fake_runtime, backend_path=path, data_plane="haproxy",
@@ -409,7 +392,7 @@ async def test_not_ready_while_haproxy_does_not_answer(
     listens, but the "haproxy" started (a stand-in that passes the config check, then
     binds kubelet's socket and never answers) does not answer there: the proxy stays not
     ready."""
-    _need_haproxy()
+    need_haproxy()
     fake = short_dir / "haproxy"
     fake.write_text(
         "#!/usr/bin/python3\nimport socket, sys, time\n"
@@ -432,7 +415,7 @@ async def test_a_crashing_haproxy_is_restarted_with_back_off(
 ) -> None:
     """A master that dies at once is started again after 0.1 s, then 0.2, 0.4, 0.8 s: a
     crash loop costs a few starts a second at first and fewer after, not a busy loop."""
-    _need_haproxy()
+    need_haproxy()
     fake, starts = short_dir / "haproxy", short_dir / "starts"
     fake.write_text(
         "#!/usr/bin/python3\nimport os, socket, sys, time\n"
@@ -459,7 +442,7 @@ async def test_a_clean_stop_logs_no_error(
     """Our drain takes the interception server out of HAProxy's rotation; HAProxy then
     says so as an ALERT ("backend 'intercept' has no server available"): logged at info,
     not as an error at every stop."""
-    _need_haproxy()
+    need_haproxy()
     proxy = await start_proxy(fake_runtime, data_plane="haproxy")
     capsys.readouterr()
     proxy.app.request_stop()

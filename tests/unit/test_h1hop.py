@@ -357,7 +357,7 @@ def _ok(payload: bytes, headers: bytes = b"", trailers: bytes = b"") -> bytes:
 
 
 @pytest_asyncio.fixture
-async def plane(short_dir: Path) -> AsyncIterator[tuple[FakeDataPlane, H1Backend, FallbackBackend]]:
+async def upstream(short_dir: Path) -> AsyncIterator[tuple[FakeDataPlane, H1Backend, FallbackBackend]]:
     fake = FakeDataPlane(short_dir / "up.sock")
     await fake.start()
     fallback = FallbackBackend()
@@ -368,8 +368,8 @@ async def plane(short_dir: Path) -> AsyncIterator[tuple[FakeDataPlane, H1Backend
 
 
 @pytest.mark.asyncio
-async def test_client_reply_metadata_and_a_kept_connection(plane: Any) -> None:
-    fake, client, fallback = plane
+async def test_client_reply_metadata_and_a_kept_connection(upstream: Any) -> None:
+    fake, client, fallback = upstream
     fake.replies = [_ok(REPLY, b"x-i: 1\r\n", b"x-t-bin: AAE\r\n"), _ok(b"")]
     reply = await client.unary(RUN, REQUEST, timeout=2.5, metadata=(("x-koord", "a"), ("x-k-bin", b"\1\2")))
     assert reply == Reply(REPLY, (("x-i", "1"),), (("x-t-bin", b"\0\1"),))
@@ -384,8 +384,8 @@ async def test_client_reply_metadata_and_a_kept_connection(plane: Any) -> None:
 
 
 @pytest.mark.asyncio
-async def test_client_errors_are_relayed_with_their_trailers(plane: Any) -> None:
-    fake, client, _ = plane
+async def test_client_errors_are_relayed_with_their_trailers(upstream: Any) -> None:
+    fake, client, _ = upstream
     fake.replies = [
         b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ngrpc-status: 5\r\ngrpc-message: gone%20%25\r\n"
         b"grpc-status-details-bin: CAU\r\nx-w: 1\r\ncontent-length: 0\r\n\r\n",  # trailers-only
@@ -411,10 +411,10 @@ async def test_client_errors_are_relayed_with_their_trailers(plane: Any) -> None
 
 
 @pytest.mark.asyncio
-async def test_client_deadline_and_cancellation_close_the_connection(plane: Any) -> None:
+async def test_client_deadline_and_cancellation_close_the_connection(upstream: Any) -> None:
     """The deadline passes, or kubelet's call goes away: our connection closes (HAProxy then
     resets containerd's stream, see test_intercept_wire) and the next call takes a new one."""
-    fake, client, _ = plane
+    fake, client, _ = upstream
     fake.replies = [None, None, _ok(b"")]
     start = asyncio.get_running_loop().time()
     with pytest.raises(CallError) as err:
@@ -433,8 +433,8 @@ async def test_client_deadline_and_cancellation_close_the_connection(plane: Any)
 
 
 @pytest.mark.asyncio
-async def test_client_connection_lost_mid_reply_is_unavailable_and_no_listener_means_fallback(plane: Any) -> None:
-    fake, client, fallback = plane
+async def test_client_connection_lost_mid_reply_is_unavailable_and_no_listener_means_fallback(upstream: Any) -> None:
+    fake, client, fallback = upstream
     fake.replies = [CLOSE + b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\n"
                     b"transfer-encoding: chunked\r\n\r\n5\r\n"]
     with pytest.raises(CallError) as err:

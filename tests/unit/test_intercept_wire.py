@@ -23,7 +23,7 @@ import pytest_asyncio
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.h1backend import H1Backend
 from tests.unit import h2raw
-from tests.unit.test_dataplane_wire import CLOCK_SLACK, MiB, _need_haproxy
+from tests.unit.test_dataplane_wire import CLOCK_SLACK, MiB
 
 RT = "/runtime.v1.RuntimeService/"
 RUN = RT + "RunPodSandbox"
@@ -34,13 +34,6 @@ def _run_request(extra: bytes = b"", annotation: str = "") -> bytes:
     config = cri.PodSandboxConfig(metadata=cri.PodSandboxMetadata(name="p", namespace="n", uid="u"),
                                   annotations={"big": annotation} if annotation else {})
     return cri.RunPodSandboxRequest(config=config).SerializeToString() + extra
-
-
-@pytest.fixture(params=["grpc", "haproxy"])
-def plane(request: pytest.FixtureRequest) -> str:
-    if request.param == "haproxy":
-        _need_haproxy()
-    return str(request.param)
 
 
 @pytest_asyncio.fixture
