@@ -170,8 +170,6 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
         self._lifecycle = lifecycle
         self._metrics = metrics
         self._intercepted = lifecycle.methods
-        #: Lifecycle calls being handled now (a drain behind HAProxy waits for 0, see App.shutdown).
-        self.intercepting = 0
         streaming = dict(known_methods())
         streaming.update({m: False for m in self._intercepted if m not in streaming})
         self._handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]] = {
@@ -277,13 +275,6 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
         lifecycle = self._lifecycle
 
         async def intercepted(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-            self.intercepting += 1
-            try:
-                return await handle(request, context)
-            finally:
-                self.intercepting -= 1
-
-        async def handle(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
             info = CallInfo(context.time_remaining(), forwardable(context.invocation_metadata()))
             try:
                 reply = await intercept.serve(lifecycle, stats, method, request, info)

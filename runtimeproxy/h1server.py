@@ -124,14 +124,18 @@ class H1InterceptServer:
             else:
                 async with asyncio.timeout(info.timeout):
                     reply = await intercept.serve(self._lifecycle, stats, method, request, info)
-            return reply_bytes(reply, self.max_bytes)
-        except CallError as err:
+        except CallError as err:  # counted by intercept.serve
             return error_bytes(err)
         except TimeoutError:
             stats.error("DEADLINE_EXCEEDED")
             return error_bytes(CallError(Code.DEADLINE_EXCEEDED, "Deadline Exceeded"))
         finally:
             self.intercepting -= 1
+        try:
+            return reply_bytes(reply, self.max_bytes)
+        except CallError as err:  # a reply we cannot relay (too big, metadata no header can carry)
+            stats.error(err.code.name)
+            return error_bytes(err)
 
     def _decode(self, headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[CallInfo, bytes]:
         timeout: float | None = None

@@ -111,6 +111,8 @@ class FakeBackend:
         self.calls: list[tuple[str, bytes, float | None, Metadata]] = []
         self.answer: Callable[[], Awaitable[Reply]] | None = None
         self.cancelled = asyncio.Event()
+        #: The server's metrics (the ``served`` fixture registers them here).
+        self.registry = prometheus_client.CollectorRegistry()
 
     async def unary(self, method: str, payload: bytes, *, timeout: float | None = None,
                     metadata: Metadata = ()) -> Reply:
@@ -129,7 +131,7 @@ async def served(short_dir: Path) -> AsyncIterator[tuple[H1InterceptServer, Fake
     backend = FakeBackend()
     lifecycle = Lifecycle(store=Store(), backend=backend, chain=lambda: HookChain([]),
                           skip_label=lambda: SkipLabel("k", "v"))
-    metrics = ProxyMetrics(prometheus_client.CollectorRegistry())
+    metrics = ProxyMetrics(backend.registry)
     path = short_dir / "i.sock"
     server = H1InterceptServer(listen=path, lifecycle=lifecycle, metrics=metrics, max_message_bytes=4096)
     await server.start()
@@ -240,6 +242,24 @@ async def test_backend_errors_deadlines_and_bugs_become_statuses(served: Any) ->
         assert asyncio.get_running_loop().time() - start < 2.0
     assert backend.cancelled.is_set()  # the deadline cancelled the backend call
     assert server.intercepting == 0
+    await _close(writer)
+
+
+@pytest.mark.asyncio
+async def test_a_reply_too_big_to_relay_is_resource_exhausted_and_counted(served: Any) -> None:
+    _, backend, path = served
+
+    async def big() -> Reply:
+        return Reply(b"x" * 5000)
+
+    backend.answer = big
+    reader, writer = await asyncio.open_unix_connection(str(path))
+    writer.write(_request())
+    head, _ = await _reply(reader)
+    assert head.startswith(b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ngrpc-status: 8\r\n"
+                           b"grpc-message: reply of 5000 bytes, more than 4096\r\n"), head
+    assert backend.registry.get_sample_value(
+        "koord_runtime_proxy_cri_errors_total", {"method": RUN, "code": "RESOURCE_EXHAUSTED"}) == 1
     await _close(writer)
 
 
