@@ -60,12 +60,7 @@ class Stage(enum.Enum):
     @property
     def method_name(self) -> str:
         """The hook method implementing this stage: ``PreCreateContainer`` → ``pre_create_container``."""
-        out: list[str] = []
-        for ch in self.value:
-            if ch.isupper() and out:
-                out.append("_")
-            out.append(ch.lower())
-        return "".join(out)
+        return _METHOD_NAMES[self]
 
     @property
     def is_pre(self) -> bool:
@@ -85,6 +80,18 @@ class Stage(enum.Enum):
         others (stop/remove/start take an id) can observe or veto, not change."""
         return self in _PATCHABLE
 
+
+def _snake(name: str) -> str:
+    out: list[str] = []
+    for ch in name:
+        if ch.isupper() and out:
+            out.append("_")
+        out.append(ch.lower())
+    return "".join(out)
+
+
+#: Computed once: the chain asks for a stage's method on every call.
+_METHOD_NAMES: Final = {stage: _snake(stage.value) for stage in Stage}
 
 _PATCHABLE: Final = frozenset(
     {Stage.PRE_RUN_POD_SANDBOX, Stage.PRE_CREATE_CONTAINER, Stage.PRE_UPDATE_CONTAINER_RESOURCES}
