@@ -398,5 +398,7 @@ class KubeClient:
         for resp in streams:
             try:
                 resp.shutdown()
-            except (OSError, AttributeError):
+            # The watch thread may close or release the stream between the copy above and
+            # this call (urllib3 then raises ValueError / RuntimeError): nothing left to wake.
+            except (OSError, AttributeError, ValueError, RuntimeError):
                 continue

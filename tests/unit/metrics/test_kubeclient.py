@@ -5,6 +5,7 @@ send and how we handle the answers."""
 from __future__ import annotations
 
 import asyncio
+import io
 import socket
 import threading
 import time
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import structlog
+import urllib3
 
 from metrics.informer.kubeclient import (
     EvictionRefused,
@@ -191,6 +193,18 @@ def test_a_watch_stopped_while_its_request_is_in_flight_ends_at_once(api: KubeAp
     gate.set()  # the response arrives; the server then holds the stream open for 10 s
     thread.join(3)
     assert not thread.is_alive()
+
+
+def test_interrupting_a_stream_its_watch_thread_just_closed_is_not_an_error(kube: KubeClient) -> None:
+    # The race CI once hit at teardown: interrupt_watches copied the stream, then the watch
+    # thread closed it (urllib3 forgets its socket) before shutdown() ran.
+    closed = urllib3.response.HTTPResponse(body=io.BytesIO(b""), preload_content=False)
+    closed.close()
+    with pytest.raises(ValueError):
+        closed.shutdown()  # what interrupt_watches meets
+    kube._streams.add(closed)
+    kube.interrupt_watches()
+    kube.close()
 
 
 def test_watch_backs_off_while_the_crd_is_missing(api: KubeApiServer, kube: KubeClient) -> None:
