@@ -6,8 +6,10 @@ For each pod: kubelet's pod cgroup is made under a unique test parent, then ever
 PreRunPodSandbox and PreCreateContainer of ``systemd/config.yaml``'s chain is called
 directly (no thread hand-off, no event loop) on a BE pod with batch resources, as
 ``bench/bench_proxy.py``'s lifecycle makes it. It prints each hook's median µs per call
-(the first 20 pods are warm-up): the hooks' own work, hot in the CPU's caches. In a real
-lifecycle the same code runs cold, 2-10x slower (``koord_runtime_proxy_hook_duration_seconds``).
+(the first 20 pods are warm-up): the hooks' own work. Each pod's cgroup is new, so the
+kernel's first touch of its files is in it (most of batch-resource's time). Compare with a
+real lifecycle's ``koord_runtime_proxy_hook_duration_seconds`` (docs/benchmarks.md, session
+16: 536 µs there for batch-resource's PreRunPodSandbox, ~630 µs here).
 ``--profile`` adds cProfile's top functions by cumulative time. The cgroups are removed at the end.
 """
 
