@@ -146,6 +146,15 @@ def _request(body: bytes = grpcwire.frame(REQUEST), path: str = RUN, extra: byte
             + extra + b"content-length: %d\r\n\r\n" % len(body) + body)
 
 
+def _answer_after(started: asyncio.Event, seconds: float, payload: bytes) -> Callable[[], Awaitable[Reply]]:
+    """A backend answer that says it has started, then takes ``seconds``."""
+    async def answer() -> Reply:
+        started.set()
+        await asyncio.sleep(seconds)
+        return Reply(payload)
+    return answer
+
+
 async def _close(writer: asyncio.StreamWriter) -> None:
     writer.close()
     with contextlib.suppress(ConnectionError):
@@ -268,13 +277,7 @@ async def test_a_closed_connection_cancels_its_call(served: Any) -> None:
     """HAProxy closes our connection when kubelet resets the stream: the lifecycle call is cancelled."""
     server, backend, path = served
     started = asyncio.Event()
-
-    async def hang() -> Reply:
-        started.set()
-        await asyncio.sleep(30)
-        return Reply(b"")
-
-    backend.answer = hang
+    backend.answer = _answer_after(started, 30, b"")
     _, writer = await asyncio.open_unix_connection(str(path))
     writer.write(_request())
     await asyncio.wait_for(started.wait(), 5)
@@ -289,13 +292,7 @@ async def test_a_closed_connection_cancels_its_call(served: Any) -> None:
 async def test_stop_lets_the_call_in_flight_answer_then_closes(served: Any) -> None:
     server, backend, path = served
     started = asyncio.Event()
-
-    async def brief() -> Reply:
-        started.set()
-        await asyncio.sleep(0.3)
-        return Reply(REPLY)
-
-    backend.answer = brief
+    backend.answer = _answer_after(started, 0.3, REPLY)
     reader, writer = await asyncio.open_unix_connection(str(path))
     writer.write(_request())
     await asyncio.wait_for(started.wait(), 5)
