@@ -27,9 +27,11 @@ from pathlib import Path
 import bench_proxy as bp
 import yaml
 
-from runtimeproxy import config, embeddedcgroup, patching, plugins
-from runtimeproxy.chain import HookPools
-from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
+from runtimeproxy.chain import patching, plugins
+from runtimeproxy.chain.hookchain import HookPools
+from runtimeproxy.config import settings as config
+from runtimeproxy.demo import embeddedcgroup
+from runtimeproxy.demo.scenario import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 from runtimeproxy.hookapi import ContainerContext, Context, PodContext, Stage
 
 WARMUP = 20

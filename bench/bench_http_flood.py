@@ -31,8 +31,8 @@ import yaml
 from benchlib import BenchNode
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import embedded
-from runtimeproxy.demo import free_port, wait_healthy
+from runtimeproxy.demo import embedded
+from runtimeproxy.demo.scenario import free_port, wait_healthy
 
 FLOODER = textwrap.dedent("""
     import collections, resource, socket, sys, time

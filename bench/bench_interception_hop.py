@@ -6,7 +6,7 @@ An intercepted call crosses Python twice (HAProxy -> Python, Python -> container
 proxy did it with grpc.aio's server and client; this measured that transport against an
 HTTP/1.1 hop on the asyncio loop itself, with HAProxy converting h2 <-> h1 on both sides
 (it keeps trailers and trailers-only replies), and the proxy now uses such a hop
-(runtimeproxy.h1server, runtimeproxy.h1backend):
+(runtimeproxy.transport.h1server, runtimeproxy.transport.h1backend):
 
 * direct: the client to containerd;
 * h1 relay: client --h2--> HAProxy --h1--> Python (asyncio streams) --h1--> HAProxy --h2--> containerd;

@@ -50,8 +50,8 @@ import yaml
 from benchlib import BenchNode
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import devpods, embeddedimage
-from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
+from runtimeproxy.demo import devpods, embeddedimage
+from runtimeproxy.demo.scenario import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 
 PROBE = r"""
 import json, os, sys, time

@@ -21,7 +21,7 @@ import grpc
 from benchlib import BenchNode
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import embedded
+from runtimeproxy.demo import embedded
 
 
 def _status(pid: int, key: str) -> int:

@@ -53,8 +53,8 @@ from benchlib import BenchNode, cpu_seconds
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.kubeapi
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import devpods, embeddedimage
-from runtimeproxy.demo import DEFAULT_CONFIG
+from runtimeproxy.demo import devpods, embeddedimage
+from runtimeproxy.demo.scenario import DEFAULT_CONFIG
 
 
 def _status_kib(pid: int, key: str) -> int:

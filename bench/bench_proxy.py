@@ -19,7 +19,7 @@ In one run, against one private containerd with ``--idle-pods`` running pods, it
     sc-inc-gpc): with "haproxy" in the same interleaved run it gives the counting rules'
     CPU per call, and in the lifecycle what the hooks cost (haproxy - haproxy-bare) apart
     from the interception hop (haproxy-bare - direct). With no hooks HAProxy sends Python
-    only RunPodSandbox, CreateContainer and StartContainer (runtimeproxy.haproxy.STORE_CALLS);
+    only RunPodSandbox, CreateContainer and StartContainer (runtimeproxy.dataplane.haproxy.STORE_CALLS);
     with the shipped chain also UpdateContainerResources, StopPodSandbox and RemovePodSandbox.
 It prints a Markdown table (docs/benchmarks.md keeps the last one).
 """
@@ -45,8 +45,8 @@ from benchlib import BenchNode, cpu_seconds, percentile
 
 from criapi import cri_v1_pb2 as cri
 from criapi import cri_v1_pb2_grpc as cri_grpc
-from runtimeproxy import devpods, embedded, embeddedimage
-from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
+from runtimeproxy.demo import devpods, embedded, embeddedimage
+from runtimeproxy.demo.scenario import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 
 BATCH = ('{"containers": {"c": {"requests": {"kubernetes.io/batch-cpu": "500", "kubernetes.io/batch-memory": '
          '"268435456"}, "limits": {"kubernetes.io/batch-cpu": "1000", "kubernetes.io/batch-memory": "268435456"}}}}')
@@ -99,7 +99,7 @@ def passthrough(stubs: dict[str, Any], cid: str, n: int) -> dict[str, dict[str, 
 #: The timed steps of one pod lifecycle (kubelet's cgroup step timed with RunPodSandbox).
 STEPS = ("RunPodSandbox", "CreateContainer", "StartContainer", "StopContainer", "RemoveContainer",
          "StopPodSandbox", "RemovePodSandbox")
-#: HAProxy configuration lines of the per-method counting (runtimeproxy.haproxy._counting).
+#: HAProxy configuration lines of the per-method counting (runtimeproxy.dataplane.haproxy._counting).
 COUNTING = ("track-sc0", "sc-inc-gpc", "set-var(txn.grpc_status)")
 
 

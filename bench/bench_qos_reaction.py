@@ -35,8 +35,8 @@ import grpc
 from benchlib import BenchNode, cpu_seconds, percentile
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import devpods, embeddedimage
-from runtimeproxy.demo import kubelet_creates_pod_cgroup
+from runtimeproxy.demo import devpods, embeddedimage
+from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
 
 SPIN2 = ["sh", "-c", "while :; do :; done & while :; do :; done"]
 

@@ -41,8 +41,8 @@ import yaml
 from benchlib import BenchNode
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import devpods, embedded, embeddedcgroup, embeddedimage
-from runtimeproxy.demo import demo_config, free_port, kubelet_creates_pod_cgroup, wait_healthy
+from runtimeproxy.demo import devpods, embedded, embeddedcgroup, embeddedimage
+from runtimeproxy.demo.scenario import demo_config, free_port, kubelet_creates_pod_cgroup, wait_healthy
 
 SPEC = "node.koordinator.sh/extended-resource-spec"
 BATCH = {"containers": {"app": {

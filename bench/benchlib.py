@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from runtimeproxy import embedded, embeddedcgroup, embeddedimage
-from runtimeproxy.demo import free_port, wait_healthy
+from runtimeproxy.demo import embedded, embeddedcgroup, embeddedimage
+from runtimeproxy.demo.scenario import free_port, wait_healthy
 
 TICK = os.sysconf("SC_CLK_TCK")
 

@@ -22,9 +22,9 @@ from pathlib import Path, PurePosixPath
 from typing import Final, Literal
 
 from hooks.cpusets import CpuListError, format_cpu_list, parse_cpu_list
+from runtimeproxy.chain.validate import MAX_SHARES as MAX_SHARES  # one range for hook writes and patches
+from runtimeproxy.chain.validate import MIN_SHARES as MIN_SHARES
 from runtimeproxy.hookapi import HookError, TargetGoneError
-from runtimeproxy.validate import MAX_SHARES as MAX_SHARES  # one range for hook writes and patches
-from runtimeproxy.validate import MIN_SHARES as MIN_SHARES
 
 Version = Literal[1, 2]
 Driver = Literal["cgroupfs", "systemd"]

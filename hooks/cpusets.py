@@ -1,7 +1,7 @@
 """CPU lists for hooks and collectors: re-exported from ``runtimeproxy.cpusets``.
 
 The parser moved to the core because the core validates every hook patch
-(``runtimeproxy.validate``) with the same CPU-list rules the hooks apply to
+(``runtimeproxy.chain.validate``) with the same CPU-list rules the hooks apply to
 annotations, and the core may not import ``hooks``. One implementation, two names.
 """
 

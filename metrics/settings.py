@@ -27,7 +27,7 @@ from metrics.store.tsdb import (
     DEFAULT_ROLLUP_STEP,
     tier_problem,
 )
-from runtimeproxy.config import ConfigError, parse_duration
+from runtimeproxy.config.settings import ConfigError, parse_duration
 from runtimeproxy.hookapi import HookConfigError, TaskInit
 
 T = TypeVar("T")

@@ -22,27 +22,30 @@ import prometheus_client
 import structlog
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import __version__, fdlimits, haproxy, haproxystats, heap, logsetup, plugins, sdnotify
+from runtimeproxy import __version__, heap
 from runtimeproxy.backend import Backend, CallError
-from runtimeproxy.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
-from runtimeproxy.chain import HookChain, HookPools
-from runtimeproxy.config import ConfigError, Settings, load
-from runtimeproxy.dataplane import HaproxyDataPlane, find_haproxy
-from runtimeproxy.grpcbackend import GrpcBackend
-from runtimeproxy.grpcserver import ProxyHandler, ProxyServer
-from runtimeproxy.h1backend import H1Backend
-from runtimeproxy.h1server import H1InterceptServer
-from runtimeproxy.history import ChangeHistory
+from runtimeproxy.chain import plugins
+from runtimeproxy.chain.hookchain import HookChain, HookPools
+from runtimeproxy.chain.remote import registration_fingerprint
+from runtimeproxy.config.settings import ConfigError, Settings, load
+from runtimeproxy.dataplane import haproxy, haproxystats
+from runtimeproxy.dataplane.notices import NoticeServer
+from runtimeproxy.dataplane.process import HaproxyDataPlane, find_haproxy
 from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, RulesProvider, TaskInit
 from runtimeproxy.hostwrites import FailureCollector
-from runtimeproxy.lifecycle import Lifecycle, SkipLabel
-from runtimeproxy.notices import NoticeServer
-from runtimeproxy.promstats import HttpEndpoint, ProxyMetrics
-from runtimeproxy.reconcile import Reconciler
-from runtimeproxy.remote import registration_fingerprint
-from runtimeproxy.resync import Resyncer, watch_reconnects
-from runtimeproxy.store import CHANGES_PER_POD, Store, rebuild
-from runtimeproxy.supervisor import Supervisor
+from runtimeproxy.lifecycle.handler import Lifecycle, SkipLabel
+from runtimeproxy.ops import fdlimits, logsetup, sdnotify
+from runtimeproxy.ops.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
+from runtimeproxy.ops.promstats import HttpEndpoint, ProxyMetrics
+from runtimeproxy.ops.supervisor import Supervisor
+from runtimeproxy.state.history import ChangeHistory
+from runtimeproxy.state.reconcile import Reconciler
+from runtimeproxy.state.resync import Resyncer, watch_reconnects
+from runtimeproxy.state.store import CHANGES_PER_POD, Store, rebuild
+from runtimeproxy.transport.grpcbackend import GrpcBackend
+from runtimeproxy.transport.grpcserver import ProxyHandler, ProxyServer
+from runtimeproxy.transport.h1backend import H1Backend
+from runtimeproxy.transport.h1server import H1InterceptServer
 
 log = structlog.get_logger("runtimeproxy.app")
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from runtimeproxy import config
+from runtimeproxy.config import settings as config
 
 EXIT_CONFIG = 2
 #: Entry points here are ``register(subparsers)`` callables adding a subcommand that
@@ -97,7 +97,8 @@ def _settings(args: argparse.Namespace) -> config.Settings | None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from runtimeproxy import app, grpcserver
+    from runtimeproxy import app
+    from runtimeproxy.transport import grpcserver
 
     settings = _settings(args)
     if settings is None:
@@ -117,12 +118,12 @@ def _default_path() -> Path | None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from runtimeproxy import plugins
+    from runtimeproxy.chain import plugins
 
     settings = _settings(args)
     if settings is None:
         return EXIT_CONFIG
-    from runtimeproxy import dataplane
+    from runtimeproxy.dataplane import process as dataplane
 
     try:
         hooks, tasks = plugins.validate(settings)
@@ -181,7 +182,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from runtimeproxy import demo
+    from runtimeproxy.demo import scenario as demo
 
     code: int = demo.main(workdir=args.workdir, config_path=args.config, once=args.once)
     return code

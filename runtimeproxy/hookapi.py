@@ -1,7 +1,7 @@
 """The hook API: what a hook plugin sees and what it may give back.
 
 Hooks never touch protobuf messages. They get a frozen, typed context and return a
-typed patch; only the core (``runtimeproxy.patching``) turns patches into CRI
+typed patch; only the core (``runtimeproxy.chain.patching``) turns patches into CRI
 messages. This keeps hooks independent of the CRI version and of the transport,
 and lets the chain show later hooks exactly what earlier hooks changed.
 

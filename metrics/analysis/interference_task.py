@@ -52,7 +52,7 @@ from metrics.analysis.interference_signals import SignalReader
 from metrics.model import MetricReader, PodView
 from metrics.report.events import WARNING, EventRecorder
 from metrics.settings import _VALIDATED_METRICS
-from runtimeproxy.config import ConfigError, parse_duration
+from runtimeproxy.config.settings import ConfigError, parse_duration
 from runtimeproxy.hookapi import HookConfigError, PodInfo, TaskInit
 
 log = structlog.get_logger("metrics.analysis.interference")

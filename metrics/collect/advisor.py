@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector as PromCollector
 
 from metrics.model import CONTAINER_ID, POD_UID, PodView, Sample
-from runtimeproxy.config import ConfigError, parse_duration
+from runtimeproxy.config.settings import ConfigError, parse_duration
 from runtimeproxy.hookapi import HookConfigError
 
 log = structlog.get_logger("metrics.advisor")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from metrics.collect.base import Collector
-from runtimeproxy.config import ConfigError, parse_duration
+from runtimeproxy.config.settings import ConfigError, parse_duration
 from runtimeproxy.hookapi import HookConfigError, HostRoots
 
 if TYPE_CHECKING:  # settings imports this module for CollectorSpec

@@ -43,7 +43,7 @@ from metrics.qos.plan import Action, Evict, Plan, Priority, SetCgroup
 from metrics.qos.strategy import Input, RoundContext, RoundInputs, Strategy, StrategyInit
 from metrics.qos.suppress import BEState, CPULike, SuppressConfig, SuppressStrategy, read_be_state
 from metrics.qos.tierquota import ChildClamps
-from runtimeproxy.config import ConfigError, parse_duration
+from runtimeproxy.config.settings import ConfigError, parse_duration
 from runtimeproxy.hookapi import HookConfigError
 
 log = structlog.get_logger("metrics.qos.interference")

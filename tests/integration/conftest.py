@@ -29,11 +29,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from criapi import cri_v1_pb2
-from runtimeproxy.dataplane import find_haproxy
-from runtimeproxy.devpods import QoSClass, container_config, kube_cgroup_parent, sandbox_config
-from runtimeproxy.embedded import EmbeddedContainerd, runtime_stub, unix_channel
-from runtimeproxy.embeddedcgroup import remove_cgroup_tree, unique_test_parent
-from runtimeproxy.embeddedimage import BUSYBOX_IMAGE, build_busybox_image, build_pause_image
+from runtimeproxy.dataplane.process import find_haproxy
+from runtimeproxy.demo.devpods import QoSClass, container_config, kube_cgroup_parent, sandbox_config
+from runtimeproxy.demo.embedded import EmbeddedContainerd, runtime_stub, unix_channel
+from runtimeproxy.demo.embeddedcgroup import remove_cgroup_tree, unique_test_parent
+from runtimeproxy.demo.embeddedimage import BUSYBOX_IMAGE, build_busybox_image, build_pause_image
 
 _HERE = Path(__file__).parent
 _REQUIRED_BINARIES = ("containerd", "containerd-shim-runc-v2", "runc", "ctr")

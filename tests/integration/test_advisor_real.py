@@ -21,7 +21,7 @@ import pytest
 
 from metrics import model
 from metrics.store.tsdb import TSDB
-from runtimeproxy.demo import kubelet_creates_pod_cgroup
+from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
 
 DB_DIR = Path(tempfile.gettempdir(), f"krpt-advisor-{uuid.uuid4().hex}")
 POD_NAME = f"advised-{uuid.uuid4().hex[:8]}"

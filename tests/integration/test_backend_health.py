@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from runtimeproxy.embedded import EmbeddedContainerd
+from runtimeproxy.demo.embedded import EmbeddedContainerd
 
 GRACE = 2.0
 

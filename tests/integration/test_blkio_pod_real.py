@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from runtimeproxy.demo import kubelet_creates_pod_cgroup
+from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
 
 pytestmark = pytest.mark.integration
 

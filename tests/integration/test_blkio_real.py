@@ -23,7 +23,7 @@ from metrics.qos.evict import CriEvictor
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.strategy import StrategyInit
 from metrics.store.tsdb import TSDB
-from runtimeproxy.embeddedcgroup import remove_cgroup_tree, unique_test_parent
+from runtimeproxy.demo.embeddedcgroup import remove_cgroup_tree, unique_test_parent
 from runtimeproxy.hookapi import HostRoots
 
 ROOT = Path("/sys/fs/cgroup")

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from hooks.coreschedsys import CookieOps, LibcCoreSched, detect
-from runtimeproxy.demo import kubelet_creates_pod_cgroup
+from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
 
 
 @pytest.fixture(scope="module")

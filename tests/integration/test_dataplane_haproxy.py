@@ -19,8 +19,8 @@ import grpc
 import pytest
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.config import builtin_default
-from runtimeproxy.embedded import EmbeddedContainerd, runtime_stub, unix_channel
+from runtimeproxy.config.settings import builtin_default
+from runtimeproxy.demo.embedded import EmbeddedContainerd, runtime_stub, unix_channel
 
 VERSION = "/runtime.v1.RuntimeService/Version"
 LIST = "/runtime.v1.RuntimeService/ListContainers"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runtimeproxy.embedded import mounts_under, remove_workdir
+from runtimeproxy.demo.embedded import mounts_under, remove_workdir
 
 
 def _demo_cgroups() -> set[Path]:

@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 
 from criapi import cri_v1_pb2
-from runtimeproxy.devpods import container_config, kube_cgroup_parent, sandbox_config
-from runtimeproxy.embedded import EmbeddedContainerd, runtime_stub
+from runtimeproxy.demo.devpods import container_config, kube_cgroup_parent, sandbox_config
+from runtimeproxy.demo.embedded import EmbeddedContainerd, runtime_stub
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 MEMORY_LIMIT = 64 * 1024 * 1024

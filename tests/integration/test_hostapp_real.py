@@ -15,7 +15,7 @@ import pytest
 
 from metrics import model as m
 from metrics.collect.hostapp import HostAppCollector, parse_host_apps
-from runtimeproxy.embeddedcgroup import remove_cgroup_tree
+from runtimeproxy.demo.embeddedcgroup import remove_cgroup_tree
 from runtimeproxy.hookapi import HostRoots
 
 MIB = 1 << 20

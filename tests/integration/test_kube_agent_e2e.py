@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from runtimeproxy.demo import kubelet_creates_pod_cgroup
+from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
 from tests.integration.conftest import http_get
 from tests.kubeapi import KubeApiServer
 from tests.unit.metrics.kubehelpers import kubeconfig

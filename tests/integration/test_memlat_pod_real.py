@@ -16,7 +16,7 @@ from criapi import cri_v1_pb2 as cri
 from hooks.qos import QoSClass
 from metrics import model as m
 from metrics.collect.memlat import MemLatencyCollector
-from runtimeproxy.demo import kubelet_creates_pod_cgroup
+from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
 from runtimeproxy.hookapi import HostRoots
 
 pytestmark = pytest.mark.integration

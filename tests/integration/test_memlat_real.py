@@ -26,7 +26,7 @@ import pytest
 from hooks.qos import QoSClass
 from metrics import model as m
 from metrics.collect.memlat import MemLatencyCollector, Prefer
-from runtimeproxy.embeddedcgroup import remove_cgroup_tree
+from runtimeproxy.demo.embeddedcgroup import remove_cgroup_tree
 from runtimeproxy.hookapi import HostRoots
 
 CGROUP = Path("/sys/fs/cgroup")

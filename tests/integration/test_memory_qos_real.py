@@ -22,7 +22,7 @@ from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.memoryqos import memory_qos
 from metrics.qos.strategy import StrategyInit
 from metrics.store.tsdb import TSDB
-from runtimeproxy.embeddedcgroup import remove_cgroup_tree, unique_test_parent
+from runtimeproxy.demo.embeddedcgroup import remove_cgroup_tree, unique_test_parent
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerInfo,

@@ -33,7 +33,7 @@ import pytest
 from criapi import cri_v1_pb2 as cri
 from metrics import model
 from metrics.store.tsdb import TSDB
-from runtimeproxy.demo import kubelet_creates_pod_cgroup
+from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
 
 MIB = 1 << 20
 #: Made by ``_remove_db_dir`` (not at import: a module collected but not run left it behind).

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.demo import kubelet_creates_pod_cgroup
+from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
 
 SPEC = "koordinator.sh/oom-score-adj-spec"
 VALUE = "777"

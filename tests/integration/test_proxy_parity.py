@@ -22,7 +22,7 @@ from google.protobuf import json_format, text_format
 from google.protobuf.message import Message
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.embedded import EmbeddedContainerd, runtime_stub
+from runtimeproxy.demo.embedded import EmbeddedContainerd, runtime_stub
 
 RT = "/runtime.v1.RuntimeService/"
 
@@ -343,7 +343,7 @@ def test_lifecycle_through_proxy_matches_direct(
     assert dict(expected)["RemoveContainer"].startswith("NOT_FOUND")
     # The proxied run really went through the proxy's interception path: every lifecycle call
     # with the gRPC transport; behind HAProxy (no hooks here) only the two that bring
-    # objects into the store, the rest straight to containerd (runtimeproxy.haproxy.STORE_CALLS).
+    # objects into the store, the rest straight to containerd (runtimeproxy.dataplane.haproxy.STORE_CALLS).
     intercepted = {e["method"] for e in proxy.events("cri_call", pod_name="parity-life", result="OK")}
     if proxy.config()["data_plane"] == "grpc":
         assert intercepted == {"RunPodSandbox", "CreateContainer", "StartContainer", "UpdateContainerResources",

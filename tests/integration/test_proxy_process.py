@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.embedded import EmbeddedContainerd, runtime_stub, unix_channel
+from runtimeproxy.demo.embedded import EmbeddedContainerd, runtime_stub, unix_channel
 
 
 def shares_hook(shares: Any, **extra: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
-from runtimeproxy.embedded import EmbeddedContainerd, unix_channel
+from runtimeproxy.demo.embedded import EmbeddedContainerd, unix_channel
 
 NATIVE = [
     "/containerd.services.version.v1.Version/Version",

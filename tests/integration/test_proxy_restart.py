@@ -129,7 +129,7 @@ def test_explain_history_survives_a_process_restart(proxy_factory: Any, pods: An
 
     import yaml
 
-    from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
+    from runtimeproxy.demo.scenario import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 
     shipped = yaml.safe_load(DEFAULT_CONFIG.read_text())
     extra = {"rules": shipped["rules"], "state_dir": str(proxy_factory.mkdtemp() / "state")}

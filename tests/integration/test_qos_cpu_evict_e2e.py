@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.demo import kubelet_creates_pod_cgroup
+from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
 
 EVICT_TIMEOUT = 45.0  # a few pod ticks, a 10 s window a third full, a flush, a round
 BURN = ("sh", "-c", "while :; do :; done")

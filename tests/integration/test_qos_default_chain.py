@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.demo import kubelet_creates_pod_cgroup
+from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "systemd" / "config.yaml"
 STATUS = "scheduling.koordinator.sh/resource-status"

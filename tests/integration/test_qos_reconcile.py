@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
+from runtimeproxy.demo.scenario import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 
 SPEC = "node.koordinator.sh/extended-resource-spec"
 

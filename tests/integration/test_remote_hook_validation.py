@@ -24,7 +24,7 @@ import pytest
 from criapi import cri_v1_pb2 as cri
 from criapi import hook_v1alpha1_pb2 as pb
 from criapi import hook_v1alpha1_pb2_grpc as pb_grpc
-from runtimeproxy.embeddedcgroup import remove_cgroup_tree
+from runtimeproxy.demo.embeddedcgroup import remove_cgroup_tree
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 REQUESTED_SHARES = 512

@@ -27,7 +27,7 @@ import pytest
 from hooks.qos import QoSClass
 from metrics import model as m
 from metrics.collect.schedlat import Prefer, SchedLatencyCollector
-from runtimeproxy.embeddedcgroup import remove_cgroup_tree
+from runtimeproxy.demo.embeddedcgroup import remove_cgroup_tree
 from runtimeproxy.hookapi import HostRoots
 
 CGROUP = Path("/sys/fs/cgroup")

@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.demo import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
-from runtimeproxy.embeddedcgroup import remove_cgroup_tree
+from runtimeproxy.demo.embeddedcgroup import remove_cgroup_tree
+from runtimeproxy.demo.scenario import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 
 FAILURES = ("hook_failed", "reconcile_failed")
 SPEC = "node.koordinator.sh/extended-resource-spec"

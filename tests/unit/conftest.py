@@ -41,9 +41,9 @@ import yaml
 from criapi import cri_v1_pb2 as cri
 from criapi import hook_v1alpha1_pb2 as hookpb
 from criapi import hook_v1alpha1_pb2_grpc as hookpb_grpc
-from runtimeproxy import config
 from runtimeproxy.app import App
-from runtimeproxy.dataplane import find_haproxy
+from runtimeproxy.config import settings as config
+from runtimeproxy.dataplane.process import find_haproxy
 
 RT = "/runtime.v1.RuntimeService/"
 IMG = "/runtime.v1.ImageService/"

@@ -13,9 +13,9 @@ import pytest
 import structlog
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import config
-from runtimeproxy.backendhealth import VERSION_PAYLOAD
-from runtimeproxy.config import ConfigError
+from runtimeproxy.config import settings as config
+from runtimeproxy.config.settings import ConfigError
+from runtimeproxy.ops.backendhealth import VERSION_PAYLOAD
 
 VERSION = "/runtime.v1.RuntimeService/Version"
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import structlog.testing
 
-from runtimeproxy.chain import BoundHook, Change, HookChain, HookFailed, HookPools, implemented_stages
-from runtimeproxy.config import FailurePolicy
+from runtimeproxy.chain.hookchain import BoundHook, Change, HookChain, HookFailed, HookPools, implemented_stages
+from runtimeproxy.config.settings import FailurePolicy
 from runtimeproxy.hookapi import (
     CallResult,
     ContainerContext,

@@ -75,7 +75,7 @@ def test_readme_error_sample_is_what_check_config_prints(
 
 
 def test_readme_counts_and_names_the_shipped_hooks() -> None:
-    from runtimeproxy import config
+    from runtimeproxy.config import settings as config
 
     names = [hook["name"] for hook in config.builtin_default()["hooks"]]
     words = {4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten"}

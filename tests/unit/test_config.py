@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
-from runtimeproxy import cli, config, plugins
-from runtimeproxy.config import ConfigError, FailurePolicy, Settings
+from runtimeproxy import cli
+from runtimeproxy.chain import plugins
+from runtimeproxy.config import settings as config
+from runtimeproxy.config.settings import ConfigError, FailurePolicy, Settings
 from runtimeproxy.hookapi import HostRoots, Stage
 
 # --- defaults and durations ---------------------------------------------------------

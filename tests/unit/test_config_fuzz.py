@@ -20,8 +20,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtimeproxy import config, plugins
-from runtimeproxy.config import ConfigError, Settings
+from runtimeproxy.chain import plugins
+from runtimeproxy.config import settings as config
+from runtimeproxy.config.settings import ConfigError, Settings
 
 FUZZ = settings(max_examples=100, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

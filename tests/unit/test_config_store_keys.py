@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtimeproxy import config
-from runtimeproxy.config import ConfigError
+from runtimeproxy.config import settings as config
+from runtimeproxy.config.settings import ConfigError
 
 
 def test_defaults_and_values() -> None:

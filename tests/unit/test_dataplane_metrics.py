@@ -1,6 +1,6 @@
 """Per-method CRI counters through both data planes: the gRPC transport counts in Python,
 HAProxy counts pass-through calls in its own stick table, read at scrape time
-(runtimeproxy.haproxystats). Both give the same /metrics for the same calls."""
+(runtimeproxy.dataplane.haproxystats). Both give the same /metrics for the same calls."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.haproxystats import DataPlaneCounters, parse_table
+from runtimeproxy.dataplane.haproxystats import DataPlaneCounters, parse_table
 
 RT = "/runtime.v1.RuntimeService/"
 LIST = RT + "ListContainers"

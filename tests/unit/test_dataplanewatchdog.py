@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from runtimeproxy import dataplanestate, haproxy
-from runtimeproxy.dataplanewatchdog import OrphanWatchdog
+from runtimeproxy.dataplane import dataplanestate, haproxy
+from runtimeproxy.dataplane.dataplanewatchdog import OrphanWatchdog
 
 GRACE = 0.5
 

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import structlog
 
-from runtimeproxy import cli, config, plugins
-from runtimeproxy.config import Settings
+from runtimeproxy import cli
+from runtimeproxy.chain import plugins
+from runtimeproxy.config import settings as config
+from runtimeproxy.config.settings import Settings
 
 SHIPPED = Path(__file__).resolve().parents[2] / "systemd" / "config.yaml"
 

@@ -11,7 +11,7 @@ import grpc.aio
 import pytest
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.grpcbackend import _HOP_HEADERS, GrpcBackend, forwardable
+from runtimeproxy.transport.grpcbackend import _HOP_HEADERS, GrpcBackend, forwardable
 
 RT = "/runtime.v1.RuntimeService/"
 CREATE = RT + "CreateContainer"

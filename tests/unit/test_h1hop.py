@@ -1,7 +1,7 @@
 """The HTTP/1.1 interception hop behind HAProxy, each side alone: gRPC's conventions on
-HTTP/1.1 (runtimeproxy.grpcwire), the interception server (runtimeproxy.h1server) with raw
+HTTP/1.1 (runtimeproxy.transport.grpcwire), the interception server (runtimeproxy.transport.h1server) with raw
 HTTP/1.1 requests as HAProxy sends them, and the lifecycle's backend client
-(runtimeproxy.h1backend) against raw HTTP/1.1 replies as HAProxy relays containerd's.
+(runtimeproxy.transport.h1backend) against raw HTTP/1.1 replies as HAProxy relays containerd's.
 The whole hop through a real HAProxy: test_intercept_wire.py."""
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import pytest_asyncio
 import structlog.testing
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import grpcwire
 from runtimeproxy.backend import CallError, Code, Metadata, Reply
-from runtimeproxy.chain import HookChain
-from runtimeproxy.h1backend import H1Backend
-from runtimeproxy.h1server import H1InterceptServer
-from runtimeproxy.lifecycle import Lifecycle, SkipLabel
-from runtimeproxy.promstats import ProxyMetrics
-from runtimeproxy.store import Store
+from runtimeproxy.chain.hookchain import HookChain
+from runtimeproxy.lifecycle.handler import Lifecycle, SkipLabel
+from runtimeproxy.ops.promstats import ProxyMetrics
+from runtimeproxy.state.store import Store
+from runtimeproxy.transport import grpcwire
+from runtimeproxy.transport.h1backend import H1Backend
+from runtimeproxy.transport.h1server import H1InterceptServer
 
 RUN = "/runtime.v1.RuntimeService/RunPodSandbox"
 REQUEST = cri.RunPodSandboxRequest(config=cri.PodSandboxConfig(

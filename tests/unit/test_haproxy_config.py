@@ -1,4 +1,4 @@
-"""The HAProxy configuration generated from Settings (runtimeproxy.haproxy)."""
+"""The HAProxy configuration generated from Settings (runtimeproxy.dataplane.haproxy)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import structlog.testing
 
-from runtimeproxy import haproxy, plugins
 from runtimeproxy.app import choose_data_plane
-from runtimeproxy.chain import HookChain, HookPools
-from runtimeproxy.config import ConfigError, Settings, builtin_default, from_mapping
-from runtimeproxy.dataplane import find_haproxy
-from runtimeproxy.grpcserver import known_methods
+from runtimeproxy.chain import plugins
+from runtimeproxy.chain.hookchain import HookChain, HookPools
+from runtimeproxy.config.settings import ConfigError, Settings, builtin_default, from_mapping
+from runtimeproxy.dataplane import haproxy
+from runtimeproxy.dataplane.process import find_haproxy
+from runtimeproxy.transport.grpcserver import known_methods
 
 
 def _ALL() -> tuple[str, ...]:
@@ -41,7 +42,7 @@ def test_lifecycle_methods_are_routed_by_exact_path_everything_else_of_cri_to_co
     assert len(haproxy.LIFECYCLE_METHODS) == 8
     assert all(m in known_methods() for m in haproxy.LIFECYCLE_METHODS)
     assert _lines(text, "use_backend intercept") == ["use_backend intercept if lifecycle"]
-    # Python speaks HTTP/1.1 to HAProxy both ways (runtimeproxy.h1server, runtimeproxy.h1backend).
+    # Python speaks HTTP/1.1 to HAProxy both ways (runtimeproxy.transport.h1server, runtimeproxy.transport.h1backend).
     assert _lines(text, "server python") == [f'server python "unix@{layout.intercept_socket}"']
     assert text.count('server containerd "unix@/run/c.sock" proto h2') == 2  # kubelet's and Python's
     assert text.count('server containerd "unix@/run/i.sock" proto h2') == 2
@@ -259,7 +260,7 @@ def test_check_config_reports_the_data_plane(tmp_path: Path, monkeypatch: pytest
         err = capsys.readouterr().err
         assert "data_plane" in err and "no-such-keyword" in err  # HAProxy's reason
         monkeypatch.undo()
-    monkeypatch.setattr("runtimeproxy.dataplane.find_haproxy", lambda: None)
+    monkeypatch.setattr("runtimeproxy.dataplane.process.find_haproxy", lambda: None)
     assert cli.main(["check-config", "--config", str(path)]) == 0
     assert "falls back to grpc" in capsys.readouterr().out
 

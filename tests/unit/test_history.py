@@ -10,8 +10,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.chain import Change
-from runtimeproxy.history import FILE_NAME, ChangeHistory
+from runtimeproxy.chain.hookchain import Change
+from runtimeproxy.state.history import FILE_NAME, ChangeHistory
 
 RT = "/runtime.v1.RuntimeService/"
 

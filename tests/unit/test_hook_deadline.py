@@ -14,8 +14,8 @@ from structlog.testing import capture_logs
 
 from hooks.cgroups import CPU_SHARES, CgroupError, CgroupLayout
 from hooks.executor import CgroupExecutor, Update
-from runtimeproxy.chain import BoundHook, HookChain, HookFailed, HookPools
-from runtimeproxy.config import FailurePolicy
+from runtimeproxy.chain.hookchain import BoundHook, HookChain, HookFailed, HookPools
+from runtimeproxy.config.settings import FailurePolicy
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerInfo,

@@ -1,5 +1,5 @@
 """Consecutive sync hooks of a stage share one worker-thread hand-off
-(runtimeproxy.hookbatch), and each keeps its own timeout, policy and observation."""
+(runtimeproxy.chain.hookbatch), and each keeps its own timeout, policy and observation."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import structlog.testing
 
-from runtimeproxy.chain import BoundHook, HookBusyError, HookChain, HookFailed, HookPools, implemented_stages
-from runtimeproxy.config import FailurePolicy
+from runtimeproxy.chain.hookchain import BoundHook, HookBusyError, HookChain, HookFailed, HookPools, implemented_stages
+from runtimeproxy.config.settings import FailurePolicy
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerInfo,
@@ -190,7 +190,7 @@ def test_overdue_stops_the_batch_atomically_with_the_threads_recording() -> None
     """The loop's "past its deadline" and the thread's "done, record it, start the next"
     cannot interleave: once the loop stops the batch for hook 0, hook 0's late outcome is
     not recorded and hook 1 never starts; a hook still in time is not stopped."""
-    from runtimeproxy.hookbatch import Batch, Step
+    from runtimeproxy.chain.hookbatch import Batch, Step
 
     a, b = Noting("a"), Noting("b")
     batch = Batch([bind(a), bind(b)], CTX, None, lambda h, c, r: None, lambda c, p, n: (c, ()), lambda h: False)

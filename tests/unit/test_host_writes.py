@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtimeproxy.chain import HOST_TARGET, BoundHook, HookChain
-from runtimeproxy.config import FailurePolicy
+from runtimeproxy.chain.hookchain import HOST_TARGET, BoundHook, HookChain
+from runtimeproxy.config.settings import FailurePolicy
 from runtimeproxy.hookapi import (
     CallResult,
     ContainerContext,
@@ -19,7 +19,7 @@ from runtimeproxy.hookapi import (
     ResourcesPatch,
     Stage,
 )
-from runtimeproxy.store import Store
+from runtimeproxy.state.store import Store
 
 POD = PodInfo(meta=PodMeta(name="web", namespace="ns", uid="u1"), id="sb1", cgroup_parent="/kubepods/podu1")
 CONTAINER = ContainerInfo(meta=ContainerMeta(name="c"), id="c1")
@@ -83,7 +83,7 @@ def test_changes_of_a_removed_pod_are_not_kept() -> None:
     store.put_pod(POD)
     store.remove_pod(POD.id)
     store.record_changes(POD.meta.uid, ())
-    from runtimeproxy.chain import Change
+    from runtimeproxy.chain.hookchain import Change
 
     store.record_changes(POD.meta.uid, (Change("w", "PostRemovePodSandbox", "host:/x", "", "1", ""),))
     assert store.changes(POD.meta.uid) == []

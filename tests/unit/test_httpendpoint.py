@@ -19,10 +19,11 @@ import pytest_asyncio
 import structlog
 from prometheus_client import CollectorRegistry
 
-from runtimeproxy import config, fdlimits
-from runtimeproxy.config import ConfigError
-from runtimeproxy.httpendpoint import HttpEndpoint, HttpStats
-from runtimeproxy.promstats import ProxyMetrics
+from runtimeproxy.config import settings as config
+from runtimeproxy.config.settings import ConfigError
+from runtimeproxy.ops import fdlimits
+from runtimeproxy.ops.httpendpoint import HttpEndpoint, HttpStats
+from runtimeproxy.ops.promstats import ProxyMetrics
 
 FLOOD = textwrap.dedent("""
     import socket, sys, time
@@ -240,7 +241,7 @@ async def test_accept_out_of_descriptors_is_one_warning_and_a_counter(
 def test_soft_nofile_limit_is_raised_to_the_hard_limit() -> None:
     code = (
         "import resource\n"
-        "from runtimeproxy import fdlimits\n"
+        "from runtimeproxy.ops import fdlimits\n"
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
         "print(fdlimits.raise_nofile_limit(), hard, fdlimits.nofile_limit())\n"

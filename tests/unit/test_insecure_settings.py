@@ -20,9 +20,11 @@ import pytest
 import structlog
 import yaml
 
-from runtimeproxy import app, cli, config, plugins
-from runtimeproxy.config import ConfigError
-from runtimeproxy.filetrust import path_problem
+from runtimeproxy import app, cli
+from runtimeproxy.chain import plugins
+from runtimeproxy.config import settings as config
+from runtimeproxy.config.filetrust import path_problem
+from runtimeproxy.config.settings import ConfigError
 
 OTHER_UID = 4242
 

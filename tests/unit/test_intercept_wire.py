@@ -1,6 +1,6 @@
 """Nothing of gRPC is lost on an intercepted call, through either data plane: the gRPC
 transport (grpc.aio server and client in Python), and HAProxy with the HTTP/1.1 hop to
-Python and back (runtimeproxy.h1server, runtimeproxy.h1backend) in front of the fake
+Python and back (runtimeproxy.transport.h1server, runtimeproxy.transport.h1backend) in front of the fake
 containerd.
 
 RunPodSandbox always goes through Python (the store needs it). Status, message and
@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.h1backend import H1Backend
+from runtimeproxy.transport.h1backend import H1Backend
 from tests.unit import h2raw
 from tests.unit.test_dataplane_wire import CLOCK_SLACK, MiB
 

@@ -317,7 +317,7 @@ async def test_post_hooks_see_successful_result(fake_runtime, start_proxy, hook_
 async def test_the_reply_does_not_wait_for_post_hooks_the_pods_next_call_does(
     fake_runtime, start_proxy, hook_module, answer
 ) -> None:
-    """Post stages run after the reply (runtimeproxy.posthooks), in call order per pod.
+    """Post stages run after the reply (runtimeproxy.lifecycle.posthooks), in call order per pod.
     Asserted by order, not by time: each Post hook sleeps 2 s and notes when it ended."""
     proxy = await start_proxy(fake_runtime, hooks=[
         plugin_hook(hook_module, "slow", "PostSleeper", args={"seconds": 2.0}, timeout="10s")])

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from runtimeproxy.config import ConfigError
-from runtimeproxy.confignet import UNIX_PATH_MAX
-from runtimeproxy.grpcserver import SocketInUse, prepare_socket
+from runtimeproxy.config.confignet import UNIX_PATH_MAX
+from runtimeproxy.config.settings import ConfigError
+from runtimeproxy.transport.grpcserver import SocketInUse, prepare_socket
 
 
 def _bound_socket(path: Path, *, listening: bool) -> socket.socket:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import structlog
 
-from runtimeproxy import logsetup
+from runtimeproxy.ops import logsetup
 
 
 @pytest.fixture(autouse=True)
@@ -121,7 +121,7 @@ def test_the_cli_process_renders_tracebacks_without_rich() -> None:
         "import sys\n"
         "import runtimeproxy.cli\n"
         "import structlog\n"
-        "from runtimeproxy import logsetup\n"
+        "from runtimeproxy.ops import logsetup\n"
         "assert sys.modules['rich'] is None, 'rich importable'\n"
         "logsetup.configure(level='info', fmt='console')\n"
         "try:\n"
@@ -137,7 +137,7 @@ def test_the_cli_process_renders_tracebacks_without_rich() -> None:
 
 CRASHES = '''
 import asyncio, logging, sys, threading
-from runtimeproxy import logsetup
+from runtimeproxy.ops import logsetup
 
 logsetup.configure(level="info", fmt="json")
 

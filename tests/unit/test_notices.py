@@ -1,4 +1,4 @@
-"""Noticed calls (runtimeproxy.notices): HAProxy's lines about the lifecycle calls it
+"""Noticed calls (runtimeproxy.dataplane.notices): HAProxy's lines about the lifecycle calls it
 relayed straight to containerd, parsed, read off a real unix socket, and turned by
 ``Lifecycle.notice`` into the store update and Post stage an intercepted call gets."""
 
@@ -13,9 +13,9 @@ import pytest
 import structlog.testing
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import haproxy
+from runtimeproxy.dataplane import haproxy
+from runtimeproxy.dataplane.notices import Notice, NoticeError, NoticeServer, parse
 from runtimeproxy.hookapi import CallResult
-from runtimeproxy.notices import Notice, NoticeError, NoticeServer, parse
 
 RT = "/runtime.v1.RuntimeService/"
 METHODS = frozenset(haproxy.LIFECYCLE_METHODS)

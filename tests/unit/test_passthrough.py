@@ -13,8 +13,8 @@ import grpc.aio
 import pytest
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import grpcbackend
-from runtimeproxy.grpcbackend import _UnknownMethodChannel
+from runtimeproxy.transport import grpcbackend
+from runtimeproxy.transport.grpcbackend import _UnknownMethodChannel
 
 RT = "/runtime.v1.RuntimeService/"
 STATUS = RT + "Status"

@@ -25,8 +25,9 @@ from structlog.testing import capture_logs
 from criapi import cri_v1_pb2 as cri
 from criapi import hook_v1alpha1_pb2 as pb
 from criapi import hook_v1alpha1_pb2_grpc as pb_grpc
-from runtimeproxy.chain import BoundHook, HookChain, HookPools
-from runtimeproxy.config import FailurePolicy
+from runtimeproxy.chain.hookchain import BoundHook, HookChain, HookPools
+from runtimeproxy.chain.validate import PatchError, PatchValidator
+from runtimeproxy.config.settings import FailurePolicy
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerInfo,
@@ -40,7 +41,6 @@ from runtimeproxy.hookapi import (
     ResourcesPatch,
     Stage,
 )
-from runtimeproxy.validate import PatchError, PatchValidator
 
 RT = "/runtime.v1.RuntimeService/"
 RUN = RT + "RunPodSandbox"

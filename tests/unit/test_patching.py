@@ -7,8 +7,8 @@ import pytest
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy import patching
-from runtimeproxy.chain import Change, apply_patch
+from runtimeproxy.chain import patching
+from runtimeproxy.chain.hookchain import Change, apply_patch
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerMeta,

@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
-from runtimeproxy.promstats import HttpEndpoint, ProxyMetrics
+from runtimeproxy.ops.promstats import HttpEndpoint, ProxyMetrics
 
 
 async def request(port: int, raw: bytes) -> tuple[int, dict[str, str], bytes]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from runtimeproxy.chain import BoundHook, HookChain
-from runtimeproxy.config import FailurePolicy
+from runtimeproxy.chain.hookchain import BoundHook, HookChain
+from runtimeproxy.config.settings import FailurePolicy
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerInfo,
@@ -23,8 +23,8 @@ from runtimeproxy.hookapi import (
     Stage,
     frozen_map,
 )
-from runtimeproxy.reconcile import Reconciler
-from runtimeproxy.store import Store
+from runtimeproxy.state.reconcile import Reconciler
+from runtimeproxy.state.store import Store
 
 SKIP = "runtimeproxy.koordinator.sh/skip-hookserver"
 

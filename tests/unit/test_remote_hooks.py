@@ -21,6 +21,18 @@ import pytest_asyncio
 
 from criapi import hook_v1alpha1_pb2 as pb
 from criapi import hook_v1alpha1_pb2_grpc as pb_grpc
+from runtimeproxy.chain.remote import (
+    REMOTE_STAGES,
+    Registration,
+    RemoteHook,
+    container_patch,
+    container_request,
+    load_registrations,
+    pod_patch,
+    pod_request,
+    registration_fingerprint,
+    rpc_path,
+)
 from runtimeproxy.hookapi import (
     CallResult,
     ContainerContext,
@@ -35,18 +47,6 @@ from runtimeproxy.hookapi import (
     Resources,
     ResourcesPatch,
     Stage,
-)
-from runtimeproxy.remote import (
-    REMOTE_STAGES,
-    Registration,
-    RemoteHook,
-    container_patch,
-    container_request,
-    load_registrations,
-    pod_patch,
-    pod_request,
-    registration_fingerprint,
-    rpc_path,
 )
 
 GIB = 1 << 30

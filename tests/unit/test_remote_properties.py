@@ -29,9 +29,18 @@ from hypothesis import strategies as st
 
 from criapi import cri_v1_pb2 as cri
 from criapi import hook_v1alpha1_pb2 as pb
-from runtimeproxy import patching
-from runtimeproxy.chain import BoundHook, HookChain, HookFailed, HookPools
-from runtimeproxy.config import FailurePolicy
+from runtimeproxy.chain import patching
+from runtimeproxy.chain.hookchain import BoundHook, HookChain, HookFailed, HookPools
+from runtimeproxy.chain.remote import SERVICE, RemoteHook, container_patch, container_request, pod_patch, pod_request
+from runtimeproxy.chain.validate import (
+    MAX_ANNOTATIONS_BYTES,
+    MAX_ENVS_BYTES,
+    MAX_QUOTA,
+    MAX_SHARES,
+    PatchError,
+    PatchValidator,
+)
+from runtimeproxy.config.settings import FailurePolicy
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerInfo,
@@ -43,15 +52,6 @@ from runtimeproxy.hookapi import (
     PodPatch,
     Resources,
     Stage,
-)
-from runtimeproxy.remote import SERVICE, RemoteHook, container_patch, container_request, pod_patch, pod_request
-from runtimeproxy.validate import (
-    MAX_ANNOTATIONS_BYTES,
-    MAX_ENVS_BYTES,
-    MAX_QUOTA,
-    MAX_SHARES,
-    PatchError,
-    PatchValidator,
 )
 
 SETTINGS = settings(max_examples=250, derandomize=True, deadline=None,

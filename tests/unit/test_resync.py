@@ -14,7 +14,7 @@ import pytest
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.backend import CallError, Code, Reply
 from runtimeproxy.hookapi import ContainerInfo, ContainerMeta, PodInfo, PodMeta
-from runtimeproxy.store import Store, resync
+from runtimeproxy.state.store import Store, resync
 
 RT = "/runtime.v1.RuntimeService/"
 

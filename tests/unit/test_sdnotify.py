@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runtimeproxy.sdnotify import notify, watchdog_interval, watchdog_loop
+from runtimeproxy.ops.sdnotify import notify, watchdog_interval, watchdog_loop
 
 
 @pytest.fixture

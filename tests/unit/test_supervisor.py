@@ -12,7 +12,7 @@ import structlog
 from structlog.testing import LogCapture
 from structlog.typing import FilteringBoundLogger
 
-from runtimeproxy.supervisor import Supervisor, TaskStatus
+from runtimeproxy.ops.supervisor import Supervisor, TaskStatus
 
 
 def capturing_logger() -> tuple[FilteringBoundLogger, LogCapture]:

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import yaml
 
-from runtimeproxy import config, plugins
+from runtimeproxy.chain import plugins
+from runtimeproxy.config import settings as config
 from runtimeproxy.hookapi import PodInfo, PodMeta
-from runtimeproxy.store import Store
+from runtimeproxy.state.store import Store
 
 TASK_MODULE = '''
 import asyncio

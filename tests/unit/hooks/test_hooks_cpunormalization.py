@@ -16,7 +16,7 @@ from hooks.annotations import RESOURCE_STATUS
 from hooks.cgroups import CgroupGoneError
 from hooks.cpunormalization import CPUNormalization, normalize_quota, parse_ratio
 from hooks.cpuset import CPUSet
-from runtimeproxy.chain import apply_patch
+from runtimeproxy.chain.hookchain import apply_patch
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerInfo,

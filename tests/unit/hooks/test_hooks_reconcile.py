@@ -25,8 +25,9 @@ from hooks.cgroups import shares_to_weight
 from hooks.cpunormalization import CPUNormalization
 from hooks.cpuset import CPUSet
 from hooks.groupidentity import GroupIdentity
-from runtimeproxy.chain import HOST_TARGET, BoundHook, HookChain, implemented_stages
-from runtimeproxy.config import FailurePolicy
+from runtimeproxy.chain.hookchain import HOST_TARGET, BoundHook, HookChain, implemented_stages
+from runtimeproxy.chain.validate import PatchValidator
+from runtimeproxy.config.settings import FailurePolicy
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerInfo,
@@ -40,9 +41,8 @@ from runtimeproxy.hookapi import (
     Stage,
     frozen_map,
 )
-from runtimeproxy.reconcile import Reconciler
-from runtimeproxy.store import Store
-from runtimeproxy.validate import PatchValidator
+from runtimeproxy.state.reconcile import Reconciler
+from runtimeproxy.state.store import Store
 
 QOS = "koordinator.sh/qosClass"
 GI = 2**30

@@ -15,8 +15,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from hooks.resctrlfs import ResctrlFS
-from runtimeproxy.chain import BoundHook, HookChain, HookPools
-from runtimeproxy.config import FailurePolicy
+from runtimeproxy.chain.hookchain import BoundHook, HookChain, HookPools
+from runtimeproxy.config.settings import FailurePolicy
 from runtimeproxy.hookapi import ContainerContext, ContainerInfo, ContainerMeta, PodInfo, PodMeta, Stage
 from runtimeproxy.hostwrites import HOOK_DEADLINE, HookDeadlineError
 from tests.unit.hooks.test_hooks_resctrlfs import make_resctrl

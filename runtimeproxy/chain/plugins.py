@@ -1,0 +1,248 @@
+"""Turning ``hooks:`` entries and hookserver.d registrations into a HookChain.
+
+The core never names a concrete hook: plugins are found by entry point (group
+``koord_runtime_proxy.hooks``, declared in setup.cfg) or by an explicit
+``module:attr``. Every problem is a ConfigError naming the YAML key path, found
+once at load time rather than at the first pod.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import inspect
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, cast
+
+import structlog
+
+from runtimeproxy.chain.hookchain import BoundHook, HookChain, HookObserver, HookPools, implemented_stages
+from runtimeproxy.chain.remote import REMOTE_STAGES, Registration, RemoteHook, load_registrations
+from runtimeproxy.chain.validate import PatchValidator
+from runtimeproxy.config.filetrust import path_problem
+from runtimeproxy.config.settings import ConfigError, FailurePolicy, HookSettings, Settings
+from runtimeproxy.hookapi import HookConfigError, HookInit, PodSnapshot, Stage, TaskInit
+
+log = structlog.get_logger("runtimeproxy.plugins")
+
+HOOK_GROUP: Final = "koord_runtime_proxy.hooks"
+TASK_GROUP: Final = "koord_runtime_proxy.tasks"
+REGISTRATION_TIMEOUT: Final = 1.0
+
+HookFactory = Callable[..., object]  # takes HookInit (hooks) or TaskInit (tasks)
+RulesSource = Callable[[], Mapping[str, Any]]
+
+
+def available_plugins(group: str = HOOK_GROUP) -> list[str]:
+    return sorted(ep.name for ep in importlib.metadata.entry_points(group=group))
+
+
+def resolve_factory(spec: str, key_path: str, group: str = HOOK_GROUP) -> HookFactory:
+    """``module:attr`` or an entry-point name -> the factory callable."""
+    try:
+        if ":" in spec:
+            module_name, _, attr = spec.partition(":")
+            target: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                target = getattr(target, part)
+        else:
+            found = importlib.metadata.entry_points(group=group).select(name=spec)
+            if not found:
+                raise ConfigError(key_path, spec, f"unknown plugin; installed: {available_plugins(group)}")
+            target = next(iter(found)).load()
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(key_path, spec, f"cannot load plugin: {exc}") from exc
+    if not callable(target):
+        raise ConfigError(key_path, spec, "plugin is not callable")
+    factory: HookFactory = target
+    return factory
+
+
+def _config_error(exc: HookConfigError) -> ConfigError:
+    """A plugin's own validation error, reported like any other config error."""
+    return ConfigError(exc.key_path, exc.value, exc.message)
+
+
+def _check_methods(impl: object, stages: frozenset[Stage], key_path: str) -> None:
+    for stage in stages:
+        method = getattr(impl, stage.method_name)
+        try:
+            inspect.signature(method).bind(object())
+        except TypeError as exc:
+            raise ConfigError(key_path, stage.value, f"{stage.method_name} must take one context argument") from exc
+
+
+def _local_hook(hook: HookSettings, settings: Settings, current_rules: RulesSource | None) -> BoundHook:
+    factory = resolve_factory(hook.plugin, f"{hook.key_path}.plugin")
+    init = HookInit(name=hook.name, args=hook.args, key_path=f"{hook.key_path}.args",
+                    host=settings.host, rules=settings.rules, current_rules=current_rules)
+    try:
+        impl = factory(init)
+    except HookConfigError as exc:
+        raise _config_error(exc) from exc
+    implemented = implemented_stages(impl)
+    if not implemented:
+        raise ConfigError(f"{hook.key_path}.plugin", hook.plugin, "the hook implements no stage")
+    stages = hook.stages if hook.stages is not None else implemented
+    missing = sorted(s.value for s in stages - implemented)
+    if missing:
+        have = sorted(s.value for s in implemented)
+        message = f"hook {hook.name!r} does not implement it; it has {have}"
+        raise ConfigError(f"{hook.key_path}.stages", missing[0], message)
+    _check_methods(impl, stages, f"{hook.key_path}.stages")
+    return BoundHook(hook.name, impl, stages, hook.failure_policy, hook.timeout)
+
+
+def _remote_hook(hook: HookSettings) -> BoundHook:
+    stages = hook.stages if hook.stages is not None else REMOTE_STAGES
+    unsupported = stages - REMOTE_STAGES
+    if unsupported:
+        bad = sorted(s.value for s in unsupported)
+        raise ConfigError(f"{hook.key_path}.stages", bad, "not in RuntimeHookService v1alpha1")
+    impl = RemoteHook(name=hook.name, endpoint=hook.remote, stages=stages)
+    return BoundHook(hook.name, impl, stages, hook.failure_policy, hook.timeout)
+
+
+def _registered_hook(reg: Registration) -> BoundHook:
+    return BoundHook(f"hookserver.d/{reg.name}", reg.hook(), reg.stages, FailurePolicy(reg.failure_policy),
+                     REGISTRATION_TIMEOUT)
+
+
+def _check_hookserver_files(settings: Settings) -> None:
+    """A registration names a socket that every pod start then talks to: the directory
+    and each ``*.json`` must be changeable only by root or us (see filetrust), unless
+    ``allow_insecure.file_permissions`` accepts the risk (then warned about each time)."""
+    directory = Path(settings.hookserver_dir)
+    problems = [(directory, path_problem(directory, "dir"))]
+    if problems[0][1] is None:  # else every file in it shares the directory's problem
+        try:
+            entries = sorted(p for p in directory.iterdir() if p.name.endswith(".json"))
+        except OSError:
+            entries = []  # missing: no registrations (load_registrations agrees)
+        problems = [(path, path_problem(path)) for path in entries]
+    for path, problem in problems:
+        if problem is None:
+            continue
+        if "file_permissions" not in settings.allow_insecure:
+            raise ConfigError("hookserver_dir", str(path), f"refused: {problem}; fix the ownership/mode, or set "
+                              "allow_insecure.file_permissions: true to accept the risk")
+        log.warning("insecure_setting_allowed", risk=f"hookserver_dir: {problem}")
+
+
+def build_hooks(settings: Settings, *, current_rules: RulesSource | None = None) -> list[BoundHook]:
+    """YAML hooks in list order, then hookserver.d registrations in file-name order
+    (Koordinator calls only the first registration that matches; we call all).
+    ``current_rules``: the process's ``RulesProvider.current`` (hooks validate
+    ``settings.rules`` and decide from the rules in force)."""
+    hooks = [_remote_hook(h) if h.remote else _local_hook(h, settings, current_rules) for h in settings.hooks]
+    if settings.hookserver_dir:
+        _check_hookserver_files(settings)
+        registrations, errors = load_registrations(Path(settings.hookserver_dir))
+        for error in errors:
+            # Registration files belong to other agents: a bad one is reported, not fatal.
+            log.error("hookserver_registration_invalid", error=error)
+        hooks.extend(_registered_hook(r) for r in registrations)
+    return hooks
+
+
+def build_chain(
+    settings: Settings, *, pools: HookPools, observer: HookObserver | None = None,
+    current_rules: RulesSource | None = None,
+) -> HookChain:
+    return HookChain(build_hooks(settings, current_rules=current_rules), pools=pools, observer=observer,
+                     validator=PatchValidator.for_host(settings.host))
+
+
+async def close_hooks(hooks: Sequence[BoundHook]) -> None:
+    """Let hooks release channels/files when a chain is replaced or at exit."""
+    for hook in hooks:
+        close = getattr(hook.impl, "close", None)
+        if close is None:
+            continue
+        try:
+            result = close()
+            if inspect.isawaitable(result):
+                await result
+        except Exception as exc:  # noqa: BLE001 - closing must not stop the others
+            log.warning("hook_close_failed", hook=hook.name, error=str(exc))
+
+
+TaskFactory = Callable[[], Awaitable[None]]
+
+
+def _enabled_tasks(settings: Settings) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(name, key_path, args)`` of each enabled task, in YAML order."""
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    for name, raw in settings.tasks.items():
+        key_path = f"tasks.{name}"
+        if raw is not None and not isinstance(raw, Mapping):
+            raise ConfigError(key_path, raw, "must be a mapping of the task's settings")
+        args = dict(raw or {})
+        enabled = args.pop("enabled", True)
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"{key_path}.enabled", enabled, "must be true or false")
+        if enabled:
+            out.append((name, key_path, args))
+    return out
+
+
+def _no_pods() -> tuple[dict[str, Any], dict[str, Any]]:
+    return {}, {}
+
+
+def validate_tasks(settings: Settings) -> list[str]:
+    """The one check of ``tasks:`` that ``run`` (inside ``build_tasks``), ``check-config``
+    and reload share: the mapping, ``enabled``, the entry point, then the factory's
+    optional ``validate(init)``, which checks the args (and rules across tasks, through
+    ``init.shared``, fresh per pass) without building anything. The core cannot know a
+    task's keys; the task's own validator is the one source of that truth. Returns the
+    enabled tasks' names."""
+    shared: dict[str, Any] = {}
+    for name, key_path, args in _enabled_tasks(settings):
+        factory = resolve_factory(name, key_path, TASK_GROUP)
+        validate = getattr(factory, "validate", None)
+        if validate is None:
+            continue
+        init = TaskInit(name=name, args=args, key_path=key_path, snapshot=_no_pods,
+                        host=settings.host, rules=settings.rules, shared=shared)
+        try:
+            validate(init)
+        except HookConfigError as exc:
+            raise _config_error(exc) from exc
+    return [name for name, _, _ in _enabled_tasks(settings)]
+
+
+def validate(settings: Settings) -> tuple[list[BoundHook], list[str]]:
+    """Everything ``run`` checks before it listens, for ``check-config``: the hooks
+    (built, so plugins validate their args) and the tasks; the chain and task names."""
+    hooks = build_hooks(settings)
+    return hooks, validate_tasks(settings)
+
+
+def build_tasks(settings: Settings, base: TaskInit) -> list[tuple[str, TaskFactory]]:
+    """Background tasks named under ``tasks:`` (``{name: {enabled: bool, ...args}}``),
+    found by entry point; the supervisor runs them. ``base`` carries the process's
+    services (snapshot, registry, routes...); each task gets it with its own name and
+    args. Validated first by ``validate_tasks`` (as check-config and reload do), then
+    built, so a bad name or bad args exit 2 like any other config error."""
+    validate_tasks(settings)
+    out: list[tuple[str, TaskFactory]] = []
+    for name, key_path, args in _enabled_tasks(settings):
+        factory = resolve_factory(name, key_path, TASK_GROUP)
+        init = dataclasses.replace(base, name=name, args=args, key_path=key_path,
+                                   host=settings.host, rules=settings.rules)
+        try:
+            task = factory(init)
+        except HookConfigError as exc:
+            raise _config_error(exc) from exc
+        if not callable(task):
+            raise ConfigError(key_path, name, "task factory must return a coroutine function")
+        out.append((name, cast(TaskFactory, task)))
+    return out
+
+
+def task_base(snapshot: PodSnapshot) -> TaskInit:
+    """A TaskInit template with only the snapshot set (tests, check-config)."""
+    return TaskInit(name="", args={}, key_path="tasks", snapshot=snapshot)

@@ -1,0 +1,342 @@
+"""HAProxy as the data plane: its configuration, generated from our Settings.
+
+With ``data_plane: haproxy`` kubelet's socket belongs to HAProxy (Debian's 2.6), not to
+Python. Pass-through CRI calls (every ``runtime.v1.RuntimeService`` and
+``runtime.v1.ImageService`` method except the 8 lifecycle methods) go from HAProxy
+straight to containerd over HTTP/2: no Python work per call. The lifecycle methods that
+have a Pre hook in the running chain (``HookChain.pre_calls``: a hook may change or refuse
+the request), and the two that bring objects into the store (``STORE_CALLS``), go by exact
+path to our interception server on a private socket, as HTTP/1.1 (``runtimeproxy.transport.h1server``);
+the lifecycle's own calls to containerd come back to a second private listener, also
+HTTP/1.1 (``runtimeproxy.transport.h1backend``).
+
+The other lifecycle methods are pass-through too, but *noticed*: HAProxy keeps their
+(small) request body and, once containerd has answered, logs one line (method, HTTP
+status, grpc-status, termination state, body in hex) into a ring buffer it forwards over
+a private unix stream socket to Python (``runtimeproxy.dataplane.notices``), which updates the store
+and runs the call's Post hooks, as it would after an intercepted call. The ring holds
+the lines while Python is away (a restart) and delivers them when it is back. Any other
+path (containerd's native API behind the same backend socket, say) is answered
+UNIMPLEMENTED by HAProxy itself and never reaches containerd.
+
+The settings that matter were measured (see docs/architecture.md, "Data plane"):
+``tune.bufsize`` bounds one message's headers (a long ``grpc-message`` of containerd's
+above 16 000 characters otherwise turns into UNAVAILABLE), 100 concurrent streams per
+kubelet connection queue calls, and HAProxy's timeouts are inactivity timeouts that
+must not cut a ``GetContainerEvents`` stream that stays quiet for hours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from runtimeproxy.config.settings import Settings
+from runtimeproxy.dataplane.haproxystats import NOT_CRI_KEY, TABLE
+from runtimeproxy.transport.grpcserver import known_methods
+
+RUNTIME_SERVICE: Final = "/runtime.v1.RuntimeService/"
+#: The methods the interception server can handle (hooks run there); matched exactly.
+LIFECYCLE_METHODS: Final = tuple(
+    RUNTIME_SERVICE + name for name in (
+        "RunPodSandbox", "StopPodSandbox", "RemovePodSandbox", "CreateContainer", "StartContainer",
+        "StopContainer", "RemoveContainer", "UpdateContainerResources",
+    )
+)
+
+
+#: Always through Python, hooks or not: the calls that bring a pod or container into the
+#: store, which is the agent's view of the node (metrics, QoS and eviction act on a new pod
+#: at once). Their request (the whole pod or container config) and reply (the new id) are
+#: needed; the other lifecycle calls carry only ids and are noticed (``noticed_paths``).
+STORE_CALLS: Final = frozenset({"RunPodSandbox", "CreateContainer"})
+
+
+def intercepted_paths(pre_calls: frozenset[str]) -> tuple[str, ...]:
+    """The lifecycle method paths to send to Python for a chain's ``pre_calls`` plus
+    ``STORE_CALLS`` (in a fixed order: the rendered text decides whether HAProxy reloads)."""
+    wanted = pre_calls | STORE_CALLS
+    return tuple(path for path in LIFECYCLE_METHODS if path.removeprefix(RUNTIME_SERVICE) in wanted)
+
+
+def noticed_paths(intercepted: tuple[str, ...]) -> tuple[str, ...]:
+    """The lifecycle paths that go straight to containerd and are then logged to Python
+    (never the ``STORE_CALLS``: what the store needs of them is not in a log line)."""
+    return tuple(path for path in LIFECYCLE_METHODS
+                 if path not in intercepted and path.removeprefix(RUNTIME_SERVICE) not in STORE_CALLS)
+#: A CRI method of either service (one path segment after the service), as grpcserver.cri_service.
+_CRI_PATH: Final = r"^/runtime\.v1\.(RuntimeService|ImageService)/[^/]+$"
+NOT_CRI_MESSAGE: Final = (
+    "koord-runtime-proxy relays only the CRI services runtime.v1.RuntimeService and runtime.v1.ImageService"
+)
+#: One header block (grpc-message included) must fit a buffer: 128 KiB allows ~100 KB of
+#: error text. Costs up to two buffers per active connection.
+BUFSIZE: Final = 131072
+#: grpc-go servers advertise no limit; HAProxy's default 100 queues kubelet's parallel calls.
+MAX_CONCURRENT_STREAMS: Final = 1000
+#: The noticed calls' lines: ring size (bytes kept while Python is away, ~1000 lines of a
+#: pod or container id) and the longest line (an UpdateContainerResources body in hex).
+NOTICE_RING: Final = "notices"
+NOTICE_RING_BYTES: Final = 262144
+NOTICE_MAX_LINE: Final = 65535
+#: What a noticed line holds, space-separated: method path, HTTP status, grpc-status of a
+#: trailers-only reply (``-``: none, the call succeeded), termination state (``--``: the
+#: stream ended normally), the request body in hex (the gRPC-framed message).
+NOTICE_FORMAT: Final = "%[var(txn.notice)] %ST %[var(txn.grpc_status)] %ts %[var(txn.body)]"
+#: HAProxy's timers are 32-bit milliseconds.
+MAX_TIMEOUT_SECONDS: Final = 2_147_483
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the data plane's private files live: one directory, mode 0700."""
+
+    run_dir: Path
+
+    @classmethod
+    def for_listen(cls, listen: Path) -> Layout:
+        # Next to kubelet's socket (a directory we own already), short enough for sun_path.
+        return cls(listen.parent / f".{listen.name}.dataplane")
+
+    @property
+    def intercept_socket(self) -> Path:
+        """The Python interception server's socket (mode 0600)."""
+        return self.run_dir / "intercept.sock"
+
+    @property
+    def upstream_socket(self) -> Path:
+        """The lifecycle's backend calls from Python (HTTP/1.1), relayed to containerd (mode 0600)."""
+        return self.run_dir / "upstream.sock"
+
+    @property
+    def notice_socket(self) -> Path:
+        """Where Python receives the noticed calls' lines (HAProxy's ring connects to it)."""
+        return self.run_dir / "notice.sock"
+
+    @property
+    def stats_socket(self) -> Path:
+        return self.run_dir / "stats.sock"
+
+    @property
+    def master_socket(self) -> Path:
+        return self.run_dir / "master.sock"
+
+    @property
+    def config_file(self) -> Path:
+        return self.run_dir / "haproxy.cfg"
+
+    @property
+    def not_cri_reply(self) -> Path:
+        """The raw response HAProxy sends for a path that is no CRI method."""
+        return self.run_dir / "not-cri.http"
+
+
+#: gRPC trailers-only UNIMPLEMENTED: status 200 and grpc-status in the only header block.
+#: A raw message (``errorfile``): ``http-request return`` drops content-type without a body,
+#: and grpc-go clients (kubelet) refuse a response without ``application/grpc``.
+NOT_CRI_REPLY: Final = (
+    "HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ngrpc-status: 12\r\n"
+    f"grpc-message: {NOT_CRI_MESSAGE}\r\ncontent-length: 0\r\n\r\n"
+).encode()
+
+
+#: gRPC status codes counted per method (1..16; the stick table's gpc1..gpc16).
+_GRPC_CODES: Final = range(1, 17)
+
+
+def _counting(lifecycle: tuple[str, ...]) -> list[str]:
+    """Per-method counters in HAProxy's stick table (read at scrape time by
+    runtimeproxy.dataplane.haproxystats): the key is the method path for a method of our protos,
+    ``<service>/*`` for another method of a CRI service, ``*`` for any other path, so
+    the table (and the label set) stays bounded whatever a client calls."""
+    known = sorted(set(known_methods()) - set(lifecycle))
+    lines = [f"    acl known path {' '.join(known[i:i + 8])}" for i in range(0, len(known), 8)]
+    table = f"table {TABLE}"
+    lines += [
+        f"    http-request track-sc0 path {table} if known",
+        f"    http-request track-sc0 str(/runtime.v1.ImageService/*) {table} if cri image !known",
+        f"    http-request track-sc0 str(/runtime.v1.RuntimeService/*) {table} if cri !image !known !lifecycle",
+        f"    http-request track-sc0 str({NOT_CRI_KEY}) {table} unless cri",
+        # Only responses from a backend run these (not HAProxy's own 503 or not-CRI reply):
+        # gpc0 counts answered calls; an error before any reply message is trailers-only,
+        # its grpc-status in the response headers.
+        "    http-response sc-inc-gpc(0,0)",
+        "    http-response set-var(txn.grpc_status) res.hdr(grpc-status)",
+    ]
+    lines += [f"    http-response sc-inc-gpc({code},0) if {{ var(txn.grpc_status) -m str {code} }}"
+              for code in _GRPC_CODES]
+    return lines
+
+
+def _notice_ring(layout: Layout, idle: str, noticed: tuple[str, ...]) -> list[str]:
+    """The ring the noticed calls' lines go to, forwarded to Python's notice socket. It
+    reconnects on its own and resumes where it left off: lines logged while Python is
+    away (up to the ring's size) reach the next one."""
+    if not noticed:
+        return []
+    return [
+        f"ring {NOTICE_RING}",
+        "    format raw",
+        f"    maxlen {NOTICE_MAX_LINE}",
+        f"    size {NOTICE_RING_BYTES}",
+        "    timeout connect 1s",
+        f"    timeout server {idle}",
+        f"    server python {_quote('unix@' + str(layout.notice_socket))}",
+        "",
+    ]
+
+
+def _noticing(noticed: tuple[str, ...]) -> list[str]:
+    """Log the noticed calls (and nothing else) into the ring: once the reply is done, a
+    line with the status and the request body, which HAProxy waits for (a few bytes of
+    ids) before forwarding. A line is built only for these calls."""
+    if not noticed:
+        return []
+    return [
+        f"    acl noticed path {' '.join(noticed)}",
+        "    option dontlognull",
+        f"    log ring@{NOTICE_RING} len {NOTICE_MAX_LINE} format raw local0",
+        f'    log-format "{NOTICE_FORMAT}"',
+        "    http-request set-log-level silent unless noticed",
+        "    http-request wait-for-body time 10s if noticed",
+        "    http-request set-var(txn.notice) path if noticed",
+        "    http-request set-var(txn.body) req.body,hex if noticed",
+    ]
+
+
+def _ms(seconds: float) -> str:
+    return f"{max(1, min(int(seconds * 1000), MAX_TIMEOUT_SECONDS * 1000))}ms"
+
+
+def _quote(text: str) -> str:
+    """A double-quoted HAProxy word (paths and messages we generate; no newlines)."""
+    if any(c in text for c in "\n\r\0"):
+        raise ValueError(f"cannot put {text!r} into the HAProxy configuration")
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$").replace("%", "%%") + '"'
+
+
+def _server(name: str, socket: str, proto: str = " proto h2") -> str:
+    return f"    server {name} {_quote('unix@' + socket)}{proto}"
+
+
+def render(settings: Settings, layout: Layout, intercepted: tuple[str, ...] = LIFECYCLE_METHODS) -> str:
+    """The whole HAProxy configuration for these settings (deterministic text: a reload
+    happens only when this changes). ``intercepted``: the lifecycle paths the Python
+    server gets (``intercepted_paths``); every other CRI method goes to containerd."""
+    if not set(intercepted) <= set(LIFECYCLE_METHODS):
+        raise ValueError(f"not lifecycle methods: {sorted(set(intercepted) - set(LIFECYCLE_METHODS))}")
+    # Nothing for Python (not what ``intercepted_paths`` gives, but a valid configuration):
+    # ``always_false``, as an empty pattern list is no valid acl.
+    lifecycle = "path " + " ".join(intercepted) if intercepted else "always_false"
+    noticed = noticed_paths(intercepted)
+    idle = _ms(settings.data_plane_idle_timeout)
+    runtime = settings.backend.runtime_endpoint
+    image = settings.backend.image_endpoint or runtime
+    defaults = [
+        "    mode http",
+        "    timeout connect 5s",
+        # Inactivity timeouts, not call deadlines: kubelet's grpc-timeout ends unary calls
+        # (containerd sees it), so these only reap dead peers. A GetContainerEvents stream
+        # is quiet for as long as nothing happens on the node: the same long value for both
+        # sides, the idle HTTP/2 connection of a kubelet included.
+        f"    timeout client {idle}",
+        f"    timeout server {idle}",
+        f"    timeout tunnel {idle}",
+        f"    timeout client-fin {idle}",
+        f"    timeout server-fin {idle}",
+        # Unset, these two fall back to timeout client; set so that no default can ever be shorter:
+        # waiting for a request's headers and for the next request on an idle kubelet connection.
+        f"    timeout http-request {idle}",
+        f"    timeout http-keep-alive {idle}",
+        # A lifecycle call while the Python server restarts: fail fast (UNAVAILABLE, kubelet
+        # retries) instead of queueing behind connect retries.
+        "    retries 1",
+    ]
+    lines: list[str] = [
+        "# Generated by koord-runtime-proxy from its configuration; do not edit (rewritten at start and reload).",
+        "global",
+        # One thread: a kubelet makes a few calls a second; a second thread costs memory, not speed.
+        "    nbthread 1",
+        f"    tune.bufsize {BUFSIZE}",
+        f"    tune.h2.max-concurrent-streams {MAX_CONCURRENT_STREAMS}",
+        # Runtime API: per-method counters are read from it at scrape time, the interception server is
+        # taken out (maint) before Python drains; private to root like the run dir.
+        f"    stats socket {_quote('unix@' + str(layout.stats_socket))} mode 600 level admin expose-fd listeners",
+        # An old worker still serving a stream after a reload is stopped after this long.
+        f"    hard-stop-after {_ms(max(settings.shutdown_grace, 60.0))}",
+        "",
+        *_notice_ring(layout, idle, noticed),
+        "defaults",
+        *defaults,
+        "",
+        "frontend cri",
+        f"    bind {_quote('unix@' + settings.listen)} mode {settings.socket_mode:03o} proto h2",
+        f"    acl lifecycle {lifecycle}",
+        f"    acl cri path_reg {_CRI_PATH}",
+        "    acl image path_beg /runtime.v1.ImageService/",
+        *_noticing(noticed),
+        *_counting(intercepted),
+        f"    http-request return status 200 errorfile {_quote(str(layout.not_cri_reply))} unless cri",
+        "    use_backend intercept if lifecycle",
+        "    use_backend image if image",
+        "    default_backend runtime",
+        "",
+        "backend intercept",
+        # A lifecycle call the Python server never answered (the connection failed or closed with
+        # no reply, as when it drains): tried once more, on a fresh connection (HAProxy 2.6 has
+        # no refused-stream retry).
+        "    retry-on conn-failure empty-response",
+        # HTTP/1.1 to Python (runtimeproxy.transport.h1server), one call per connection at a time; an idle
+        # connection serves the next call of any kubelet stream (Python never closes one first).
+        "    http-reuse always",
+        # A trailers-only reply needs a length in HTTP/1.1; it is no metadata for kubelet.
+        "    http-response del-header content-length if { res.hdr(grpc-status) -m found }",
+        _server("python", str(layout.intercept_socket), proto=""),
+        "",
+        "backend runtime",
+        _server("containerd", runtime),
+        "",
+        "backend image",
+        _server("containerd", image),
+        "",
+        f"backend {TABLE}",
+        # No expiry: the keys are bounded (see _counting); the counters live as long as HAProxy.
+        f"    stick-table type string len 96 size 128 store http_req_cnt,conn_cur,gpc({_GRPC_CODES.stop})",
+        "",
+        # The lifecycle's own calls to containerd, from Python over HTTP/1.1 (runtimeproxy.transport.h1backend).
+        # Python closing its connection is how such a call is cancelled: with abortonclose the
+        # stream to containerd is reset at once (without, HAProxy 2.6 reads the close as an
+        # HTTP/1.1 half-close and waits for containerd's reply). It takes effect only from a
+        # defaults section (measured), hence a second one, for these three sections only.
+        "defaults upstream",
+        *defaults,
+        "    option abortonclose",
+        "",
+        "frontend lifecycle_upstream",
+        f"    bind {_quote('unix@' + str(layout.upstream_socket))} mode 600",
+        "    acl image path_beg /runtime.v1.ImageService/",
+        "    use_backend upstream_image if image",
+        "    default_backend upstream_runtime",
+        "",
+        "backend upstream_runtime",
+        _server("containerd", runtime),
+        "",
+        "backend upstream_image",
+        _server("containerd", image),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def command(binary: str, layout: Layout) -> list[str]:
+    """Master-worker in the foreground: the master (our child) re-executes itself on
+    SIGUSR2 with the new configuration and hands the listeners to the new worker, so a
+    reload neither closes kubelet's socket nor the calls in flight on the old worker."""
+    return [binary, "-W", "-db", "-f", str(layout.config_file), "-S", f"{layout.master_socket},mode,600"]
+
+
+def check_command(binary: str, config: Path) -> list[str]:
+    # Not -q: on a refusal its ALERT lines are the reason we report.
+    return [binary, "-c", "-f", str(config)]
+
