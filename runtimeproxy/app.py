@@ -27,10 +27,11 @@ from runtimeproxy.backend import Backend, CallError
 from runtimeproxy.chain import plugins
 from runtimeproxy.chain.hookchain import HookChain, HookPools
 from runtimeproxy.chain.remote import registration_fingerprint
+from runtimeproxy.config.confignet import find_haproxy
 from runtimeproxy.config.settings import ConfigError, Settings, load
 from runtimeproxy.dataplane import haproxy, haproxystats
 from runtimeproxy.dataplane.notices import NoticeServer
-from runtimeproxy.dataplane.process import HaproxyDataPlane, find_haproxy
+from runtimeproxy.dataplane.process import HaproxyDataPlane
 from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, RulesProvider, TaskInit
 from runtimeproxy.hostwrites import FailureCollector
 from runtimeproxy.lifecycle.handler import Lifecycle, SkipLabel
@@ -43,9 +44,7 @@ from runtimeproxy.state.reconcile import Reconciler
 from runtimeproxy.state.resync import Resyncer, watch_reconnects
 from runtimeproxy.state.store import CHANGES_PER_POD, Store, rebuild
 from runtimeproxy.transport.grpcbackend import GrpcBackend
-from runtimeproxy.transport.grpcserver import ProxyHandler, ProxyServer
-from runtimeproxy.transport.h1backend import H1Backend
-from runtimeproxy.transport.h1server import H1InterceptServer
+from runtimeproxy.transport.grpcserver import INTERCEPT_SLACK, ProxyHandler, ProxyServer
 
 log = structlog.get_logger("runtimeproxy.app")
 
@@ -88,12 +87,8 @@ class App:
         self.store = Store(history)
         self.backend = GrpcBackend(settings.backend, max_message_bytes=settings.max_message_bytes)
         self.data_plane = choose_data_plane(settings, lambda: haproxy.intercepted_paths(self.chain.pre_calls))
-        #: The lifecycle's backend: behind HAProxy, HTTP/1.1 to its private listener (gRPC if it is away).
-        self._h1_backend: H1Backend | None = None
-        if self.data_plane is not None:
-            self._h1_backend = H1Backend(self.data_plane.layout.upstream_socket,
-                                         max_message_bytes=settings.max_message_bytes, fallback=self.backend)
-        self.lifecycle_backend: Backend = self._h1_backend or self.backend
+        #: The lifecycle's calls to containerd: gRPC, straight to it, on either data plane.
+        self.lifecycle_backend: Backend = self.backend
         self.lifecycle = Lifecycle(
             store=self.store, backend=self.lifecycle_backend, chain=lambda: self.chain,
             skip_label=lambda: SkipLabel(self.settings.skip_label_key, self.settings.skip_label_value),
@@ -102,9 +97,13 @@ class App:
         #: The lifecycle calls HAProxy relays straight to containerd, told after the reply.
         self.notices: NoticeServer | None = None
         if self.data_plane is not None:
-            # HAProxy owns kubelet's socket; Python gets only the lifecycle calls, on a private socket.
-            self.server = H1InterceptServer(listen=self.data_plane.intercept_socket, lifecycle=self.lifecycle,
-                                            metrics=self.metrics, max_message_bytes=settings.max_message_bytes)
+            # HAProxy owns kubelet's socket; Python gets only the lifecycle calls, on a private
+            # socket, over HTTP/2: the grpc plane's server, serving those methods only.
+            self.handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics,
+                                        intercept_only=True, max_request_bytes=settings.max_message_bytes)
+            self.server = ProxyServer(listen=self.data_plane.intercept_socket, socket_mode=0o600,
+                                      max_message_bytes=settings.max_message_bytes, handler=self.handler,
+                                      receive_slack=INTERCEPT_SLACK)
             # Pass-through calls are counted by HAProxy; its counters are read at scrape time.
             haproxystats.install(self.registry, self.metrics.cri_calls, self.metrics.cri_errors,
                                  self.data_plane.layout.stats_socket)
@@ -244,8 +243,6 @@ class App:
             await self.http.stop()
         await plugins.close_hooks(self.chain.hooks)
         await self.backend.close()
-        if self._h1_backend is not None:
-            await self._h1_backend.close()
         self._pools.shutdown()
         self.store.close()
         if self.data_plane is not None:
@@ -443,15 +440,17 @@ class App:
 def choose_data_plane(
     settings: Settings, intercepted: Callable[[], tuple[str, ...]]
 ) -> HaproxyDataPlane | None:
-    """HAProxy when configured and installed; None for the in-process gRPC transport.
+    """HAProxy when configured (``data_plane: haproxy``, the default); None for the
+    in-process gRPC transport (``data_plane: grpc``, only when chosen). No fallback: the
+    configuration was refused at parse time without the binary, and a binary removed
+    since is a ConfigError too (exit 2), never the other data plane.
     ``intercepted``: the lifecycle paths HAProxy sends to Python (the chain's, at each render)."""
     if settings.data_plane != "haproxy":
         return None
     binary = find_haproxy()
     if binary is None:
-        log.warning("data_plane_fallback", configured="haproxy", using="grpc",
-                    reason="no haproxy binary on PATH or in /usr/sbin (apt install haproxy)")
-        return None
+        raise ConfigError("data_plane", "haproxy", "the haproxy binary is not installed: apt install haproxy,"
+                          " or set data_plane: grpc")
     return HaproxyDataPlane(binary, settings, intercepted)
 
 

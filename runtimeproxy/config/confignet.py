@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -95,9 +96,24 @@ DATA_PLANES: Final = ("grpc", "haproxy")
 _MAX_IDLE_TIMEOUT = 24 * 86400.0
 
 
+#: Where Debian installs HAProxy; a root shell has it on PATH, a minimal service env may not.
+HAPROXY_SEARCH_PATH: Final = ("/usr/sbin", "/sbin", "/usr/local/sbin")
+
+
+def find_haproxy() -> str | None:
+    """The haproxy binary on PATH or in the sbin directories, or None."""
+    path = os.pathsep.join([os.environ.get("PATH", ""), *HAPROXY_SEARCH_PATH])
+    return shutil.which("haproxy", path=path)
+
+
 def data_plane(value: object) -> str:
+    """``grpc`` or ``haproxy``; ``haproxy`` (the default) needs the binary: no fallback to
+    another data plane (a node's restart semantics must not depend on what is installed)."""
     if not isinstance(value, str) or value.lower() not in DATA_PLANES:
         raise ConfigError("data_plane", value, f"must be one of {list(DATA_PLANES)}")
+    if value.lower() == "haproxy" and find_haproxy() is None:
+        raise ConfigError("data_plane", value, "the haproxy binary is not installed (not on PATH nor in "
+                          f"{', '.join(HAPROXY_SEARCH_PATH)}): apt install haproxy, or set data_plane: grpc")
     return value.lower()
 
 

@@ -6,9 +6,20 @@ Python. Pass-through CRI calls (every ``runtime.v1.RuntimeService`` and
 straight to containerd over HTTP/2: no Python work per call. The lifecycle methods that
 have a Pre hook in the running chain (``HookChain.pre_calls``: a hook may change or refuse
 the request), and the two that bring objects into the store (``STORE_CALLS``), go by exact
-path to our interception server on a private socket, as HTTP/1.1 (``runtimeproxy.transport.h1server``);
-the lifecycle's own calls to containerd come back to a second private listener, also
-HTTP/1.1 (``runtimeproxy.transport.h1backend``).
+path to our interception server on a private socket (mode 0600): the same grpc.aio server
+as the ``grpc`` data plane's (``runtimeproxy.transport.grpcserver``), over HTTP/2, serving
+only those methods; the lifecycle's own calls go from Python straight to containerd over
+gRPC (``runtimeproxy.transport.grpcbackend``).
+
+Routing depends on ``:path`` alone. For an HTTP/2 request with an ``:authority`` HAProxy
+builds an absolute URI, ``scheme://authority/path``, and its ``path`` fetch then cuts the
+authority at its first ``/``: kubelet 1.26 (grpc-go 1.49) sends its socket path
+(``/run/…/runtimeproxy.sock``) as ``:authority``, so ``path`` read
+``/run/…/runtimeproxy.sock/runtime.v1.RuntimeService/Version`` (no CRI method: UNIMPLEMENTED
+from HAProxy) and a server behind it would have got that ``:path`` too. The first rule of
+the frontend (``NORMALIZE_URI``) turns such a URI back into the origin form, the ``:path``
+the client sent, by removing the scheme and exactly the authority (HAProxy keeps it as the
+``host`` header); every rule after it, and the servers, see that path.
 
 The other lifecycle methods are pass-through too, but *noticed*: HAProxy keeps their
 (small) request body and, once containerd has answered, logs one line (method, HTTP
@@ -86,6 +97,19 @@ NOTICE_MAX_LINE: Final = 65535
 NOTICE_FORMAT: Final = "%[var(txn.notice)] %ST %[var(txn.grpc_status)] %ts %[var(txn.body)]"
 #: HAProxy's timers are 32-bit milliseconds.
 MAX_TIMEOUT_SECONDS: Final = 2_147_483
+#: An absolute URI back to the client's ``:path``: ``url`` + `` `` + the authority (the
+#: ``host`` header, which HAProxy sets from ``:authority``), and a backreference that
+#: removes ``scheme://`` and exactly that authority, whatever it holds (``/``s included).
+#: Only for an absolute URI: a request without ``:authority`` is in origin form already.
+NORMALIZE_URI: Final = (
+    "    http-request set-var(txn.authority) req.fhdr(host) unless { url_beg / }",
+    "    http-request set-uri \"%[url,concat(' ',txn.authority),"
+    "regsub('^[a-zA-Z][a-zA-Z0-9+.-]*://(.*)(/.*) \\1\\$','\\2')]\" unless { url_beg / }",
+)
+#: Headers one message may carry (HAProxy's default, written out because the private
+#: interception server relies on it; kubelet sends ~10): more is refused by HAProxy
+#: before any server sees the call. ``tune.bufsize`` bounds their size.
+MAX_HEADERS: Final = 101
 
 
 @dataclass(frozen=True)
@@ -103,11 +127,6 @@ class Layout:
     def intercept_socket(self) -> Path:
         """The Python interception server's socket (mode 0600)."""
         return self.run_dir / "intercept.sock"
-
-    @property
-    def upstream_socket(self) -> Path:
-        """The lifecycle's backend calls from Python (HTTP/1.1), relayed to containerd (mode 0600)."""
-        return self.run_dir / "upstream.sock"
 
     @property
     def notice_socket(self) -> Path:
@@ -216,8 +235,8 @@ def _quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$").replace("%", "%%") + '"'
 
 
-def _server(name: str, socket: str, proto: str = " proto h2") -> str:
-    return f"    server {name} {_quote('unix@' + socket)}{proto}"
+def _server(name: str, socket: str) -> str:
+    return f"    server {name} {_quote('unix@' + socket)} proto h2"
 
 
 def render(settings: Settings, layout: Layout, intercepted: tuple[str, ...] = LIFECYCLE_METHODS) -> str:
@@ -259,6 +278,7 @@ def render(settings: Settings, layout: Layout, intercepted: tuple[str, ...] = LI
         # One thread: a kubelet makes a few calls a second; a second thread costs memory, not speed.
         "    nbthread 1",
         f"    tune.bufsize {BUFSIZE}",
+        f"    tune.http.maxhdr {MAX_HEADERS}",
         f"    tune.h2.max-concurrent-streams {MAX_CONCURRENT_STREAMS}",
         # Runtime API: per-method counters are read from it at scrape time, the interception server is
         # taken out (maint) before Python drains; private to root like the run dir.
@@ -272,6 +292,7 @@ def render(settings: Settings, layout: Layout, intercepted: tuple[str, ...] = LI
         "",
         "frontend cri",
         f"    bind {_quote('unix@' + settings.listen)} mode {settings.socket_mode:03o} proto h2",
+        *NORMALIZE_URI,
         f"    acl lifecycle {lifecycle}",
         f"    acl cri path_reg {_CRI_PATH}",
         "    acl image path_beg /runtime.v1.ImageService/",
@@ -287,12 +308,8 @@ def render(settings: Settings, layout: Layout, intercepted: tuple[str, ...] = LI
         # no reply, as when it drains): tried once more, on a fresh connection (HAProxy 2.6 has
         # no refused-stream retry).
         "    retry-on conn-failure empty-response",
-        # HTTP/1.1 to Python (runtimeproxy.transport.h1server), one call per connection at a time; an idle
-        # connection serves the next call of any kubelet stream (Python never closes one first).
-        "    http-reuse always",
-        # A trailers-only reply needs a length in HTTP/1.1; it is no metadata for kubelet.
-        "    http-response del-header content-length if { res.hdr(grpc-status) -m found }",
-        _server("python", str(layout.intercept_socket), proto=""),
+        # HTTP/2 to Python's grpc.aio server (runtimeproxy.transport.grpcserver), as to containerd.
+        _server("python", str(layout.intercept_socket)),
         "",
         "backend runtime",
         _server("containerd", runtime),
@@ -303,27 +320,6 @@ def render(settings: Settings, layout: Layout, intercepted: tuple[str, ...] = LI
         f"backend {TABLE}",
         # No expiry: the keys are bounded (see _counting); the counters live as long as HAProxy.
         f"    stick-table type string len 96 size 128 store http_req_cnt,conn_cur,gpc({_GRPC_CODES.stop})",
-        "",
-        # The lifecycle's own calls to containerd, from Python over HTTP/1.1 (runtimeproxy.transport.h1backend).
-        # Python closing its connection is how such a call is cancelled: with abortonclose the
-        # stream to containerd is reset at once (without, HAProxy 2.6 reads the close as an
-        # HTTP/1.1 half-close and waits for containerd's reply). It takes effect only from a
-        # defaults section (measured), hence a second one, for these three sections only.
-        "defaults upstream",
-        *defaults,
-        "    option abortonclose",
-        "",
-        "frontend lifecycle_upstream",
-        f"    bind {_quote('unix@' + str(layout.upstream_socket))} mode 600",
-        "    acl image path_beg /runtime.v1.ImageService/",
-        "    use_backend upstream_image if image",
-        "    default_backend upstream_runtime",
-        "",
-        "backend upstream_runtime",
-        _server("containerd", runtime),
-        "",
-        "backend upstream_image",
-        _server("containerd", image),
         "",
     ]
     return "\n".join(lines)

@@ -42,6 +42,7 @@ import grpc.aio
 import structlog
 
 from criapi import cri_v1_pb2 as cri
+from runtimeproxy.config.confignet import find_haproxy
 from runtimeproxy.config.settings import ConfigError, Settings
 from runtimeproxy.dataplane import dataplanestate, dataplanewatchdog, haproxy, haproxystats
 from runtimeproxy.dataplane.dataplanewatchdog import OrphanWatchdog
@@ -49,16 +50,9 @@ from runtimeproxy.transport.grpcserver import SocketInUse, prepare_socket
 
 log = structlog.get_logger("runtimeproxy.dataplane")
 
-#: Where Debian installs it; a root shell has it on PATH, a minimal service env may not.
-_SEARCH_PATH: Final = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 VERSION_METHOD: Final = "/runtime.v1.RuntimeService/Version"
 #: HAProxy's message tags -> our log levels.
 _LEVELS: Final = {"ALERT": "error", "WARNING": "warning", "NOTICE": "info"}
-
-
-def find_haproxy() -> str | None:
-    path = os.pathsep.join([os.environ.get("PATH", ""), *_SEARCH_PATH])
-    return shutil.which("haproxy", path=path)
 
 
 def check(settings: Settings) -> str:
@@ -67,8 +61,9 @@ def check(settings: Settings) -> str:
     if settings.data_plane != "haproxy":
         return "data_plane=grpc"
     binary = find_haproxy()
-    if binary is None:
-        return "data_plane=haproxy (not installed: run falls back to grpc; apt install haproxy)"
+    if binary is None:  # removed since the configuration was parsed
+        raise ConfigError("data_plane", "haproxy", "the haproxy binary is not installed: apt install haproxy,"
+                          " or set data_plane: grpc")
     with tempfile.TemporaryDirectory(prefix="krp-check-") as tmp:
         layout = haproxy.Layout(Path(tmp))
         layout.not_cri_reply.write_bytes(haproxy.NOT_CRI_REPLY)

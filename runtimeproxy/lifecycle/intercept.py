@@ -1,7 +1,7 @@
 """One intercepted call, whatever the transport: count it, run the lifecycle, and turn
 any failure into a ``CallError`` to relay (a bug must not end kubelet's call without a
-status). Shared by the gRPC transport (``grpcserver``) and the HTTP/1.1 hop behind
-HAProxy (``h1server``)."""
+status). Called by the gRPC server (``grpcserver``), on kubelet's socket or, behind
+HAProxy, on the private interception socket."""
 
 from __future__ import annotations
 

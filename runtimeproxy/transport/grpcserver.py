@@ -13,6 +13,21 @@ know yet (a newer kubelet) is relayed by a handler made for that one call and
 counted under the service's ``*`` label; any other path (containerd's native
 ``/containerd.services.*`` API behind the same backend socket, say) is answered
 UNIMPLEMENTED here and never reaches the backend.
+
+Behind HAProxy (``data_plane: haproxy``) the same server, on a private socket (mode
+0600), serves only the lifecycle methods HAProxy routes to it (``intercept_only``):
+every other path is UNIMPLEMENTED, nothing is relayed from there.
+
+Bounds, before a handler runs: request metadata above ``MAX_METADATA_BYTES`` (headers
+and their count together: grpc core counts each header's size plus 32 bytes) is refused,
+and a message whose 5-byte prefix announces more than the server's receive limit is
+refused RESOURCE_EXHAUSTED from that prefix, before its body is read. grpc core then
+resets the stream (the client is still sending), and HAProxy 2.6 turns a reset that
+follows a complete reply into a reset for its own client: kubelet would see CANCELLED,
+not the status. So behind HAProxy the receive limit is ``max_message_bytes`` +
+``INTERCEPT_SLACK``: a request a little over the limit is read and refused
+RESOURCE_EXHAUSTED by the handler, as containerd does; one announced bigger is cut at
+its prefix (kubelet never sends one; a peer that does gets a reset).
 """
 
 from __future__ import annotations
@@ -55,6 +70,12 @@ _NOT_CRI = (
     "koord-runtime-proxy relays only the CRI services runtime.v1.RuntimeService and runtime.v1.ImageService"
 )
 _ONE_REQUEST = "koord-runtime-proxy relays a method it does not know only with exactly one request message"
+#: Request metadata per call (grpc core's soft and hard limits, the same value: one
+#: answer). kubelet sends well under 1 KiB; HAProxy in front allows 128 KiB of headers.
+MAX_METADATA_BYTES: Final = 64 * 1024
+#: Behind HAProxy: how far over ``max_message_bytes`` a request is still read, to be
+#: refused with its status (see above).
+INTERCEPT_SLACK: Final = 1024 * 1024
 
 
 def known_methods() -> Mapping[str, bool]:
@@ -165,12 +186,17 @@ async def _relay_metadata(context: grpc.aio.ServicerContext[Any, Any], reply: Re
 class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships no types
     """Serves the CRI methods from a table built once; nothing a client sends grows it."""
 
-    def __init__(self, *, backend: GrpcBackend, lifecycle: Lifecycle, metrics: ProxyMetrics) -> None:
+    def __init__(self, *, backend: GrpcBackend, lifecycle: Lifecycle, metrics: ProxyMetrics,
+                 intercept_only: bool = False, max_request_bytes: int | None = None) -> None:
         self._backend = backend
         self._lifecycle = lifecycle
         self._metrics = metrics
         self._intercepted = lifecycle.methods
-        streaming = dict(known_methods())
+        #: Behind HAProxy: the lifecycle methods only (HAProxy counts and relays the rest).
+        self._intercept_only = intercept_only
+        #: Refused in the handler (the server lets a little more through: INTERCEPT_SLACK).
+        self._max_request = max_request_bytes
+        streaming = {} if intercept_only else dict(known_methods())
         streaming.update({m: False for m in self._intercepted if m not in streaming})
         self._handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]] = {
             method: self._build(method, server_streaming) for method, server_streaming in streaming.items()
@@ -195,7 +221,7 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
         if handler is not None:
             return handler
         service = cri_service(method)
-        if service is None:
+        if service is None or self._intercept_only:
             return self._refuse
         # A CRI method newer than our protos: a handler for this call only, not kept.
         return grpc.stream_stream_rpc_method_handler(self._relay_unknown(method, self._unknown_stats[service]))
@@ -274,7 +300,14 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
         stats = self._metrics.method(method, path="intercepted")
         lifecycle = self._lifecycle
 
+        limit = self._max_request
+
         async def intercepted(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+            if limit is not None and len(request) > limit:
+                stats.calls.inc()
+                stats.error("RESOURCE_EXHAUSTED")
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"Received message larger than max ({len(request)} vs. {limit})")
             info = CallInfo(context.time_remaining(), forwardable(context.invocation_metadata()))
             try:
                 reply = await intercept.serve(lifecycle, stats, method, request, info)
@@ -306,13 +339,16 @@ async def _pump(call: Any, context: grpc.aio.ServicerContext[Any, Any], on_error
 class ProxyServer:
     """Owns the grpc.aio server bound to the unix socket."""
 
-    def __init__(self, *, listen: Path, socket_mode: int, max_message_bytes: int, handler: ProxyHandler) -> None:
+    def __init__(self, *, listen: Path, socket_mode: int, max_message_bytes: int, handler: ProxyHandler,
+                 receive_slack: int = 0) -> None:
         self._listen = listen
         self._mode = socket_mode
         self._server = grpc.aio.server(
             options=[
                 ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes + receive_slack),
+                ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+                ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
                 ("grpc.so_reuseport", 0),
             ]
         )

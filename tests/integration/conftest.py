@@ -29,7 +29,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from criapi import cri_v1_pb2
-from runtimeproxy.dataplane.process import find_haproxy
+from runtimeproxy.config.confignet import find_haproxy
 from runtimeproxy.demo.devpods import QoSClass, container_config, kube_cgroup_parent, sandbox_config
 from runtimeproxy.demo.embedded import EmbeddedContainerd, runtime_stub, unix_channel
 from runtimeproxy.demo.embeddedcgroup import remove_cgroup_tree, unique_test_parent

@@ -43,7 +43,7 @@ from criapi import hook_v1alpha1_pb2 as hookpb
 from criapi import hook_v1alpha1_pb2_grpc as hookpb_grpc
 from runtimeproxy.app import App
 from runtimeproxy.config import settings as config
-from runtimeproxy.dataplane.process import find_haproxy
+from runtimeproxy.config.confignet import find_haproxy
 
 RT = "/runtime.v1.RuntimeService/"
 IMG = "/runtime.v1.ImageService/"

@@ -20,6 +20,7 @@ import grpc
 import grpc.aio
 import pytest
 import pytest_asyncio
+import structlog.testing
 import yaml
 
 from criapi import cri_v1_pb2 as cri
@@ -228,6 +229,26 @@ async def test_reload_rewrites_haproxy_but_keeps_what_needs_a_restart(
     # Lifecycle calls still go to the old backend until a restart: so do pass-through calls.
     assert "elsewhere.sock" not in text and str(fake_runtime.path) in text
     assert plane.pid == pid  # reloaded in place (SIGUSR2), not restarted
+    assert await proxy.call(STATUS) == b""
+
+
+@pytest.mark.asyncio
+async def test_a_reload_without_the_haproxy_binary_is_rejected(
+    fake_runtime: Any, start_proxy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The binary gone (an uninstall) and a reload: refused like any invalid configuration
+    (data_plane named), HAProxy and the running settings kept; never a switch to grpc."""
+    need_haproxy()
+    proxy = await start_proxy(fake_runtime, data_plane="haproxy", config_file=True)
+    old, pid = proxy.app.settings, proxy.app.data_plane.pid
+    doc = yaml.safe_load(proxy.config_path.read_text())
+    doc["data_plane_idle_timeout"] = "2h"
+    proxy.config_path.write_text(yaml.safe_dump(doc))
+    monkeypatch.setattr("runtimeproxy.config.confignet.find_haproxy", lambda: None)
+    with structlog.testing.capture_logs() as logs:
+        assert await proxy.app.reload("test") is False
+    assert proxy.app.settings is old and proxy.app.data_plane.pid == pid
+    assert any("data_plane: the haproxy binary is not installed" in str(e.get("error", "")) for e in logs), logs
     assert await proxy.call(STATUS) == b""
 
 

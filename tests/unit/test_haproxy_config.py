@@ -12,9 +12,9 @@ import structlog.testing
 from runtimeproxy.app import choose_data_plane
 from runtimeproxy.chain import plugins
 from runtimeproxy.chain.hookchain import HookChain, HookPools
+from runtimeproxy.config.confignet import find_haproxy
 from runtimeproxy.config.settings import ConfigError, Settings, builtin_default, from_mapping
 from runtimeproxy.dataplane import haproxy
-from runtimeproxy.dataplane.process import find_haproxy
 from runtimeproxy.transport.grpcserver import known_methods
 
 
@@ -42,10 +42,10 @@ def test_lifecycle_methods_are_routed_by_exact_path_everything_else_of_cri_to_co
     assert len(haproxy.LIFECYCLE_METHODS) == 8
     assert all(m in known_methods() for m in haproxy.LIFECYCLE_METHODS)
     assert _lines(text, "use_backend intercept") == ["use_backend intercept if lifecycle"]
-    # Python speaks HTTP/1.1 to HAProxy both ways (runtimeproxy.transport.h1server, runtimeproxy.transport.h1backend).
-    assert _lines(text, "server python") == [f'server python "unix@{layout.intercept_socket}"']
-    assert text.count('server containerd "unix@/run/c.sock" proto h2') == 2  # kubelet's and Python's
-    assert text.count('server containerd "unix@/run/i.sock" proto h2') == 2
+    # HTTP/2 to Python's grpc.aio server, as to containerd; Python's own calls do not come back through HAProxy.
+    assert _lines(text, "server python") == [f'server python "unix@{layout.intercept_socket}" proto h2']
+    assert text.count('server containerd "unix@/run/c.sock" proto h2') == 1
+    assert text.count('server containerd "unix@/run/i.sock" proto h2') == 1
     assert f'bind "unix@{s.listen}" mode 660 proto h2' in text
     [ret] = _lines(text, "http-request return")
     assert ret.endswith("unless cri") and str(layout.not_cri_reply) in ret
@@ -117,11 +117,10 @@ def test_unix_sockets_only(tmp_path: Path) -> None:
     s = _settings(tmp_path)
     layout = haproxy.Layout.for_listen(Path(s.listen))
     text = haproxy.render(s, layout)
-    assert _lines(text, "bind ") == [f'bind "unix@{s.listen}" mode 660 proto h2',
-                                     f'bind "unix@{layout.upstream_socket}" mode 600']
+    assert _lines(text, "bind ") == [f'bind "unix@{s.listen}" mode 660 proto h2']
     assert [line.split()[2] for line in _lines(text, "stats socket")] == [f'"unix@{layout.stats_socket}"']
     servers = _lines(text, "server ")
-    assert len(servers) == 5 and all(line.split()[2].startswith('"unix@') for line in servers), servers
+    assert len(servers) == 3 and all(line.split()[2].startswith('"unix@') for line in servers), servers
     assert not _lines(text, "listen ") and not _lines(text, "peers")
     assert haproxy.command("/usr/sbin/haproxy", layout)[-1] == f"{layout.master_socket},mode,600"
 
@@ -129,7 +128,7 @@ def test_unix_sockets_only(tmp_path: Path) -> None:
 def test_image_backend_defaults_to_the_runtime_endpoint(tmp_path: Path) -> None:
     s = _settings(tmp_path, backend={"runtime_endpoint": "/run/c.sock"})
     text = haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)))
-    assert text.count('server containerd "unix@/run/c.sock" proto h2') == 4
+    assert text.count('server containerd "unix@/run/c.sock" proto h2') == 2
 
 
 def _section(text: str, header: str) -> list[str]:
@@ -140,28 +139,28 @@ def _section(text: str, header: str) -> list[str]:
     return [line.strip() for line in lines[start + 1:end]]
 
 
-def test_the_interception_hop_is_http1_reused_and_cancellable(tmp_path: Path) -> None:
-    """Python's side of the hop: HTTP/1.1 connections HAProxy keeps for the next call; a
-    trailers-only reply's length is not relayed as metadata; Python's own calls reach
-    containerd through a listener of their own whose close resets containerd's stream
-    (abortonclose, which HAProxy 2.6 honours only from a defaults section)."""
+def test_the_interception_backend_is_h2_to_python_without_the_h1_workarounds(tmp_path: Path) -> None:
+    """One interception server (grpc.aio, HTTP/2): no connection-reuse override, no header
+    surgery on its replies, one defaults section, no listener for Python's own calls."""
     s = _settings(tmp_path)
     layout = haproxy.Layout.for_listen(Path(s.listen))
     text = haproxy.render(s, layout)
-    intercept = _section(text, "backend intercept")
-    assert "http-reuse always" in intercept
-    assert "http-response del-header content-length if { res.hdr(grpc-status) -m found }" in intercept
-    first, second = _section(text, "defaults"), _section(text, "defaults upstream")
-    assert second == [*first, "option abortonclose"]
-    assert "option abortonclose" not in first
-    lines = text.splitlines()
-    after = lines[lines.index("defaults upstream"):]  # these sections inherit the second defaults
-    assert "frontend lifecycle_upstream" in after and "frontend cri" not in after
-    upstream = _section(text, "frontend lifecycle_upstream")
-    assert upstream[0] == f'bind "unix@{layout.upstream_socket}" mode 600'
-    assert "use_backend upstream_image if image" in upstream and "default_backend upstream_runtime" in upstream
-    assert _section(text, "backend upstream_runtime") == ['server containerd "unix@/run/c.sock" proto h2']
-    assert _section(text, "backend upstream_image") == ['server containerd "unix@/run/i.sock" proto h2']
+    assert _section(text, "backend intercept") == [
+        "retry-on conn-failure empty-response", f'server python "unix@{layout.intercept_socket}" proto h2']
+    for gone in ("http-reuse", "del-header", "abortonclose", "upstream"):
+        assert gone not in text, gone
+    assert [line for line in text.splitlines() if line.startswith("defaults")] == ["defaults"]
+
+
+def test_routing_reads_the_path_the_client_sent_whatever_its_authority(tmp_path: Path) -> None:
+    """The URI is put back into origin form before any rule reads ``path`` (HAProxy makes
+    it absolute from ``:authority``); the servers get that path too."""
+    s = _settings(tmp_path)
+    lines = [line.strip() for line in _section(haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen))),
+                                                "frontend cri")]
+    rules = [line for line in lines if line.startswith("http-request ")]
+    assert rules[:2] == [line.strip() for line in haproxy.NORMALIZE_URI]
+    assert "tune.http.maxhdr 101" in haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)))
 
 
 def test_measured_settings_and_idle_timeouts(tmp_path: Path) -> None:
@@ -211,17 +210,39 @@ def test_orphan_grace_defaults_to_30s_and_the_old_key_still_works_alone() -> Non
         from_mapping({"data_plane_survives_restart": True, "data_plane_orphan_grace": "10s"})
 
 
-def test_missing_haproxy_falls_back_to_grpc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_missing_haproxy_is_a_config_error_never_a_fallback(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    """``data_plane: haproxy`` (the default) without the binary: refused where the
+    configuration is parsed (run, check-config and reload all parse it), naming the key and
+    the binary; ``data_plane: grpc`` is a choice that needs nothing."""
+    monkeypatch.setattr("runtimeproxy.config.confignet.find_haproxy", lambda: None)
+    for doc in ({}, {"data_plane": "haproxy"}, {"data_plane": "HAProxy"}):
+        with pytest.raises(ConfigError, match=r"^data_plane: the haproxy binary is not installed.*apt install haproxy"):
+            from_mapping(doc)
+    assert from_mapping({"data_plane": "grpc"}).data_plane == "grpc"
+    # Removed after the parse: the App refuses to start (exit 2), it does not switch planes.
+    settings = dataclasses.replace(from_mapping({"data_plane": "grpc", "listen": str(tmp_path / "k.sock")}),
+                                   data_plane="haproxy")
     monkeypatch.setattr("runtimeproxy.app.find_haproxy", lambda: None)
-    with structlog.testing.capture_logs() as logs:
-        assert choose_data_plane(_settings(tmp_path, data_plane="haproxy"), _ALL) is None
-    # Said once, at start (the App chooses once), naming what to install.
-    [warning] = [e for e in logs if e["event"] == "data_plane_fallback"]
-    assert warning["log_level"] == "warning" and "apt install haproxy" in warning["reason"]
-    with structlog.testing.capture_logs() as logs:
-        assert choose_data_plane(_settings(tmp_path), _ALL) is None  # the default is haproxy too
-        assert choose_data_plane(_settings(tmp_path, data_plane="grpc"), _ALL) is None
-    assert [e["event"] for e in logs] == ["data_plane_fallback"]
+    with structlog.testing.capture_logs() as logs, pytest.raises(ConfigError, match=r"^data_plane: "):
+        choose_data_plane(settings, _ALL)
+    assert not logs
+    assert choose_data_plane(dataclasses.replace(settings, data_plane="grpc"), _ALL) is None
+
+
+def test_run_and_check_config_exit_2_without_haproxy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from runtimeproxy import cli
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"listen: {tmp_path}/k.sock\nhookserver_dir: ''\nstate_dir: ''\n")
+    path.chmod(0o600)
+    monkeypatch.setattr("runtimeproxy.config.confignet.find_haproxy", lambda: None)
+    for command in ("check-config", "run"):
+        assert cli.main([command, "--config", str(path)]) == 2, command
+        err = capsys.readouterr().err
+        assert "data_plane: the haproxy binary is not installed" in err, err
+    assert not (tmp_path / "k.sock").exists()
 
 
 @pytest.mark.skipif(find_haproxy() is None, reason="haproxy not installed")
@@ -261,8 +282,8 @@ def test_check_config_reports_the_data_plane(tmp_path: Path, monkeypatch: pytest
         assert "data_plane" in err and "no-such-keyword" in err  # HAProxy's reason
         monkeypatch.undo()
     monkeypatch.setattr("runtimeproxy.dataplane.process.find_haproxy", lambda: None)
-    assert cli.main(["check-config", "--config", str(path)]) == 0
-    assert "falls back to grpc" in capsys.readouterr().out
+    assert cli.main(["check-config", "--config", str(path)]) == 2  # removed after the parse: no fallback either
+    assert "data_plane: the haproxy binary is not installed" in capsys.readouterr().err
 
 
 def test_the_shipped_unit_and_config_keep_haproxy_across_a_restart_but_not_for_ever() -> None:

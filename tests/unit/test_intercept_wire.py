@@ -1,7 +1,7 @@
 """Nothing of gRPC is lost on an intercepted call, through either data plane: the gRPC
-transport (grpc.aio server and client in Python), and HAProxy with the HTTP/1.1 hop to
-Python and back (runtimeproxy.transport.h1server, runtimeproxy.transport.h1backend) in front of the fake
-containerd.
+transport (grpc.aio server and client in Python on kubelet's socket), and HAProxy in
+front of the same grpc.aio server on the private interception socket (HTTP/2 both hops;
+the lifecycle's own calls go over gRPC straight to the fake containerd).
 
 RunPodSandbox always goes through Python (the store needs it). Status, message and
 details, trailers-only errors, metadata both ways (``-bin`` too), ``grpc-timeout``,
@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.transport.h1backend import H1Backend
+from runtimeproxy.transport.grpcbackend import GrpcBackend
 from tests.unit import h2raw
 from tests.unit.test_dataplane_wire import CLOCK_SLACK, MiB
 
@@ -39,7 +39,9 @@ def _run_request(extra: bytes = b"", annotation: str = "") -> bytes:
 @pytest_asyncio.fixture
 async def proxy(fake_runtime: Any, start_proxy: Any, plane: str) -> Any:
     p = await start_proxy(fake_runtime, data_plane=plane)
-    assert isinstance(p.app.lifecycle_backend, H1Backend) == (plane == "haproxy")
+    # One interception server and one backend client on both planes: grpc.aio, gRPC.
+    assert isinstance(p.app.lifecycle_backend, GrpcBackend) and p.app.lifecycle_backend is p.app.backend
+    assert (p.app.data_plane is None) == (plane == "grpc")
     return p
 
 
@@ -183,8 +185,7 @@ async def test_16_mib_messages_both_ways(answer: Any, fake_runtime: Any, proxy: 
 @pytest.mark.asyncio
 async def test_concurrent_calls_each_get_their_own_reply(answer: Any, fake_runtime: Any, proxy: Any) -> None:
     """kubelet's pod workers start pods in parallel: 20 RunPodSandbox calls in flight at once
-    (HAProxy then holds 20 connections to Python, and Python 20 to HAProxy), each answered
-    with its own sandbox id."""
+    (HAProxy multiplexes them as streams to Python), each answered with its own sandbox id."""
     arrived: list[float] = []
 
     def by_name(request: bytes) -> Any:
@@ -202,5 +203,3 @@ async def test_concurrent_calls_each_get_their_own_reply(answer: Any, fake_runti
     got = await asyncio.gather(*(one(i) for i in range(20)))
     assert got == [f"sb-p{i}" for i in range(20)]
     assert len(arrived) == 20 and max(arrived) - min(arrived) < 1.0  # all in flight before the first answered
-    if isinstance(proxy.app.lifecycle_backend, H1Backend):
-        assert proxy.app.lifecycle_backend.fallbacks == 0
