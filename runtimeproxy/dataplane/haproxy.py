@@ -308,6 +308,9 @@ def render(settings: Settings, layout: Layout, intercepted: tuple[str, ...] = LI
         # no reply, as when it drains): tried once more, on a fresh connection (HAProxy 2.6 has
         # no refused-stream retry).
         "    retry-on conn-failure empty-response",
+        # grpc core refuses a request with neither :authority nor host (a reset stream, no
+        # status); HAProxy sends the host header as :authority. containerd gets what came.
+        "    http-request set-header host localhost unless { req.hdr(host) -m found }",
         # HTTP/2 to Python's grpc.aio server (runtimeproxy.transport.grpcserver), as to containerd.
         _server("python", str(layout.intercept_socket)),
         "",

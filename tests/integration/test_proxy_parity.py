@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from google.protobuf.message import Message
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.demo.embedded import EmbeddedContainerd, runtime_stub
+from tests.unit import h2raw
 
 RT = "/runtime.v1.RuntimeService/"
 
@@ -364,3 +366,98 @@ def test_requests_reach_containerd_unchanged_without_hooks(pods: Any, proxy: Any
     assert _verbose_config(pod_info, cri.PodSandboxConfig()) == pod
     ctr_info = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid, verbose=True), timeout=10).info
     assert _verbose_config(ctr_info, cri.ContainerConfig()) == cfg
+
+
+# --- routing on :path alone, whatever :authority holds ------------------------------
+
+#: ``:authority`` values kubelet's gRPC clients send or could: grpc-go 1.49 (kubelet 1.26)
+#: sends the socket path as it is, newer grpc-go percent-encodes it, others send
+#: ``localhost`` or nothing. ``{socket}``: the proxy's socket path.
+AUTHORITIES = {
+    "absent": None, "empty": "", "localhost": "localhost", "socket-path": "{socket}",
+    "percent-encoded": "{quoted}",
+}
+VERSION_REQUEST = cri.VersionRequest(version="v1").SerializeToString()
+NOT_CRI = "/containerd.services.version.v1.Version/Version"
+NOT_CRI_MESSAGE = b"koord-runtime-proxy relays only the CRI services"
+
+
+def _authority(name: str, socket: Path) -> str | None:
+    value = AUTHORITIES[name]
+    if value is None:
+        return None
+    return value.format(socket=socket, quoted=urllib.parse.quote(str(socket), safe=""))
+
+
+def _header_block(frames: list[h2raw.Frame]) -> bytes:
+    return b"".join(f.payload for f in frames if f.type == h2raw.HEADERS)
+
+
+@pytest.mark.parametrize("authority", list(AUTHORITIES))
+def test_routing_depends_on_path_alone_whatever_the_authority(
+    containerd: EmbeddedContainerd, proxy: Any, authority: str
+) -> None:
+    """The same method, reply and refusal through the proxy for every ``:authority``
+    (raw HTTP/2: a grpc client cannot leave it out), on both data planes."""
+    value = _authority(authority, proxy.socket)
+    if value is None and proxy.config()["data_plane"] == "grpc":
+        # grpc core refuses a request without :authority (and host) before any routing: a
+        # reset stream. gRPC clients always send one; HAProxy serves it (below).
+        frames = h2raw.unary(proxy.socket, RT + "Version", VERSION_REQUEST, authority=None)
+        assert [f.type for f in frames] == [h2raw.RST_STREAM]
+        return
+
+    def through(socket: Path, method: str, request: bytes, value: str | None = value) -> list[h2raw.Frame]:
+        return h2raw.unary(socket, method, request, timeout=30, authority=value)
+
+    # Pass-through, both services: the reply containerd gives directly.
+    direct = h2raw.reply_message(through(containerd.socket, RT + "Version", VERSION_REQUEST, "localhost"))
+    assert direct is not None and cri.VersionResponse.FromString(direct).runtime_name == "containerd"
+    assert h2raw.reply_message(through(proxy.socket, RT + "Version", VERSION_REQUEST)) == direct
+    status = cri.ImageStatusRequest(image=cri.ImageSpec(image="krp-test/no-such-image:1")).SerializeToString()
+    direct = h2raw.reply_message(through(containerd.socket, IMG + "ImageStatus", status, "localhost"))
+    assert h2raw.reply_message(through(proxy.socket, IMG + "ImageStatus", status)) == direct == b""
+    # Intercepted (RunPodSandbox goes through Python on both planes): it reaches the
+    # lifecycle, which relays containerd's refusal of an empty config.
+    before = len(proxy.events("cri_call", method="RunPodSandbox"))
+    frames = through(proxy.socket, RT + "RunPodSandbox", b"")
+    assert [(f.type, f.flags & h2raw.END_STREAM) for f in frames] == [(h2raw.HEADERS, h2raw.END_STREAM)]
+    assert b"grpc-status" in _header_block(frames)
+    assert len(proxy.events("cri_call", method="RunPodSandbox")) == before + 1
+    # Not CRI: answered by the proxy itself (HAProxy's or the gRPC server's UNIMPLEMENTED).
+    frames = through(proxy.socket, NOT_CRI, b"")
+    assert len(frames) == 1 and NOT_CRI_MESSAGE in _header_block(frames), frames
+
+
+def test_authority_and_path_are_never_read_as_one(containerd: EmbeddedContainerd, proxy: Any) -> None:
+    """``:authority: x/runtime.v1.RuntimeService`` + ``:path: /Version`` is no CRI call,
+    although HAProxy's absolute URI reads ``http://x/runtime.v1.RuntimeService/Version``."""
+    frames = h2raw.unary(proxy.socket, "/Version", VERSION_REQUEST, authority="x/runtime.v1.RuntimeService")
+    assert len(frames) == 1 and NOT_CRI_MESSAGE in _header_block(frames), frames
+    # And a CRI :path keeps its method whatever the authority adds in front of it.
+    frames = h2raw.unary(proxy.socket, RT + "Version", VERSION_REQUEST, authority="x/runtime.v1.ImageService")
+    message = h2raw.reply_message(frames)
+    assert message is not None and cri.VersionResponse.FromString(message).runtime_name == "containerd"
+
+
+@pytest.mark.parametrize("authority", [name for name, value in AUTHORITIES.items() if value is not None])
+def test_a_kubelet_lifecycle_with_any_authority_matches_direct(
+    pods: Any, proxy: Any, containerd: EmbeddedContainerd, authority: str,
+    cri_channel_factory: Callable[[Path | str], grpc.Channel],
+) -> None:
+    """kubelet's whole pod lifecycle through a gRPC client whose ``:authority`` is set
+    (``grpc.default_authority``; ``socket-path`` is what kubelet 1.26 sends)."""
+    channel = grpc.insecure_channel(f"unix://{proxy.socket}", options=[
+        ("grpc.default_authority", _authority(authority, proxy.socket))])
+    try:
+        direct = runtime_stub(cri_channel_factory(containerd.socket))
+        pod = pods.sandbox(f"parity-auth-{authority}")
+        cfg = pods.container("app", resources=cri.LinuxContainerResources(cpu_shares=512))
+        expected = _lifecycle(direct, pods, pod, cfg)
+        got = _lifecycle(runtime_stub(channel), pods, pod, cfg)
+        for (step, want), (_, have) in zip(expected, got, strict=True):
+            assert have == want, f"{step} differs through the proxy with :authority {authority}"
+        assert {e["method"] for e in proxy.events("cri_call", pod_name=f"parity-auth-{authority}", result="OK")} \
+            >= {"RunPodSandbox", "CreateContainer"}
+    finally:
+        channel.close()

@@ -146,7 +146,9 @@ def test_the_interception_backend_is_h2_to_python_without_the_h1_workarounds(tmp
     layout = haproxy.Layout.for_listen(Path(s.listen))
     text = haproxy.render(s, layout)
     assert _section(text, "backend intercept") == [
-        "retry-on conn-failure empty-response", f'server python "unix@{layout.intercept_socket}" proto h2']
+        "retry-on conn-failure empty-response",
+        "http-request set-header host localhost unless { req.hdr(host) -m found }",
+        f'server python "unix@{layout.intercept_socket}" proto h2']
     for gone in ("http-reuse", "del-header", "abortonclose", "upstream"):
         assert gone not in text, gone
     assert [line for line in text.splitlines() if line.startswith("defaults")] == ["defaults"]
