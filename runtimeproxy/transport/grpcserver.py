@@ -18,10 +18,14 @@ Behind HAProxy (``data_plane: haproxy``) the same server, on a private socket (m
 0600), serves only the lifecycle methods HAProxy routes to it (``intercept_only``):
 every other path is UNIMPLEMENTED, nothing is relayed from there.
 
-Bounds, before a handler runs: request metadata above ``MAX_METADATA_BYTES`` (headers
-and their count together: grpc core counts each header's size plus 32 bytes) is refused,
-and a message whose 5-byte prefix announces more than the server's receive limit is
-refused RESOURCE_EXHAUSTED from that prefix, before its body is read. grpc core then
+Bounds on the private socket, before a handler runs: request metadata of more than
+``MAX_METADATA_ENTRIES`` entries or ``MAX_METADATA_BYTES`` (names and values, plus 32
+bytes an entry as HTTP/2 counts a header list) is refused RESOURCE_EXHAUSTED before the
+request is read (grpc core itself takes any amount: its metadata options bound only
+what well-behaved clients send; HAProxy in front refuses more than ``tune.bufsize`` of
+headers or more than ``tune.http.maxhdr`` of them already). A message whose 5-byte
+prefix announces more than the server's receive limit is refused RESOURCE_EXHAUSTED
+from that prefix, before its body is read. grpc core then
 resets the stream (the client is still sending), and HAProxy 2.6 turns a reset that
 follows a complete reply into a reset for its own client: kubelet would see CANCELLED,
 not the status. So behind HAProxy the receive limit is ``max_message_bytes`` +
@@ -70,12 +74,28 @@ _NOT_CRI = (
     "koord-runtime-proxy relays only the CRI services runtime.v1.RuntimeService and runtime.v1.ImageService"
 )
 _ONE_REQUEST = "koord-runtime-proxy relays a method it does not know only with exactly one request message"
-#: Request metadata per call (grpc core's soft and hard limits, the same value: one
-#: answer). kubelet sends well under 1 KiB; HAProxy in front allows 128 KiB of headers.
+#: Request metadata per intercepted call. kubelet sends a handful of entries, well under
+#: 1 KiB; HAProxy in front allows up to 128 KiB of headers (``tune.bufsize``) and 101 of them.
 MAX_METADATA_BYTES: Final = 64 * 1024
+MAX_METADATA_ENTRIES: Final = 64
 #: Behind HAProxy: how far over ``max_message_bytes`` a request is still read, to be
 #: refused with its status (see above).
 INTERCEPT_SLACK: Final = 1024 * 1024
+
+
+def metadata_problem(metadata: Any) -> str | None:
+    """Why this request metadata is too big for the interception server, or None."""
+    if metadata is None:
+        return None
+    size = count = 0
+    for key, value in metadata:
+        count += 1
+        size += len(key) + len(value) + 32
+    if count > MAX_METADATA_ENTRIES:
+        return f"request metadata has {count} entries, more than {MAX_METADATA_ENTRIES}"
+    if size > MAX_METADATA_BYTES:
+        return f"request metadata is {size} bytes, more than {MAX_METADATA_BYTES}"
+    return None
 
 
 def known_methods() -> Mapping[str, bool]:
@@ -217,6 +237,10 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any]:
         method: str = handler_call_details.method
+        if self._intercept_only:
+            problem = metadata_problem(handler_call_details.invocation_metadata)
+            if problem is not None:
+                return self._refuse_big(method, problem)
         handler = self._handlers.get(method)
         if handler is not None:
             return handler
@@ -225,6 +249,18 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
             return self._refuse
         # A CRI method newer than our protos: a handler for this call only, not kept.
         return grpc.stream_stream_rpc_method_handler(self._relay_unknown(method, self._unknown_stats[service]))
+
+    def _refuse_big(self, method: str, problem: str) -> grpc.RpcMethodHandler[Any, Any]:
+        """RESOURCE_EXHAUSTED without reading the request (a handler made for this call)."""
+        stats = self._metrics.method(method, path="intercepted") if method in self._handlers else None
+
+        async def refuse(_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            if stats is not None:
+                stats.calls.inc()
+                stats.error("RESOURCE_EXHAUSTED")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, problem)
+
+        return grpc.stream_stream_rpc_method_handler(refuse)
 
     def _build(self, method: str, server_streaming: bool) -> grpc.RpcMethodHandler[Any, Any]:
         if method in self._intercepted:
@@ -347,8 +383,6 @@ class ProxyServer:
             options=[
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes + receive_slack),
-                ("grpc.max_metadata_size", MAX_METADATA_BYTES),
-                ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
                 ("grpc.so_reuseport", 0),
             ]
         )
