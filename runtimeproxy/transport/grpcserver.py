@@ -36,6 +36,7 @@ its prefix (kubelet never sends one; a peer that does gets a reset).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import os
@@ -214,6 +215,8 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
         self._intercepted = lifecycle.methods
         #: Behind HAProxy: the lifecycle methods only (HAProxy counts and relays the rest).
         self._intercept_only = intercept_only
+        #: Intercepted calls being served now (a drain waits for 0, see ProxyServer.stop).
+        self.intercepting = 0
         #: Refused in the handler (the server lets a little more through: INTERCEPT_SLACK).
         self._max_request = max_request_bytes
         streaming = {} if intercept_only else dict(known_methods())
@@ -345,10 +348,13 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"Received message larger than max ({len(request)} vs. {limit})")
             info = CallInfo(context.time_remaining(), forwardable(context.invocation_metadata()))
+            self.intercepting += 1
             try:
                 reply = await intercept.serve(lifecycle, stats, method, request, info)
             except CallError as err:
                 await _abort(context, err)
+            finally:
+                self.intercepting -= 1
             await _relay_metadata(context, reply)
             return reply.payload
 
@@ -387,6 +393,7 @@ class ProxyServer:
             ]
         )
         self._server.add_generic_rpc_handlers((handler,))
+        self._handler = handler
         self._bound: tuple[int, int] | None = None
 
     async def start(self) -> None:
@@ -407,6 +414,15 @@ class ProxyServer:
         unlink_bound(self._listen, self._bound)
 
     async def stop(self, grace: float) -> None:
-        """Refuse new calls, let in-flight ones finish within ``grace``."""
+        """Refuse new calls, let in-flight ones finish within ``grace``.
+
+        The intercepted calls in flight are waited for before grpc's own stop, which sends
+        GOAWAY at once: behind HAProxy (2.6) a stream whose server said GOAWAY before its
+        reply's trailers reaches kubelet as a bare DATA frame with END_STREAM (UNKNOWN,
+        measured). HAProxy sends no new call here meanwhile (the server is in maint)."""
         self.unlisten()
-        await self._server.stop(grace)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self._handler.intercepting and loop.time() < deadline:  # noqa: ASYNC110 - a counter
+            await asyncio.sleep(0.02)
+        await self._server.stop(max(0.0, deadline - loop.time()))

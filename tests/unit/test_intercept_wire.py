@@ -203,3 +203,21 @@ async def test_concurrent_calls_each_get_their_own_reply(answer: Any, fake_runti
     got = await asyncio.gather(*(one(i) for i in range(20)))
     assert got == [f"sb-p{i}" for i in range(20)]
     assert len(arrived) == 20 and max(arrived) - min(arrived) < 1.0  # all in flight before the first answered
+
+
+@pytest.mark.asyncio
+async def test_a_drain_lets_the_call_in_flight_finish_with_its_reply(
+    answer: Any, fake_runtime: Any, start_proxy: Any, plane: str
+) -> None:
+    """SIGTERM while RunPodSandbox calls are in flight: each gets its reply, trailers and all.
+    Behind HAProxy the server's GOAWAY waits for the calls in flight: HAProxy 2.6 ends a
+    stream whose server sent GOAWAY before its trailers with a bare DATA frame (UNKNOWN)."""
+    proxy = await start_proxy(fake_runtime, data_plane=plane, shutdown_grace="5s")
+    reply = cri.RunPodSandboxResponse(pod_sandbox_id="sb-drain").SerializeToString()
+    fake_runtime.answer(RUN, answer(payload=reply, delay=1.5))
+    calls = [asyncio.ensure_future(proxy.call(RUN, _run_request(), timeout=10)) for _ in range(3)]
+    await asyncio.sleep(0.5)
+    assert not any(call.done() for call in calls)
+    proxy.app.request_stop()
+    assert await asyncio.gather(*calls) == [reply] * 3
+    assert await asyncio.wait_for(proxy.task, timeout=15) == 0
