@@ -214,7 +214,7 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
         self._metrics = metrics
         self._intercepted = lifecycle.methods
         #: Behind HAProxy: the lifecycle methods only (HAProxy counts and relays the rest).
-        self._intercept_only = intercept_only
+        self.intercept_only = intercept_only
         #: Intercepted calls being served now (a drain waits for 0, see ProxyServer.stop).
         self.intercepting = 0
         #: Refused in the handler (the server lets a little more through: INTERCEPT_SLACK).
@@ -240,7 +240,7 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any]:
         method: str = handler_call_details.method
-        if self._intercept_only:
+        if self.intercept_only:
             problem = metadata_problem(handler_call_details.invocation_metadata)
             if problem is not None:
                 return self._refuse_big(method, problem)
@@ -248,7 +248,7 @@ class ProxyHandler(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships 
         if handler is not None:
             return handler
         service = cri_service(method)
-        if service is None or self._intercept_only:
+        if service is None or self.intercept_only:
             return self._refuse
         # A CRI method newer than our protos: a handler for this call only, not kept.
         return grpc.stream_stream_rpc_method_handler(self._relay_unknown(method, self._unknown_stats[service]))
@@ -419,10 +419,12 @@ class ProxyServer:
         The intercepted calls in flight are waited for before grpc's own stop, which sends
         GOAWAY at once: behind HAProxy (2.6) a stream whose server said GOAWAY before its
         reply's trailers reaches kubelet as a bare DATA frame with END_STREAM (UNKNOWN,
-        measured). HAProxy sends no new call here meanwhile (the server is in maint)."""
+        measured). HAProxy sends no new call here meanwhile (the server is in maint). On
+        kubelet's own socket (the grpc plane) grpc's stop comes first: new calls on open
+        connections are refused at once."""
         self.unlisten()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        while self._handler.intercepting and loop.time() < deadline:  # noqa: ASYNC110 - a counter
+        while self._handler.intercept_only and self._handler.intercepting and loop.time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
         await self._server.stop(max(0.0, deadline - loop.time()))
