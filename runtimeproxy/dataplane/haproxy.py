@@ -97,14 +97,21 @@ NOTICE_MAX_LINE: Final = 65535
 NOTICE_FORMAT: Final = "%[var(txn.notice)] %ST %[var(txn.grpc_status)] %ts %[var(txn.body)]"
 #: HAProxy's timers are 32-bit milliseconds.
 MAX_TIMEOUT_SECONDS: Final = 2_147_483
-#: An absolute URI back to the client's ``:path``: ``url`` + `` `` + the authority (the
-#: ``host`` header, which HAProxy sets from ``:authority``), and a backreference that
-#: removes ``scheme://`` and exactly that authority, whatever it holds (``/``s included).
-#: Only for an absolute URI: a request without ``:authority`` is in origin form already.
+#: An absolute URI back to the client's ``:path``: ``x`` + the authority (the ``host``
+#: header, which HAProxy sets from ``:authority``) + `` `` + ``url``, and a backreference
+#: that removes ``scheme://`` and exactly that authority, whatever it holds (``/``s
+#: included). The authority first, so the regex is linear in the URI's length (the other
+#: order backtracks over every split of the path). Only for an absolute URI (a request
+#: without ``:authority`` is in origin form already) and an authority of at most
+#: ``MAX_AUTHORITY`` bytes; a longer one keeps HAProxy's own split, which then decides
+#: both the route and the ``:path`` a server gets (they never differ).
+MAX_AUTHORITY: Final = 1024
 NORMALIZE_URI: Final = (
     "    http-request set-var(txn.authority) req.fhdr(host) unless { url_beg / }",
-    "    http-request set-uri \"%[url,concat(' ',txn.authority),"
-    "regsub('^[a-zA-Z][a-zA-Z0-9+.-]*://(.*)(/.*) \\1\\$','\\2')]\" unless { url_beg / }",
+    "    http-request set-var(txn.url) url unless { url_beg / }",
+    "    http-request set-uri \"%[str(x),concat(,txn.authority,' '),concat(,txn.url,),"
+    "regsub('^x(.*) [a-zA-Z][a-zA-Z0-9+.-]*://\\1(/.*)\\$','\\2')]\""
+    f" unless {{ url_beg / }} || {{ var(txn.authority),length gt {MAX_AUTHORITY} }}",
 )
 #: Headers one message may carry (HAProxy's default, written out because the private
 #: interception server relies on it; kubelet sends ~10): more is refused by HAProxy

@@ -161,7 +161,7 @@ def test_routing_reads_the_path_the_client_sent_whatever_its_authority(tmp_path:
     lines = [line.strip() for line in _section(haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen))),
                                                 "frontend cri")]
     rules = [line for line in lines if line.startswith("http-request ")]
-    assert rules[:2] == [line.strip() for line in haproxy.NORMALIZE_URI]
+    assert rules[:3] == [line.strip() for line in haproxy.NORMALIZE_URI]
     assert "tune.http.maxhdr 101" in haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)))
 
 
