@@ -29,7 +29,6 @@ from runtimeproxy.chain.hookchain import HookChain, HookPools
 from runtimeproxy.chain.remote import registration_fingerprint
 from runtimeproxy.config.settings import ConfigError, Settings, load
 from runtimeproxy.dataplane import haproxy, haproxystats
-from runtimeproxy.dataplane.notices import NoticeServer
 from runtimeproxy.dataplane.process import HaproxyDataPlane, find_haproxy
 from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, RulesProvider, TaskInit
 from runtimeproxy.hostwrites import FailureCollector
@@ -99,8 +98,6 @@ class App:
             skip_label=lambda: SkipLabel(self.settings.skip_label_key, self.settings.skip_label_value),
         )
         self.server: InterceptServer
-        #: The lifecycle calls HAProxy relays straight to containerd, told after the reply.
-        self.notices: NoticeServer | None = None
         if self.data_plane is not None:
             # HAProxy owns kubelet's socket; Python gets only the lifecycle calls, on a private socket.
             self.server = H1InterceptServer(listen=self.data_plane.intercept_socket, lifecycle=self.lifecycle,
@@ -108,10 +105,6 @@ class App:
             # Pass-through calls are counted by HAProxy; its counters are read at scrape time.
             haproxystats.install(self.registry, self.metrics.cri_calls, self.metrics.cri_errors,
                                  self.data_plane.layout.stats_socket)
-            self.notices = NoticeServer(
-                self.data_plane.layout.notice_socket, frozenset(haproxy.LIFECYCLE_METHODS),
-                lambda n: self.lifecycle.notice(n.method, n.payload, n.result),
-            )
         else:
             self.handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics)
             self.server = ProxyServer(listen=Path(settings.listen), socket_mode=settings.socket_mode,
@@ -179,10 +172,6 @@ class App:
             # Here, not before listening: a start-up that fails (exit 2) touches no state file.
             self.store.restore_history()
             await self._rebuild_store()
-            if self.notices is not None:
-                # After the rebuild: HAProxy's ring may hold calls answered while we were away.
-                self.notices.start()
-                self.lifecycle.catch_up = self.notices.catch_up
             self.supervisor.add("resync", self.resyncer.run_forever)
             channel = self.backend.channel_for(VERSION_METHOD)
             self.supervisor.add("backend-watch", lambda: watch_reconnects(channel, self.resyncer.trigger))
@@ -234,8 +223,6 @@ class App:
         self.server.unlisten()
         log.info("stopping", grace_seconds=self.settings.shutdown_grace)
         await self.server.stop(self.settings.shutdown_grace)
-        if self.notices is not None:
-            self.notices.close()  # what HAProxy told us so far gets its Post stages; its ring keeps the rest
         # Post stages of answered calls (they run after the reply) finish before the hooks close.
         if not await self.lifecycle.posts.settle(self.settings.shutdown_grace):
             log.warning("post_hooks_unfinished", pods=self.lifecycle.posts.pending)
