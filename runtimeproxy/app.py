@@ -30,17 +30,21 @@ from runtimeproxy.chain.remote import registration_fingerprint
 from runtimeproxy.config.settings import ConfigError, Settings, load
 from runtimeproxy.dataplane import haproxy, haproxystats
 from runtimeproxy.dataplane.process import HaproxyDataPlane, find_haproxy
-from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, RulesProvider, TaskInit
+from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, LivePods, PodInfo, Route, RulesProvider, TaskInit
 from runtimeproxy.hostwrites import FailureCollector
+from runtimeproxy.lifecycle import owed
 from runtimeproxy.lifecycle.handler import Lifecycle, SkipLabel
+from runtimeproxy.lifecycle.sweep import sweep
 from runtimeproxy.ops import fdlimits, logsetup, sdnotify
 from runtimeproxy.ops.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.ops.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.ops.supervisor import Supervisor
 from runtimeproxy.state.history import ChangeHistory
+from runtimeproxy.state.ledger import FILE_NAME as LEDGER_FILE
+from runtimeproxy.state.ledger import ObjectLedger
 from runtimeproxy.state.reconcile import Reconciler
 from runtimeproxy.state.resync import Resyncer, watch_reconnects
-from runtimeproxy.state.store import CHANGES_PER_POD, Store, rebuild
+from runtimeproxy.state.store import CHANGES_PER_POD, ResyncResult, Store, resync
 from runtimeproxy.transport.grpcbackend import GrpcBackend
 from runtimeproxy.transport.grpcserver import ProxyHandler, ProxyServer
 from runtimeproxy.transport.h1backend import H1Backend
@@ -84,7 +88,8 @@ class App:
                                                     current_rules=self.rules.current)
         history = (ChangeHistory(Path(settings.state_dir), per_pod=CHANGES_PER_POD, max_pods=HISTORY_PODS)
                    if settings.state_dir else None)
-        self.store = Store(history)
+        self.ledger = ObjectLedger(Path(settings.state_dir) / LEDGER_FILE if settings.state_dir else None)
+        self.store = Store(history, self.ledger)
         self.backend = GrpcBackend(settings.backend, max_message_bytes=settings.max_message_bytes)
         self.data_plane = choose_data_plane(settings, lambda: haproxy.intercepted_paths(self.chain.pre_calls))
         #: The lifecycle's backend: behind HAProxy, HTTP/1.1 to its private listener (gRPC if it is away).
@@ -112,7 +117,7 @@ class App:
         self.supervisor = Supervisor()
         self.monitor = self._backend_monitor(settings)
         self.resyncer = Resyncer(store=self.store, backend=self.backend,
-                                 interval=lambda: self.settings.resync_interval)
+                                 interval=lambda: self.settings.resync_interval, after=self._after_resync)
         self.reconciler = Reconciler(
             store=self.store, chain=lambda: self.chain, skipped=self._skipped,
             interval=lambda: self.settings.reconcile_interval,
@@ -171,6 +176,7 @@ class App:
             self.supervisor.add("backend-probe", self.monitor.run_forever)
             # Here, not before listening: a start-up that fails (exit 2) touches no state file.
             self.store.restore_history()
+            self.ledger.load()  # what the last process knew: compared with containerd by the rebuild
             await self._rebuild_store()
             self.supervisor.add("resync", self.resyncer.run_forever)
             channel = self.backend.channel_for(VERSION_METHOD)
@@ -235,6 +241,7 @@ class App:
             await self._h1_backend.close()
         self._pools.shutdown()
         self.store.close()
+        self.ledger.save()  # the done marks of the Post stages that just ran
         if self.data_plane is not None:
             # Last: kubelet's pass-through calls keep working while Python drains.
             # With data_plane_orphan_grace > 0 only a full stop (SIGQUIT) stops HAProxy too (else its watchdog, later).
@@ -311,13 +318,23 @@ class App:
 
     async def _rebuild_store(self) -> None:
         try:
-            pods, containers = await rebuild(self.store, self.backend)
+            result = await resync(self.store, self.backend)
         except CallError as exc:
-            # Lazy per-object loading still covers what the rebuild missed.
+            # Lazy per-object loading still covers what the rebuild missed; the first re-sync settles.
             log.error("store_rebuild_failed", error=str(exc))
             return
         # Change history restored from disk for pods removed while we were down goes now.
-        log.info("store_rebuilt", pods=pods, containers=containers, history_pruned=self.store.prune_changes())
+        log.info("store_rebuilt", pods=result.pods_added, containers=result.containers_added,
+                 history_pruned=self.store.prune_changes())
+        await self._after_resync(result)  # what happened while we were down: Post stages owed, orphans
+
+    async def _after_resync(self, result: ResyncResult) -> None:
+        """Level-triggered: the Post stages owed after stops and removals containerd shows
+        (runtimeproxy.lifecycle.owed), then the hooks' host sweep (runtimeproxy.lifecycle.sweep)."""
+        owed.settle(self.ledger, self.store, self.lifecycle, result)
+        pods, _ = self.store.snapshot()
+        live = result.listed_uids | {p.meta.uid for p in pods.values()} | self.lifecycle.pending_uids()
+        await sweep(self.chain.hooks, LivePods(frozenset(live)))
 
     # --- reload ------------------------------------------------------------------
 

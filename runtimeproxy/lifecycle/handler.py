@@ -10,6 +10,7 @@ forwarded, so an untouched request is byte-exact.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
@@ -34,6 +35,7 @@ from runtimeproxy.hookapi import (
 )
 from runtimeproxy.lifecycle.posthooks import PostQueue
 from runtimeproxy.ops import logsetup
+from runtimeproxy.state.ledger import Transition
 from runtimeproxy.state.store import Store, load_container, load_pod
 
 log = structlog.get_logger("runtimeproxy.lifecycle")
@@ -71,6 +73,8 @@ class Lifecycle:
         self._backend = backend
         self._chain = chain
         self._skip_label = skip_label
+        #: Pod uid -> calls in flight that bring it into the store (Run/CreateContainer).
+        self._in_flight: collections.Counter[str] = collections.Counter()
         #: Post stages run after the reply, in order per pod; a drain waits for them.
         self.posts = PostQueue()
         self._handlers: Mapping[str, _Handler] = {
@@ -90,7 +94,16 @@ class Lifecycle:
 
     async def handle(self, method: str, payload: bytes, call: CallInfo) -> Reply:
         with logsetup.scoped(method=method.removeprefix(RUNTIME)):
-            return await self._handlers[method](payload, call)
+            if method not in _CREATING:
+                return await self._handlers[method](payload, call)
+            uid = _creating_uid(method, payload)
+            self._in_flight[uid] += 1
+            try:
+                return await self._handlers[method](payload, call)
+            finally:
+                self._in_flight[uid] -= 1
+                if self._in_flight[uid] <= 0:
+                    del self._in_flight[uid]
 
     # --- pod sandbox -------------------------------------------------------------
 
@@ -322,10 +335,39 @@ class Lifecycle:
         return reply
 
     def _post_after_reply(self, ctx: Context, deadline: float | None) -> None:
-        """The Post stage, queued behind this pod's earlier ones (runtimeproxy.lifecycle.posthooks)."""
+        """The Post stage, queued behind this pod's earlier ones (runtimeproxy.lifecycle.posthooks).
+        After a successful stop or removal the stage is the ledger's to run once: this call
+        claims it, unless the re-sync found that transition first (then it is not run again)."""
+        owed = _transition(ctx)
+        ledger = self._store.ledger
+        if owed is not None and ledger is not None and ledger.tracks(owed[0]):
+            if not ledger.claim(*owed):
+                log.debug("post_stage_already_run", stage=ctx.stage.value)
+                return
+            self.run_owed(ctx, lambda: ledger.done(*owed), deadline)
+            return
         if self._skipped(ctx) or not self._chain().for_stage(ctx.stage):
             return
         self.posts.add(ctx.pod.meta.uid, lambda: self._post(ctx, deadline))
+
+    def run_owed(self, ctx: Context, done: Callable[[], None], deadline: float | None = None) -> None:
+        """A Post stage owed after a stop or a removal (runtimeproxy.lifecycle.owed): queued
+        like a call's, ``done`` called once it ran (or at once when no hook has the stage)."""
+        if self._skipped(ctx) or not self._chain().for_stage(ctx.stage):
+            done()
+            return
+
+        async def work() -> None:
+            try:
+                await self._post(ctx, deadline)
+            finally:
+                done()  # a hook failure is reported by the chain; the transition is not retried
+
+        self.posts.add(ctx.pod.meta.uid, work)
+
+    def pending_uids(self) -> frozenset[str]:
+        """Pods with a RunPodSandbox or CreateContainer call in flight (live for the host sweep)."""
+        return frozenset(self._in_flight)
 
     async def _post(self, ctx: Context, deadline: float | None) -> None:
         if self._skipped(ctx):
@@ -353,6 +395,30 @@ _CONTAINER_STAGES: Final[Mapping[str, tuple[Stage, Stage]]] = {
     "RemoveContainer": (Stage.PRE_REMOVE_CONTAINER, Stage.POST_REMOVE_CONTAINER),
     "UpdateContainerResources": (Stage.PRE_UPDATE_CONTAINER_RESOURCES, Stage.POST_UPDATE_CONTAINER_RESOURCES),
 }
+#: The calls that make a pod's objects (the host sweep must not take their pod for gone).
+_CREATING: Final = frozenset({RUNTIME + "RunPodSandbox", RUNTIME + "CreateContainer"})
+#: The Post stages after a stop or a removal: (object kind, transition) in the ledger.
+_TRANSITIONS: Final[Mapping[Stage, Transition]] = {
+    Stage.POST_STOP_POD_SANDBOX: "stop", Stage.POST_REMOVE_POD_SANDBOX: "remove",
+    Stage.POST_STOP_CONTAINER: "stop", Stage.POST_REMOVE_CONTAINER: "remove",
+}
+
+
+def _creating_uid(method: str, payload: bytes) -> str:
+    if method == RUNTIME + "RunPodSandbox":
+        return str(cri.RunPodSandboxRequest.FromString(payload).config.metadata.uid)
+    return str(cri.CreateContainerRequest.FromString(payload).sandbox_config.metadata.uid)
+
+
+def _transition(ctx: Context) -> tuple[str, Transition] | None:
+    """(object id, transition) of a successful stop or removal's Post stage."""
+    transition = _TRANSITIONS.get(ctx.stage)
+    if transition is None or ctx.result is None or not ctx.result.ok:
+        return None
+    object_id = ctx.container.id if isinstance(ctx, ContainerContext) else ctx.pod.id
+    return (object_id, transition) if object_id else None
+
+
 def _deadline(call: CallInfo) -> float | None:
     return None if call.timeout is None else time.monotonic() + call.timeout
 

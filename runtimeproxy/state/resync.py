@@ -13,7 +13,7 @@ couple of seconds until one succeeds. A re-sync costs two List calls (see
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 import grpc
@@ -30,8 +30,11 @@ RETRY_INTERVAL: Final = 2.0
 
 
 class Resyncer:
-    def __init__(self, *, store: Store, backend: Backend, interval: Callable[[], float]) -> None:
+    def __init__(self, *, store: Store, backend: Backend, interval: Callable[[], float],
+                 after: Callable[[ResyncResult], Awaitable[None]] | None = None) -> None:
         self._store = store
+        #: What follows a re-sync, under its lock (the Post stages owed, the host sweep).
+        self._after = after
         self._backend = backend
         self._interval = interval
         self._lock = asyncio.Lock()
@@ -52,6 +55,8 @@ class Resyncer:
                     self._failing = True
                     log.warning("store_resync_failed", reason=reason, error=str(exc))
                 return None
+            if self._after is not None:
+                await self._after(result)
         recovered, self._failing = self._failing, False
         # States learnt here changed behind the proxy's back (a container exited by itself).
         emit = log.info if result.changed or result.states_changed or recovered else log.debug
