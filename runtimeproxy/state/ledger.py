@@ -253,7 +253,7 @@ class ObjectLedger:
         self.save_soon()
 
     def _collect(self, object_id: str, entry: Entry) -> None:
-        if "remove" not in entry.done:
+        if "remove" not in entry.done or (entry.kind == "pod" and self.has_containers(object_id)):
             return
         del self._entries[object_id]
         self._claimed.difference_update({(object_id, t) for t in TRANSITIONS})
