@@ -176,7 +176,8 @@ class App:
             self.supervisor.add("backend-probe", self.monitor.run_forever)
             # Here, not before listening: a start-up that fails (exit 2) touches no state file.
             self.store.restore_history()
-            self.ledger.load()  # what the last process knew: compared with containerd by the rebuild
+            known = self.ledger.load()  # what the last process knew: compared with containerd by the rebuild
+            log.info("ledger_loaded", objects=known, path=str(self.ledger.path) if self.ledger.path else None)
             await self._rebuild_store()
             self.supervisor.add("resync", self.resyncer.run_forever)
             channel = self.backend.channel_for(VERSION_METHOD)
@@ -323,18 +324,20 @@ class App:
             # Lazy per-object loading still covers what the rebuild missed; the first re-sync settles.
             log.error("store_rebuild_failed", error=str(exc))
             return
+        owed_now = await self._after_resync(result)  # what happened while we were down
         # Change history restored from disk for pods removed while we were down goes now.
         log.info("store_rebuilt", pods=result.pods_added, containers=result.containers_added,
-                 history_pruned=self.store.prune_changes())
-        await self._after_resync(result)  # what happened while we were down: Post stages owed, orphans
+                 history_pruned=self.store.prune_changes(), ledger=len(self.ledger), owed_post_stages=owed_now)
 
-    async def _after_resync(self, result: ResyncResult) -> None:
+    async def _after_resync(self, result: ResyncResult) -> int:
         """Level-triggered: the Post stages owed after stops and removals containerd shows
-        (runtimeproxy.lifecycle.owed), then the hooks' host sweep (runtimeproxy.lifecycle.sweep)."""
-        owed.settle(self.ledger, self.store, self.lifecycle, result)
+        (runtimeproxy.lifecycle.owed), then the hooks' host sweep (runtimeproxy.lifecycle.sweep).
+        Returns how many Post stages were queued."""
+        queued = owed.settle(self.ledger, self.store, self.lifecycle, result)
         pods, _ = self.store.snapshot()
         live = result.listed_uids | {p.meta.uid for p in pods.values()} | self.lifecycle.pending_uids()
         await sweep(self.chain.hooks, LivePods(frozenset(live)))
+        return queued
 
     # --- reload ------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ RETRY_INTERVAL: Final = 2.0
 
 class Resyncer:
     def __init__(self, *, store: Store, backend: Backend, interval: Callable[[], float],
-                 after: Callable[[ResyncResult], Awaitable[None]] | None = None) -> None:
+                 after: Callable[[ResyncResult], Awaitable[object]] | None = None) -> None:
         self._store = store
         #: What follows a re-sync, under its lock (the Post stages owed, the host sweep).
         self._after = after
