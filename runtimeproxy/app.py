@@ -39,6 +39,7 @@ from runtimeproxy.ops import fdlimits, logsetup, sdnotify
 from runtimeproxy.ops.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.ops.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.ops.supervisor import Supervisor
+from runtimeproxy.state.events import watch_events
 from runtimeproxy.state.history import ChangeHistory
 from runtimeproxy.state.ledger import FILE_NAME as LEDGER_FILE
 from runtimeproxy.state.ledger import ObjectLedger
@@ -182,6 +183,8 @@ class App:
             self.supervisor.add("resync", self.resyncer.run_forever)
             channel = self.backend.channel_for(VERSION_METHOD)
             self.supervisor.add("backend-watch", lambda: watch_reconnects(channel, self.resyncer.trigger))
+            # containerd's events make the re-sync (and the Post stages it finds owed) prompt.
+            self.supervisor.add("backend-events", lambda: watch_events(channel, self.resyncer.trigger_event))
             self._ready = True
             self.metrics.up.set(1)
             # First pass right away: pods created while we were down get their settings now.

@@ -27,6 +27,9 @@ log = structlog.get_logger("runtimeproxy.resync")
 
 #: Retry period while re-syncs fail (the backend is down or refusing).
 RETRY_INTERVAL: Final = 2.0
+#: After a containerd event, how long to gather the events that follow before re-syncing:
+#: a burst (a pod removed with its containers, a node drained) costs one or two re-syncs.
+EVENT_GATHER: Final = 0.1
 
 
 class Resyncer:
@@ -40,9 +43,18 @@ class Resyncer:
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._failing = False
+        self._reason = "reconnect"
 
     def trigger(self) -> None:
         """Re-sync now (the backend connection came back)."""
+        self._reason = "reconnect"
+        self._wake.set()
+
+    def trigger_event(self, topic: str) -> None:
+        """containerd published an event after which the store may be stale
+        (runtimeproxy.state.events): re-sync soon; a burst shares one re-sync."""
+        if not self._wake.is_set():
+            self._reason = "event"
         self._wake.set()
 
     async def run_once(self, reason: str) -> ResyncResult | None:
@@ -72,7 +84,9 @@ class Resyncer:
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=timeout)
-                reason = "reconnect"
+                reason = self._reason
+                if reason == "event":
+                    await asyncio.sleep(EVENT_GATHER)  # the rest of a burst (a pod's containers, many pods)
             except TimeoutError:
                 pass
             self._wake.clear()  # a trigger during the re-sync below runs another one
