@@ -11,6 +11,7 @@ forwarded, so an untouched request is byte-exact.
 from __future__ import annotations
 
 import collections
+import contextvars
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
@@ -363,7 +364,13 @@ class Lifecycle:
             finally:
                 done()  # a hook failure is reported by the chain; the transition is not retried
 
-        self.posts.add(ctx.pod.meta.uid, work)
+        def queue() -> None:  # in a copy of the context: the pod's log bindings go with this stage only
+            _bind_pod(ctx.pod)
+            if isinstance(ctx, ContainerContext):
+                logsetup.bind_container(name=ctx.container.meta.name, id=ctx.container.id)
+            self.posts.add(ctx.pod.meta.uid, work)
+
+        contextvars.copy_context().run(queue)
 
     def pending_uids(self) -> frozenset[str]:
         """Pods with a RunPodSandbox or CreateContainer call in flight (live for the host sweep)."""
