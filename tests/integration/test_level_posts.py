@@ -211,7 +211,8 @@ def test_pods_removed_while_the_proxy_was_killed_get_their_post_stages_once_at_s
     print(f"\n{PODS} pods: created through the proxy in {created:.1f}s, removed at containerd in {removed:.1f}s, "
           f"all Post stages ran {settled:.1f}s after the start")
 
-    _wait(lambda: big_sid not in ledger.read_text(), "the done marks on disk", 10)
+    gone = {*sids, big_sid, big_cid}
+    _wait(lambda: not gone & set(json.loads(ledger.read_text())["objects"]), "every done mark on disk", 10)
     proxy.send(signal.SIGKILL)
     assert proxy.wait_exit() == -9
     proxy = _start(proxy_factory, level)
