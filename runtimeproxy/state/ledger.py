@@ -320,6 +320,7 @@ class ObjectLedger:
         data = json.dumps(doc, separators=(",", ":")).encode()
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "wb") as out:
                 os.fchmod(fd, 0o600)  # an old temporary file of another mode

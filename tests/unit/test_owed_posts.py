@@ -263,6 +263,7 @@ async def test_objects_first_seen_stopped_owe_nothing_and_skipped_pods_get_no_st
 
 
 def test_the_file_is_private_complete_and_bounded(tmp_path: Path) -> None:
+    tmp_path = tmp_path / "state"  # not made yet: the first save makes it (0700)
     ledger = ObjectLedger(tmp_path / FILE_NAME, max_objects=3)
     for sid in ("a", "b", "c", "d"):
         with structlog.testing.capture_logs() as logs:
@@ -271,7 +272,7 @@ def test_the_file_is_private_complete_and_bounded(tmp_path: Path) -> None:
     assert len(ledger) == 3 and "d" not in ledger
     ledger.save()
     path = tmp_path / FILE_NAME
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and stat.S_IMODE(os.stat(tmp_path).st_mode) == 0o700
     assert not list(tmp_path.glob(".*tmp"))
     loaded = ObjectLedger(path)
     assert loaded.load() == 3
