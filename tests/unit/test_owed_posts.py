@@ -309,3 +309,30 @@ async def test_done_marks_are_saved_soon_after_the_stage_ran(tmp_path: Path) -> 
     await asyncio.sleep(0.2)
     doc = json.loads((tmp_path / FILE_NAME).read_text())
     assert doc["objects"]["a"]["done"] == ["stop"]
+
+
+@pytest.mark.asyncio
+async def test_the_periodic_resync_alone_runs_a_removed_pods_stages_within_its_interval(tmp_path: Path) -> None:
+    """No event stream, no call: the Resyncer's next pass finds the removal."""
+    from runtimeproxy.state.resync import Resyncer
+
+    ctrd, rec = Containerd(), Recorder()
+    node = Node(tmp_path, ctrd, rec)
+    _pods(node, ctrd, "a")
+    interval = 0.3
+
+    async def after(result: Any) -> None:
+        owed.settle(node.ledger, node.store, node.lifecycle, result)
+
+    resyncer = Resyncer(store=node.store, backend=ctrd, interval=lambda: interval, after=after)  # type: ignore[arg-type]
+    task = asyncio.create_task(resyncer.run_forever())
+    try:
+        ctrd.sandboxes.pop("a")
+        ctrd.containers.pop("a-c")
+        removed = asyncio.get_running_loop().time()
+        while len(rec.seen) < 4:
+            assert asyncio.get_running_loop().time() - removed < 2 * interval + 1.0, rec.seen
+            await asyncio.sleep(0.01)
+        assert rec.seen == _removed("a")
+    finally:
+        task.cancel()
