@@ -91,6 +91,7 @@ class App:
                    if settings.state_dir else None)
         self.ledger = ObjectLedger(Path(settings.state_dir) / LEDGER_FILE if settings.state_dir else None)
         self.store = Store(history, self.ledger)
+        self._sweep_throttle = logsetup.Throttle(600.0)  # a hook's sweep failing at every re-sync: said every 10 min
         self.backend = GrpcBackend(settings.backend, max_message_bytes=settings.max_message_bytes)
         self.data_plane = choose_data_plane(settings, lambda: haproxy.intercepted_paths(self.chain.pre_calls))
         #: The lifecycle's backend: behind HAProxy, HTTP/1.1 to its private listener (gRPC if it is away).
@@ -339,7 +340,7 @@ class App:
         queued = owed.settle(self.ledger, self.store, self.lifecycle, result)
         pods, _ = self.store.snapshot()
         live = result.listed_uids | {p.meta.uid for p in pods.values()} | self.lifecycle.pending_uids()
-        await sweep(self.chain.hooks, LivePods(frozenset(live)))
+        await sweep(self.chain.hooks, LivePods(frozenset(live)), self._sweep_throttle)
         return queued
 
     # --- reload ------------------------------------------------------------------

@@ -18,6 +18,7 @@ import structlog
 
 from runtimeproxy.chain.hookchain import BoundHook
 from runtimeproxy.hookapi import LivePods, OrphanSweeper
+from runtimeproxy.ops.logsetup import Throttle
 
 log = structlog.get_logger("runtimeproxy.sweep")
 
@@ -25,8 +26,9 @@ log = structlog.get_logger("runtimeproxy.sweep")
 _SHOWN: Final = 20
 
 
-async def sweep(hooks: Iterable[BoundHook], live: LivePods) -> int:
-    """Run every hook's sweep; returns how many things were removed."""
+async def sweep(hooks: Iterable[BoundHook], live: LivePods, throttle: Throttle | None = None) -> int:
+    """Run every hook's sweep; returns how many things were removed. ``throttle``: a hook
+    that keeps failing is said once per its interval (the sweep runs after every re-sync)."""
     total = 0
     for hook in hooks:
         impl = hook.impl
@@ -38,7 +40,10 @@ async def sweep(hooks: Iterable[BoundHook], live: LivePods) -> int:
             else:
                 removed = await asyncio.to_thread(impl.sweep_orphans, live)
         except Exception as exc:  # noqa: BLE001 - a hook's bug must not stop the re-sync; retried next time
-            log.warning("orphan_sweep_failed", hook=hook.name, error=f"{type(exc).__name__}: {exc}"[:300])
+            held = 0 if throttle is None else throttle.allow(hook.name)
+            if held is not None:
+                log.warning("orphan_sweep_failed", hook=hook.name, error=f"{type(exc).__name__}: {exc}"[:300],
+                            repeats_suppressed=held)
             continue
         if removed:
             total += len(removed)
