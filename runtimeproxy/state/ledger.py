@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -65,6 +66,16 @@ class Entry:
     pod_id: str
     info: PodInfo | ContainerInfo
     done: set[str] = field(default_factory=set)
+    #: ``info`` as JSON, encoded once when it changes (a save only joins these).
+    info_json: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.info_json:
+            self.info_json = json.dumps(encode_info(self.info), separators=(",", ":"))
+
+    def encoded(self, object_id: str) -> str:
+        return (f'{json.dumps(object_id)}:{{"kind":"{self.kind}","pod_id":{json.dumps(self.pod_id)},'
+                f'"done":{json.dumps(sorted(self.done))},"info":{self.info_json}}}')
 
 
 class LedgerError(ValueError):
@@ -186,6 +197,8 @@ class ObjectLedger:
         self._save_handle: asyncio.TimerHandle | None = None
         self._throttle = Throttle(60.0)
         self._write_failed = False
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: asyncio.Future[None] | None = None
         #: Rewrites of the file so far (a test and a log line read it).
         self.saves = 0
 
@@ -209,7 +222,11 @@ class ObjectLedger:
         marks kept. New and already ``stopped``: that stop is not owed (not seen happen)."""
         entry = self._entries.get(info.id)
         if entry is not None:
-            entry.info, entry.pod_id = info, pod_id or entry.pod_id
+            if entry.info != info:
+                entry.info, entry.info_json = info, ""
+                entry.__post_init__()
+                self.save_soon()
+            entry.pod_id = pod_id or entry.pod_id
             return
         if len(self._entries) >= self._max:
             held = self._throttle.allow("full")
@@ -297,7 +314,9 @@ class ObjectLedger:
         return len(self._entries)
 
     def save_soon(self) -> None:
-        """Rewrite the file within ``SAVE_DELAY`` (changes meanwhile share the write)."""
+        """Rewrite the file within ``SAVE_DELAY`` (changes meanwhile share the write). The
+        document is assembled on the loop (entries are encoded when they change: a join);
+        the write and its fsync happen on this ledger's own writer thread, in order."""
         if self.path is None or self._save_handle is not None:
             return
         try:
@@ -305,19 +324,31 @@ class ObjectLedger:
         except RuntimeError:
             self.save()
             return
-        self._save_handle = loop.call_later(SAVE_DELAY, self.save)
+        self._save_handle = loop.call_later(SAVE_DELAY, self._flush, loop)
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._save_handle = None
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ledger-writer")
+        self._pending = loop.run_in_executor(self._writer, self._write, self._document())
 
     def save(self) -> None:
-        """Write the whole ledger now (atomically, 0600)."""
+        """Write the whole ledger now (a stop; no loop): after any write in flight."""
         if self._save_handle is not None:
             self._save_handle.cancel()
             self._save_handle = None
-        if self.path is None:
-            return
-        doc = {"version": FORMAT_VERSION, "objects": {
-            object_id: {"kind": e.kind, "pod_id": e.pod_id, "done": sorted(e.done), "info": encode_info(e.info)}
-            for object_id, e in self._entries.items()}}
-        data = json.dumps(doc, separators=(",", ":")).encode()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        if self.path is not None:
+            self._write(self._document())
+
+    def _document(self) -> bytes:
+        objects = ",".join(e.encoded(object_id) for object_id, e in self._entries.items())
+        return f'{{"version":{FORMAT_VERSION},"objects":{{{objects}}}}}'.encode()
+
+    def _write(self, data: bytes) -> None:
+        assert self.path is not None
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
