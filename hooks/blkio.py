@@ -60,7 +60,7 @@ from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_layout, host_writes, reject_unknown
 from hooks.qos import QoSClass, pod_name
 from hooks.rules import LiveRules, Rules
-from runtimeproxy.hookapi import HookError, HookInit, HostRoots, PodContext, PodInfo, PodPatch
+from runtimeproxy.hookapi import HookError, HookInit, HostRoots, LivePods, PodContext, PodInfo, PodPatch
 
 _ARGS: Final = frozenset({"cgroup_driver", "cgroup_version", "dry_run"})
 _CLASSES: Final = (QoSClass.LSR, QoSClass.LS, QoSClass.BE, QoSClass.SYSTEM)
@@ -69,7 +69,7 @@ log = structlog.get_logger("hooks.blkio")
 
 
 class Blkio:
-    """Stages: PreRunPodSandbox, ReconcilePodSandbox."""
+    """Stages: PreRunPodSandbox, ReconcilePodSandbox; and ``sweep_orphans`` (gone pods' records)."""
 
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
@@ -82,6 +82,8 @@ class Blkio:
         self._support: Support | None = None
         #: target cgroup -> devices this hook set limits on (to remove them when a rule drops one).
         self._applied: dict[PurePosixPath, set[str]] = {}
+        #: target cgroup -> the uid of the pod it is (the sweep drops gone pods' entries).
+        self._owners: dict[PurePosixPath, str] = {}
         self._once = SaidOnce()
         self._ledger = DryRunLedger("blkio")
 
@@ -169,8 +171,10 @@ class Blkio:
         with self._lock:
             if devices:
                 self._applied[target] = set(devices)
+                self._owners[target] = pod.meta.uid
             else:
                 self._applied.pop(target, None)
+                self._owners.pop(target, None)
         if reconcile and not writes:
             return None
         return PodPatch(reason=f"{reason}{' (reconciled)' if reconcile else ''}", writes=writes)
@@ -180,3 +184,14 @@ class Blkio:
 
     def reconcile_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
         return self._apply(ctx.pod, reconcile=True)
+
+    def sweep_orphans(self, live: LivePods) -> list[str]:
+        """The limits remembered for pods that no longer exist. The kernel drops a cgroup's
+        throttle rules with the cgroup (kubelet removes the pod's); what stays is this hook's
+        record of them, which would grow with every pod the node ever ran."""
+        with self._lock:
+            gone = [t for t, uid in self._owners.items() if uid not in live.uids]
+            for target in gone:
+                del self._owners[target]
+                self._applied.pop(target, None)
+        return [f"blkio limits remembered for {target} dropped (pod no longer exists)" for target in gone]

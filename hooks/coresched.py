@@ -70,6 +70,7 @@ from runtimeproxy.hookapi import (
     HookError,
     HookInit,
     HostWrite,
+    LivePods,
     PodContext,
     PodInfo,
     PodPatch,
@@ -157,7 +158,8 @@ def tier_idle(rules: Rules, pod: PodInfo) -> int:
 
 
 class CoreSched:
-    """Stages: PostStartContainer, ReconcileContainer, ReconcilePodSandbox."""
+    """Stages: PostStartContainer, ReconcileContainer, ReconcilePodSandbox; and
+    ``sweep_orphans`` (the cookies remembered for gone pods)."""
 
     def __init__(self, init: HookInit, *, sys: CoreSchedSys | None = None) -> None:
         args: dict[str, Any] = dict(init.args)
@@ -396,6 +398,24 @@ class CoreSched:
 
     def reconcile_container(self, ctx: ContainerContext) -> ContainerPatch | None:
         return self._container_patch(ctx)
+
+    def sweep_orphans(self, live: LivePods) -> list[str]:
+        """The cookies remembered for containers of pods that no longer exist (the kernel's
+        cookie goes with the last process holding it; what stays is this hook's record of
+        it, which would otherwise keep a dead group's cookie for the next pod of that group):
+        their entries, and each group no live container is in any more."""
+        removed: list[str] = []
+        with self._lock:
+            for key in [k for k in self._containers if k.partition("/")[0] not in live.uids]:
+                removed.append(f"core-sched container {key}: group {self._containers.pop(key)!r} forgotten "
+                               "(pod no longer exists)")
+            used = set(self._containers.values())
+            for group in [g for g in self._groups if g not in used]:
+                entry = self._groups.pop(group)
+                removed.append(f"core-sched group {group!r} cookie {entry.cookie:#x} forgotten (no live container)")
+            for uid in [u for u in self._noted if u not in live.uids]:
+                del self._noted[uid]
+        return removed
 
     def reconcile_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
         """The kube-QoS tier's cpu.idle, and the sandbox (pause) container's cookie."""

@@ -85,6 +85,7 @@ from runtimeproxy.hookapi import (
     HookError,
     HookInit,
     HostWrite,
+    LivePods,
     PodContext,
     PodInfo,
     PodPatch,
@@ -297,6 +298,14 @@ class CPUSet:
 
     def pre_update_container_resources(self, ctx: ContainerContext) -> ContainerPatch | None:
         return self._container_patch(ctx)
+
+    def sweep_orphans(self, live: LivePods) -> list[str]:
+        """Bindings of pods that no longer exist (they would keep their CPUs out of the share pools)."""
+        with self._lock:
+            gone = [key for key in self._bindings if key not in live.uids and "/" not in key]  # "/": keyed by name
+            for key in gone:
+                del self._bindings[key]
+        return [f"cpuset binding of pod {key} dropped (pod no longer exists)" for key in gone]
 
     def post_stop_pod_sandbox(self, ctx: PodContext) -> None:
         if ctx.result is None or ctx.result.ok:

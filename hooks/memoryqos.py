@@ -87,6 +87,7 @@ from runtimeproxy.hookapi import (
     HookError,
     HookInit,
     HostWrite,
+    LivePods,
     PodContext,
     PodInfo,
 )
@@ -303,6 +304,14 @@ class MemoryQoS:
 
     def reconcile_container(self, ctx: ContainerContext) -> ContainerPatch | None:
         return self._apply(ctx, reconcile=True)
+
+    def sweep_orphans(self, live: LivePods) -> list[str]:
+        """Saved per-pod records of pods that no longer exist (a PostStopPodSandbox missed)."""
+        with self._lock:
+            gone = [uid for uid in self._pods if uid not in live.uids]
+            for uid in gone:
+                del self._pods[uid]
+        return [f"memory-qos record of pod {uid} dropped (pod no longer exists)" for uid in gone]
 
     def post_stop_pod_sandbox(self, ctx: PodContext) -> None:
         """The pod's record goes (its containers' requests)."""

@@ -48,7 +48,7 @@ from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason
 from hooks.hookargs import cgroup_layout, reject_unknown
 from hooks.proctasks import ProcessGoneError, ProcFile, container_procs
 from hooks.qos import pod_name
-from runtimeproxy.hookapi import ContainerContext, ContainerPatch, HookError, HookInit, HostWrite
+from runtimeproxy.hookapi import ContainerContext, ContainerPatch, HookError, HookInit, HostWrite, LivePods
 
 OOM_SCORE_ADJ_SPEC: Final = "koordinator.sh/oom-score-adj-spec"
 OOM_SCORE_ADJ: Final = "koordinator.sh/oom-score-adj"
@@ -147,6 +147,15 @@ class OOMScoreAdj:
         with self._lock:
             self._bad.pop(key, None)
         return decided
+
+    def sweep_orphans(self, live: LivePods) -> list[str]:
+        """The bad annotations remembered for containers of pods that no longer exist."""
+        with self._lock:
+            gone = [key for key in self._bad if key[0] not in live.uids]
+            for key in gone:
+                del self._bad[key]
+        return [f"oom-score-adj: bad annotation of pod {uid} container {cid} forgotten (pod no longer exists)"
+                for uid, cid in gone]
 
     def _apply(self, ctx: ContainerContext) -> ContainerPatch | None:
         decided = self._decide(ctx)

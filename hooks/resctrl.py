@@ -70,6 +70,7 @@ args: ``cgroup_driver`` (cgroupfs | systemd, default cgroupfs), ``cgroup_version
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections.abc import Mapping
@@ -92,6 +93,7 @@ from runtimeproxy.hookapi import (
     HookError,
     HookInit,
     HostWrite,
+    LivePods,
     PodContext,
     PodInfo,
     PodPatch,
@@ -146,7 +148,7 @@ def _range(value: object, where: str) -> tuple[int, int]:
 
 class Resctrl:
     """Stages: PostStartContainer, ReconcileContainer, ReconcilePodSandbox,
-    PostStopPodSandbox, PostRemovePodSandbox."""
+    PostStopPodSandbox, PostRemovePodSandbox; and ``sweep_orphans`` (pod groups of gone pods)."""
 
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
@@ -445,6 +447,28 @@ class Resctrl:
 
     def post_remove_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
         return self._remove(ctx)
+
+    def sweep_orphans(self, live: LivePods) -> list[str]:
+        """Pod groups (``<pod_group_prefix><uid>``) of pods that no longer exist: removed
+        (their tasks, if any, fall back to the root group). Class groups stay."""
+        if self._absent():
+            return []
+        removed: list[str] = []
+        classes = {self.class_group_prefix + g for g, _ in _CLASS_GROUPS.values()}
+        try:
+            names = sorted(entry.name for entry in os.scandir(self.fs.root) if entry.is_dir(follow_symlinks=False))
+        except OSError as exc:
+            raise HookError(f"resctrl sweep: cannot list {self.fs.root}: {exc.strerror}") from exc
+        for name in names:
+            uid = name.removeprefix(self.pod_group_prefix)
+            if uid == name or not uid or uid in live.uids or name in classes:
+                continue
+            try:
+                if self.fs.remove_group(name):
+                    removed.append(f"{self.fs.group_dir(name)}: pod {uid} no longer exists")
+            except ResctrlError as exc:
+                log.warning("resctrl_orphan_not_removed", group=name, error=str(exc))
+        return removed
 
 
 __all__ = ["RESCTRL_ANNOTATION", "AnnotationError", "Resctrl"]

@@ -30,19 +30,23 @@ from runtimeproxy.chain.remote import registration_fingerprint
 from runtimeproxy.config.confignet import find_haproxy
 from runtimeproxy.config.settings import ConfigError, Settings, load
 from runtimeproxy.dataplane import haproxy, haproxystats
-from runtimeproxy.dataplane.notices import NoticeServer
 from runtimeproxy.dataplane.process import HaproxyDataPlane
-from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, RulesProvider, TaskInit
+from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, LivePods, PodInfo, Route, RulesProvider, TaskInit
 from runtimeproxy.hostwrites import FailureCollector
+from runtimeproxy.lifecycle import owed
 from runtimeproxy.lifecycle.handler import Lifecycle, SkipLabel
+from runtimeproxy.lifecycle.sweep import sweep
 from runtimeproxy.ops import fdlimits, logsetup, sdnotify
 from runtimeproxy.ops.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.ops.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.ops.supervisor import Supervisor
+from runtimeproxy.state.events import watch_events
 from runtimeproxy.state.history import ChangeHistory
+from runtimeproxy.state.ledger import FILE_NAME as LEDGER_FILE
+from runtimeproxy.state.ledger import ObjectLedger
 from runtimeproxy.state.reconcile import Reconciler
 from runtimeproxy.state.resync import Resyncer, watch_reconnects
-from runtimeproxy.state.store import CHANGES_PER_POD, Store, rebuild
+from runtimeproxy.state.store import CHANGES_PER_POD, ResyncResult, Store, resync
 from runtimeproxy.transport.grpcbackend import GrpcBackend
 from runtimeproxy.transport.grpcserver import INTERCEPT_SLACK, ProxyHandler, ProxyServer
 
@@ -84,7 +88,9 @@ class App:
                                                     current_rules=self.rules.current)
         history = (ChangeHistory(Path(settings.state_dir), per_pod=CHANGES_PER_POD, max_pods=HISTORY_PODS)
                    if settings.state_dir else None)
-        self.store = Store(history)
+        self.ledger = ObjectLedger(Path(settings.state_dir) / LEDGER_FILE if settings.state_dir else None)
+        self.store = Store(history, self.ledger)
+        self._sweep_throttle = logsetup.Throttle(600.0)  # a hook's sweep failing at every re-sync: said every 10 min
         self.backend = GrpcBackend(settings.backend, max_message_bytes=settings.max_message_bytes)
         self.data_plane = choose_data_plane(settings, lambda: haproxy.intercepted_paths(self.chain.pre_calls))
         #: The lifecycle's calls to containerd: gRPC, straight to it, on either data plane.
@@ -94,8 +100,6 @@ class App:
             skip_label=lambda: SkipLabel(self.settings.skip_label_key, self.settings.skip_label_value),
         )
         self.server: InterceptServer
-        #: The lifecycle calls HAProxy relays straight to containerd, told after the reply.
-        self.notices: NoticeServer | None = None
         if self.data_plane is not None:
             # HAProxy owns kubelet's socket; Python gets only the lifecycle calls, on a private
             # socket, over HTTP/2: the grpc plane's server, serving those methods only.
@@ -107,10 +111,6 @@ class App:
             # Pass-through calls are counted by HAProxy; its counters are read at scrape time.
             haproxystats.install(self.registry, self.metrics.cri_calls, self.metrics.cri_errors,
                                  self.data_plane.layout.stats_socket)
-            self.notices = NoticeServer(
-                self.data_plane.layout.notice_socket, frozenset(haproxy.LIFECYCLE_METHODS),
-                lambda n: self.lifecycle.notice(n.method, n.payload, n.result),
-            )
         else:
             self.handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics)
             self.server = ProxyServer(listen=Path(settings.listen), socket_mode=settings.socket_mode,
@@ -118,7 +118,7 @@ class App:
         self.supervisor = Supervisor()
         self.monitor = self._backend_monitor(settings)
         self.resyncer = Resyncer(store=self.store, backend=self.backend,
-                                 interval=lambda: self.settings.resync_interval)
+                                 interval=lambda: self.settings.resync_interval, after=self._after_resync)
         self.reconciler = Reconciler(
             store=self.store, chain=lambda: self.chain, skipped=self._skipped,
             interval=lambda: self.settings.reconcile_interval,
@@ -177,14 +177,14 @@ class App:
             self.supervisor.add("backend-probe", self.monitor.run_forever)
             # Here, not before listening: a start-up that fails (exit 2) touches no state file.
             self.store.restore_history()
+            known = self.ledger.load()  # what the last process knew: compared with containerd by the rebuild
+            log.info("ledger_loaded", objects=known, path=str(self.ledger.path) if self.ledger.path else None)
             await self._rebuild_store()
-            if self.notices is not None:
-                # After the rebuild: HAProxy's ring may hold calls answered while we were away.
-                self.notices.start()
-                self.lifecycle.catch_up = self.notices.catch_up
             self.supervisor.add("resync", self.resyncer.run_forever)
             channel = self.backend.channel_for(VERSION_METHOD)
             self.supervisor.add("backend-watch", lambda: watch_reconnects(channel, self.resyncer.trigger))
+            # containerd's events make the re-sync (and the Post stages it finds owed) prompt.
+            self.supervisor.add("backend-events", lambda: watch_events(channel, self.resyncer.trigger_event))
             self._ready = True
             self.metrics.up.set(1)
             # First pass right away: pods created while we were down get their settings now.
@@ -233,8 +233,6 @@ class App:
         self.server.unlisten()
         log.info("stopping", grace_seconds=self.settings.shutdown_grace)
         await self.server.stop(self.settings.shutdown_grace)
-        if self.notices is not None:
-            self.notices.close()  # what HAProxy told us so far gets its Post stages; its ring keeps the rest
         # Post stages of answered calls (they run after the reply) finish before the hooks close.
         if not await self.lifecycle.posts.settle(self.settings.shutdown_grace):
             log.warning("post_hooks_unfinished", pods=self.lifecycle.posts.pending)
@@ -245,6 +243,7 @@ class App:
         await self.backend.close()
         self._pools.shutdown()
         self.store.close()
+        self.ledger.save()  # the done marks of the Post stages that just ran
         if self.data_plane is not None:
             # Last: kubelet's pass-through calls keep working while Python drains.
             # With data_plane_orphan_grace > 0 only a full stop (SIGQUIT) stops HAProxy too (else its watchdog, later).
@@ -321,13 +320,25 @@ class App:
 
     async def _rebuild_store(self) -> None:
         try:
-            pods, containers = await rebuild(self.store, self.backend)
+            result = await resync(self.store, self.backend)
         except CallError as exc:
-            # Lazy per-object loading still covers what the rebuild missed.
+            # Lazy per-object loading still covers what the rebuild missed; the first re-sync settles.
             log.error("store_rebuild_failed", error=str(exc))
             return
+        owed_now = await self._after_resync(result)  # what happened while we were down
         # Change history restored from disk for pods removed while we were down goes now.
-        log.info("store_rebuilt", pods=pods, containers=containers, history_pruned=self.store.prune_changes())
+        log.info("store_rebuilt", pods=result.pods_added, containers=result.containers_added,
+                 history_pruned=self.store.prune_changes(), ledger=len(self.ledger), owed_post_stages=owed_now)
+
+    async def _after_resync(self, result: ResyncResult) -> int:
+        """Level-triggered: the Post stages owed after stops and removals containerd shows
+        (runtimeproxy.lifecycle.owed), then the hooks' host sweep (runtimeproxy.lifecycle.sweep).
+        Returns how many Post stages were queued."""
+        queued = owed.settle(self.ledger, self.store, self.lifecycle, result)
+        pods, _ = self.store.snapshot()
+        live = result.listed_uids | {p.meta.uid for p in pods.values()} | self.lifecycle.pending_uids()
+        await sweep(self.chain.hooks, LivePods(frozenset(live)), self._sweep_throttle)
+        return queued
 
     # --- reload ------------------------------------------------------------------
 

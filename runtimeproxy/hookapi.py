@@ -17,10 +17,10 @@ from __future__ import annotations
 import enum
 import threading
 import types
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol, runtime_checkable
 
 EMPTY: Final[Mapping[str, str]] = types.MappingProxyType({})
 
@@ -245,6 +245,33 @@ class ContainerPatch:
 
 Context = PodContext | ContainerContext
 Patch = PodPatch | ContainerPatch
+
+
+@dataclass(frozen=True, slots=True)
+class LivePods:
+    """The pods that exist now, for ``OrphanSweeper.sweep_orphans``: the uids containerd
+    listed in the re-sync just done, those the store holds and those of lifecycle calls in
+    flight (a pod whose RunPodSandbox is still running is live)."""
+
+    uids: frozenset[str]
+
+
+@runtime_checkable
+class OrphanSweeper(Protocol):
+    """An optional hook method, not a stage: cleanup owed to pods that no longer exist,
+    found from the host and from the hook's own saved values rather than from a call.
+
+    The core calls ``sweep_orphans`` on every hook of the chain that has it, at start
+    (after the store's rebuild) and after every re-sync with containerd, in a worker
+    thread (an ``async def`` is awaited on the loop). A hook removes what it made for a
+    pod whose uid is not in ``live`` (a ``koordlet-<uid>`` resctrl group, a saved
+    per-pod value) and returns one line per thing removed (a path or a key, with why),
+    logged by the core; nothing removed: an empty sequence. It must never remove what
+    belongs to a live pod, and must tolerate running while lifecycle stages run. An
+    exception is logged (``orphan_sweep_failed``) and retried at the next re-sync.
+    """
+
+    def sweep_orphans(self, live: LivePods) -> Sequence[str]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -218,8 +218,9 @@ class HookChain:
     @property
     def pre_calls(self) -> frozenset[str]:
         """The CRI methods with a hook at their Pre stage (it may change or refuse the
-        request): with HAProxy in front these reach Python before containerd; the calls
-        with only Post hooks go straight to containerd and are noticed after."""
+        request): with HAProxy in front these reach Python before containerd; Stop/Remove
+        calls with only Post hooks go straight to containerd, their Post stages found by
+        the re-sync (runtimeproxy.lifecycle.owed)."""
         return frozenset(s.call for s, hooks in self._by_stage.items() if hooks and s.is_pre and s.call is not None)
 
     async def run(self, ctx: Context, *, deadline: float | None) -> Outcome:

@@ -21,12 +21,10 @@ the frontend (``NORMALIZE_URI``) turns such a URI back into the origin form, the
 the client sent, by removing the scheme and exactly the authority (HAProxy keeps it as the
 ``host`` header); every rule after it, and the servers, see that path.
 
-The other lifecycle methods are pass-through too, but *noticed*: HAProxy keeps their
-(small) request body and, once containerd has answered, logs one line (method, HTTP
-status, grpc-status, termination state, body in hex) into a ring buffer it forwards over
-a private unix stream socket to Python (``runtimeproxy.dataplane.notices``), which updates the store
-and runs the call's Post hooks, as it would after an intercepted call. The ring holds
-the lines while Python is away (a restart) and delivers them when it is back. Any other
+The other lifecycle methods (Stop/Remove, UpdateContainerResources without a Pre hook)
+are plain pass-through: what follows a stop or a removal is found by the store's
+re-sync with containerd, level-triggered (``runtimeproxy.lifecycle.owed``), not told
+by HAProxy. Any other
 path (containerd's native API behind the same backend socket, say) is answered
 UNIMPLEMENTED by HAProxy itself and never reaches containerd.
 
@@ -59,9 +57,10 @@ LIFECYCLE_METHODS: Final = tuple(
 
 #: Always through Python, hooks or not: the calls that bring a pod or container into the
 #: store, which is the agent's view of the node (metrics, QoS and eviction act on a new pod
-#: at once). Their request (the whole pod or container config) and reply (the new id) are
-#: needed; the other lifecycle calls carry only ids and are noticed (``noticed_paths``).
-STORE_CALLS: Final = frozenset({"RunPodSandbox", "CreateContainer"})
+#: at once), whose request (the whole config) and reply (the new id) are needed; and
+#: StartContainer, whose Post stages place the container's tasks (resctrl, oom_score_adj,
+#: core scheduling, memory QoS) once it runs. Stop/Remove need no call: the re-sync finds them.
+STORE_CALLS: Final = frozenset({"RunPodSandbox", "CreateContainer", "StartContainer"})
 
 
 def intercepted_paths(pre_calls: frozenset[str]) -> tuple[str, ...]:
@@ -71,11 +70,7 @@ def intercepted_paths(pre_calls: frozenset[str]) -> tuple[str, ...]:
     return tuple(path for path in LIFECYCLE_METHODS if path.removeprefix(RUNTIME_SERVICE) in wanted)
 
 
-def noticed_paths(intercepted: tuple[str, ...]) -> tuple[str, ...]:
-    """The lifecycle paths that go straight to containerd and are then logged to Python
-    (never the ``STORE_CALLS``: what the store needs of them is not in a log line)."""
-    return tuple(path for path in LIFECYCLE_METHODS
-                 if path not in intercepted and path.removeprefix(RUNTIME_SERVICE) not in STORE_CALLS)
+
 #: A CRI method of either service (one path segment after the service), as grpcserver.cri_service.
 _CRI_PATH: Final = r"^/runtime\.v1\.(RuntimeService|ImageService)/[^/]+$"
 NOT_CRI_MESSAGE: Final = (
@@ -86,15 +81,6 @@ NOT_CRI_MESSAGE: Final = (
 BUFSIZE: Final = 131072
 #: grpc-go servers advertise no limit; HAProxy's default 100 queues kubelet's parallel calls.
 MAX_CONCURRENT_STREAMS: Final = 1000
-#: The noticed calls' lines: ring size (bytes kept while Python is away, ~1000 lines of a
-#: pod or container id) and the longest line (an UpdateContainerResources body in hex).
-NOTICE_RING: Final = "notices"
-NOTICE_RING_BYTES: Final = 262144
-NOTICE_MAX_LINE: Final = 65535
-#: What a noticed line holds, space-separated: method path, HTTP status, grpc-status of a
-#: trailers-only reply (``-``: none, the call succeeded), termination state (``--``: the
-#: stream ended normally), the request body in hex (the gRPC-framed message).
-NOTICE_FORMAT: Final = "%[var(txn.notice)] %ST %[var(txn.grpc_status)] %ts %[var(txn.body)]"
 #: HAProxy's timers are 32-bit milliseconds.
 MAX_TIMEOUT_SECONDS: Final = 2_147_483
 #: An absolute URI back to the client's ``:path``: ``x`` + the authority (the ``host``
@@ -134,11 +120,6 @@ class Layout:
     def intercept_socket(self) -> Path:
         """The Python interception server's socket (mode 0600)."""
         return self.run_dir / "intercept.sock"
-
-    @property
-    def notice_socket(self) -> Path:
-        """Where Python receives the noticed calls' lines (HAProxy's ring connects to it)."""
-        return self.run_dir / "notice.sock"
 
     @property
     def stats_socket(self) -> Path:
@@ -195,42 +176,6 @@ def _counting(lifecycle: tuple[str, ...]) -> list[str]:
     return lines
 
 
-def _notice_ring(layout: Layout, idle: str, noticed: tuple[str, ...]) -> list[str]:
-    """The ring the noticed calls' lines go to, forwarded to Python's notice socket. It
-    reconnects on its own and resumes where it left off: lines logged while Python is
-    away (up to the ring's size) reach the next one."""
-    if not noticed:
-        return []
-    return [
-        f"ring {NOTICE_RING}",
-        "    format raw",
-        f"    maxlen {NOTICE_MAX_LINE}",
-        f"    size {NOTICE_RING_BYTES}",
-        "    timeout connect 1s",
-        f"    timeout server {idle}",
-        f"    server python {_quote('unix@' + str(layout.notice_socket))}",
-        "",
-    ]
-
-
-def _noticing(noticed: tuple[str, ...]) -> list[str]:
-    """Log the noticed calls (and nothing else) into the ring: once the reply is done, a
-    line with the status and the request body, which HAProxy waits for (a few bytes of
-    ids) before forwarding. A line is built only for these calls."""
-    if not noticed:
-        return []
-    return [
-        f"    acl noticed path {' '.join(noticed)}",
-        "    option dontlognull",
-        f"    log ring@{NOTICE_RING} len {NOTICE_MAX_LINE} format raw local0",
-        f'    log-format "{NOTICE_FORMAT}"',
-        "    http-request set-log-level silent unless noticed",
-        "    http-request wait-for-body time 10s if noticed",
-        "    http-request set-var(txn.notice) path if noticed",
-        "    http-request set-var(txn.body) req.body,hex if noticed",
-    ]
-
-
 def _ms(seconds: float) -> str:
     return f"{max(1, min(int(seconds * 1000), MAX_TIMEOUT_SECONDS * 1000))}ms"
 
@@ -255,7 +200,6 @@ def render(settings: Settings, layout: Layout, intercepted: tuple[str, ...] = LI
     # Nothing for Python (not what ``intercepted_paths`` gives, but a valid configuration):
     # ``always_false``, as an empty pattern list is no valid acl.
     lifecycle = "path " + " ".join(intercepted) if intercepted else "always_false"
-    noticed = noticed_paths(intercepted)
     idle = _ms(settings.data_plane_idle_timeout)
     runtime = settings.backend.runtime_endpoint
     image = settings.backend.image_endpoint or runtime
@@ -293,7 +237,6 @@ def render(settings: Settings, layout: Layout, intercepted: tuple[str, ...] = LI
         # An old worker still serving a stream after a reload is stopped after this long.
         f"    hard-stop-after {_ms(max(settings.shutdown_grace, 60.0))}",
         "",
-        *_notice_ring(layout, idle, noticed),
         "defaults",
         *defaults,
         "",
@@ -303,7 +246,6 @@ def render(settings: Settings, layout: Layout, intercepted: tuple[str, ...] = LI
         f"    acl lifecycle {lifecycle}",
         f"    acl cri path_reg {_CRI_PATH}",
         "    acl image path_beg /runtime.v1.ImageService/",
-        *_noticing(noticed),
         *_counting(intercepted),
         f"    http-request return status 200 errorfile {_quote(str(layout.not_cri_reply))} unless cri",
         "    use_backend intercept if lifecycle",

@@ -10,6 +10,8 @@ forwarded, so an untouched request is byte-exact.
 
 from __future__ import annotations
 
+import collections
+import contextvars
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
@@ -34,6 +36,7 @@ from runtimeproxy.hookapi import (
 )
 from runtimeproxy.lifecycle.posthooks import PostQueue
 from runtimeproxy.ops import logsetup
+from runtimeproxy.state.ledger import Transition
 from runtimeproxy.state.store import Store, load_container, load_pod
 
 log = structlog.get_logger("runtimeproxy.lifecycle")
@@ -71,10 +74,10 @@ class Lifecycle:
         self._backend = backend
         self._chain = chain
         self._skip_label = skip_label
+        #: Pod uid -> calls in flight that bring it into the store (Run/CreateContainer).
+        self._in_flight: collections.Counter[str] = collections.Counter()
         #: Post stages run after the reply, in order per pod; a drain waits for them.
         self.posts = PostQueue()
-        #: Reads the noticed calls already received (set by the data plane that notices them).
-        self.catch_up: Callable[[], None] = _nothing
         self._handlers: Mapping[str, _Handler] = {
             RUNTIME + "RunPodSandbox": self._run_pod_sandbox,
             RUNTIME + "StopPodSandbox": self._stop_pod_sandbox,
@@ -92,7 +95,16 @@ class Lifecycle:
 
     async def handle(self, method: str, payload: bytes, call: CallInfo) -> Reply:
         with logsetup.scoped(method=method.removeprefix(RUNTIME)):
-            return await self._handlers[method](payload, call)
+            if method not in _CREATING:
+                return await self._handlers[method](payload, call)
+            uid = _creating_uid(method, payload)
+            self._in_flight[uid] += 1
+            try:
+                return await self._handlers[method](payload, call)
+            finally:
+                self._in_flight[uid] -= 1
+                if self._in_flight[uid] <= 0:
+                    del self._in_flight[uid]
 
     # --- pod sandbox -------------------------------------------------------------
 
@@ -258,73 +270,17 @@ class Lifecycle:
         post = ContainerContext(Stage.POST_UPDATE_CONTAINER_RESOURCES, pod, final)
         return await self._forward("UpdateContainerResources", payload, call, deadline, post, after, outcome)
 
-    # --- noticed calls (HAProxy relayed them; runtimeproxy.dataplane.notices) ----------------
-
-    def notice(self, method: str, payload: bytes, result: CallResult) -> None:
-        """A lifecycle call that went straight to containerd, told after its reply: the
-        store update and the Post stage an intercepted call gets. An object the store does
-        not know (created behind our back) gets no hooks and is left to the next re-sync;
-        an intercepted call would ask containerd about it first, a notice does not wait."""
-        name = method.removeprefix(RUNTIME)
-        with logsetup.scoped(method=name, noticed=True):
-            if name in ("StopPodSandbox", "RemovePodSandbox"):
-                self._pod_noticed(name, payload, result)
-            elif name in _CONTAINER_STAGES:
-                self._container_noticed(name, payload, result)
-            else:  # Run/Create: always intercepted (the store needs their config and new id)
-                log.warning("notice_not_applicable", reason="this call is intercepted, never noticed")
-
-    def _pod_noticed(self, name: str, payload: bytes, result: CallResult) -> None:
-        remove = name == "RemovePodSandbox"
-        sandbox_id = (cri.RemovePodSandboxRequest if remove else cri.StopPodSandboxRequest).FromString(
-            payload
-        ).pod_sandbox_id
-        pod = self._store.pod(sandbox_id)
-        if pod is None:
-            log.debug("cri_call_unknown_object", sandbox_id=sandbox_id)
-            return
-        _bind_pod(pod)
-        if result.ok:
-            self._pod_done(sandbox_id, remove)
-        stage = Stage.POST_REMOVE_POD_SANDBOX if remove else Stage.POST_STOP_POD_SANDBOX
-        self._post_after_reply(PodContext(stage, pod, result), None)
-        log.debug("cri_call_noticed", result=result.code)
-
-    def _container_noticed(self, name: str, payload: bytes, result: CallResult) -> None:
-        if name == "UpdateContainerResources":
-            req = cri.UpdateContainerResourcesRequest.FromString(payload)
-            container_id = req.container_id
-        else:
-            container_id = _ID_REQUESTS[name](payload).container_id
-        rec = self._store.container(container_id)
-        pod = None if rec is None else self._store.pod(rec.pod_id)
-        if rec is None or pod is None:
-            log.debug("cri_call_unknown_object", container_id=container_id)
-            return
-        container = rec.info
-        _bind_pod(pod)
-        logsetup.bind_container(name=container.meta.name, id=container.id)
-        pre, post = _CONTAINER_STAGES[name]
-        if name == "UpdateContainerResources":
-            container = replace(container, resources=patching.merge_update(container.resources, req.linux))
-        if result.ok and pre is Stage.PRE_UPDATE_CONTAINER_RESOURCES:
-            self._store.update_container_resources(container_id, container.resources)
-        elif result.ok:
-            self._container_done(container_id, pre)
-        self._post_after_reply(ContainerContext(post, pod, container, result), None)
-        log.debug("cri_call_noticed", result=result.code)
-
     # --- shared steps ------------------------------------------------------------
 
     def _pod_done(self, sandbox_id: str, remove: bool) -> None:
-        """The store after a successful Stop/RemovePodSandbox (intercepted or noticed)."""
+        """The store after a successful Stop/RemovePodSandbox ."""
         if remove:
             self._store.remove_pod(sandbox_id)
         else:
             self._store.set_pod_state(sandbox_id, cri.SANDBOX_NOTREADY)
 
     def _container_done(self, container_id: str, pre: Stage) -> None:
-        """The store after a successful Start/Stop/RemoveContainer (intercepted or noticed)."""
+        """The store after a successful Start/Stop/RemoveContainer ."""
         if pre is Stage.PRE_REMOVE_CONTAINER:
             self._store.remove_container(container_id)
         elif pre in _STATE_AFTER:
@@ -338,7 +294,6 @@ class Lifecycle:
         chain = self._chain()
         if self._skipped(ctx) or not chain.for_stage(ctx.stage):
             return Outcome(context=ctx, patches=(), changes=())
-        self.catch_up()  # the Post stages of noticed calls answered before this one are queued
         await self.posts.wait(ctx.pod.meta.uid)  # a Pre hook sees what the pod's earlier Post hooks did
         try:
             return await chain.run(ctx, deadline=deadline)
@@ -381,10 +336,45 @@ class Lifecycle:
         return reply
 
     def _post_after_reply(self, ctx: Context, deadline: float | None) -> None:
-        """The Post stage, queued behind this pod's earlier ones (runtimeproxy.lifecycle.posthooks)."""
+        """The Post stage, queued behind this pod's earlier ones (runtimeproxy.lifecycle.posthooks).
+        After a successful stop or removal the stage is the ledger's to run once: this call
+        claims it, unless the re-sync found that transition first (then it is not run again)."""
+        owed = _transition(ctx)
+        ledger = self._store.ledger
+        if owed is not None and ledger is not None and ledger.tracks(owed[0]):
+            if not ledger.claim(*owed):
+                log.debug("post_stage_already_run", stage=ctx.stage.value)
+                return
+            self.run_owed(ctx, lambda: ledger.done(*owed), deadline)
+            return
         if self._skipped(ctx) or not self._chain().for_stage(ctx.stage):
             return
         self.posts.add(ctx.pod.meta.uid, lambda: self._post(ctx, deadline))
+
+    def run_owed(self, ctx: Context, done: Callable[[], None], deadline: float | None = None) -> None:
+        """A Post stage owed after a stop or a removal (runtimeproxy.lifecycle.owed): queued
+        like a call's, ``done`` called once it ran (or at once when no hook has the stage)."""
+        if self._skipped(ctx) or not self._chain().for_stage(ctx.stage):
+            done()
+            return
+
+        async def work() -> None:
+            try:
+                await self._post(ctx, deadline)
+            finally:
+                done()  # a hook failure is reported by the chain; the transition is not retried
+
+        def queue() -> None:  # in a copy of the context: the pod's log bindings go with this stage only
+            _bind_pod(ctx.pod)
+            if isinstance(ctx, ContainerContext):
+                logsetup.bind_container(name=ctx.container.meta.name, id=ctx.container.id)
+            self.posts.add(ctx.pod.meta.uid, work)
+
+        contextvars.copy_context().run(queue)
+
+    def pending_uids(self) -> frozenset[str]:
+        """Pods with a RunPodSandbox or CreateContainer call in flight (live for the host sweep)."""
+        return frozenset(self._in_flight)
 
     async def _post(self, ctx: Context, deadline: float | None) -> None:
         if self._skipped(ctx):
@@ -405,27 +395,39 @@ _STATE_AFTER: Final[Mapping[Stage, int]] = {
 }
 
 
-#: The container calls that may be noticed: their (Pre, Post) stages.
+#: The container calls with an id only: their (Pre, Post) stages.
 _CONTAINER_STAGES: Final[Mapping[str, tuple[Stage, Stage]]] = {
     "StartContainer": (Stage.PRE_START_CONTAINER, Stage.POST_START_CONTAINER),
     "StopContainer": (Stage.PRE_STOP_CONTAINER, Stage.POST_STOP_CONTAINER),
     "RemoveContainer": (Stage.PRE_REMOVE_CONTAINER, Stage.POST_REMOVE_CONTAINER),
     "UpdateContainerResources": (Stage.PRE_UPDATE_CONTAINER_RESOURCES, Stage.POST_UPDATE_CONTAINER_RESOURCES),
 }
-_ID_REQUESTS: Final[Mapping[str, Callable[[bytes], cri.StartContainerRequest | cri.StopContainerRequest
-                                           | cri.RemoveContainerRequest]]] = {
-    "StartContainer": cri.StartContainerRequest.FromString,
-    "StopContainer": cri.StopContainerRequest.FromString,
-    "RemoveContainer": cri.RemoveContainerRequest.FromString,
+#: The calls that make a pod's objects (the host sweep must not take their pod for gone).
+_CREATING: Final = frozenset({RUNTIME + "RunPodSandbox", RUNTIME + "CreateContainer"})
+#: The Post stages after a stop or a removal: (object kind, transition) in the ledger.
+_TRANSITIONS: Final[Mapping[Stage, Transition]] = {
+    Stage.POST_STOP_POD_SANDBOX: "stop", Stage.POST_REMOVE_POD_SANDBOX: "remove",
+    Stage.POST_STOP_CONTAINER: "stop", Stage.POST_REMOVE_CONTAINER: "remove",
 }
+
+
+def _creating_uid(method: str, payload: bytes) -> str:
+    if method == RUNTIME + "RunPodSandbox":
+        return str(cri.RunPodSandboxRequest.FromString(payload).config.metadata.uid)
+    return str(cri.CreateContainerRequest.FromString(payload).sandbox_config.metadata.uid)
+
+
+def _transition(ctx: Context) -> tuple[str, Transition] | None:
+    """(object id, transition) of a successful stop or removal's Post stage."""
+    transition = _TRANSITIONS.get(ctx.stage)
+    if transition is None or ctx.result is None or not ctx.result.ok:
+        return None
+    object_id = ctx.container.id if isinstance(ctx, ContainerContext) else ctx.pod.id
+    return (object_id, transition) if object_id else None
 
 
 def _deadline(call: CallInfo) -> float | None:
     return None if call.timeout is None else time.monotonic() + call.timeout
-
-
-def _nothing() -> None:
-    return None
 
 
 def _expired(deadline: float | None) -> bool:

@@ -13,7 +13,7 @@ couple of seconds until one succeeds. A re-sync costs two List calls (see
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 import grpc
@@ -27,19 +27,34 @@ log = structlog.get_logger("runtimeproxy.resync")
 
 #: Retry period while re-syncs fail (the backend is down or refusing).
 RETRY_INTERVAL: Final = 2.0
+#: After a containerd event, how long to gather the events that follow before re-syncing:
+#: a burst (a pod removed with its containers, a node drained) costs one or two re-syncs.
+EVENT_GATHER: Final = 0.1
 
 
 class Resyncer:
-    def __init__(self, *, store: Store, backend: Backend, interval: Callable[[], float]) -> None:
+    def __init__(self, *, store: Store, backend: Backend, interval: Callable[[], float],
+                 after: Callable[[ResyncResult], Awaitable[object]] | None = None) -> None:
         self._store = store
+        #: What follows a re-sync, under its lock (the Post stages owed, the host sweep).
+        self._after = after
         self._backend = backend
         self._interval = interval
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._failing = False
+        self._reason = "reconnect"
 
     def trigger(self) -> None:
         """Re-sync now (the backend connection came back)."""
+        self._reason = "reconnect"
+        self._wake.set()
+
+    def trigger_event(self, topic: str) -> None:
+        """containerd published an event after which the store may be stale
+        (runtimeproxy.state.events): re-sync soon; a burst shares one re-sync."""
+        if not self._wake.is_set():
+            self._reason = "event"
         self._wake.set()
 
     async def run_once(self, reason: str) -> ResyncResult | None:
@@ -52,6 +67,8 @@ class Resyncer:
                     self._failing = True
                     log.warning("store_resync_failed", reason=reason, error=str(exc))
                 return None
+            if self._after is not None:
+                await self._after(result)
         recovered, self._failing = self._failing, False
         # States learnt here changed behind the proxy's back (a container exited by itself).
         emit = log.info if result.changed or result.states_changed or recovered else log.debug
@@ -67,7 +84,9 @@ class Resyncer:
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=timeout)
-                reason = "reconnect"
+                reason = self._reason
+                if reason == "event":
+                    await asyncio.sleep(EVENT_GATHER)  # the rest of a burst (a pod's containers, many pods)
             except TimeoutError:
                 pass
             self._wake.clear()  # a trigger during the re-sync below runs another one

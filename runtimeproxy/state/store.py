@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
 import structlog
@@ -29,6 +29,7 @@ from runtimeproxy.hookapi import ContainerInfo, PodInfo, Resources, frozen_map
 
 if TYPE_CHECKING:
     from runtimeproxy.state.history import ChangeHistory
+    from runtimeproxy.state.ledger import ObjectLedger
 
 log = structlog.get_logger("runtimeproxy.store")
 
@@ -55,7 +56,7 @@ class Store:
     and stamps the object, so a resync can tell what changed after its List calls.
     """
 
-    def __init__(self, history: ChangeHistory | None = None) -> None:
+    def __init__(self, history: ChangeHistory | None = None, ledger: ObjectLedger | None = None) -> None:
         self._pods: dict[str, PodInfo] = {}
         self._containers: dict[str, ContainerRecord] = {}
         self._changes: dict[str, collections.deque[Change]] = {}
@@ -65,6 +66,9 @@ class Store:
         self._stamps: dict[str, int] = {}
         self._removed: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._history = history
+        #: Every object put here, with its context, for the Post stages owed after a stop or
+        #: a removal (runtimeproxy.lifecycle.owed); kept across restarts in state_dir.
+        self.ledger = ledger
 
     def restore_history(self) -> int:
         """Load the change history kept on disk (at start, before the rebuild); returns pods restored."""
@@ -96,6 +100,10 @@ class Store:
         while len(self._removed) > _REMOVED_KEPT:
             self._removed.popitem(last=False)
 
+    def last_write(self, object_id: str) -> int:
+        """The sequence number of the object's last write or removal (0: none since start)."""
+        return max(self._stamps.get(object_id, 0), self._removed.get(object_id, 0))
+
     def changed_since(self, object_id: str, mark: int) -> bool:
         """Written or removed after ``mark``: a List taken at ``mark`` is stale for it."""
         return self._stamps.get(object_id, 0) > mark or self._removed.get(object_id, 0) > mark
@@ -107,6 +115,8 @@ class Store:
         if state is not None:
             self._pod_states[pod.id] = state
         self._stamp(pod.id)
+        if self.ledger is not None and pod.id:
+            self.ledger.learn("pod", pod.id, pod, stopped=self._pod_states.get(pod.id) == cri.SANDBOX_NOTREADY)
 
     def pod(self, sandbox_id: str) -> PodInfo | None:
         return self._pods.get(sandbox_id)
@@ -136,6 +146,9 @@ class Store:
         if state is not None:
             self._container_states[info.id] = state
         self._stamp(info.id)
+        if self.ledger is not None and info.id:
+            self.ledger.learn("container", pod_id, info,
+                              stopped=self._container_states.get(info.id) == cri.CONTAINER_EXITED)
 
     def container(self, container_id: str) -> ContainerRecord | None:
         return self._containers.get(container_id)
@@ -151,8 +164,10 @@ class Store:
     def update_container_resources(self, container_id: str, resources: Resources) -> None:
         rec = self._containers.get(container_id)
         if rec is not None:
-            self._containers[container_id] = replace(rec, info=replace(rec.info, resources=resources))
+            self._containers[container_id] = new = replace(rec, info=replace(rec.info, resources=resources))
             self._stamp(container_id)
+            if self.ledger is not None:
+                self.ledger.learn("container", rec.pod_id, new.info, stopped=False)  # known: context refreshed
 
     def remove_container(self, container_id: str) -> ContainerRecord | None:
         self._container_states.pop(container_id, None)
@@ -323,10 +338,35 @@ class ResyncResult:
     containers_added: int
     containers_dropped: int
     states_changed: int
+    #: What containerd listed (id -> CRI state), the store's mark taken before the List
+    #: calls (``Store.changed_since``: an object written after it is not judged by this
+    #: List) and the uids of the pods listed: what the Post stages owed after a stop or a
+    #: removal and the host sweep are computed from (runtimeproxy.lifecycle.owed).
+    pod_states: Mapping[str, int] = field(default_factory=dict)
+    container_states: Mapping[str, int] = field(default_factory=dict)
+    mark: int = 0
+    own_writes: frozenset[int] = frozenset()
+    listed_uids: frozenset[str] = frozenset()
 
     @property
     def changed(self) -> bool:
         return bool(self.pods_added or self.pods_dropped or self.containers_added or self.containers_dropped)
+
+
+class _OwnWrites:
+    """The sequence numbers of the re-sync's own store writes (``with own: store.put_...``):
+    what the proxy wrote after the List began is judged later, what the re-sync wrote is not."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._before = 0
+        self.seqs: set[int] = set()
+
+    def __enter__(self) -> None:
+        self._before = self._store.mark()
+
+    def __exit__(self, *_: object) -> None:
+        self.seqs.update(range(self._before + 1, self._store.mark() + 1))
 
 
 async def resync(store: Store, backend: Backend, *, timeout: float = 5.0) -> ResyncResult:
@@ -334,6 +374,7 @@ async def resync(store: Store, backend: Backend, *, timeout: float = 5.0) -> Res
     lists that the store lacks (verbose status, as at start), take its states. Objects
     the proxy itself wrote after the List calls began are left as they are."""
     mark = store.mark()
+    own = _OwnWrites(store)
     listed_pods = await _call(
         backend, "ListPodSandbox", cri.ListPodSandboxRequest(), cri.ListPodSandboxResponse, timeout
     )
@@ -346,11 +387,13 @@ async def resync(store: Store, backend: Backend, *, timeout: float = 5.0) -> Res
     counts = collections.Counter[str]()
     for sid in known_pods:
         if sid not in pod_states and not store.changed_since(sid, mark):
-            store.remove_pod(sid)
+            with own:
+                store.remove_pod(sid)
             counts["pods_dropped"] += 1
     for cid in known_containers:
         if cid not in containers and store.container(cid) is not None and not store.changed_since(cid, mark):
-            store.remove_container(cid)
+            with own:
+                store.remove_container(cid)
     counts["containers_dropped"] = sum(1 for cid in known_containers
                                        if cid not in containers and store.container(cid) is None)
     for sid, state in pod_states.items():
@@ -358,28 +401,35 @@ async def resync(store: Store, backend: Backend, *, timeout: float = 5.0) -> Res
             continue
         if store.pod(sid) is not None:
             counts["states_changed"] += store.pod_state(sid) != state
-            store.set_pod_state(sid, state)
+            with own:
+                store.set_pod_state(sid, state)
             continue
         pod = await load_pod(backend, sid, timeout=timeout)
         if pod is not None and not store.changed_since(sid, mark):
-            store.put_pod(pod, state)
+            with own:
+                store.put_pod(pod, state)
             counts["pods_added"] += 1
     for cid, c in containers.items():
         if store.changed_since(cid, mark):
             continue
         if store.container(cid) is not None:
             counts["states_changed"] += store.container_state(cid) != c.state
-            store.set_container_state(cid, int(c.state))
+            with own:
+                store.set_container_state(cid, int(c.state))
             continue
         rec = await load_container(backend, cid, timeout=timeout)
         if rec is not None and not store.changed_since(cid, mark):
-            store.put_container(rec.pod_id or c.pod_sandbox_id, rec.info, int(c.state))
+            with own:
+                store.put_container(rec.pod_id or c.pod_sandbox_id, rec.info, int(c.state))
             counts["containers_added"] += 1
     pods, all_containers = store.ids()
     return ResyncResult(
         pods=len(pods), containers=len(all_containers), pods_added=counts["pods_added"],
         pods_dropped=counts["pods_dropped"], containers_added=counts["containers_added"],
         containers_dropped=counts["containers_dropped"], states_changed=counts["states_changed"],
+        pod_states=pod_states, container_states={cid: int(c.state) for cid, c in containers.items()}, mark=mark,
+        own_writes=frozenset(own.seqs),
+        listed_uids=frozenset(p.metadata.uid for p in listed_pods.items if p.metadata.uid),
     )
 
 

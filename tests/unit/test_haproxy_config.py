@@ -64,41 +64,34 @@ def test_the_shipped_chain_intercepts_only_the_calls_it_has_pre_hooks_for() -> N
     assert HookChain([]).pre_calls == frozenset()
 
 
-def test_only_the_chains_pre_hooked_calls_go_to_python_the_other_lifecycle_calls_are_noticed(tmp_path: Path) -> None:
+def test_only_the_chains_pre_hooked_calls_and_the_store_calls_go_to_python(tmp_path: Path) -> None:
     s = _settings(tmp_path)
     layout = haproxy.Layout.for_listen(Path(s.listen))
     text = haproxy.render(s, layout, haproxy.intercepted_paths(SHIPPED_PRE_CALLS))
     [acl] = _lines(text, "acl lifecycle")
     routed = {p.removeprefix(RUNTIME) for p in acl.split()[3:]}
-    assert routed == SHIPPED_PRE_CALLS
-    [noticed] = _lines(text, "acl noticed path")
-    assert {p.removeprefix(RUNTIME) for p in noticed.split()[3:]} == {
-        "StartContainer", "StopContainer", "RemoveContainer", "StopPodSandbox", "RemovePodSandbox"}
+    assert routed == SHIPPED_PRE_CALLS | {"StartContainer"}
     known = {p for line in _lines(text, "acl known path") for p in line.split()[3:]}
-    # Noticed lifecycle methods are pass-through: counted per method by HAProxy like any other known method.
-    assert set(noticed.split()[3:]) <= known
+    # Stop/Remove are pass-through: counted per method by HAProxy like any other known method.
+    assert {RUNTIME + m for m in ("StopContainer", "RemoveContainer", "StopPodSandbox", "RemovePodSandbox")} <= known
     assert not known & set(acl.split()[3:])
-    # Their lines go into a ring forwarded to Python's notice socket; nothing else is logged.
-    assert f"    server python \"unix@{layout.notice_socket}\"" in text.splitlines()
-    assert _lines(text, "http-request set-log-level") == ["http-request set-log-level silent unless noticed"]
-    assert _lines(text, "log-format") == [f'log-format "{haproxy.NOTICE_FORMAT}"']
 
 
 def test_without_hooks_python_still_gets_the_calls_that_bring_objects_into_the_store() -> None:
-    assert haproxy.intercepted_paths(frozenset()) == tuple(RUNTIME + m for m in ("RunPodSandbox", "CreateContainer"))
+    assert haproxy.intercepted_paths(frozenset()) == tuple(
+        RUNTIME + m for m in ("RunPodSandbox", "CreateContainer", "StartContainer"))
     assert haproxy.intercepted_paths(frozenset({"StopContainer"}))[-1] == RUNTIME + "StopContainer"
-    assert haproxy.noticed_paths(haproxy.intercepted_paths(frozenset())) == tuple(
-        RUNTIME + m for m in ("StopPodSandbox", "RemovePodSandbox", "StartContainer", "StopContainer",
-                              "RemoveContainer", "UpdateContainerResources"))
 
 
-def test_nothing_noticed_no_ring_and_no_log(tmp_path: Path) -> None:
+def test_no_ring_and_no_log_lines_whatever_is_intercepted(tmp_path: Path) -> None:
+    """What follows a stop or a removal is found by the re-sync: HAProxy tells Python nothing."""
     s = _settings(tmp_path)
-    text = haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)), haproxy.LIFECYCLE_METHODS)
-    words = {line.split()[0] for line in text.splitlines() if line.strip() and not line.startswith("#")}
-    assert {"global", "defaults", "frontend", "backend"} <= words
-    assert not {"ring", "log", "log-format"} & words
-    assert not _lines(text, "acl noticed")
+    for intercepted in (haproxy.LIFECYCLE_METHODS, haproxy.intercepted_paths(frozenset()), ()):
+        text = haproxy.render(s, haproxy.Layout.for_listen(Path(s.listen)), intercepted)
+        words = {line.split()[0] for line in text.splitlines() if line.strip() and not line.startswith("#")}
+        assert {"global", "defaults", "frontend", "backend"} <= words
+        assert not {"ring", "log", "log-format"} & words
+        assert "notice" not in text
 
 
 def test_an_empty_interception_set_renders_an_acl_that_matches_nothing(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from runtimeproxy.hookapi import (
     HookError,
     HookInit,
     HostRoots,
+    LivePods,
     PodContext,
     PodInfo,
     PodMeta,
@@ -261,3 +262,18 @@ def test_systemd_lsr_pod(tmp_path: Path) -> None:
     hook = make(tmp_path, blocks("lsrClass", writeBPS=2048), cgroup_driver="systemd")
     hook.pre_run_pod_sandbox(pctx(slice_, "LSR"))
     assert (pod / "io.max").read_text() == "253:16 rbps=max wbps=2048 riops=max wiops=max"
+
+
+def test_sweep_drops_what_it_remembers_for_gone_pods(tmp_path: Path) -> None:
+    """``sweep_orphans``: the limits remembered per pod cgroup go with the pod (the kernel's
+    go with its cgroup); a live pod's stay, and its stale devices are still removed later."""
+    cgroup_tree(tmp_path / "cgroup", 2)
+    hook = make(tmp_path, blocks("lsrClass", readBPS=1048576))
+    assert hook.pre_run_pod_sandbox(pctx(LSR_PARENT, "LSR")) is not None
+    assert hook.sweep_orphans(LivePods(frozenset({UID}))) == []
+    assert hook._applied
+
+    removed = hook.sweep_orphans(LivePods(frozenset()))
+
+    assert removed == [f"blkio limits remembered for {LSR_PARENT.lstrip('/')} dropped (pod no longer exists)"]
+    assert not hook._applied and not hook._owners

@@ -28,6 +28,7 @@ from runtimeproxy.hookapi import (
     HookError,
     HookInit,
     HostRoots,
+    LivePods,
     PodContext,
     PodInfo,
     PodMeta,
@@ -436,3 +437,19 @@ def test_a_source_exiting_during_the_share_starts_the_group_over(tmp_path: Path)
     node.kernel.share_from = exits_first  # type: ignore[method-assign]
     patch = node.hook.reconcile_container(ctx)
     assert patch is not None and node.cookie(200) not in (0, old)
+
+
+def test_sweep_forgets_the_cookies_of_gone_pods_so_their_group_starts_over(tmp_path: Path) -> None:
+    """``sweep_orphans``: the containers and groups remembered for pods that no longer
+    exist are forgotten; a live pod's stay."""
+    node = Node(tmp_path)
+    a, b = node.pod(UID, labels={GROUP_LABEL: "g"}), node.pod(UID2, labels={GROUP_LABEL: "h"})
+    node.hook.reconcile_container(node.container(a, cid(1), [100]))
+    node.hook.reconcile_container(node.container(b, cid(2), [200]))
+    assert set(node.hook._groups) == {"g-expeller", "h-expeller"}
+
+    removed = node.hook.sweep_orphans(LivePods(frozenset({UID2})))
+
+    assert len(removed) == 2 and f"{UID}/{cid(1)}" in removed[0] and "'g-expeller'" in removed[1]
+    assert set(node.hook._groups) == {"h-expeller"} and list(node.hook._containers) == [f"{UID2}/{cid(2)}"]
+    assert node.hook.sweep_orphans(LivePods(frozenset({UID2}))) == []

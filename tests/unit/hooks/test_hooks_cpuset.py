@@ -27,6 +27,7 @@ from runtimeproxy.hookapi import (
     HookInit,
     HostRoots,
     HostWrite,
+    LivePods,
     PodContext,
     PodInfo,
     PodMeta,
@@ -619,3 +620,16 @@ def test_reconcile_bad_annotation_is_a_hook_error(tmp_path: Path) -> None:
         with pytest.raises(HookError, match="CPUs 8-15 that are not online"):
             run()
     assert snapshot(tmp_path) == before
+
+
+def test_sweep_drops_the_bindings_of_gone_pods_their_cpus_return_to_the_pools(tmp_path: Path) -> None:
+    v2_tree(tmp_path / "cgroup", PARENT)
+    sys_tree(tmp_path, "0-7")
+    hook = make_hook(tmp_path, {"reserved_cpus": "0"})
+    _bind(hook, "LSR", "2-3", "lsr")
+    _bind(hook, "LSE", "4", "lse")
+    removed = hook.sweep_orphans(LivePods(frozenset({"lse"})))
+    assert removed == ["cpuset binding of pod lsr dropped (pod no longer exists)"]
+    assert set(hook.bindings) == {"lse"}
+    patch = hook.pre_create_container(ctr(pod("LS", None, uid="ls")))
+    assert patch is not None and patch.resources == ResourcesPatch(cpuset_cpus="1-3,5-7")

@@ -34,6 +34,7 @@ from runtimeproxy.hookapi import (
     HookError,
     HookInit,
     HostRoots,
+    LivePods,
     PodInfo,
     PodMeta,
     Resources,
@@ -317,3 +318,13 @@ def test_systemd_layout(tmp_path: Path) -> None:
     assert (root / pod_rel / "memory.min").read_text() == "536870912"
     assert (root / "kubepods.slice/memory.min").read_text() == "0\n"  # tiers: the strategy
     assert (root / pod_rel / f"cri-containerd-{CID}.scope/memory.high").read_text() == "1932734464"
+
+
+def test_sweep_drops_the_records_of_gone_pods(tmp_path: Path) -> None:
+    _tree(tmp_path / "cgroup", 2, FILES, (LS_PARENT, f"{LS_PARENT}/{CID}"))
+    hook = make(tmp_path)
+    assert hook.post_start_container(cctx(unified={"memory.min": str(1 * GiB)})) is not None
+    assert hook.sweep_orphans(LivePods(frozenset({UID}))) == []
+    removed = hook.sweep_orphans(LivePods(frozenset()))
+    assert removed == [f"memory-qos record of pod {UID} dropped (pod no longer exists)"]
+    assert hook.sweep_orphans(LivePods(frozenset())) == []

@@ -28,6 +28,7 @@ from runtimeproxy.hookapi import (
     HookError,
     HookInit,
     HostRoots,
+    LivePods,
     PodInfo,
     PodMeta,
     Stage,
@@ -259,3 +260,16 @@ def test_many_processes_are_one_explain_entry(tmp_path: Path) -> None:
     assert write.target == str(host.proc) + "/{100,101,102,103,...}/oom_score_adj"
     assert (write.old, write.new) == ("0,5", "-10") and "10 of 10 process(es)" in write.reason
     assert all(host.value(pid) == "-10" for pid in range(100, 110))
+
+
+def test_sweep_forgets_the_bad_annotations_of_gone_pods(tmp_path: Path) -> None:
+    host = Host(tmp_path)
+    host.spawn(100, 0)
+    hook = host.hook()
+    with pytest.raises(HookError):
+        hook.reconcile_container(ctx({OOM_SCORE_ADJ: "2000"}))
+    assert hook.sweep_orphans(LivePods(frozenset({UID}))) == []
+    assert len(hook.sweep_orphans(LivePods(frozenset()))) == 1
+    with pytest.raises(HookError) as again:
+        hook.reconcile_container(ctx({OOM_SCORE_ADJ: "2000"}))
+    assert not again.value.repeat  # forgotten: a pod with that uid would be told again

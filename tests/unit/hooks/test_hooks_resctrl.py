@@ -26,6 +26,7 @@ from runtimeproxy.hookapi import (
     HookInit,
     HostRoots,
     HostWrite,
+    LivePods,
     PodContext,
     PodInfo,
     PodMeta,
@@ -661,3 +662,39 @@ def test_missing_cgroup_root_is_a_config_error(tmp_path: Path) -> None:
     make_resctrl(tmp_path / "resctrl")
     with pytest.raises(HookConfigError, match="no cgroup hierarchy"):
         make_hook(tmp_path)
+
+
+# --- orphan sweep ---------------------------------------------------------------------
+
+
+def test_sweep_removes_pod_groups_of_gone_pods_only(tmp_path: Path) -> None:
+    """``sweep_orphans``: a ``koordlet-<uid>`` group whose pod is not live goes; the live
+    pod's group, the class groups and resctrl's own directories stay."""
+    make_resctrl(tmp_path / "resctrl")
+    v2_tree(tmp_path / "cgroup")
+    hook = make_hook(tmp_path)
+    assert hook.post_start_container(cctx(pod("LS", annotation={"llc": {"schemata": {"range": [0, 50]}}}))) is not None
+    gone = "0f0e0d0c-0b0a-4908-8706-050403020100"
+    for name in (f"koordlet-{gone}", "LSR", "BE"):
+        make_group = group(tmp_path, name)
+        make_group.mkdir()
+        (make_group / "tasks").write_text("")
+    (tmp_path / "resctrl" / "mon_groups").mkdir()
+    before = sorted(p.name for p in (tmp_path / "resctrl").iterdir())
+
+    removed = hook.sweep_orphans(LivePods(frozenset({UID})))
+
+    assert removed == [f"{group(tmp_path, 'koordlet-' + gone)}: pod {gone} no longer exists"]
+    assert sorted(p.name for p in (tmp_path / "resctrl").iterdir()) == [
+        n for n in before if n != f"koordlet-{gone}"]
+    assert group(tmp_path, f"koordlet-{UID}").is_dir()
+    assert hook.sweep_orphans(LivePods(frozenset({UID}))) == []
+    # Nothing live at all: the last pod group goes too; class groups stay.
+    assert len(hook.sweep_orphans(LivePods(frozenset()))) == 1
+    assert group(tmp_path, "LSR").is_dir() and group(tmp_path, "BE").is_dir()
+
+
+def test_sweep_without_resctrl_does_nothing(tmp_path: Path) -> None:
+    v2_tree(tmp_path / "cgroup")
+    hook = make_hook(tmp_path)
+    assert hook.sweep_orphans(LivePods(frozenset())) == []

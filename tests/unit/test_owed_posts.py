@@ -1,0 +1,338 @@
+"""Post stages after a stop or a removal, level-triggered (runtimeproxy.lifecycle.owed):
+derived from containerd's listing against the ledger of what the store knew, run exactly
+once per object and transition, across restarts; calls that reach Python claim theirs.
+
+containerd is a fake here (its List/Status answers); the real one is in
+tests/integration/test_level_posts.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog.testing
+
+from criapi import cri_v1_pb2 as cri
+from runtimeproxy.backend import CallError, Code, Reply
+from runtimeproxy.chain.hookchain import BoundHook, FailurePolicy, HookChain, implemented_stages
+from runtimeproxy.hookapi import ContainerContext, ContainerInfo, ContainerMeta, PodContext, PodInfo, PodMeta, Resources
+from runtimeproxy.lifecycle import owed
+from runtimeproxy.lifecycle.handler import CallInfo, Lifecycle, SkipLabel
+from runtimeproxy.state.ledger import FILE_NAME, ObjectLedger
+from runtimeproxy.state.store import Store, resync
+
+RT = "/runtime.v1.RuntimeService/"
+
+
+class Containerd:
+    """What containerd has (ids, states), answered as CRI List/Status and Stop/Remove."""
+
+    def __init__(self) -> None:
+        self.sandboxes: dict[str, int] = {}
+        self.containers: dict[str, tuple[str, int]] = {}
+
+    async def unary(self, method: str, payload: bytes, *, timeout: float | None = None,
+                    metadata: Any = ()) -> Reply:
+        name = method.removeprefix(RT)
+        if name == "ListPodSandbox":
+            items = [cri.PodSandbox(id=i, state=s,
+                                    metadata=cri.PodSandboxMetadata(name=i, namespace="ns", uid=f"u-{i}"))
+                     for i, s in self.sandboxes.items()]
+            return Reply(cri.ListPodSandboxResponse(items=items).SerializeToString())
+        if name == "ListContainers":
+            cs = [cri.Container(id=i, pod_sandbox_id=p, state=s) for i, (p, s) in self.containers.items()]
+            return Reply(cri.ListContainersResponse(containers=cs).SerializeToString())
+        if name == "PodSandboxStatus":
+            sid = cri.PodSandboxStatusRequest.FromString(payload).pod_sandbox_id
+            if sid not in self.sandboxes:
+                raise CallError(Code.NOT_FOUND, sid)
+            status = cri.PodSandboxStatus(id=sid, metadata=cri.PodSandboxMetadata(name=sid, namespace="ns",
+                                                                                  uid=f"u-{sid}"))
+            return Reply(cri.PodSandboxStatusResponse(status=status).SerializeToString())
+        if name == "ContainerStatus":
+            cid = cri.ContainerStatusRequest.FromString(payload).container_id
+            if cid not in self.containers:
+                raise CallError(Code.NOT_FOUND, cid)
+            status = cri.ContainerStatus(id=cid, metadata=cri.ContainerMetadata(name=cid))
+            info = {"info": json.dumps({"sandboxID": self.containers[cid][0]})}
+            return Reply(cri.ContainerStatusResponse(status=status, info=info).SerializeToString())
+        if name == "StopContainer":
+            cid = cri.StopContainerRequest.FromString(payload).container_id
+            self.containers[cid] = (self.containers[cid][0], cri.CONTAINER_EXITED)
+            return Reply(cri.StopContainerResponse().SerializeToString())
+        if name == "RemovePodSandbox":
+            sid = cri.RemovePodSandboxRequest.FromString(payload).pod_sandbox_id
+            self.sandboxes.pop(sid, None)
+            self.containers = {c: v for c, v in self.containers.items() if v[0] != sid}
+            return Reply(cri.RemovePodSandboxResponse().SerializeToString())
+        raise CallError(Code.UNIMPLEMENTED, name)
+
+
+class Recorder:
+    """A hook with every Post stage after a stop or a removal: records (stage, object id)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def _pod(self, ctx: PodContext) -> None:
+        assert ctx.result is not None and ctx.result.ok
+        self.seen.append((ctx.stage.value, ctx.pod.id))
+
+    def _container(self, ctx: ContainerContext) -> None:
+        assert ctx.result is not None and ctx.result.ok and ctx.pod.id
+        self.seen.append((ctx.stage.value, ctx.container.id))
+
+    post_stop_pod_sandbox = _pod
+    post_remove_pod_sandbox = _pod
+    post_stop_container = _container
+    post_remove_container = _container
+
+
+class Node:
+    """One process's worth: ledger (on disk in ``state``), store, lifecycle, a recording hook."""
+
+    def __init__(self, state: Path, ctrd: Containerd, recorder: Recorder) -> None:
+        self.ledger = ObjectLedger(state / FILE_NAME)
+        self.ledger.load()
+        self.store = Store(None, self.ledger)
+        self.ctrd = ctrd
+        chain = HookChain([BoundHook("rec", recorder, implemented_stages(recorder), FailurePolicy.IGNORE, 10.0)])
+        self.lifecycle = Lifecycle(store=self.store, backend=ctrd, chain=lambda: chain,  # type: ignore[arg-type]
+                                   skip_label=lambda: SkipLabel("skip", "true"))
+
+    async def resync(self) -> int:
+        result = await resync(self.store, self.ctrd)  # type: ignore[arg-type]
+        queued = owed.settle(self.ledger, self.store, self.lifecycle, result)
+        assert await self.lifecycle.posts.settle(5.0)
+        return queued
+
+
+def _pod(sid: str) -> PodInfo:
+    return PodInfo(meta=PodMeta(name=sid, namespace="ns", uid=f"u-{sid}"), id=sid, labels={"a": "b"},
+                   cgroup_parent=f"/kubepods/pod{sid}", resources=Resources(cpu_shares=2, unified={"k": "v"}))
+
+
+def _container(cid: str) -> ContainerInfo:
+    return ContainerInfo(meta=ContainerMeta(name=cid), id=cid, envs={"E": "1"}, image="busybox")
+
+
+def _pods(node: Node, ctrd: Containerd, *sids: str) -> None:
+    """Pods with one running container each, as Run/Create/Start through the proxy leave them."""
+    for sid in sids:
+        ctrd.sandboxes[sid] = cri.SANDBOX_READY
+        ctrd.containers[f"{sid}-c"] = (sid, cri.CONTAINER_RUNNING)
+        node.store.put_pod(_pod(sid), cri.SANDBOX_READY)
+        node.store.put_container(sid, _container(f"{sid}-c"), cri.CONTAINER_RUNNING)
+
+
+def _removed(sid: str) -> list[tuple[str, str]]:
+    return [("PostStopContainer", f"{sid}-c"), ("PostRemoveContainer", f"{sid}-c"),
+            ("PostStopPodSandbox", sid), ("PostRemovePodSandbox", sid)]
+
+
+@pytest.mark.asyncio
+async def test_stops_and_removals_found_by_the_resync_run_their_post_stages_once(tmp_path: Path) -> None:
+    ctrd, rec = Containerd(), Recorder()
+    node = Node(tmp_path, ctrd, rec)
+    _pods(node, ctrd, "a", "b", "c")
+    assert await node.resync() == 0 and rec.seen == []
+
+    ctrd.containers["b-c"] = ("b", cri.CONTAINER_EXITED)  # exited by itself
+    ctrd.sandboxes.pop("c")  # removed behind our back, its container with it
+    ctrd.containers.pop("c-c")
+    assert await node.resync() == 5
+    assert rec.seen == [("PostStopContainer", "b-c"), *_removed("c")]
+    assert await node.resync() == 0  # the same state again: nothing more
+    assert len(rec.seen) == 5
+    assert "c" not in node.ledger and "c-c" not in node.ledger and "b-c" in node.ledger
+
+
+@pytest.mark.asyncio
+async def test_what_happened_while_the_process_was_down_runs_at_start_and_a_restart_does_not_rerun_it(
+    tmp_path: Path,
+) -> None:
+    ctrd, rec = Containerd(), Recorder()
+    node = Node(tmp_path, ctrd, rec)
+    _pods(node, ctrd, "a", "b")
+    node.ledger.save()  # what a kill -9 leaves: the file as last written
+    del node
+    for sid in ("a", "b"):  # removed while the process is down
+        ctrd.sandboxes.pop(sid)
+        ctrd.containers.pop(f"{sid}-c")
+
+    restarted = Node(tmp_path, ctrd, rec)  # a new process: store empty, ledger from the file
+    assert len(restarted.ledger) == 4
+    assert await restarted.resync() == 8
+    assert sorted(rec.seen) == sorted(_removed("a") + _removed("b"))
+    # The context came from the file: the pod's labels, cgroup parent, resources, envs.
+    restarted.ledger.save()
+    assert json.loads((tmp_path / FILE_NAME).read_text())["objects"] == {}
+
+    again = Node(tmp_path, ctrd, rec)
+    assert await again.resync() == 0
+    assert len(rec.seen) == 8
+
+
+@pytest.mark.asyncio
+async def test_a_crash_before_the_stage_ran_leaves_it_owed(tmp_path: Path) -> None:
+    ctrd, rec = Containerd(), Recorder()
+    node = Node(tmp_path, ctrd, rec)
+    _pods(node, ctrd, "a")
+    ctrd.containers["a-c"] = ("a", cri.CONTAINER_EXITED)
+    result = await resync(node.store, ctrd)  # type: ignore[arg-type]
+    assert [o.context.stage.value for o in owed.compute(node.ledger, node.store, result)] == ["PostStopContainer"]
+    node.ledger.save()  # ... and the process dies before the queued stage ran
+    assert rec.seen == []
+
+    restarted = Node(tmp_path, ctrd, rec)
+    assert await restarted.resync() == 1
+    assert rec.seen == [("PostStopContainer", "a-c")]
+
+
+@pytest.mark.asyncio
+async def test_a_call_through_python_claims_its_transition_the_resync_does_not_rerun_it(tmp_path: Path) -> None:
+    """The grpc data plane (or a Pre hook) brings Stop/Remove calls to Python: their Post
+    stage runs on the call, and the re-sync that then sees the same transition does not
+    run it again; a late call for a transition the re-sync ran first does not either."""
+    ctrd, rec = Containerd(), Recorder()
+    node = Node(tmp_path, ctrd, rec)
+    _pods(node, ctrd, "a", "b")
+    await node.lifecycle.handle(RT + "StopContainer",
+                                cri.StopContainerRequest(container_id="a-c").SerializeToString(), CallInfo())
+    assert await node.lifecycle.posts.settle(5.0)
+    assert rec.seen == [("PostStopContainer", "a-c")]
+    assert await node.resync() == 0
+    assert rec.seen == [("PostStopContainer", "a-c")]
+
+    ctrd.containers["b-c"] = ("b", cri.CONTAINER_EXITED)
+    assert await node.resync() == 1  # the re-sync first ...
+    await node.lifecycle.handle(RT + "StopContainer",  # ... then kubelet's call
+                                cri.StopContainerRequest(container_id="b-c").SerializeToString(), CallInfo())
+    assert await node.lifecycle.posts.settle(5.0)
+    assert rec.seen.count(("PostStopContainer", "b-c")) == 1
+
+    await node.lifecycle.handle(RT + "RemovePodSandbox",
+                                cri.RemovePodSandboxRequest(pod_sandbox_id="a").SerializeToString(), CallInfo())
+    assert await node.lifecycle.posts.settle(5.0)
+    assert await node.resync() == 2  # a's container removal and the pod's stop: no call ran them
+    assert sorted(s for s in rec.seen if s[1].startswith("a")) == sorted(_removed("a"))
+
+
+@pytest.mark.asyncio
+async def test_an_object_written_after_the_list_began_is_judged_by_the_next_resync(tmp_path: Path) -> None:
+    ctrd, rec = Containerd(), Recorder()
+    node = Node(tmp_path, ctrd, rec)
+    original = ctrd.unary
+
+    async def list_then_create(method: str, payload: bytes, **kw: Any) -> Reply:
+        reply = await original(method, payload, **kw)
+        if method.endswith("ListContainers"):
+            _pods(node, ctrd, "late")  # RunPodSandbox/CreateContainer answered meanwhile
+        return reply
+
+    ctrd.unary = list_then_create  # type: ignore[method-assign]
+    assert await node.resync() == 0  # not "removed": this List predates it
+    ctrd.unary = original  # type: ignore[method-assign]
+    assert await node.resync() == 0 and rec.seen == []
+
+
+@pytest.mark.asyncio
+async def test_objects_first_seen_stopped_owe_nothing_and_skipped_pods_get_no_stage(tmp_path: Path) -> None:
+    ctrd, rec = Containerd(), Recorder()
+    ctrd.sandboxes["old"] = cri.SANDBOX_NOTREADY
+    ctrd.containers["old-c"] = ("old", cri.CONTAINER_EXITED)
+    node = Node(tmp_path, ctrd, rec)
+    assert await node.resync() == 0  # learnt already stopped: that stop was not seen happen
+    ctrd.sandboxes.pop("old")
+    ctrd.containers.pop("old-c")
+    assert await node.resync() == 2
+    assert rec.seen == [("PostRemoveContainer", "old-c"), ("PostRemovePodSandbox", "old")]
+
+    skipped = PodInfo(meta=PodMeta(name="s", namespace="ns", uid="u-s"), id="s", labels={"skip": "true"})
+    node.store.put_pod(skipped, cri.SANDBOX_READY)
+    ctrd.sandboxes["s"] = cri.SANDBOX_READY
+    await node.resync()
+    ctrd.sandboxes.pop("s")
+    await node.resync()
+    assert not [s for s in rec.seen if s[1] == "s"] and "s" not in node.ledger
+
+
+def test_the_file_is_private_complete_and_bounded(tmp_path: Path) -> None:
+    tmp_path = tmp_path / "state"  # not made yet: the first save makes it (0700)
+    ledger = ObjectLedger(tmp_path / FILE_NAME, max_objects=3)
+    for sid in ("a", "b", "c", "d"):
+        with structlog.testing.capture_logs() as logs:
+            ledger.learn("pod", sid, _pod(sid), stopped=False)
+    assert [e["event"] for e in logs] == ["ledger_full"]
+    assert len(ledger) == 3 and "d" not in ledger
+    ledger.save()
+    path = tmp_path / FILE_NAME
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and stat.S_IMODE(os.stat(tmp_path).st_mode) == 0o700
+    assert not list(tmp_path.glob(".*tmp"))
+    loaded = ObjectLedger(path)
+    assert loaded.load() == 3
+    entry = loaded.get("a")
+    assert entry is not None and entry.info == _pod("a")
+
+
+def test_an_unreadable_file_or_entry_is_a_warning_naming_it_never_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / FILE_NAME
+    path.write_text("{not json")
+    with structlog.testing.capture_logs() as logs:
+        assert ObjectLedger(path).load() == 0
+    assert logs[0]["event"] == "ledger_unreadable" and logs[0]["path"] == str(path)
+
+    good = ObjectLedger(path)
+    good.learn("pod", "a", _pod("a"), stopped=False)
+    good.learn("pod", "b", _pod("b"), stopped=False)
+    good.save()
+    doc = json.loads(path.read_text())
+    doc["objects"]["b"]["info"]["resources"]["cpu_shares"] = "lots"
+    path.write_text(json.dumps(doc))
+    with structlog.testing.capture_logs() as logs:
+        assert ObjectLedger(path).load() == 1
+    assert logs[0]["event"] == "ledger_entries_skipped"
+    assert "objects['b'].info.resources.cpu_shares" in logs[0]["first"]
+
+
+@pytest.mark.asyncio
+async def test_done_marks_are_saved_soon_after_the_stage_ran(tmp_path: Path) -> None:
+    ledger = ObjectLedger(tmp_path / FILE_NAME)
+    ledger.learn("pod", "a", _pod("a"), stopped=False)
+    assert ledger.claim("a", "stop") and not ledger.claim("a", "stop")
+    ledger.done("a", "stop")
+    await asyncio.sleep(0.2)
+    doc = json.loads((tmp_path / FILE_NAME).read_text())
+    assert doc["objects"]["a"]["done"] == ["stop"]
+
+
+@pytest.mark.asyncio
+async def test_the_periodic_resync_alone_runs_a_removed_pods_stages_within_its_interval(tmp_path: Path) -> None:
+    """No event stream, no call: the Resyncer's next pass finds the removal."""
+    from runtimeproxy.state.resync import Resyncer
+
+    ctrd, rec = Containerd(), Recorder()
+    node = Node(tmp_path, ctrd, rec)
+    _pods(node, ctrd, "a")
+    interval = 0.3
+
+    async def after(result: Any) -> None:
+        owed.settle(node.ledger, node.store, node.lifecycle, result)
+
+    resyncer = Resyncer(store=node.store, backend=ctrd, interval=lambda: interval, after=after)  # type: ignore[arg-type]
+    task = asyncio.create_task(resyncer.run_forever())
+    try:
+        ctrd.sandboxes.pop("a")
+        ctrd.containers.pop("a-c")
+        removed = asyncio.get_running_loop().time()
+        while len(rec.seen) < 4:
+            assert asyncio.get_running_loop().time() - removed < 2 * interval + 1.0, rec.seen
+            await asyncio.sleep(0.01)
+        assert rec.seen == _removed("a")
+    finally:
+        task.cancel()
