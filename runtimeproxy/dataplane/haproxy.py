@@ -5,7 +5,7 @@ Python. Pass-through CRI calls (every ``runtime.v1.RuntimeService`` and
 ``runtime.v1.ImageService`` method except the 8 lifecycle methods) go from HAProxy
 straight to containerd over HTTP/2: no Python work per call. The lifecycle methods that
 have a Pre hook in the running chain (``HookChain.pre_calls``: a hook may change or refuse
-the request), and the two that bring objects into the store (``STORE_CALLS``), go by exact
+the request), and the calls the store needs to see (``STORE_CALLS``), go by exact
 path to our interception server on a private socket (mode 0600): the same grpc.aio server
 as the ``grpc`` data plane's (``runtimeproxy.transport.grpcserver``), over HTTP/2, serving
 only those methods; the lifecycle's own calls go from Python straight to containerd over
@@ -21,7 +21,7 @@ the frontend (``NORMALIZE_URI``) turns such a URI back into the origin form, the
 the client sent, by removing the scheme and exactly the authority (HAProxy keeps it as the
 ``host`` header); every rule after it, and the servers, see that path.
 
-The other lifecycle methods (Stop/Remove, UpdateContainerResources without a Pre hook)
+The other lifecycle methods (Stop/Remove)
 are plain pass-through: what follows a stop or a removal is found by the store's
 re-sync with containerd, level-triggered (``runtimeproxy.lifecycle.owed``), not told
 by HAProxy. Any other
@@ -59,8 +59,11 @@ LIFECYCLE_METHODS: Final = tuple(
 #: store, which is the agent's view of the node (metrics, QoS and eviction act on a new pod
 #: at once), whose request (the whole config) and reply (the new id) are needed; and
 #: StartContainer, whose Post stages place the container's tasks (resctrl, oom_score_adj,
-#: core scheduling, memory QoS) once it runs. Stop/Remove need no call: the re-sync finds them.
-STORE_CALLS: Final = frozenset({"RunPodSandbox", "CreateContainer", "StartContainer"})
+#: core scheduling, memory QoS) once it runs; and UpdateContainerResources, which changes
+#: the resources the store holds for a running container (what QoS and metrics read) and has
+#: Post stages (a rare call: kubelet's CPU manager, an in-place resize). Stop/Remove need no
+#: call: the re-sync finds them.
+STORE_CALLS: Final = frozenset({"RunPodSandbox", "CreateContainer", "StartContainer", "UpdateContainerResources"})
 
 
 def intercepted_paths(pre_calls: frozenset[str]) -> tuple[str, ...]:

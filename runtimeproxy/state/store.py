@@ -432,8 +432,3 @@ async def resync(store: Store, backend: Backend, *, timeout: float = 5.0) -> Res
         listed_uids=frozenset(p.metadata.uid for p in listed_pods.items if p.metadata.uid),
     )
 
-
-async def rebuild(store: Store, backend: Backend, *, timeout: float = 5.0) -> tuple[int, int]:
-    """Relearn every sandbox and container at start; returns (pods, containers) loaded."""
-    result = await resync(store, backend, timeout=timeout)
-    return result.pods_added, result.containers_added
