@@ -34,6 +34,7 @@ from runtimeproxy.dataplane.process import HaproxyDataPlane, find_haproxy
 from runtimeproxy.hookapi import CriCallError, Explainer, Exposition, PodInfo, Route, RulesProvider, TaskInit
 from runtimeproxy.hostwrites import FailureCollector
 from runtimeproxy.lifecycle.handler import Lifecycle, SkipLabel
+from runtimeproxy.nri import ingress as nri_ingress
 from runtimeproxy.ops import fdlimits, logsetup, sdnotify
 from runtimeproxy.ops.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.ops.promstats import HttpEndpoint, ProxyMetrics
@@ -52,7 +53,7 @@ log = structlog.get_logger("runtimeproxy.app")
 VERSION_METHOD = "/runtime.v1.RuntimeService/Version"
 _RESTART_ONLY = ("listen", "socket_mode", "backend", "metrics_listen", "max_message_bytes", "tasks",
                  "metrics_max_connections", "metrics_idle_timeout", "metrics_fd_reserve", "state_dir",
-                 "data_plane", "data_plane_orphan_grace")
+                 "data_plane", "data_plane_orphan_grace", "ingress", "nri")
 #: Pods whose change history is kept on disk (each its last CHANGES_PER_POD changes).
 HISTORY_PODS = 512
 
@@ -87,7 +88,8 @@ class App:
                    if settings.state_dir else None)
         self.store = Store(history)
         self.backend = GrpcBackend(settings.backend, max_message_bytes=settings.max_message_bytes)
-        self.data_plane = choose_data_plane(settings, lambda: haproxy.intercepted_paths(self.chain.pre_calls))
+        self.data_plane = (None if settings.ingress == "nri"  # kubelet talks to containerd: no socket of ours
+                           else choose_data_plane(settings, lambda: haproxy.intercepted_paths(self.chain.pre_calls)))
         #: The lifecycle's backend: behind HAProxy, HTTP/1.1 to its private listener (gRPC if it is away).
         self._h1_backend: H1Backend | None = None
         if self.data_plane is not None:
@@ -97,6 +99,7 @@ class App:
         self.lifecycle = Lifecycle(
             store=self.store, backend=self.lifecycle_backend, chain=lambda: self.chain,
             skip_label=lambda: SkipLabel(self.settings.skip_label_key, self.settings.skip_label_value),
+            mark=nri_ingress.proxy_mark(settings),
         )
         self.server: InterceptServer
         #: The lifecycle calls HAProxy relays straight to containerd, told after the reply.
@@ -112,6 +115,8 @@ class App:
                 self.data_plane.layout.notice_socket, frozenset(haproxy.LIFECYCLE_METHODS),
                 lambda n: self.lifecycle.notice(n.method, n.payload, n.result),
             )
+        elif settings.ingress == "nri":
+            self.server = nri_ingress.NoSocket()
         else:
             self.handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics)
             self.server = ProxyServer(listen=Path(settings.listen), socket_mode=settings.socket_mode,
@@ -126,6 +131,10 @@ class App:
             refresh=lambda: self.resyncer.run_once("reconcile"),
         )
         self.rules.subscribe(self._rules_changed)
+        #: The NRI ingress (``ingress: nri | both``): containerd calls the chain itself.
+        self.nri = nri_ingress.plugin(settings, store=self.store, chain=lambda: self.chain, skipped=self._skipped,
+                                      posts=self.lifecycle.posts, settings_now=lambda: self.settings.nri,
+                                      synchronized=self.reconciler.trigger)
         self.http: HttpEndpoint | None = None
         self._routes: dict[str, Route] = {"/debug/explain": self._explain_route}
         self._explainers: dict[str, Explainer] = {}
@@ -156,6 +165,7 @@ class App:
             loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
             loop.add_signal_handler(signal.SIGQUIT, self.stop_all)
         try:
+            nri_ingress.check_socket(self.settings)  # before anything listens: exit 2 naming nri.socket
             if self.data_plane is not None:
                 self.data_plane.prepare()
             await self.server.start()
@@ -184,6 +194,8 @@ class App:
                 self.notices.start()
                 self.lifecycle.catch_up = self.notices.catch_up
             self.supervisor.add("resync", self.resyncer.run_forever)
+            if self.nri is not None:  # after the rebuild: its Synchronize replaces what the rebuild learnt
+                self.supervisor.add("nri", self.nri.run_forever)
             channel = self.backend.channel_for(VERSION_METHOD)
             self.supervisor.add("backend-watch", lambda: watch_reconnects(channel, self.resyncer.trigger))
             self._ready = True
@@ -191,7 +203,7 @@ class App:
             # First pass right away: pods created while we were down get their settings now.
             self.supervisor.add("reconciler", self.reconciler.run_forever)
             sdnotify.notify("READY=1")
-            log.info("ready", hooks=[h.name for h in self.chain.hooks])
+            log.info("ready", hooks=[h.name for h in self.chain.hooks], ingress=self.settings.ingress)
         await self._stop.wait()
         return await self.shutdown()
 
@@ -423,7 +435,8 @@ class App:
         if not query.get("pod"):
             known_pods, known_containers = self.store.ids()
             store = {"pods": len(known_pods), "containers": len(known_containers)}
-            body: dict[str, Any] = {"node": True, "store": store, "tasks": self._task_views(None)}
+            body: dict[str, Any] = {"node": True, "store": store, "tasks": self._task_views(None),
+                                    "ingress": nri_ingress.describe(self.settings, self.nri)}
             return 200, "application/json", json.dumps(body, indent=2, default=str).encode()
         namespace, _, name = query.get("pod", "").partition("/")
         pod = self.store.find_pod(namespace, name) if name else None
@@ -434,6 +447,7 @@ class App:
             "uid": pod.meta.uid,
             "sandbox_id": pod.id,
             "cgroup_parent": pod.cgroup_parent,
+            "ingress": nri_ingress.describe(self.settings, self.nri),
             "changes": [asdict(c) for c in self.store.changes(pod.meta.uid)],
             "tasks": self._task_views(pod),
         }

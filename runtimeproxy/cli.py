@@ -133,6 +133,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     print(f"config ok: listen={settings.listen} backend={settings.backend.runtime_endpoint}"
           f" {plane} source={settings.source}")
+    print(f"ingress: {_ingress_line(settings)}")
     if not hooks:
         print("no hooks configured: every call is passed through")
     for i, hook in enumerate(hooks):
@@ -140,6 +141,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"{i + 1}. {hook.name}\t{hook.policy.value}\t{hook.timeout}s\t{stages}")
     print(f"tasks: {', '.join(tasks) if tasks else 'none'}")
     return 0
+
+
+def _ingress_line(settings: config.Settings) -> str:
+    nri = settings.nri
+    if settings.ingress == "cri-proxy":
+        return f"cri-proxy (kubelet -> {settings.listen})"
+    where = f"nri (containerd calls {nri.plugin_index}-{nri.plugin_name} on {nri.socket})"
+    return where if settings.ingress == "nri" else f"both: cri-proxy on {settings.listen} + {where}"
 
 
 def _fetch_json(url: str) -> tuple[int, Any]:
@@ -165,6 +174,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     code, body = _fetch_json(f"http://{args.endpoint}/debug/explain?{query}")
     if code:
         return code
+    if body.get("ingress"):
+        print(f"ingress: {body['ingress']}")
     if not args.pod:
         print("node")
         _print_tasks(body.get("tasks", {}))
