@@ -132,8 +132,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"koord-runtime-proxy: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     print(f"config ok: listen={settings.listen} backend={settings.backend.runtime_endpoint}"
-          f" {plane} source={settings.source}")
-    print(f"ingress: {_ingress_line(settings)}")
+          f" {plane} ingress={settings.ingress} source={settings.source}")
+    if settings.ingress != "cri-proxy":
+        print(f"ingress: {_ingress_line(settings)}")
     if not hooks:
         print("no hooks configured: every call is passed through")
     for i, hook in enumerate(hooks):

@@ -279,7 +279,7 @@ class NriPlugin:
             log.warning("patch_not_applicable", fields=cannot, ingress="nri", stage=Stage.PRE_CREATE_CONTAINER.value)
         self._store.put_container(pod.id, final, cri.CONTAINER_CREATED)
         self._record(pod, outcome)
-        log.info("nri_event", event="CreateContainer", changes=[f"{c.hook}:{c.target}={c.new}"
+        log.info("nri_call", call="CreateContainer", changes=[f"{c.hook}:{c.target}={c.new}"
                                                                for c in outcome.changes])
         return resp.SerializeToString()
 
