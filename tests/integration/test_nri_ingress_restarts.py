@@ -1,0 +1,116 @@
+"""The NRI ingress alone (``ingress: nri``) on containerd 1.7.24: a Fail-policy hook's
+error refuses the container through NRI, an agent restart re-registers and
+re-synchronises without touching running pods, a containerd restart is survived, and
+a missing NRI socket is one clear error at start.
+
+Each test starts its own agent: one NRI plugin at a time on this containerd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from criapi import cri_v1_pb2 as cri
+from runtimeproxy.demo.embedded import EmbeddedContainerd
+from tests.integration.conftest import PodKit, ProxyLauncher, ProxyProcess
+
+ANNOTATION = "example.koordinator.sh/cpu-shares"
+HOOKS = [{"name": "shares", "plugin": "example-cpu-shares", "failure_policy": "Fail", "args": {"cpu_shares": 300}}]
+
+
+@pytest.fixture
+def launcher(nri_containerd: EmbeddedContainerd) -> Iterator[ProxyLauncher]:
+    started = ProxyLauncher(nri_containerd.socket)
+    yield started
+    problems = started.cleanup()
+    assert not problems, "\n".join(problems)
+
+
+def _nri_extra(ctrd: EmbeddedContainerd, **nri: Any) -> dict[str, Any]:
+    return {"data_plane": "grpc", "ingress": "nri", "nri": {"socket": str(ctrd.nri_socket), **nri}}
+
+
+def _agent(launcher: ProxyLauncher, ctrd: EmbeddedContainerd) -> ProxyProcess:
+    agent = launcher.start(HOOKS, extra=_nri_extra(ctrd))
+    agent.wait_event("nri_synchronized")
+    return agent
+
+
+def _pod(kit: PodKit, name: str, **kw: Any) -> tuple[cri.PodSandboxConfig, str, str]:
+    pod = kit.sandbox(name, **kw)
+    sid = kit.run(kit.direct, pod)
+    cid = kit.create(kit.direct, sid, pod, kit.container("app", resources=cri.LinuxContainerResources(cpu_shares=512)))
+    kit.start(kit.direct, cid)
+    return pod, sid, cid
+
+
+def test_fail_policy_error_refuses_the_container(launcher: ProxyLauncher, nri_containerd: EmbeddedContainerd,
+                                                 nri_pods: PodKit) -> None:
+    agent = _agent(launcher, nri_containerd)
+    pod = nri_pods.sandbox("nri-bad", annotations={ANNOTATION: "abc"})
+    sid = nri_pods.run(nri_pods.direct, pod)
+    with pytest.raises(grpc.RpcError) as err:
+        nri_pods.create(nri_pods.direct, sid, pod, nri_pods.container("app"))
+    details = err.value.details()
+    assert "NRI adjustment" in details and "'shares'" in details and "PreCreateContainer" in details
+    assert "'abc'" in details
+    listed = nri_pods.direct.ListContainers(cri.ListContainersRequest(filter=cri.ContainerFilter(pod_sandbox_id=sid)),
+                                            timeout=10)
+    assert not listed.containers
+    agent.wait_event("cri_call_rejected", hook="shares", ingress="nri", pod_name="nri-bad")
+    # The plugin stayed connected: the next pod gets the hook's value.
+    ok, _, cid = _pod(nri_pods, "nri-after-bad", annotations={ANNOTATION: "700"})
+    assert nri_pods.cpu_shares(ok, cid) == 700
+    assert len(agent.events("nri_connected")) == 1
+
+
+def test_agent_restart_resyncs_and_leaves_pods_alone(launcher: ProxyLauncher, nri_containerd: EmbeddedContainerd,
+                                                     nri_pods: PodKit) -> None:
+    first = _agent(launcher, nri_containerd)
+    pod, sid, cid = _pod(nri_pods, "nri-kept")
+    assert nri_pods.cpu_shares(pod, cid) == 300
+    pid = nri_pods.direct.ContainerStatus(cri.ContainerStatusRequest(container_id=cid, verbose=True),
+                                          timeout=10).info["info"]
+    assert first.terminate() == 0
+    second = _agent(launcher, nri_containerd)
+    synced = second.wait_event("nri_synchronized")
+    assert synced["pods"] >= 1 and synced["containers"] >= 1
+    # Nothing happened to the running pod: same process, same cgroup value.
+    status = nri_pods.direct.ContainerStatus(cri.ContainerStatusRequest(container_id=cid, verbose=True), timeout=10)
+    assert status.status.state == cri.CONTAINER_RUNNING and status.info["info"] == pid
+    assert nri_pods.cpu_shares(pod, cid) == 300
+    # The store knows the pod from Synchronize alone, and hooks run again for new containers.
+    from tests.integration.conftest import http_get
+
+    code, body = http_get(second.metrics_port, f"/debug/explain?pod=krp-test/{pod.metadata.name}")
+    assert code == 200 and sid.encode() in body
+    other, _, cid2 = _pod(nri_pods, "nri-after-restart")
+    assert nri_pods.cpu_shares(other, cid2) == 300
+
+
+def test_containerd_restart_is_survived(launcher: ProxyLauncher, nri_containerd: EmbeddedContainerd,
+                                        nri_pods: PodKit) -> None:
+    agent = _agent(launcher, nri_containerd)
+    pod, _, cid = _pod(nri_pods, "nri-before-ctrd-restart")
+    nri_containerd.restart()
+    agent.wait_event("nri_disconnected")
+    agent.wait_event("nri_connected", count=2, timeout=30)
+    status = nri_pods.direct.ContainerStatus(cri.ContainerStatusRequest(container_id=cid), timeout=10).status
+    assert status.state == cri.CONTAINER_RUNNING
+    assert nri_pods.cpu_shares(pod, cid) == 300
+    after, _, cid2 = _pod(nri_pods, "nri-after-ctrd-restart", annotations={ANNOTATION: "800"})
+    assert nri_pods.cpu_shares(after, cid2) == 800
+
+
+def test_missing_nri_socket_is_one_clear_error(launcher: ProxyLauncher, nri_containerd: EmbeddedContainerd) -> None:
+    absent = launcher.mkdtemp() / "absent.sock"
+    extra = {"data_plane": "grpc", "ingress": "nri", "nri": {"socket": str(absent)}}
+    agent = launcher.start(HOOKS, extra=extra, wait_ready=False)
+    assert agent.wait_exit() == 2
+    errors = [line for line in agent.log().splitlines() if "invalid configuration" in line]
+    assert len(errors) == 1, agent.log()
+    assert "nri.socket: no NRI socket there (ingress: nri)" in errors[0] and str(absent) in errors[0]
