@@ -82,6 +82,8 @@ def parser() -> argparse.ArgumentParser:
                       help="keep the metrics store and pod logs here (default: a temporary dir, removed)")
     demo.add_argument("--config", type=Path, default=None, help="proxy config (default: a demo config)")
     demo.add_argument("--once", action="store_true", help="clean up right after printing, no Ctrl-C wait")
+    demo.add_argument("--ingress", choices=("cri-proxy", "nri"), default="cri-proxy",
+                      help="nri: containerd 1.7.24 (scripts/setup-host.sh fetches it) calls the agent over NRI")
     # Plugin families add their own commands (e.g. ``top``) without the core naming them.
     for ep in sorted(importlib.metadata.entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
         ep.load()(sub)
@@ -196,7 +198,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from runtimeproxy.demo import scenario as demo
 
-    code: int = demo.main(workdir=args.workdir, config_path=args.config, once=args.once)
+    code: int = demo.main(workdir=args.workdir, config_path=args.config, once=args.once, ingress=args.ingress)
     return code
 
 

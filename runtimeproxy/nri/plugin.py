@@ -46,7 +46,7 @@ import structlog
 
 from criapi import cri_v1_pb2 as cri
 from criapi import nri_v1alpha1_pb2 as nri
-from runtimeproxy.chain.hookchain import HookChain, HookFailed, Outcome
+from runtimeproxy.chain.hookchain import HOST_TARGET, HookChain, HookFailed, Outcome
 from runtimeproxy.config.ingress import NriSettings
 from runtimeproxy.hookapi import CallResult, ContainerContext, ContainerInfo, Context, PodContext, PodInfo, Stage
 from runtimeproxy.lifecycle.posthooks import PostQueue
@@ -76,6 +76,8 @@ _AFTER: Final[dict[int, tuple[Stage, Stage]]] = {
     E.STOP_CONTAINER: (Stage.PRE_STOP_CONTAINER, Stage.POST_STOP_CONTAINER),
     E.REMOVE_CONTAINER: (Stage.PRE_REMOVE_CONTAINER, Stage.POST_REMOVE_CONTAINER),
 }
+#: What explain adds to a recorded request change NRI could not carry.
+NOT_APPLIED: Final = "not applied: NRI 0.6.1 has no pod sandbox adjustment"
 BACKOFF_MAX: Final = 5.0
 #: Configure and Synchronize follow registration at once; containerd serves one
 #: connecting plugin at a time, so a handshake this late is dead (reference 9.1).
@@ -331,9 +333,13 @@ class NriPlugin:
             return
         outcome = await self._pre(PodContext(Stage.PRE_RUN_POD_SANDBOX, pod), timeout, veto=True)
         if outcome is not None and outcome.request_changed:
-            # No pod adjustment in NRI: the sandbox's config is fixed by now. Host writes stand.
+            # No pod adjustment in NRI: the sandbox's config is fixed by now. Host writes stand;
+            # explain says which changes did not reach containerd.
             log.warning("patch_not_applicable", ingress="nri", stage=Stage.PRE_RUN_POD_SANDBOX.value,
-                        fields=sorted({c.target for c in outcome.changes if not c.target.startswith("host:")}))
+                        fields=sorted({c.target for c in outcome.changes if not c.target.startswith(HOST_TARGET)}))
+            outcome = replace(outcome, changes=tuple(
+                c if c.target.startswith(HOST_TARGET) else replace(c, reason=f"{c.reason} [{NOT_APPLIED}]")
+                for c in outcome.changes))
         self._record(pod, outcome)
         self._post(PodContext(Stage.POST_RUN_POD_SANDBOX, pod, CallResult(True)))
 
