@@ -8,6 +8,8 @@ Each test starts its own agent: one NRI plugin at a time on this containerd.
 
 from __future__ import annotations
 
+import textwrap
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -114,3 +116,53 @@ def test_missing_nri_socket_is_one_clear_error(launcher: ProxyLauncher, nri_cont
     errors = [line for line in agent.log().splitlines() if "invalid configuration" in line]
     assert len(errors) == 1, agent.log()
     assert "nri.socket: no NRI socket there (ingress: nri)" in errors[0] and str(absent) in errors[0]
+
+
+SLOW = textwrap.dedent('''
+    """Test plugin: a PreCreateContainer hook that takes args.seconds, then sets cpu shares 999."""
+    import time
+
+    from runtimeproxy.hookapi import ContainerPatch, ResourcesPatch
+
+
+    class Factory:
+        def __init__(self, init):
+            self.seconds = float(init.args["seconds"])
+
+        def pre_create_container(self, ctx):
+            time.sleep(self.seconds)
+            return ContainerPatch(resources=ResourcesPatch(cpu_shares=999), reason="slow")
+''')
+
+
+@pytest.mark.parametrize("policy", ["Ignore", "Fail"])
+def test_chain_deadline_answers_before_containerds_timeout(launcher: ProxyLauncher,
+                                                           nri_containerd: EmbeddedContainerd,
+                                                           nri_pods: PodKit, policy: str) -> None:
+    """A hook slower than ``nri.chain_deadline`` (0.5 s) costs its patch (Ignore) or the
+    container (Fail), never the plugin's connection: the reply beats containerd's 2 s."""
+    plugin_dir = launcher.mkdtemp()
+    (plugin_dir / "krp_slow.py").write_text(SLOW)
+    hooks = [{"name": "slow", "plugin": "krp_slow:Factory", "failure_policy": policy, "timeout": "10s",
+              "args": {"seconds": 3}}]
+    agent = launcher.start(hooks, extra=_nri_extra(nri_containerd, chain_deadline="500ms"),
+                           pythonpath=[plugin_dir])
+    agent.wait_event("nri_synchronized")
+    pod = nri_pods.sandbox(f"nri-slow-{policy.lower()}")
+    sid = nri_pods.run(nri_pods.direct, pod)
+    container = nri_pods.container("app", resources=cri.LinuxContainerResources(cpu_shares=512))
+    start = time.monotonic()
+    if policy == "Fail":
+        with pytest.raises(grpc.RpcError) as err:
+            nri_pods.create(nri_pods.direct, sid, pod, container)
+        assert "'slow'" in err.value.details() and "timed out" in err.value.details()
+    else:
+        cid = nri_pods.create(nri_pods.direct, sid, pod, container)
+    # Answered within the chain's deadline, well before containerd's 2 s plugin timeout.
+    assert time.monotonic() - start < 2.0
+    if policy == "Ignore":
+        nri_pods.start(nri_pods.direct, cid)
+        assert nri_pods.cpu_shares(pod, cid) == 512  # the slow hook's 999 was dropped
+        agent.wait_event("hook_failed", hook="slow", policy="Ignore")
+    assert not agent.events("nri_disconnected")
+    assert "closing plugin" not in nri_containerd.log_tail(200)
