@@ -8,9 +8,11 @@ Each test starts its own agent: one NRI plugin at a time on this containerd.
 
 from __future__ import annotations
 
+import json
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,7 +20,7 @@ import pytest
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.demo.embedded import EmbeddedContainerd
-from tests.integration.conftest import PodKit, ProxyLauncher, ProxyProcess
+from tests.integration.conftest import PodKit, ProxyLauncher, ProxyProcess, http_get
 
 ANNOTATION = "example.koordinator.sh/cpu-shares"
 HOOKS = [{"name": "shares", "plugin": "example-cpu-shares", "failure_policy": "Fail", "args": {"cpu_shares": 300}}]
@@ -86,8 +88,6 @@ def test_agent_restart_resyncs_and_leaves_pods_alone(launcher: ProxyLauncher, nr
     assert status.status.state == cri.CONTAINER_RUNNING and status.info["info"] == pid
     assert nri_pods.cpu_shares(pod, cid) == 300
     # The store knows the pod from Synchronize alone, and hooks run again for new containers.
-    from tests.integration.conftest import http_get
-
     code, body = http_get(second.metrics_port, f"/debug/explain?pod=krp-test/{pod.metadata.name}")
     assert code == 200 and sid.encode() in body
     other, _, cid2 = _pod(nri_pods, "nri-after-restart")
@@ -166,3 +166,32 @@ def test_chain_deadline_answers_before_containerds_timeout(launcher: ProxyLaunch
         agent.wait_event("hook_failed", hook="slow", policy="Ignore")
     assert not agent.events("nri_disconnected")
     assert "closing plugin" not in nri_containerd.log_tail(200)
+
+
+OOM = textwrap.dedent('''
+    """Test plugin: PreCreateContainer sets oom_score_adj 432 (NRI 0.6.1 cannot adjust it)."""
+    from runtimeproxy.hookapi import ContainerPatch, ResourcesPatch
+
+
+    class Factory:
+        def __init__(self, init):
+            pass
+
+        def pre_create_container(self, ctx):
+            return ContainerPatch(resources=ResourcesPatch(oom_score_adj=432), reason="oom test")
+''')
+
+
+def test_oom_score_adj_the_adjustment_cannot_carry_is_set_after_start(
+        launcher: ProxyLauncher, nri_containerd: EmbeddedContainerd, nri_pods: PodKit) -> None:
+    plugin_dir = launcher.mkdtemp()
+    (plugin_dir / "krp_oom.py").write_text(OOM)
+    agent = launcher.start([{"name": "oom", "plugin": "krp_oom:Factory", "failure_policy": "Fail"}],
+                           extra=_nri_extra(nri_containerd), pythonpath=[plugin_dir])
+    agent.wait_event("nri_synchronized")
+    _, _, cid = _pod(nri_pods, "nri-oom")
+    status = nri_pods.direct.ContainerStatus(cri.ContainerStatusRequest(container_id=cid, verbose=True), timeout=10)
+    pid = json.loads(status.info["info"])["pid"]
+    set_line = agent.wait_event("oom_score_adj_set", pid=pid, ingress="nri")
+    assert set_line["value"] == 432
+    assert Path(f"/proc/{pid}/oom_score_adj").read_text().strip() == "432"
