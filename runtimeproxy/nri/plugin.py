@@ -120,6 +120,7 @@ class NriPlugin:
             "StateChange": self._state_change,
         }
         self._synced = asyncio.Event()
+        self._warned: set[tuple[Stage, tuple[str, ...]]] = set()
 
     # --- connection ---------------------------------------------------------------
 
@@ -278,7 +279,7 @@ class NriPlugin:
             self._oom[container.id] = final.resources.oom_score_adj
             cannot.remove("oom_score_adj")  # written after start instead
         if cannot:
-            log.warning("patch_not_applicable", fields=cannot, ingress="nri", stage=Stage.PRE_CREATE_CONTAINER.value)
+            self._not_applicable(Stage.PRE_CREATE_CONTAINER, cannot)
         self._store.put_container(pod.id, final, cri.CONTAINER_CREATED)
         self._record(pod, outcome)
         log.info("nri_call", call="CreateContainer", changes=[f"{c.hook}:{c.target}={c.new}"
@@ -304,8 +305,7 @@ class NriPlugin:
         if upd is not None:
             resp.update.append(upd)
         if cannot:
-            log.warning("patch_not_applicable", fields=cannot, ingress="nri",
-                        stage=Stage.PRE_UPDATE_CONTAINER_RESOURCES.value)
+            self._not_applicable(Stage.PRE_UPDATE_CONTAINER_RESOURCES, cannot)
         self._record(pod, outcome)
         return resp.SerializeToString()
 
@@ -335,8 +335,8 @@ class NriPlugin:
         if outcome is not None and outcome.request_changed:
             # No pod adjustment in NRI: the sandbox's config is fixed by now. Host writes stand;
             # explain says which changes did not reach containerd.
-            log.warning("patch_not_applicable", ingress="nri", stage=Stage.PRE_RUN_POD_SANDBOX.value,
-                        fields=sorted({c.target for c in outcome.changes if not c.target.startswith(HOST_TARGET)}))
+            self._not_applicable(Stage.PRE_RUN_POD_SANDBOX,
+                                 sorted({c.target for c in outcome.changes if not c.target.startswith(HOST_TARGET)}))
             outcome = replace(outcome, changes=tuple(
                 c if c.target.startswith(HOST_TARGET) else replace(c, reason=f"{c.reason} [{NOT_APPLIED}]")
                 for c in outcome.changes))
@@ -368,6 +368,14 @@ class NriPlugin:
             if ours:
                 self._post(ContainerContext(Stage.POST_UPDATE_CONTAINER_RESOURCES, pod,
                                             replace(container, resources=applied), CallResult(True)))
+
+    def _not_applicable(self, stage: Stage, fields: list[str]) -> None:
+        """What NRI could not carry: a warning the first time per stage and fields, then
+        debug (every BE pod's PreRunPodSandbox would repeat it)."""
+        key = (stage, tuple(fields))
+        emit = log.debug if key in self._warned else log.warning
+        self._warned.add(key)
+        emit("patch_not_applicable", ingress="nri", stage=stage.value, fields=fields)
 
     def _write_oom_score_adj(self, pid: int, value: int) -> None:
         """What NRI 0.6.1 cannot adjust, set on the host once the process exists (the
