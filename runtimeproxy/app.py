@@ -364,6 +364,8 @@ class App:
             log.warning("config_needs_restart", keys=stale)
         old, running = self.chain, self.settings
         self.chain, self.settings = chain, settings
+        if self.nri is not None:
+            self.nri.chain_changed()  # a hook at a stage with no event subscribed yet: register again
         self.rules.set_base(settings.rules)
         logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
         self.metrics.config_reloaded(True)

@@ -121,6 +121,10 @@ class NriPlugin:
         }
         self._synced = asyncio.Event()
         self._warned: set[tuple[Stage, tuple[str, ...]]] = set()
+        self._conn: wire.Connection | None = None
+        #: The event mask containerd took at Configure (it takes none later).
+        self._mask = 0
+        self._resubscribe = False
 
     # --- connection ---------------------------------------------------------------
 
@@ -137,7 +141,10 @@ class NriPlugin:
                 emit("nri_disconnected", socket=self._init.settings().socket, error=f"{type(exc).__name__}: {exc}")
             else:
                 failures = 0
-                log.warning("nri_disconnected", socket=self._init.settings().socket, error="closed by containerd")
+                if self._resubscribe:
+                    self._resubscribe, delay = False, 0.05
+                else:
+                    log.warning("nri_disconnected", socket=self._init.settings().socket, error="closed by containerd")
             self.connected.clear()
             if time.monotonic() - started > 30:
                 delay = 0.2  # it had been up: retry fast
@@ -147,6 +154,7 @@ class NriPlugin:
     async def _one_connection(self) -> None:
         settings = self._init.settings()
         conn = await wire.Connection.open(settings.socket, self._handle)
+        self._conn = conn
         self._synced = asyncio.Event()
         serving = asyncio.create_task(conn.serve(), name="nri-reader")
         try:
@@ -167,6 +175,17 @@ class NriPlugin:
             if not serving.done():
                 serving.cancel()
 
+    def chain_changed(self) -> None:
+        """A reload swapped the chain. containerd takes the event mask only at Configure:
+        when the new chain needs other events, register again (Synchronize rebuilds the
+        store; nothing is lost)."""
+        conn, mask = self._conn, event_mask(self._init.chain())
+        if conn is None or conn.closed.is_set() or mask == self._mask:
+            return
+        log.info("nri_resubscribing", events=hex(mask), was=hex(self._mask))
+        self._resubscribe = True
+        conn.close()
+
     async def _handle(self, method: str, payload: bytes, timeout: float | None) -> bytes:
         handler = self._handlers.get(method)
         if handler is None:
@@ -184,7 +203,7 @@ class NriPlugin:
 
     async def _configure(self, payload: bytes, _: float | None) -> bytes:
         req = nri.ConfigureRequest.FromString(payload)
-        mask = event_mask(self._init.chain())
+        mask = self._mask = event_mask(self._init.chain())
         log.info("nri_configured", runtime=req.runtime_name, version=req.runtime_version, events=hex(mask))
         return nri.ConfigureResponse(events=mask).SerializeToString()
 
@@ -218,34 +237,41 @@ class NriPlugin:
         the proxy ingress forwarded (it ran them; ``ingress: both``)."""
         return not self._init.skipped(pod) and annotations.get(PROXY_MARK) != PROXY_MARK_VALUE
 
-    async def _pre(self, ctx: Context, timeout: float | None, *, veto: bool) -> Outcome | None:
-        """The Pre stage; None when it has no hooks. A Fail hook's failure becomes an
-        error reply where containerd fails the call for it (``veto``), else a log line."""
+    async def _pre(self, ctx: Context, timeout: float | None) -> Outcome | None:
+        """The Pre stage of an event containerd waits for; None when it has no hooks. A
+        Fail hook's failure becomes an error reply: containerd fails the CRI call."""
         chain = self._init.chain()
         if not chain.for_stage(ctx.stage):
             return None
-        await self._init.posts.wait(ctx.pod.meta.uid)
+        deadline = self._deadline(timeout)
+        try:  # a Pre hook sees what the pod's earlier Post hooks did, but not past our deadline
+            await asyncio.wait_for(self._init.posts.wait(ctx.pod.meta.uid), max(deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            log.warning("post_hooks_still_running", stage=ctx.stage.value, ingress="nri")
         try:
-            return await chain.run(ctx, deadline=self._deadline(timeout))
+            return await chain.run(ctx, deadline=deadline)
         except HookFailed as exc:
-            log.error("cri_call_rejected" if veto else "pre_hook_failed", hook=exc.hook, stage=exc.stage.value,
-                      reason=exc.reason, ingress="nri")
-            if veto:
-                raise wire.RpcError(wire.UNKNOWN, str(exc)) from exc
-            return None
+            log.error("cri_call_rejected", hook=exc.hook, stage=exc.stage.value, reason=exc.reason, ingress="nri")
+            raise wire.RpcError(wire.UNKNOWN, str(exc)) from exc
 
-    def _post(self, ctx: Context) -> None:
+    def _post(self, ctx: Context, *, pre: Stage | None = None) -> None:
+        """``ctx``'s (Post) stage after the reply, queued behind the pod's earlier ones;
+        with ``pre``, that stage first (events after the fact: nothing to wait for)."""
         chain = self._init.chain()
-        if not chain.for_stage(ctx.stage):
+        stages = [s for s in (pre, ctx.stage) if s is not None and chain.for_stage(s)]
+        if not stages:
             return
 
         async def run() -> None:
-            try:
-                outcome = await self._init.chain().run(ctx, deadline=None)
-            except HookFailed as exc:
-                log.error("post_hook_failed", hook=exc.hook, stage=exc.stage.value, reason=exc.reason)
-                return
-            self._store.record_changes(ctx.pod.meta.uid, outcome.changes)
+            for stage in stages:
+                try:
+                    outcome = await self._init.chain().run(
+                        replace(ctx, stage=stage, result=None if stage is pre else ctx.result), deadline=None)
+                except HookFailed as exc:
+                    log.error("pre_hook_failed" if stage is pre else "post_hook_failed", hook=exc.hook,
+                              stage=exc.stage.value, reason=exc.reason, ingress="nri")
+                    continue
+                self._store.record_changes(ctx.pod.meta.uid, outcome.changes)
 
         self._init.posts.add(ctx.pod.meta.uid, run)
 
@@ -267,7 +293,7 @@ class NriPlugin:
         resp = nri.CreateContainerResponse()
         if not self._ours(pod, req.container.annotations):
             return resp.SerializeToString()
-        outcome = await self._pre(ContainerContext(Stage.PRE_CREATE_CONTAINER, pod, container), timeout, veto=True)
+        outcome = await self._pre(ContainerContext(Stage.PRE_CREATE_CONTAINER, pod, container), timeout)
         if outcome is None:
             return resp.SerializeToString()
         assert isinstance(outcome.context, ContainerContext)
@@ -297,7 +323,7 @@ class NriPlugin:
         if not self._ours(pod, req.container.annotations):
             return resp.SerializeToString()
         ctx = ContainerContext(Stage.PRE_UPDATE_CONTAINER_RESOURCES, pod, merged)
-        outcome = await self._pre(ctx, timeout, veto=True)
+        outcome = await self._pre(ctx, timeout)
         if outcome is None:
             return resp.SerializeToString()
         assert isinstance(outcome.context, ContainerContext)
@@ -311,7 +337,7 @@ class NriPlugin:
 
     async def _stop_container(self, payload: bytes, timeout: float | None) -> bytes:
         req = nri.StopContainerRequest.FromString(payload)
-        await self._after(E.STOP_CONTAINER, req.pod, req.container, timeout)
+        await self._after(E.STOP_CONTAINER, req.pod, req.container)
         return nri.StopContainerResponse().SerializeToString()
 
     async def _state_change(self, payload: bytes, timeout: float | None) -> bytes:
@@ -320,7 +346,7 @@ class NriPlugin:
         if ev.event == E.RUN_POD_SANDBOX:
             await self._run_pod_sandbox(ev.pod, timeout)
         elif ev.event in _AFTER:
-            await self._after(ev.event, ev.pod, ev.container if has_container else None, timeout)
+            await self._after(ev.event, ev.pod, ev.container if has_container else None)
         elif has_container:
             await self._container_state(ev.event, ev.pod, ev.container, timeout)
         return b""
@@ -331,7 +357,7 @@ class NriPlugin:
         self._store.put_pod(pod, cri.SANDBOX_READY)
         if not self._ours(pod, pb.annotations):
             return
-        outcome = await self._pre(PodContext(Stage.PRE_RUN_POD_SANDBOX, pod), timeout, veto=True)
+        outcome = await self._pre(PodContext(Stage.PRE_RUN_POD_SANDBOX, pod), timeout)
         if outcome is not None and outcome.request_changed:
             # No pod adjustment in NRI: the sandbox's config is fixed by now. Host writes stand;
             # explain says which changes did not reach containerd.
@@ -351,8 +377,7 @@ class NriPlugin:
         logsetup.bind_container(name=container.meta.name, id=container.id)
         ours = self._ours(pod, pb.annotations)
         if event == E.START_CONTAINER and ours:
-            self._record(pod, await self._pre(ContainerContext(Stage.PRE_START_CONTAINER, pod, container), timeout,
-                                              veto=True))
+            self._record(pod, await self._pre(ContainerContext(Stage.PRE_START_CONTAINER, pod, container), timeout))
         elif event == E.POST_CREATE_CONTAINER and ours:
             self._post(ContainerContext(Stage.POST_CREATE_CONTAINER, pod, container, CallResult(True)))
         elif event == E.POST_START_CONTAINER:
@@ -392,10 +417,10 @@ class NriPlugin:
             return
         log.info("oom_score_adj_set", pid=pid, value=value, ingress="nri")
 
-    async def _after(self, event: int, pb_pod: nri.PodSandbox, pb: nri.Container | None,
-                     timeout: float | None) -> None:
+    async def _after(self, event: int, pb_pod: nri.PodSandbox, pb: nri.Container | None) -> None:
         """Stop/remove events: containerd sends them after the fact, so the Pre stage can
-        only observe (its Fail policy is logged, not relayed) and the Post stage follows."""
+        only observe (its Fail policy is logged, not relayed): both stages run after the
+        reply, Pre then Post, and containerd's exit and teardown paths do not wait for them."""
         pre, post = _AFTER[event]
         pod = self._pod(pb_pod)
         ctx: Context
@@ -408,8 +433,7 @@ class NriPlugin:
             ctx = ContainerContext(pre, pod, container)
         annotations = pb.annotations if pb is not None else pb_pod.annotations
         if self._ours(pod, annotations):
-            self._record(pod, await self._pre(ctx, timeout, veto=False))
-            self._post(replace(ctx, stage=post, result=CallResult(True)))
+            self._post(replace(ctx, stage=post, result=CallResult(True)), pre=pre)
         if event == E.STOP_POD_SANDBOX:
             self._store.set_pod_state(pb_pod.id, cri.SANDBOX_NOTREADY)
         elif event == E.REMOVE_POD_SANDBOX:

@@ -195,3 +195,43 @@ def test_oom_score_adj_the_adjustment_cannot_carry_is_set_after_start(
     set_line = agent.wait_event("oom_score_adj_set", pid=pid, ingress="nri")
     assert set_line["value"] == 432
     assert Path(f"/proc/{pid}/oom_score_adj").read_text().strip() == "432"
+
+
+WATCH = textwrap.dedent('''
+    """Test plugin: PostCreateContainer appends the container's name to args.out."""
+
+
+    class Factory:
+        def __init__(self, init):
+            self.out = init.args["out"]
+
+        def post_create_container(self, ctx):
+            with open(self.out, "a") as f:
+                f.write(ctx.container.meta.name + "\\n")
+''')
+
+
+def test_reload_with_a_new_stage_registers_again_for_its_event(
+        launcher: ProxyLauncher, nri_containerd: EmbeddedContainerd, nri_pods: PodKit) -> None:
+    """containerd takes the event mask only at Configure: a reload adding a hook at a stage
+    whose event is not subscribed (PostCreateContainer) makes the plugin register again."""
+    plugin_dir = launcher.mkdtemp()
+    (plugin_dir / "krp_watch.py").write_text(WATCH)
+    out = plugin_dir / "created.txt"
+    agent = launcher.start(HOOKS, extra=_nri_extra(nri_containerd), pythonpath=[plugin_dir])
+    first = agent.wait_event("nri_configured")
+    assert not int(first["events"], 16) & 0x10
+    doc = agent.config()
+    doc["hooks"] = [*HOOKS, {"name": "watch", "plugin": "krp_watch:Factory", "args": {"out": str(out)}}]
+    agent.write_config(doc)
+    agent.wait_event("config_reloaded", timeout=20)
+    again = agent.wait_event("nri_configured", count=2)
+    assert int(again["events"], 16) == int(first["events"], 16) | 0x10
+    agent.wait_event("nri_connected", count=2)
+    assert not agent.events("nri_disconnected")
+    pod, _, cid = _pod(nri_pods, "nri-resubscribed")
+    assert nri_pods.cpu_shares(pod, cid) == 300
+    deadline = time.monotonic() + 10
+    while not (out.exists() and out.read_text() == "app\n"):
+        assert time.monotonic() < deadline, out.read_text() if out.exists() else "no PostCreateContainer"
+        time.sleep(0.05)
