@@ -235,3 +235,20 @@ def test_reload_with_a_new_stage_registers_again_for_its_event(
     while not (out.exists() and out.read_text() == "app\n"):
         assert time.monotonic() < deadline, out.read_text() if out.exists() else "no PostCreateContainer"
         time.sleep(0.05)
+
+
+def test_update_container_resources_goes_through_the_chain(launcher: ProxyLauncher, nri_containerd: EmbeddedContainerd,
+                                                           nri_pods: PodKit) -> None:
+    """PreUpdateContainerResources on NRI's UpdateContainer: the hook's value is returned as
+    an update of that container and wins over the CRI request's (example hook: 300)."""
+    agent = _agent(launcher, nri_containerd)
+    pod, _, cid = _pod(nri_pods, "nri-updated")
+    assert nri_pods.cpu_shares(pod, cid) == 300
+    nri_pods.direct.UpdateContainerResources(cri.UpdateContainerResourcesRequest(
+        container_id=cid, linux=cri.LinuxContainerResources(cpu_shares=600, memory_limit_in_bytes=96 << 20)),
+        timeout=30)
+    assert nri_pods.cpu_shares(pod, cid) == 300
+    assert nri_pods.cgroup_value(pod, cid, "memory", "memory.limit_in_bytes") == str(96 << 20)
+    code, body = http_get(agent.metrics_port, f"/debug/explain?pod=krp-test/{pod.metadata.name}")
+    changes = [(c["stage"], c["target"], c["old"], c["new"]) for c in json.loads(body)["changes"]]
+    assert code == 200 and ("PreUpdateContainerResources", "container.resources.cpu_shares", "600", "300") in changes
