@@ -211,6 +211,8 @@ class NriPlugin:
         req = nri.SynchronizeRequest.FromString(payload)
         store = self._store
         pods = {p.id: convert.pod_info(p) for p in req.pods}
+        # A sandbox without a task (pid 0) is stopped: NOTREADY, as the reconciler expects.
+        ready = {p.id: cri.SANDBOX_READY if p.pid else cri.SANDBOX_NOTREADY for p in req.pods}
         containers = {c.id: c for c in req.containers}
         known_pods, known_containers = store.ids()
         for cid in set(known_containers) - set(containers):
@@ -218,7 +220,7 @@ class NriPlugin:
         for sid in set(known_pods) - set(pods):
             store.remove_pod(sid)
         for pod in pods.values():
-            store.put_pod(pod, cri.SANDBOX_READY)
+            store.put_pod(pod, ready[pod.id])
         for c in containers.values():
             store.put_container(c.pod_sandbox_id, convert.container_info(c), convert.cri_state(c.state))
         log.info("nri_synchronized", pods=len(pods), containers=len(containers),

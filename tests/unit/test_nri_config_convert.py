@@ -7,10 +7,16 @@ from dataclasses import replace
 
 import pytest
 
+from criapi import cri_v1_pb2 as cri
 from criapi import nri_v1alpha1_pb2 as nri
+from runtimeproxy.chain.hookchain import HookChain
+from runtimeproxy.config.ingress import NriSettings
 from runtimeproxy.config.settings import ConfigError, from_mapping
 from runtimeproxy.hookapi import Resources, frozen_map
-from runtimeproxy.nri import convert
+from runtimeproxy.lifecycle.posthooks import PostQueue
+from runtimeproxy.nri import convert, wire
+from runtimeproxy.nri.plugin import NriPlugin, PluginInit
+from runtimeproxy.state.store import Store
 
 
 def test_defaults_keep_the_proxy() -> None:
@@ -80,3 +86,35 @@ def test_update_is_none_when_nothing_nri_can_carry_changed() -> None:
     assert upd is None and cannot == ["memory_swap_limit_in_bytes"]
     upd, _ = convert.update("c1", res, replace(res, cpu_shares=700))
     assert upd is not None and upd.container_id == "c1" and upd.linux.resources.cpu.shares.value == 700
+
+
+def _plugin(store: Store) -> NriPlugin:
+    return NriPlugin(PluginInit(settings=NriSettings, store=store, chain=lambda: HookChain([]),
+                                skipped=lambda pod: False, posts=PostQueue()))
+
+
+@pytest.mark.asyncio
+async def test_synchronize_replaces_the_store_with_containerds_view() -> None:
+    store = Store()
+    store.put_pod(convert.pod_info(nri.PodSandbox(id="gone", name="old", uid="u0", namespace="ns")), cri.SANDBOX_READY)
+    plugin = _plugin(store)
+    req = nri.SynchronizeRequest(
+        pods=[nri.PodSandbox(id="p1", name="a", uid="u1", namespace="ns", pid=42),
+              nri.PodSandbox(id="p2", name="b", uid="u2", namespace="ns", pid=0)],
+        containers=[nri.Container(id="c1", pod_sandbox_id="p1", name="app", state=nri.CONTAINER_RUNNING, pid=43)])
+    assert await plugin._handle("Synchronize", req.SerializeToString(), 2.0) == b""
+    assert store.pod("gone") is None
+    assert store.pod_state("p1") == cri.SANDBOX_READY and store.pod_state("p2") == cri.SANDBOX_NOTREADY
+    rec = store.container("c1")
+    assert rec is not None and rec.pod_id == "p1" and store.container_state("c1") == cri.CONTAINER_RUNNING
+
+
+@pytest.mark.asyncio
+async def test_configure_subscribes_what_the_store_needs_and_unknown_methods_are_unimplemented() -> None:
+    plugin = _plugin(Store())
+    reply = nri.ConfigureResponse.FromString(
+        await plugin._handle("Configure", nri.ConfigureRequest(runtime_name="containerd").SerializeToString(), 2.0))
+    assert reply.events == 0x74F  # no hooks: only the store's events, never 0 (which means all)
+    with pytest.raises(wire.RpcError) as err:
+        await plugin._handle("Frobnicate", b"", 2.0)
+    assert err.value.code == wire.UNIMPLEMENTED
