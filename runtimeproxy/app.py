@@ -313,7 +313,7 @@ class App:
             return "stopping"
         if not self._ready:
             return "starting: waiting for the backend to answer Version"
-        return self.monitor.problem()
+        return self.monitor.problem() or nri_ingress.problem(self.nri)
 
     async def _wait_backend(self) -> None:
         """Poll Version until containerd answers; calls meanwhile fail UNAVAILABLE."""

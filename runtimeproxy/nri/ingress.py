@@ -59,6 +59,13 @@ def check_socket(settings: Settings) -> None:
                           "and restart containerd), or its socket_path differs")
 
 
+def problem(nri: NriPlugin | None) -> str | None:
+    """/healthz: an NRI plugin not connected runs no hook for new pods (containerd goes on without it)."""
+    if nri is None or nri.connected.is_set():
+        return None
+    return f"NRI plugin not connected to {nri.socket} (no hooks for new pods until it is)"
+
+
 def describe(settings: Settings, nri: NriPlugin | None) -> str:
     """Which ingress is active, for ``explain``."""
     if nri is None:

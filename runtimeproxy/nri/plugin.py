@@ -175,6 +175,10 @@ class NriPlugin:
             if not serving.done():
                 serving.cancel()
 
+    @property
+    def socket(self) -> str:
+        return self._init.settings().socket
+
     def chain_changed(self) -> None:
         """A reload swapped the chain. containerd takes the event mask only at Configure:
         when the new chain needs other events, register again (Synchronize rebuilds the

@@ -9,6 +9,7 @@ Each test starts its own agent: one NRI plugin at a time on this containerd.
 from __future__ import annotations
 
 import json
+import socket
 import textwrap
 import time
 from collections.abc import Iterator
@@ -252,3 +253,21 @@ def test_update_container_resources_goes_through_the_chain(launcher: ProxyLaunch
     code, body = http_get(agent.metrics_port, f"/debug/explain?pod=krp-test/{pod.metadata.name}")
     changes = [(c["stage"], c["target"], c["old"], c["new"]) for c in json.loads(body)["changes"]]
     assert code == 200 and ("PreUpdateContainerResources", "container.resources.cpu_shares", "600", "300") in changes
+
+
+def test_healthz_says_when_the_nri_plugin_is_not_connected(launcher: ProxyLauncher,
+                                                           nri_containerd: EmbeddedContainerd) -> None:
+    """A socket that accepts but never speaks NRI (registration never answered): containerd
+    would create pods without our hooks, so /healthz is 503 and says why."""
+    silent = launcher.mkdtemp() / "silent.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(silent))
+        listener.listen(8)
+        agent = launcher.start(HOOKS, extra={"data_plane": "grpc", "ingress": "nri", "nri": {"socket": str(silent)}},
+                               wait_ready=False)
+        agent.wait_event("ready")
+        status, body = http_get(agent.metrics_port, "/healthz")
+        assert status == 503 and b"NRI plugin not connected to " + str(silent).encode() in body
+    finally:
+        listener.close()
