@@ -164,6 +164,9 @@ class NriPlugin:
             synced = asyncio.create_task(self._synced.wait())
             await asyncio.wait({serving, synced}, timeout=HANDSHAKE_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
             synced.cancel()
+            if not self._synced.is_set() and serving.done():
+                serving.result()  # the reader's error, if it had one
+                raise ConnectionError("closed by containerd during the handshake")
             if not self._synced.is_set():
                 raise TimeoutError("no Synchronize from containerd after registering")
             self.connected.set()
