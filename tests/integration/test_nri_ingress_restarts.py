@@ -271,3 +271,33 @@ def test_healthz_says_when_the_nri_plugin_is_not_connected(launcher: ProxyLaunch
         assert status == 503 and b"NRI plugin not connected to " + str(silent).encode() in body
     finally:
         listener.close()
+
+
+BIG = textwrap.dedent('''
+    """Test plugin: PreCreateContainer adds a 6 KB annotation (the reply exceeds one 4096-byte frame)."""
+    from runtimeproxy.hookapi import ContainerPatch
+
+
+    class Factory:
+        def __init__(self, init):
+            pass
+
+        def pre_create_container(self, ctx):
+            return ContainerPatch(annotations={"example.com/big": "x" * 6000}, reason="big")
+''')
+
+
+def test_a_reply_bigger_than_one_frame_reaches_containerd(launcher: ProxyLauncher, nri_containerd: EmbeddedContainerd,
+                                                          nri_pods: PodKit) -> None:
+    """containerd drops a plugin whose frame carries more than 4096 bytes (and creates the
+    container without its adjustment); ours go out split, so the 6 KB annotation lands."""
+    plugin_dir = launcher.mkdtemp()
+    (plugin_dir / "krp_big.py").write_text(BIG)
+    agent = launcher.start([{"name": "big", "plugin": "krp_big:Factory", "failure_policy": "Fail"}],
+                           extra=_nri_extra(nri_containerd), pythonpath=[plugin_dir])
+    agent.wait_event("nri_synchronized")
+    _, _, cid = _pod(nri_pods, "nri-big")
+    status = nri_pods.direct.ContainerStatus(cri.ContainerStatusRequest(container_id=cid, verbose=True), timeout=10)
+    spec = json.loads(status.info["info"])["runtimeSpec"]
+    assert spec["annotations"]["example.com/big"] == "x" * 6000
+    assert not agent.events("nri_disconnected")
