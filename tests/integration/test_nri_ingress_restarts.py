@@ -301,3 +301,26 @@ def test_a_reply_bigger_than_one_frame_reaches_containerd(launcher: ProxyLaunche
     spec = json.loads(status.info["info"])["runtimeSpec"]
     assert spec["annotations"]["example.com/big"] == "x" * 6000
     assert not agent.events("nri_disconnected")
+
+
+def test_fail_policy_error_at_run_pod_sandbox_refuses_the_pod(launcher: ProxyLauncher,
+                                                               nri_containerd: EmbeddedContainerd,
+                                                               nri_pods: PodKit) -> None:
+    """PreRunPodSandbox's veto through RUN_POD_SANDBOX (the reference marks it read, not
+    verified: here it is): containerd fails RunPodSandbox and leaves no sandbox."""
+    from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
+
+    spec = "node.koordinator.sh/extended-resource-spec"
+    agent = launcher.start([{"name": "batch", "plugin": "batch-resource", "failure_policy": "Fail"}],
+                           extra=_nri_extra(nri_containerd))
+    agent.wait_event("nri_synchronized")
+    pod = nri_pods.sandbox("nri-batch-bad", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"}, annotations={
+        spec: '{"containers": {"app": {"requests": {"kubernetes.io/batch-cpu": "-5"}}}}'})
+    kubelet_creates_pod_cgroup(pod.linux.cgroup_parent)
+    with pytest.raises(grpc.RpcError) as err:
+        nri_pods.run(nri_pods.direct, pod)
+    details = err.value.details()
+    assert "'batch'" in details and "PreRunPodSandbox" in details and spec in details
+    listed = nri_pods.direct.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=10).items
+    assert not [p for p in listed if p.metadata.name == "nri-batch-bad" and p.state == cri.SANDBOX_READY]
+    agent.wait_event("cri_call_rejected", hook="batch", stage="PreRunPodSandbox", ingress="nri")
