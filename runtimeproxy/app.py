@@ -36,6 +36,7 @@ from runtimeproxy.hostwrites import FailureCollector
 from runtimeproxy.lifecycle import owed
 from runtimeproxy.lifecycle.handler import Lifecycle, SkipLabel
 from runtimeproxy.lifecycle.sweep import sweep
+from runtimeproxy.nri import ingress as nri_ingress
 from runtimeproxy.ops import fdlimits, logsetup, sdnotify
 from runtimeproxy.ops.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.ops.promstats import HttpEndpoint, ProxyMetrics
@@ -55,7 +56,7 @@ log = structlog.get_logger("runtimeproxy.app")
 VERSION_METHOD = "/runtime.v1.RuntimeService/Version"
 _RESTART_ONLY = ("listen", "socket_mode", "backend", "metrics_listen", "max_message_bytes", "tasks",
                  "metrics_max_connections", "metrics_idle_timeout", "metrics_fd_reserve", "state_dir",
-                 "data_plane", "data_plane_orphan_grace")
+                 "data_plane", "data_plane_orphan_grace", "ingress", "nri")
 #: Pods whose change history is kept on disk (each its last CHANGES_PER_POD changes).
 HISTORY_PODS = 512
 
@@ -92,12 +93,14 @@ class App:
         self.store = Store(history, self.ledger)
         self._sweep_throttle = logsetup.Throttle(600.0)  # a hook's sweep failing at every re-sync: said every 10 min
         self.backend = GrpcBackend(settings.backend, max_message_bytes=settings.max_message_bytes)
-        self.data_plane = choose_data_plane(settings, lambda: haproxy.intercepted_paths(self.chain.pre_calls))
+        self.data_plane = (None if settings.ingress == "nri"  # kubelet talks to containerd: no socket of ours
+                           else choose_data_plane(settings, lambda: haproxy.intercepted_paths(self.chain.pre_calls)))
         #: The lifecycle's calls to containerd: gRPC, straight to it, on either data plane.
         self.lifecycle_backend: Backend = self.backend
         self.lifecycle = Lifecycle(
             store=self.store, backend=self.lifecycle_backend, chain=lambda: self.chain,
             skip_label=lambda: SkipLabel(self.settings.skip_label_key, self.settings.skip_label_value),
+            mark=nri_ingress.proxy_mark(settings),
         )
         self.server: InterceptServer
         if self.data_plane is not None:
@@ -111,6 +114,8 @@ class App:
             # Pass-through calls are counted by HAProxy; its counters are read at scrape time.
             haproxystats.install(self.registry, self.metrics.cri_calls, self.metrics.cri_errors,
                                  self.data_plane.layout.stats_socket)
+        elif settings.ingress == "nri":
+            self.server = nri_ingress.NoSocket()
         else:
             self.handler = ProxyHandler(backend=self.backend, lifecycle=self.lifecycle, metrics=self.metrics)
             self.server = ProxyServer(listen=Path(settings.listen), socket_mode=settings.socket_mode,
@@ -125,6 +130,10 @@ class App:
             refresh=lambda: self.resyncer.run_once("reconcile"),
         )
         self.rules.subscribe(self._rules_changed)
+        #: The NRI ingress (``ingress: nri | both``): containerd calls the chain itself.
+        self.nri = nri_ingress.plugin(settings, store=self.store, chain=lambda: self.chain, skipped=self._skipped,
+                                      posts=self.lifecycle.posts, settings_now=lambda: self.settings.nri,
+                                      synchronized=self.reconciler.trigger)
         self.http: HttpEndpoint | None = None
         self._routes: dict[str, Route] = {"/debug/explain": self._explain_route}
         self._explainers: dict[str, Explainer] = {}
@@ -155,6 +164,7 @@ class App:
             loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
             loop.add_signal_handler(signal.SIGQUIT, self.stop_all)
         try:
+            nri_ingress.check_socket(self.settings)  # before anything listens: exit 2 naming nri.socket
             if self.data_plane is not None:
                 self.data_plane.prepare()
             await self.server.start()
@@ -181,6 +191,8 @@ class App:
             log.info("ledger_loaded", objects=known, path=str(self.ledger.path) if self.ledger.path else None)
             await self._rebuild_store()
             self.supervisor.add("resync", self.resyncer.run_forever)
+            if self.nri is not None:  # after the rebuild: its Synchronize replaces what the rebuild learnt
+                self.supervisor.add("nri", self.nri.run_forever)
             channel = self.backend.channel_for(VERSION_METHOD)
             self.supervisor.add("backend-watch", lambda: watch_reconnects(channel, self.resyncer.trigger))
             # containerd's events make the re-sync (and the Post stages it finds owed) prompt.
@@ -190,7 +202,7 @@ class App:
             # First pass right away: pods created while we were down get their settings now.
             self.supervisor.add("reconciler", self.reconciler.run_forever)
             sdnotify.notify("READY=1")
-            log.info("ready", hooks=[h.name for h in self.chain.hooks])
+            log.info("ready", hooks=[h.name for h in self.chain.hooks], ingress=self.settings.ingress)
         await self._stop.wait()
         return await self.shutdown()
 
@@ -297,7 +309,7 @@ class App:
             return "stopping"
         if not self._ready:
             return "starting: waiting for the backend to answer Version"
-        return self.monitor.problem()
+        return self.monitor.problem() or nri_ingress.problem(self.nri)
 
     async def _wait_backend(self) -> None:
         """Poll Version until containerd answers; calls meanwhile fail UNAVAILABLE."""
@@ -360,6 +372,8 @@ class App:
             log.warning("config_needs_restart", keys=stale)
         old, running = self.chain, self.settings
         self.chain, self.settings = chain, settings
+        if self.nri is not None:
+            self.nri.chain_changed()  # a hook at a stage with no event subscribed yet: register again
         self.rules.set_base(settings.rules)
         logsetup.configure(level=settings.log_level, fmt=settings.log_format)  # type: ignore[arg-type]
         self.metrics.config_reloaded(True)
@@ -431,7 +445,8 @@ class App:
         if not query.get("pod"):
             known_pods, known_containers = self.store.ids()
             store = {"pods": len(known_pods), "containers": len(known_containers)}
-            body: dict[str, Any] = {"node": True, "store": store, "tasks": self._task_views(None)}
+            body: dict[str, Any] = {"node": True, "store": store, "tasks": self._task_views(None),
+                                    "ingress": nri_ingress.describe(self.settings, self.nri)}
             return 200, "application/json", json.dumps(body, indent=2, default=str).encode()
         namespace, _, name = query.get("pod", "").partition("/")
         pod = self.store.find_pod(namespace, name) if name else None
@@ -442,6 +457,7 @@ class App:
             "uid": pod.meta.uid,
             "sandbox_id": pod.id,
             "cgroup_parent": pod.cgroup_parent,
+            "ingress": nri_ingress.describe(self.settings, self.nri),
             "changes": [asdict(c) for c in self.store.changes(pod.meta.uid)],
             "tasks": self._task_views(pod),
         }

@@ -82,6 +82,8 @@ def parser() -> argparse.ArgumentParser:
                       help="keep the metrics store and pod logs here (default: a temporary dir, removed)")
     demo.add_argument("--config", type=Path, default=None, help="proxy config (default: a demo config)")
     demo.add_argument("--once", action="store_true", help="clean up right after printing, no Ctrl-C wait")
+    demo.add_argument("--ingress", choices=("cri-proxy", "nri"), default="cri-proxy",
+                      help="nri: containerd 1.7.24 (scripts/setup-host.sh fetches it) calls the agent over NRI")
     # Plugin families add their own commands (e.g. ``top``) without the core naming them.
     for ep in sorted(importlib.metadata.entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
         ep.load()(sub)
@@ -132,7 +134,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"koord-runtime-proxy: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     print(f"config ok: listen={settings.listen} backend={settings.backend.runtime_endpoint}"
-          f" {plane} source={settings.source}")
+          f" {plane} ingress={settings.ingress} source={settings.source}")
+    if settings.ingress != "cri-proxy":
+        print(f"ingress: {_ingress_line(settings)}")
     if not hooks:
         print("no hooks configured: every call is passed through")
     for i, hook in enumerate(hooks):
@@ -140,6 +144,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"{i + 1}. {hook.name}\t{hook.policy.value}\t{hook.timeout}s\t{stages}")
     print(f"tasks: {', '.join(tasks) if tasks else 'none'}")
     return 0
+
+
+def _ingress_line(settings: config.Settings) -> str:
+    nri = settings.nri
+    if settings.ingress == "cri-proxy":
+        return f"cri-proxy (kubelet -> {settings.listen})"
+    where = f"nri (containerd calls {nri.plugin_index}-{nri.plugin_name} on {nri.socket})"
+    return where if settings.ingress == "nri" else f"both: cri-proxy on {settings.listen} + {where}"
 
 
 def _fetch_json(url: str) -> tuple[int, Any]:
@@ -165,6 +177,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     code, body = _fetch_json(f"http://{args.endpoint}/debug/explain?{query}")
     if code:
         return code
+    if body.get("ingress"):
+        print(f"ingress: {body['ingress']}")
     if not args.pod:
         print("node")
         _print_tasks(body.get("tasks", {}))
@@ -184,7 +198,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from runtimeproxy.demo import scenario as demo
 
-    code: int = demo.main(workdir=args.workdir, config_path=args.config, once=args.once)
+    code: int = demo.main(workdir=args.workdir, config_path=args.config, once=args.once, ingress=args.ingress)
     return code
 
 

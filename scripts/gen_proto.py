@@ -24,7 +24,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROTO_ROOT = REPO_ROOT / "cri-api"
 PACKAGE = "criapi"
-PROTOS = ("criapi/cri_v1.proto", "criapi/hook_v1alpha1.proto", "criapi/containerd_events_v1.proto")
+PROTOS = ("criapi/cri_v1.proto", "criapi/hook_v1alpha1.proto", "criapi/containerd_events_v1.proto",
+          "criapi/nri_v1alpha1.proto", "criapi/ttrpc.proto")
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 

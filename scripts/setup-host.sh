@@ -50,3 +50,27 @@ if [[ ! -f $stamp || requirements-dev.txt -nt $stamp || requirements.txt -nt $st
   .venv/bin/python -m pip install -q --no-deps -e .
   touch "$stamp"
 fi
+
+# containerd 1.7.24 (NRI v0.6.1) for the NRI ingress's tests and `demo --ingress nri`:
+# Debian 13's package, fetched with a private apt configuration (trixie suite, the host's
+# own mirror and keyring) and unpacked with dpkg-deb into a private directory. Nothing is
+# installed system-wide; the Debian 12 containerd 1.6 stays the one on PATH.
+ctrd17=/var/cache/koord-runtime-proxy/containerd-1.7
+if [[ ! -x $ctrd17/usr/bin/containerd ]]; then
+  apt17=/var/cache/koord-runtime-proxy/apt-trixie
+  mkdir -p "$apt17/lists/partial" "$apt17/cache/archives/partial" "$apt17/debs"
+  mirror=$(grep -hs '^URIs:' /etc/apt/sources.list.d/*.sources | awk '{print $2}' | grep -m1 '/debian$' || true)
+  [[ -n $mirror ]] || mirror=$(grep -hs '^deb ' /etc/apt/sources.list | awk '{print $2}' | grep -m1 '/debian/*$' || true)
+  mirror=${mirror:-http://deb.debian.org/debian}
+  printf 'Types: deb\nURIs: %s\nSuites: trixie\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+    "$mirror" >"$apt17/trixie.sources"
+  aptopts=(-o "Dir::Etc::sourcelist=$apt17/trixie.sources" -o Dir::Etc::sourceparts=/nonexistent
+           -o "Dir::State::Lists=$apt17/lists" -o "Dir::Cache=$apt17/cache" -o APT::Architecture=amd64)
+  apt-get -qq "${aptopts[@]}" update
+  (cd "$apt17/debs" && apt-get -qq "${aptopts[@]}" download containerd)
+  deb=$(ls "$apt17"/debs/containerd_1.7.*_amd64.deb | sort -V | tail -1)
+  rm -rf "$ctrd17.tmp" && mkdir -p "$ctrd17.tmp"
+  dpkg-deb -x "$deb" "$ctrd17.tmp"
+  "$ctrd17.tmp/usr/bin/containerd" --version
+  rm -rf "$ctrd17" && mv "$ctrd17.tmp" "$ctrd17"
+fi

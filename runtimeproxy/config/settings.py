@@ -26,6 +26,8 @@ from runtimeproxy.config.configvalues import ConfigError as ConfigError
 from runtimeproxy.config.configvalues import mapping, positive_int, reject_unknown, string
 from runtimeproxy.config.configvalues import parse_duration as parse_duration
 from runtimeproxy.config.filetrust import path_problem
+from runtimeproxy.config.ingress import NriSettings, nri_settings
+from runtimeproxy.config.ingress import ingress as ingress_value
 from runtimeproxy.hookapi import HostRoots, Stage
 
 DEFAULT_CONFIG_PATH: Final = Path("/etc/koord-runtime-proxy/config.yaml")
@@ -133,6 +135,9 @@ class Settings:
     allow_insecure: frozenset[str] = frozenset()
     #: The accepted risks actually present: one warning line each at every start.
     accepted_risks: tuple[str, ...] = field(default=(), compare=False)
+    #: How lifecycle events reach the chain: ``cri-proxy``, ``nri`` or ``both`` (runtimeproxy.config.ingress).
+    ingress: str = "cri-proxy"
+    nri: NriSettings = NriSettings()
 
 
 _TOP_KEYS: Final = frozenset(
@@ -141,6 +146,7 @@ _TOP_KEYS: Final = frozenset(
         "metrics", "log", "shutdown_grace", "max_message_bytes", "reload_poll_interval", "reconcile_interval",
         "host", "rules", "tasks", "allow_insecure", "resync_interval", "state_dir",
         "data_plane", "data_plane_idle_timeout", "data_plane_survives_restart", "data_plane_orphan_grace",
+        "ingress", "nri",
     }
 )
 _HOOK_KEYS: Final = frozenset({"name", "plugin", "remote", "stages", "failure_policy", "timeout", "args"})
@@ -326,6 +332,8 @@ def from_mapping(data: object) -> Settings:
         data_plane_orphan_grace=net.orphan_grace(top, default.data_plane_orphan_grace),
         allow_insecure=allow_insecure,
         accepted_risks=accepted_risks,
+        ingress=ingress_value(top.get("ingress", default.ingress)),
+        nri=nri_settings(top.get("nri")),
     )
 
 

@@ -42,6 +42,8 @@ from criapi import cri_v1_pb2, cri_v1_pb2_grpc
 from runtimeproxy.demo.embeddedimage import DEFAULT_PATH, PAUSE_IMAGE
 
 CRI_NAMESPACE = "k8s.io"
+#: containerd 1.7.24 (NRI v0.6.1), unpacked from Debian 13's package by scripts/setup-host.sh.
+CONTAINERD_17 = Path("/var/cache/koord-runtime-proxy/containerd-1.7/usr/bin/containerd")
 GRPC_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 _RUNC_BIN = "runc"
@@ -174,9 +176,15 @@ class EmbeddedContainerd:
     and safe after a partial start, so fixtures can always call it.
     """
 
-    def __init__(self, base_dir: Path, sandbox_image: str = PAUSE_IMAGE) -> None:
+    def __init__(self, base_dir: Path, sandbox_image: str = PAUSE_IMAGE, *, binary: Path | None = None,
+                 nri_socket: Path | None = None) -> None:
         self.base_dir = base_dir.resolve()
         self.sandbox_image = sandbox_image
+        #: Another containerd (e.g. 1.7.24 from CONTAINERD_17); its directory goes first on PATH so
+        #: containerd starts its own shim. None: the one on PATH.
+        self.binary = binary
+        #: NRI on, its socket here (containerd >= 1.7); None: NRI off.
+        self.nri_socket = nri_socket
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: io.BufferedWriter | None = None
         if len(str(self.socket)) + len(".ttrpc") > _UNIX_SOCKET_MAX:
@@ -270,6 +278,19 @@ disabled_plugins = [
   bin_dir = "/usr/lib/cni"
   conf_dir = {_toml_str(b / "cni" / "net.d")}
   max_conf_num = 1
+""" + self._nri_config()
+
+    def _nri_config(self) -> str:
+        """NRI (containerd 1.7: off unless asked), every path private."""
+        if self.nri_socket is None:
+            return ""
+        b = self.base_dir
+        return f"""
+[plugins."io.containerd.nri.v1.nri"]
+  disable = false
+  socket_path = {_toml_str(self.nri_socket)}
+  plugin_path = {_toml_str(b / "nri" / "plugins")}
+  plugin_config_path = {_toml_str(b / "nri" / "conf.d")}
 """
 
     def _write_cni_config(self) -> None:
@@ -294,7 +315,7 @@ disabled_plugins = [
         # own session: a ^C in the terminal must not kill containerd before
         # stop() had the chance to tear pods down through CRI.
         self._proc = subprocess.Popen(
-            ["containerd", "--config", str(self.config_path)],
+            [str(self.binary or "containerd"), "--config", str(self.config_path)],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env, start_new_session=True,
         )
@@ -304,13 +325,27 @@ disabled_plugins = [
             self.stop()
             raise
 
+    def restart(self, timeout: float = 30.0) -> None:
+        """Stop containerd alone (its pods keep running under their shims) and start it
+        again on the same root: what a package upgrade or a crash does."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._terminate_containerd()
+        self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        self.start(timeout)
+
     def _env(self) -> dict[str, str]:
         """containerd's and ctr's environment: what they make in TMPDIR (mount points
         of an image unpack, volume copies) stays under base_dir, so it goes with it
         even when a process is killed halfway."""
         tmp = self.base_dir / "tmp"
         tmp.mkdir(mode=0o700, exist_ok=True)
-        return dict(os.environ, PATH=os.environ.get("PATH", "") + ":" + DEFAULT_PATH, TMPDIR=str(tmp))
+        path = os.environ.get("PATH", "") + ":" + DEFAULT_PATH
+        if self.binary is not None:
+            path = f"{self.binary.parent}:{path}"
+        return dict(os.environ, PATH=path, TMPDIR=str(tmp))
 
     def _wait_ready(self, timeout: float) -> None:
         """Poll until the socket exists and the CRI plugin is loaded."""

@@ -69,8 +69,12 @@ class Lifecycle:
         backend: Backend,
         chain: Callable[[], HookChain],
         skip_label: Callable[[], SkipLabel],
+        mark: Mapping[str, str] | None = None,
     ) -> None:
         self._store = store
+        #: Annotations put on every RunPodSandbox/CreateContainer forwarded (``ingress: both``:
+        #: the NRI ingress leaves what carries them to us, so no hook runs twice).
+        self._mark = dict(mark or {})
         self._backend = backend
         self._chain = chain
         self._skip_label = skip_label
@@ -119,6 +123,8 @@ class Lifecycle:
             for _, patch in outcome.patches:
                 assert isinstance(patch, PodPatch)
                 patching.apply_pod_patch(req, patch)
+        if outcome.request_changed or self._mark:
+            req.config.annotations.update(self._mark)
             payload = req.SerializeToString()
         assert isinstance(outcome.context, PodContext)
         pod = outcome.context.pod
@@ -186,6 +192,8 @@ class Lifecycle:
             for _, patch in outcome.patches:
                 assert isinstance(patch, ContainerPatch)
                 patching.apply_create_patch(req, patch)
+        if outcome.request_changed or self._mark:
+            req.config.annotations.update(self._mark)
             payload = req.SerializeToString()
         assert isinstance(outcome.context, ContainerContext)
         final = outcome.context

@@ -676,3 +676,42 @@ def pods(containerd: EmbeddedContainerd, cgroup_prefix: str, busybox_image: str)
 def module_pods(containerd: EmbeddedContainerd, cgroup_prefix: str, busybox_image: str) -> Iterator[PodKit]:
     """Like ``pods``, for objects shared by the tests of one module."""
     yield from _pod_kit(containerd, cgroup_prefix, busybox_image)
+
+
+# --------------------------------------------------------------------------
+# containerd 1.7.24 with NRI on (the NRI ingress's tests; issue 31)
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nri_containerd(tmp_path_factory: pytest.TempPathFactory, cgroup_prefix: str) -> Iterator[EmbeddedContainerd]:
+    """A private containerd 1.7.24 (scripts/setup-host.sh unpacks it) with NRI on and its
+    socket in a short private dir; module scope, so a test may restart it."""
+    from runtimeproxy.demo.embedded import CONTAINERD_17
+
+    reason = _skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    if not CONTAINERD_17.is_file():
+        message = f"containerd 1.7 missing at {CONTAINERD_17} (scripts/setup-host.sh fetches it)"
+        if _under_ci():
+            pytest.fail(message)
+        pytest.skip(message)
+    base = tmp_path_factory.mktemp("containerd17")
+    sockets = Path(tempfile.mkdtemp(dir="/tmp", prefix="krpt-nri-"))
+    images = build_busybox_image(base / "images"), build_pause_image(base / "images")
+    ctrd = EmbeddedContainerd(base / "run", binary=CONTAINERD_17, nri_socket=sockets / "nri.sock")
+    try:
+        ctrd.start()
+        for tar in images:
+            ctrd.import_image(tar)
+        yield ctrd
+    finally:
+        ctrd.stop()
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+@pytest.fixture
+def nri_pods(nri_containerd: EmbeddedContainerd, cgroup_prefix: str, busybox_image: str) -> Iterator[PodKit]:
+    """``pods`` on the containerd 1.7 fixture."""
+    yield from _pod_kit(nri_containerd, cgroup_prefix, busybox_image)

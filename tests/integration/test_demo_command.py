@@ -77,3 +77,25 @@ def test_remove_workdir_keeps_a_dir_with_a_mount_below_it(mounted: Path) -> None
     assert remove_workdir(mounted) is True
     assert not mounted.exists()
     assert remove_workdir(mounted) is True  # already gone
+
+
+def test_demo_ingress_nri_hooks_the_pods_through_nri_and_cleans_up(tmp_path: Path) -> None:
+    """``demo --ingress nri``: containerd 1.7.24 calls the agent; the pods are created
+    straight at containerd, and the BE pod's container still gets its batch values."""
+    from runtimeproxy.demo.embedded import CONTAINERD_17
+
+    if not CONTAINERD_17.is_file():
+        pytest.skip(f"containerd 1.7 missing at {CONTAINERD_17} (scripts/setup-host.sh fetches it)")
+    before = _demo_cgroups()
+    done = subprocess.run([sys.executable, "-m", "runtimeproxy.cli", "demo", "--once", "--ingress", "nri",
+                           "--workdir", str(tmp_path / "wd")], capture_output=True, text=True, timeout=240, check=False)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "agent ready: ingress nri (NRI plugin 50-koord-runtime-proxy on " in out and "proxy ready" not in out
+    batch = out[out.index("pod demo/batch"):]
+    assert "container cgroup: cpu.shares=512 cfs_quota_us=100000" in batch
+    assert "[PreCreateContainer] batch-resource: container.resources.cpu_shares: 2 -> 512" in batch
+    assert "not applied: NRI 0.6.1 has no pod sandbox adjustment" in batch
+    root = re.search(r"starting a private containerd \(root (/tmp/krp-[^/]+)/ctd\)", out)
+    assert root is not None and not Path(root[1]).exists()
+    assert _demo_cgroups() == before
