@@ -95,6 +95,10 @@ class MetricsAgent:
                               priority_of=self._priority)
         self._pods: list[PodView] = []
         self._views_key: object = None
+        #: The views were built from a complete pod set: the proxy's store rebuilt and
+        #: kubelet's first pod list in. Nothing is published (NodeMetric, NRT, the
+        #: restored prediction) before: right after a restart both are still empty.
+        self._views_complete = False
         self._views_at = 0.0
         self._meta_dirty = False
         self._meta_written: object = None
@@ -125,18 +129,20 @@ class MetricsAgent:
             if self.advisors:
                 init.registry.register(AdvisorHealth(self.advisors))
         self.prediction = (PredictionTask(settings.prediction, settings.prediction_checkpoint, self.tsdb, self.pods,
-                                          self.informer) if settings.prediction.enabled else None)
+                                          self.informer, ready=self.pods_complete)
+                           if settings.prediction.enabled else None)
         if self.prediction is not None and init.registry is not None:
             init.registry.register(self.prediction.gauges(settings.node_name))
         self.reporter = NodeMetricReporter(self.tsdb, self.pods, self.informer, self.kube,
                                            prediction=self.prediction.latest if self.prediction is not None else None,
-                                           ready=lambda: self._views_key is not None)
+                                           ready=self.pods_complete)
         init.add_route("/apis/nodemetric", self.reporter.route)
         self.nrt = NRTReporter(
             NRTSources(settings.node_name, init.host, self.topology.latest, self.pods,
                        lambda: self.informer.node() if self.informer is not None else None,
                        cpu_manager_state=settings.kubelet_cpu_manager_state, kubelet_config=settings.kubelet_config),
-            _nrt_client(self.kube) if settings.nrt_report else None, interval=settings.nrt_interval)
+            _nrt_client(self.kube) if settings.nrt_report else None, interval=settings.nrt_interval,
+            ready=self.pods_complete)
         init.add_route("/apis/noderesourcetopology", self.nrt.route)
         init.add_explainer("metrics", self.explain)
         self.ticks: dict[str, int] = {c.name: 0 for c in self.collectors}
@@ -189,13 +195,19 @@ class MetricsAgent:
         """The pod views of the last pod tick (cheap: no rebuild)."""
         return self._pods
 
+    def pods_complete(self) -> bool:
+        """Whether the pod views were built from a complete pod set (see ``_views_complete``)."""
+        return self._views_complete
+
     def refresh_pods(self) -> list[PodView]:
+        # Read before the snapshot: a store rebuilt in between is seen at the next tick.
+        complete = self._init.pods_known() and (self.informer is None or self.informer.pods_listed())
         pods, containers = self._init.snapshot()
-        key = (frozenset(pods), frozenset(containers))
+        key = (complete, frozenset(pods), frozenset(containers))
         now = time.monotonic()
         if key != self._views_key or now - self._views_at > _VIEWS_MAX_AGE:
             self._pods = self.views.current()
-            self._views_key, self._views_at = key, now
+            self._views_key, self._views_at, self._views_complete = key, now, complete
             self._meta_dirty = True  # written by the pod tick, in its worker thread
         return self._pods
 
