@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector as PromCollector
 
 from hooks.qos import QoSClass
-from hooks.rules import LiveRules, Rules, rules_from_nodeslo
+from hooks.rules import LiveRules, Rules
 from metrics import model as m
 from metrics.analysis.predictor_task import PredictionTask
 from metrics.collect.advisor import AdvisorCollector, AdvisorHealth
@@ -41,6 +41,7 @@ from metrics.collect.procfs import NodeCollector
 from metrics.collect.registry import GROUP, Built, load_collectors
 from metrics.collect.topology import TopologyCollector
 from metrics.informer.kubetypes import Kind, KubeSettings, KubeUnavailable
+from metrics.informer.nodeslo import NodeSLOKeeper
 from metrics.informer.pods import PodViews
 from metrics.informer.states import KubeletPods, StatesInformer
 from metrics.model import PodView, Sample
@@ -89,6 +90,7 @@ class MetricsAgent:
             StatesInformer(self.kube, kubelet, sync_interval=settings.kubelet.sync_interval)
             if self.kube is not None or kubelet is not None else None
         )
+        self.nodeslo = NodeSLOKeeper(init.rules, init.state_dir, self._nodeslo_apply, self._nodeslo_rejected)
         if self.informer is not None:
             self.informer.on_spec_change(Kind.NODESLO, self._nodeslo_changed)
         self.views = PodViews(init.snapshot, driver=settings.cgroup_driver, guaranteed=self._guaranteed,
@@ -152,6 +154,9 @@ class MetricsAgent:
         self._cost_lock = threading.Lock()
         self._flushed_at = 0.0
         self._errors: set[str] = set()
+        if self.kube is not None:
+            # The last good NodeSLO is in force from the start, before the NodeSLO is listed.
+            self.nodeslo.restore()
 
     # --- views -------------------------------------------------------------------
 
@@ -161,18 +166,20 @@ class MetricsAgent:
         return self._rules()
 
     def _nodeslo_changed(self, spec: Mapping[str, Any] | None) -> None:
-        """Register the NodeSLO as the rules overlay of every hook and task (watch thread).
-        A NodeSLO that does not parse is dropped as a whole: the YAML rules apply."""
-        try:
-            overlay = rules_from_nodeslo(spec)
-        except HookConfigError as exc:
-            log.warning("nodeslo_rejected", key=exc.key_path, value=repr(exc.value)[:200], reason=exc.message,
-                        applied="yaml rules")
-            self.events.record(self.events.node(), WARNING, "NodeSLORejected",
-                               f"{exc.key_path}={repr(exc.value)[:200]}: {exc.message}; the YAML rules apply")
-            overlay = None
+        """The NodeSLO changed (watch thread): the keeper puts it in force, or keeps the
+        last good one when it does not parse (``metrics.informer.nodeslo``)."""
+        self.nodeslo.update(spec)
+
+    def _nodeslo_apply(self, spec: Mapping[str, Any] | None, overlay: Mapping[str, Any] | None) -> None:
+        """Register the NodeSLO as the rules overlay of every hook and task."""
         self._init.set_rules_overlay("nodeslo", overlay)
         self._host_apps_from(spec)
+
+    def _nodeslo_rejected(self, exc: HookConfigError, applied: str) -> None:
+        log.warning("nodeslo_rejected", key=exc.key_path, value=repr(exc.value)[:200], reason=exc.message,
+                    applied=applied)
+        self.events.record(self.events.node(), WARNING, "NodeSLORejected",
+                           f"{exc.key_path}={repr(exc.value)[:200]}: {exc.message}; the {applied} applies")
 
     def _host_apps_from(self, spec: Mapping[str, Any] | None) -> None:
         """A NodeSLO's ``hostApplications`` replace the YAML's; a refused item is logged
@@ -365,7 +372,7 @@ class MetricsAgent:
             out: dict[str, Any] = {"db": str(self.settings.db), "ticks": dict(self.ticks), "pods": len(self._pods),
                                    "cpu_seconds": {k: round(v, 3) for k, v in self.cpu_seconds.items()},
                                    "store": self.tsdb.state(), "noderesourcetopology": self.nrt.explain(),
-                                   "events": self.events.explain()}
+                                   "events": self.events.explain(), "nodeslo": self.nodeslo.explain()}
             for metric in (m.NODE_CPU_USAGE, m.NODE_MEMORY_USED, m.SYSTEM_CPU_USAGE, m.BE_CPU_USAGE,
                            m.BE_CPU_LIMIT):
                 last = self.tsdb.last(metric, m.NO_LABELS, max_age=60, now=now)
