@@ -133,7 +133,9 @@ class QoSSettings:
     evict_mode: EvictMode | None = None
     cpu_evict_cool_down: float = 20.0
     memory_evict_cool_down: float = 4.0
-    besteffort_dir: str = "kubepods/besteffort"
+    #: None: the metrics task's ``besteffort_dir`` (one setting for the kube-QoS root,
+    #: ``metrics.qos.tierroot``); set only where the QoS manager must differ.
+    besteffort_dir: str | None = None
     cgroup_driver: Driver = "cgroupfs"
     #: Reserved CPUs for the suppress formula when no Node object says (cores).
     reserved_cpu: float = 0.0
@@ -345,7 +347,7 @@ def parse_qos(raw: Mapping[str, Any], key_path: str) -> QoSSettings:
         evict_mode=args.get("evict_mode", base.evict_mode, args.choice("cri", "api")) or None,
         cpu_evict_cool_down=args.get("cpu_evict_cool_down", base.cpu_evict_cool_down, args.duration),
         memory_evict_cool_down=args.get("memory_evict_cool_down", base.memory_evict_cool_down, args.duration),
-        besteffort_dir=args.get("besteffort_dir", base.besteffort_dir, args.relative_dir),
+        besteffort_dir=args.get("besteffort_dir", base.besteffort_dir, args.relative_dir) or None,
         cgroup_driver=args.get("cgroup_driver", base.cgroup_driver, args.choice("cgroupfs", "systemd")),
         reserved_cpu=float(reserved),
         strategies=parse_specs(raw.get("strategies"), f"{key_path}.strategies"),

@@ -94,7 +94,7 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
     config = ManagerConfig(
         interval=settings.interval, collect_interval=agent.settings.intervals.pods, dry_run=settings.dry_run,
         node_name=agent.settings.node_name, reserved_cores=_reserved(settings, agent),
-        suppress=SuppressConfig(besteffort_dir=PurePosixPath(settings.besteffort_dir)),
+        suppress=SuppressConfig(besteffort_dir=PurePosixPath(settings.besteffort_dir or agent.settings.besteffort_dir)),
         evict=EvictConfig(collect_interval=agent.settings.intervals.pods,
                           cpu_cool_down=settings.cpu_evict_cool_down,
                           memory_cool_down=settings.memory_evict_cool_down),
