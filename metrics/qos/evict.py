@@ -148,7 +148,9 @@ class Pending:
 
 
 class EvictionTracker:
-    """Pods being evicted, shared by the tasks, until they disappear from the node."""
+    """Pods being evicted, shared by the tasks, until they disappear from the node, run
+    again in a new sandbox (the pod views show one sandbox per UID, the newest), or
+    ``PENDING_MAX_AGE`` passed."""
 
     def __init__(self) -> None:
         self._pending: dict[str, Pending] = {}
