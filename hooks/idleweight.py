@@ -22,6 +22,14 @@ from hooks.qos import KubeQoS, kube_qos_from_cgroup_parent
 from runtimeproxy.hookapi import PodInfo
 
 
+def tier_weight(kube: KubeQoS | None) -> tuple[int, str] | None:
+    """A kube-QoS tier's ``cpu.shares`` as kubelet sets it, when it does not depend on the
+    pods: the BestEffort tier's 2 (the Burstable tier and the root follow the requests)."""
+    if kube is KubeQoS.BESTEFFORT:
+        return MIN_SHARES, "kubelet's BestEffort tier weight"
+    return None
+
+
 def derived_weight(pod: PodInfo) -> tuple[int, str] | None:
     """The pod cgroup's ``cpu.shares`` as its owners set it, and who that is; None when
     the pod does not say (HookError when its extended-resource annotation is malformed)."""
