@@ -56,11 +56,12 @@ from typing import Any, Final
 
 import structlog
 
-from hooks.cgroups import CPU_IDLE, CgroupError, NotSupportedError, pod_cgroup_dir
+from hooks.cgroups import CPU_IDLE, CPU_SHARES, CgroupError, NotSupportedError, pod_cgroup_dir
 from hooks.coreschedsys import DEFAULT_COOKIE, CookieOps, CoreSchedSys, LibcCoreSched, Support, detect
 from hooks.dryrun import DryRunLedger, dry_run_arg, planned_writes
 from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_layout, host_writes, reject_unknown
+from hooks.idleweight import tier_weight
 from hooks.proctasks import container_procs
 from hooks.qos import QOS_LABEL, KubeQoS, QoSClass, kube_qos_from_cgroup_parent, parse_qos_label, pod_name
 from hooks.rules import CPUQOS, LiveRules, Rules
@@ -177,6 +178,8 @@ class CoreSched:
         self._noted: OrderedDict[str, None] = OrderedDict()  # pods told "unsupported" in explain
         self._ledger = DryRunLedger("core-sched")
         self._idle_absent = False  # no cpu.idle in the kube-QoS tiers (found at the first try)
+        #: tier -> cpu.shares read just before this hook set its cpu.idle 1 (v1).
+        self._replaced: dict[PurePosixPath, int] = {}
         self._idle_absent_logged = False
 
     @property
@@ -366,7 +369,8 @@ class CoreSched:
         reason = (f"cpuPolicy coreSched: kube-QoS tier {tier} cpu.idle {value} (class cpuQOS.schedIdle)"
                   if core_sched else f"cpuPolicy is not coreSched: kube-QoS tier {tier} cpu.idle reset to 0")
         try:
-            updates = [Update(tier, CPU_IDLE, value, reason, source)]
+            updates = [Update(tier, CPU_IDLE, value, reason, source),
+                       *self._tier_weight(tier, value, kube_qos_from_cgroup_parent(pod.cgroup_parent), source)]
             if self.dry_run:
                 return list(self._ledger.report(planned_writes(self.executor, updates), pod=pod_name(pod)))
             return list(host_writes(self.executor.apply(updates)))
@@ -375,6 +379,32 @@ class CoreSched:
             if core_sched:
                 self._say_idle_absent()
             return []
+
+    def _tier_weight(self, tier: PurePosixPath, idle: int, kube: KubeQoS | None, source: str) -> list[Update]:
+        """Clearing cpu.idle resets the tier's weight to 1024: write back the one it replaced
+        in the same step (kubelet's 2 for the BestEffort tier, else the value read before this
+        hook set cpu.idle 1, v1), as group-identity does for pods (``hooks.idleweight``)."""
+        try:
+            idle_now = self.executor.read(tier, CPU_IDLE, source).strip() == "1"
+            has_weight = self.executor.path(tier, CPU_SHARES, source).is_file()
+        except CgroupError:
+            return []  # no cpu.idle: the idle update reports it
+        if idle == 1:
+            if not idle_now and has_weight and self.layout.version == 1:
+                try:
+                    self._replaced[tier] = int(self.executor.read(tier, CPU_SHARES, source))
+                except (CgroupError, ValueError):
+                    pass
+            return []
+        if not idle_now or not has_weight:
+            return []
+        known = tier_weight(kube)
+        replaced = self._replaced.pop(tier, None)
+        if known is None and replaced is not None:
+            known = replaced, "the weight before cpu.idle was set"
+        if known is None:
+            return []  # kubelet's QoS manager sets the Burstable tier's weight again
+        return [Update(tier, CPU_SHARES, known[0], f"cpu.idle cleared: weight restored: {known[1]}", source)]
 
     def _say_idle_absent(self) -> None:
         with self._lock:

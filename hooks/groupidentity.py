@@ -23,6 +23,13 @@ for in the pod's parent cgroup (the kube-QoS directory, so in the cpu
 controller on v1); the result is logged once and named in every reason. With
 neither file the hook does nothing.
 
+Clearing ``cpu.idle`` (1 → 0) does not give the pod its weight back: the kernel resets
+``cpu.shares`` to 1024 (``cpu.weight`` 100). So the clearing write carries the weight it
+replaced in the same step (``hooks.idleweight``: batch-resource's value for a pod with
+batch resources, kubelet's 2 for a BestEffort pod, else the value read before this
+process set ``cpu.idle`` 1, on v1); a pod whose weight is not known is logged
+(``group_identity_weight_unknown``) and left at the kernel's value.
+
 The pod annotation ``koordinator.sh/cpuQOS`` (``{"enable": bool,
 "groupIdentity": -1..2}``) overrides the value for LS pods only, as in
 koordlet: ``enable`` false or missing means 0, ``enable`` true means its
@@ -52,6 +59,7 @@ from hooks.annotations import load_object
 from hooks.cgroups import (
     CPU_BVT_WARP_NS,
     CPU_IDLE,
+    CPU_SHARES,
     CgroupError,
     CgroupGoneError,
     CgroupLayout,
@@ -59,6 +67,7 @@ from hooks.cgroups import (
 )
 from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
+from hooks.idleweight import derived_weight
 from hooks.qos import QoSClass, pod_name
 from hooks.rules import LiveRules, Rules
 from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostWrite, PodContext, PodInfo, PodPatch
@@ -129,6 +138,9 @@ class GroupIdentity:
         #: Whether the rules asked for group identity at some point (then values were
         #: set, and turning it off must reset them to 0 rather than leave them).
         self._was_enabled = self.rules_enabled
+        #: cgroup -> the cpu.shares read just before this hook set its cpu.idle 1 (v1):
+        #: the weight to restore for a pod whose weight cannot be derived.
+        self._replaced: dict[PurePosixPath, int] = {}
 
     @property
     def rules(self) -> Rules:
@@ -213,9 +225,39 @@ class GroupIdentity:
         elif detection.mode is Mode.IDLE and qos is QoSClass.BE:
             idle = 1 if value == -1 else 0
             update = Update(cgroup, CPU_IDLE, idle, f"{why}: cpu.idle {idle}; {detection.describe()}", source)
+            return update, host_writes(self.executor.apply([update, *self._weight(pod, cgroup, idle, source)]))
         else:
             return None
         return update, host_writes(self.executor.apply([update]))
+
+    def _is_idle(self, cgroup: PurePosixPath, source: str) -> bool:
+        try:
+            return self.executor.read(cgroup, CPU_IDLE, source).strip() == "1"
+        except CgroupError:
+            return False  # gone: the update above reports it
+
+    def _weight(self, pod: PodInfo, cgroup: PurePosixPath, idle: int, source: str) -> list[Update]:
+        """The weight write that goes with this cpu.idle write: after it when clearing
+        (the kernel refuses a weight on an idle group, and resets it when cleared)."""
+        if idle == 1:
+            if not self._is_idle(cgroup, source) and self.executor.layout.version == 1:
+                try:
+                    self._replaced[cgroup] = int(self.executor.read(cgroup, CPU_SHARES, source))
+                except (CgroupError, ValueError):
+                    pass
+            return []
+        if not self._is_idle(cgroup, source):
+            return []
+        derived = derived_weight(pod)
+        replaced = self._replaced.pop(cgroup, None)
+        if derived is None and replaced is not None:
+            derived = replaced, "the weight before cpu.idle was set"
+        if derived is None:
+            log.warning("group_identity_weight_unknown", pod=pod_name(pod), cgroup=str(cgroup),
+                        detail="cpu.idle cleared: the kernel's default weight stays (1024)")
+            return []
+        weight, whose = derived
+        return [Update(cgroup, CPU_SHARES, weight, f"cpu.idle cleared: weight restored: {whose}", source)]
 
     def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
         done = self._apply(ctx.pod)

@@ -446,7 +446,7 @@ class LiveRules:
     at construction so a typo fails at load) until the process's ``RulesProvider`` has
     something else, then the rules in force, parsed once per change. Rules in force that
     do not parse (a NodeSLO contradicting the YAML) are ignored with one warning per
-    change, and the YAML applies."""
+    change, and the last rules that parsed stay in force."""
 
     def __init__(self, init: HookInit | None = None, *, base: Mapping[str, Any] | None = None,
                  current: Callable[[], Mapping[str, Any]] | None = None, owner: str = "") -> None:
@@ -466,8 +466,10 @@ class LiveRules:
         try:
             rules = parse_rules(raw)
         except HookConfigError as exc:
+            # The last rules that parsed stay (not the YAML): a bad update must not undo a
+            # good NodeSLO (issue 28 item 6; the agent also rejects it before it gets here).
             log.warning("rules_ignored", owner=self._owner, key=exc.key_path, value=repr(exc.value)[:200],
-                        reason=exc.message, applied="yaml rules")
-            rules = self.base
+                        reason=exc.message, applied="last rules in force")
+            rules = cached[1]
         self._cache = (raw, rules)
         return rules

@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector as PromCollector
 
 from hooks.qos import QoSClass
-from hooks.rules import LiveRules, Rules, rules_from_nodeslo
+from hooks.rules import LiveRules, Rules
 from metrics import model as m
 from metrics.analysis.predictor_task import PredictionTask
 from metrics.collect.advisor import AdvisorCollector, AdvisorHealth
@@ -41,6 +41,7 @@ from metrics.collect.procfs import NodeCollector
 from metrics.collect.registry import GROUP, Built, load_collectors
 from metrics.collect.topology import TopologyCollector
 from metrics.informer.kubetypes import Kind, KubeSettings, KubeUnavailable
+from metrics.informer.nodeslo import NodeSLOKeeper
 from metrics.informer.pods import PodViews
 from metrics.informer.states import KubeletPods, StatesInformer
 from metrics.model import PodView, Sample
@@ -89,12 +90,17 @@ class MetricsAgent:
             StatesInformer(self.kube, kubelet, sync_interval=settings.kubelet.sync_interval)
             if self.kube is not None or kubelet is not None else None
         )
+        self.nodeslo = NodeSLOKeeper(init.rules, init.state_dir, self._nodeslo_apply, self._nodeslo_rejected)
         if self.informer is not None:
             self.informer.on_spec_change(Kind.NODESLO, self._nodeslo_changed)
         self.views = PodViews(init.snapshot, driver=settings.cgroup_driver, guaranteed=self._guaranteed,
                               priority_of=self._priority)
         self._pods: list[PodView] = []
         self._views_key: object = None
+        #: The views were built from a complete pod set: the proxy's store rebuilt and
+        #: kubelet's first pod list in. Nothing is published (NodeMetric, NRT, the
+        #: restored prediction) before: right after a restart both are still empty.
+        self._views_complete = False
         self._views_at = 0.0
         self._meta_dirty = False
         self._meta_written: object = None
@@ -125,18 +131,20 @@ class MetricsAgent:
             if self.advisors:
                 init.registry.register(AdvisorHealth(self.advisors))
         self.prediction = (PredictionTask(settings.prediction, settings.prediction_checkpoint, self.tsdb, self.pods,
-                                          self.informer) if settings.prediction.enabled else None)
+                                          self.informer, ready=self.pods_complete)
+                           if settings.prediction.enabled else None)
         if self.prediction is not None and init.registry is not None:
             init.registry.register(self.prediction.gauges(settings.node_name))
         self.reporter = NodeMetricReporter(self.tsdb, self.pods, self.informer, self.kube,
                                            prediction=self.prediction.latest if self.prediction is not None else None,
-                                           ready=lambda: self._views_key is not None)
+                                           ready=self.pods_complete)
         init.add_route("/apis/nodemetric", self.reporter.route)
         self.nrt = NRTReporter(
             NRTSources(settings.node_name, init.host, self.topology.latest, self.pods,
                        lambda: self.informer.node() if self.informer is not None else None,
                        cpu_manager_state=settings.kubelet_cpu_manager_state, kubelet_config=settings.kubelet_config),
-            _nrt_client(self.kube) if settings.nrt_report else None, interval=settings.nrt_interval)
+            _nrt_client(self.kube) if settings.nrt_report else None, interval=settings.nrt_interval,
+            ready=self.pods_complete)
         init.add_route("/apis/noderesourcetopology", self.nrt.route)
         init.add_explainer("metrics", self.explain)
         self.ticks: dict[str, int] = {c.name: 0 for c in self.collectors}
@@ -146,6 +154,9 @@ class MetricsAgent:
         self._cost_lock = threading.Lock()
         self._flushed_at = 0.0
         self._errors: set[str] = set()
+        if self.kube is not None:
+            # The last good NodeSLO is in force from the start, before the NodeSLO is listed.
+            self.nodeslo.restore()
 
     # --- views -------------------------------------------------------------------
 
@@ -155,18 +166,20 @@ class MetricsAgent:
         return self._rules()
 
     def _nodeslo_changed(self, spec: Mapping[str, Any] | None) -> None:
-        """Register the NodeSLO as the rules overlay of every hook and task (watch thread).
-        A NodeSLO that does not parse is dropped as a whole: the YAML rules apply."""
-        try:
-            overlay = rules_from_nodeslo(spec)
-        except HookConfigError as exc:
-            log.warning("nodeslo_rejected", key=exc.key_path, value=repr(exc.value)[:200], reason=exc.message,
-                        applied="yaml rules")
-            self.events.record(self.events.node(), WARNING, "NodeSLORejected",
-                               f"{exc.key_path}={repr(exc.value)[:200]}: {exc.message}; the YAML rules apply")
-            overlay = None
+        """The NodeSLO changed (watch thread): the keeper puts it in force, or keeps the
+        last good one when it does not parse (``metrics.informer.nodeslo``)."""
+        self.nodeslo.update(spec)
+
+    def _nodeslo_apply(self, spec: Mapping[str, Any] | None, overlay: Mapping[str, Any] | None) -> None:
+        """Register the NodeSLO as the rules overlay of every hook and task."""
         self._init.set_rules_overlay("nodeslo", overlay)
         self._host_apps_from(spec)
+
+    def _nodeslo_rejected(self, exc: HookConfigError, applied: str) -> None:
+        log.warning("nodeslo_rejected", key=exc.key_path, value=repr(exc.value)[:200], reason=exc.message,
+                    applied=applied)
+        self.events.record(self.events.node(), WARNING, "NodeSLORejected",
+                           f"{exc.key_path}={repr(exc.value)[:200]}: {exc.message}; the {applied} applies")
 
     def _host_apps_from(self, spec: Mapping[str, Any] | None) -> None:
         """A NodeSLO's ``hostApplications`` replace the YAML's; a refused item is logged
@@ -189,13 +202,19 @@ class MetricsAgent:
         """The pod views of the last pod tick (cheap: no rebuild)."""
         return self._pods
 
+    def pods_complete(self) -> bool:
+        """Whether the pod views were built from a complete pod set (see ``_views_complete``)."""
+        return self._views_complete
+
     def refresh_pods(self) -> list[PodView]:
+        # Read before the snapshot: a store rebuilt in between is seen at the next tick.
+        complete = self._init.pods_known() and (self.informer is None or self.informer.pods_listed())
         pods, containers = self._init.snapshot()
-        key = (frozenset(pods), frozenset(containers))
+        key = (complete, frozenset(pods), frozenset(containers))
         now = time.monotonic()
         if key != self._views_key or now - self._views_at > _VIEWS_MAX_AGE:
             self._pods = self.views.current()
-            self._views_key, self._views_at = key, now
+            self._views_key, self._views_at, self._views_complete = key, now, complete
             self._meta_dirty = True  # written by the pod tick, in its worker thread
         return self._pods
 
@@ -353,7 +372,7 @@ class MetricsAgent:
             out: dict[str, Any] = {"db": str(self.settings.db), "ticks": dict(self.ticks), "pods": len(self._pods),
                                    "cpu_seconds": {k: round(v, 3) for k, v in self.cpu_seconds.items()},
                                    "store": self.tsdb.state(), "noderesourcetopology": self.nrt.explain(),
-                                   "events": self.events.explain()}
+                                   "events": self.events.explain(), "nodeslo": self.nodeslo.explain()}
             for metric in (m.NODE_CPU_USAGE, m.NODE_MEMORY_USED, m.SYSTEM_CPU_USAGE, m.BE_CPU_USAGE,
                            m.BE_CPU_LIMIT):
                 last = self.tsdb.last(metric, m.NO_LABELS, max_age=60, now=now)

@@ -128,10 +128,14 @@ class QoSSettings:
     fast_path: bool = True
     fast_interval: float = 0.1
     psi_trigger: bool = True
-    evict_mode: EvictMode = "cri"
+    #: None: ``api`` when the metrics task has a cluster (``kube: true``), else ``cri``
+    #: (``metrics.qos.evict``: a CRI stop on a node with a kubelet is not an eviction).
+    evict_mode: EvictMode | None = None
     cpu_evict_cool_down: float = 20.0
     memory_evict_cool_down: float = 4.0
-    besteffort_dir: str = "kubepods/besteffort"
+    #: None: the metrics task's ``besteffort_dir`` (one setting for the kube-QoS root,
+    #: ``metrics.qos.tierroot``); set only where the QoS manager must differ.
+    besteffort_dir: str | None = None
     cgroup_driver: Driver = "cgroupfs"
     #: Reserved CPUs for the suppress formula when no Node object says (cores).
     reserved_cpu: float = 0.0
@@ -340,10 +344,10 @@ def parse_qos(raw: Mapping[str, Any], key_path: str) -> QoSSettings:
         fast_path=args.get("fast_path", base.fast_path, args.boolean),
         fast_interval=fast_interval,
         psi_trigger=args.get("psi_trigger", base.psi_trigger, args.boolean),
-        evict_mode=args.get("evict_mode", base.evict_mode, args.choice("cri", "api")),
+        evict_mode=args.get("evict_mode", base.evict_mode, args.choice("cri", "api")) or None,
         cpu_evict_cool_down=args.get("cpu_evict_cool_down", base.cpu_evict_cool_down, args.duration),
         memory_evict_cool_down=args.get("memory_evict_cool_down", base.memory_evict_cool_down, args.duration),
-        besteffort_dir=args.get("besteffort_dir", base.besteffort_dir, args.relative_dir),
+        besteffort_dir=args.get("besteffort_dir", base.besteffort_dir, args.relative_dir) or None,
         cgroup_driver=args.get("cgroup_driver", base.cgroup_driver, args.choice("cgroupfs", "systemd")),
         reserved_cpu=float(reserved),
         strategies=parse_specs(raw.get("strategies"), f"{key_path}.strategies"),

@@ -144,10 +144,13 @@ class App:
             add_route=self._add_route, add_explainer=self._add_explainer, cri=self._cri_call,
             add_exposition=self._add_exposition,
             state_dir=Path(settings.state_dir) if settings.state_dir else None,
+            pods_known=lambda: self._pods_known or self.resyncer.succeeded,
         )
         for name, task in plugins.build_tasks(settings, base):
             self.supervisor.add(f"task:{name}", task)
         self._stop = asyncio.Event()
+        #: The store was rebuilt from the runtime since start (tasks see ``pods_known``).
+        self._pods_known = False
         self._full_stop = False
         self._ready = False
         self._stopping = False
@@ -337,6 +340,7 @@ class App:
             # Lazy per-object loading still covers what the rebuild missed; the first re-sync settles.
             log.error("store_rebuild_failed", error=str(exc))
             return
+        self._pods_known = True
         owed_now = await self._after_resync(result)  # what happened while we were down
         # Change history restored from disk for pods removed while we were down goes now.
         log.info("store_rebuilt", pods=result.pods_added, containers=result.containers_added,

@@ -415,6 +415,10 @@ def _no_overlay(name: str, overlay: Mapping[str, Any] | None) -> None:
     return None
 
 
+def _always() -> bool:
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class TaskInit:
     """What a background-task factory (entry-point group ``koord_runtime_proxy.tasks``)
@@ -442,7 +446,10 @@ class TaskInit:
     - ``shared``: one mapping per process, for tasks of one plugin family to share an
       object (e.g. the metrics store) whatever their order in the YAML;
     - ``state_dir``: the config's ``state_dir`` (None when empty), for what must survive
-      a restart.
+      a restart;
+    - ``pods_known()``: whether ``snapshot`` is complete, i.e. the store was rebuilt from
+      the runtime since the start (tasks start before that: an empty snapshot right after
+      a restart means "not known yet", not "no pods"; what is published from it waits).
     """
 
     name: str
@@ -462,6 +469,7 @@ class TaskInit:
     #: The config's ``state_dir`` (None: empty, keep state in memory only): what a task
     #: must remember across restarts (e.g. sysctl values to restore) goes under it.
     state_dir: Path | None = None
+    pods_known: Callable[[], bool] = _always
 
 
 class HookError(Exception):

@@ -7,9 +7,10 @@ store is ``interference_signals``; the loop, explain and Prometheus are
 
 * **Baseline**: the median and MAD of the signal's last ``baseline_samples`` values
   taken while the pod had no verdict on the resource and the value was not anomalous
-  (its own quiet behaviour, robust to the odd spike). The first ``min_baseline`` values
-  of a signal are all learnt and not judged (warm-up: a pod that starts under
-  interference learns it as normal; the floors below keep that from hiding much).
+  (its own quiet behaviour, robust to the odd spike). While a signal has fewer than
+  ``min_baseline`` values (warm-up) it is judged against its absolute ``floor`` alone,
+  so a new LS pod is protected from its first minute (issue 28 item 11); a warm-up value
+  above the floor is learnt only when no BE activity explains it (the pod's own load).
 * **Anomalous**: ``value > median + max(k x 1.4826 MAD, floor, rel x median)``: ``k``
   (``mad_k``) robust deviations, but never less than the signal's absolute ``floor``
   (PSI 10 points, schedule-latency p99 2 ms, ...) nor ``rel`` of the baseline: a pod
@@ -288,25 +289,40 @@ class InterferenceAnalyser:
         learning: list[str] = []
         mine = [(n, v) for n, v in signals.items() if n in SIGNALS and SIGNALS[n].resource == resource]
         streak = state.streaks.get(resource)
+        explained_now: list[str] = []  # computed at most once, only when a learning signal is hot
+
+        def be_explains() -> bool:
+            if not explained_now:
+                explained_now.append(self._culprits(resource, obs, growth)[1])
+            return bool(explained_now[0])
+
         for name, value in mine:
             base = state.baselines.get(name)
             if base is None:
                 base = state.baselines[name] = Baseline(cfg.baseline_samples)
             stamp = stamps.get(name, now)
+            new_sample = state.learnt.get(name) != stamp
+            median, enter, leave = self.thresholds(pod.uid, name)
             if len(base) < cfg.min_baseline:
-                # Warming up: every value is learnt, none is judged.
-                if state.learnt.get(name) != stamp:
+                # Warming up: judged against the absolute floor (``thresholds`` without a
+                # baseline), so a new pod is protected from its first samples. Values at
+                # or below it are learnt; one above it only when no BE activity explains
+                # it (the pod's own load), so interference is not learnt as normal.
+                learning.append(f"{name} {len(base)}/{cfg.min_baseline}")
+                hot_now = value > enter
+                if hot_now:
+                    hot.append(Evidence(name, value, median, enter, value / max(median, SIGNALS[name].floor),
+                                        sources.get(name, "pod")))
+                if new_sample and (not hot_now or not be_explains()):
                     state.learnt[name] = stamp
                     base.add(value)
-                learning.append(f"{name} {len(base)}/{cfg.min_baseline}")
                 continue
-            median, enter, leave = self.thresholds(pod.uid, name)
             if value > enter:
                 hot.append(Evidence(name, value, median, enter, value / max(median, SIGNALS[name].floor),
                                     sources.get(name, "pod")))
             elif value > leave:
                 warm = True
-            elif streak is None and state.learnt.get(name) != stamp:
+            elif streak is None and new_sample:
                 # Learnt only from quiet values of a pod without a verdict on this resource.
                 state.learnt[name] = stamp
                 base.add(value)
@@ -349,6 +365,8 @@ class InterferenceAnalyser:
             reason = f"anomalous for {run:.1f}s (< {cfg.suspect_after:g}s: not yet a verdict)"
         if not hot and level:
             reason += f"; below the entry threshold, clears after {cfg.clear_after:g}s quiet"
+        if learning:
+            reason += f"; learning baselines (judged against their floors): {', '.join(learning)}"
         hot.sort(key=lambda e: -e.ratio)
         return Verdict(pod, resource, level, streak.since, tuple(hot), culprits if level else (), reason)
 

@@ -48,6 +48,7 @@ class PredictionTask:
     def __init__(
         self, settings: PredictionSettings, checkpoint: Path | None, reader: MetricReader,
         pods: Callable[[], list[PodView]], informer: StatesInformer | None, *, clock: Callable[[], float] = time.time,
+        ready: Callable[[], bool] | None = None,
     ) -> None:
         self.settings = settings
         self.predictor = PeakPredictor(settings, checkpoint)
@@ -55,15 +56,23 @@ class PredictionTask:
         self._pods = pods
         self._informer = informer
         self._clock = clock
+        self._ready = ready
         self._latest: Reclaimable | None = None
+        self._restored = False
 
     def latest(self) -> Reclaimable | None:
         """The estimate of the last training step (None before the first, or without a
-        system model or a capacity)."""
+        system model or a capacity). Before the first step after a restart: the estimate
+        from the restored checkpoint, once the pods are known (``ready``), so the first
+        NodeMetric after a restart carries the prediction rather than nulling it for a
+        training interval (computed once, by the first caller: a reporter's worker thread)."""
+        if self._latest is None and self._restored and (self._ready is None or self._ready()):
+            self._restored = False
+            self._latest = self.estimate(self._pods(), self._clock())
         return self._latest
 
     async def run(self) -> None:
-        await asyncio.to_thread(self.predictor.restore, self._clock())
+        self._restored = await asyncio.to_thread(self.predictor.restore, self._clock()) > 0
         try:
             while True:
                 await asyncio.sleep(self.settings.training_interval)

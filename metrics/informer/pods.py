@@ -86,6 +86,7 @@ class PodViews:
             if view is not None:
                 out.append(view)
         self._memo = memo
+        out = _newest_sandbox(out, pods)
         live = {p.uid for p in out}
         self._warned &= live | {p.meta.uid for p in pods.values()}
         out.sort(key=lambda v: (v.namespace, v.name))
@@ -176,3 +177,24 @@ def _batch_requests(pod: PodInfo) -> dict[str, dict[str, int]] | None:
             "cpu_lim": res.limits.get(BATCH_CPU, 0),
         }
     return out
+
+
+def _newest_sandbox(views: list[PodView], pods: Mapping[str, PodInfo]) -> list[PodView]:
+    """One view per pod UID: its newest sandbox (highest attempt, then the last created).
+    kubelet keeps a stopped sandbox until its garbage collection, next to the one it runs
+    the pod in again (same UID, same pod cgroup): counting both would measure the pod
+    twice, and an eviction could pick the stopped one (issue 28 item 4)."""
+    order = {sid: i for i, sid in enumerate(pods)}
+    best: dict[str, PodView] = {}
+    for view in views:
+        old = best.get(view.uid)
+        if old is None or _rank(view, pods, order) > _rank(old, pods, order):
+            best[view.uid] = view
+    if len(best) == len(views):
+        return views
+    return [v for v in views if best[v.uid] is v]
+
+
+def _rank(view: PodView, pods: Mapping[str, PodInfo], order: Mapping[str, int]) -> tuple[int, int]:
+    info = pods.get(view.sandbox_id)
+    return (info.meta.attempt if info is not None else 0, order.get(view.sandbox_id, -1))

@@ -146,6 +146,9 @@ class KubeletPods:
                 self._ssl.check_hostname = False
                 self._ssl.verify_mode = ssl.CERT_NONE
         self._last_problem = ""
+        #: kubelet answered a pod list (even an empty one) since the start: koordlet's
+        #: pods informer counts as synced from its first successful GetAllPods.
+        self.answered = False
 
     def _request(self) -> urllib.request.Request:
         headers = {"Accept": "application/json"}
@@ -175,6 +178,7 @@ class KubeletPods:
         if not isinstance(items, list):
             self._problem("kubelet_pods_garbled", error="no items list")
             return None
+        self.answered = True
         if not items:
             # Normal on a node without pods, and while kubelet starts: not a warning.
             self._problem("kubelet_pods_empty_ignored", level="info")
@@ -332,6 +336,10 @@ class StatesInformer:
     def pods(self) -> Mapping[str, KubeletPod]:
         with self._lock:
             return self._pods
+
+    def pods_listed(self) -> bool:
+        """Whether kubelet's pods were listed since the start (True without kubelet)."""
+        return self._kubelet is None or self._kubelet.answered
 
     def priority_of(self, uid: str) -> int | None:
         pod = self.pods().get(uid)

@@ -13,8 +13,9 @@ Every round, from ``resourceQOSStrategy.<class>.blkioQOS.blocks`` (``hooks.blkio
 * a device this strategy limited that no block names any more (or whose class was
   disabled) gets its limits removed (0 / ``max``).
 
-The tiers are the ones under the ``kubepods`` root and those above the pods' cgroups
-(a node whose pods live under another parent). A tier's limits depend only on the
+The tiers are the ones under the configured root (``metrics.qos.tierroot``: the parent of
+``besteffort_dir``, never ``/kubepods`` as such) and those above the pods' cgroups (a node
+whose pods live under another parent). A tier's limits depend only on the
 rules, so unlike the hook (which wrote them as it saw a pod of the class) they follow a
 rule change within a round, also while the class has no pod.
 
@@ -52,12 +53,12 @@ from hooks.qos import QoSClass
 from hooks.rules import Rules
 from metrics.qos.plan import Outcome, Plan, Priority, SetCgroup
 from metrics.qos.strategy import Input, RoundContext, RoundInputs, Strategy, StrategyInit
+from metrics.qos.tierroot import DEFAULT_BESTEFFORT, configured_root, kubepods_root
 from runtimeproxy.hookapi import HookConfigError
 
 log = structlog.get_logger("metrics.qos.blkio")
 
 NAME: Final = "blkio"
-_ROOTS: Final = ("kubepods", "kubepods.slice")
 _CLASSES: Final = (QoSClass.LSR, QoSClass.LS, QoSClass.BE, QoSClass.SYSTEM)
 
 
@@ -78,21 +79,13 @@ def tier_of(root: PurePosixPath, qos: QoSClass) -> PurePosixPath:
     return root / names[1 if root.name.endswith(".slice") else 0]
 
 
-def kubepods_root(cgroup: PurePosixPath) -> PurePosixPath | None:
-    """The nearest ``kubepods`` (``kubepods.slice``) ancestor of a pod cgroup."""
-    for ancestor in cgroup.parents:
-        if ancestor.name in _ROOTS:
-            return ancestor
-    return None
-
-
 class BlkioTiers(Strategy):
     name = "blkio"
     #: Nobody else writes the tiers' blkio files: between resctrl and memory-qos.
     priority = Priority.RESCTRL + 3
 
-    def __init__(self, driver: str, sys_root: Path) -> None:
-        self.root = PurePosixPath(_ROOTS[1] if driver == "systemd" else _ROOTS[0])
+    def __init__(self, driver: str, sys_root: Path, root: PurePosixPath | None = None) -> None:
+        self.root = root if root is not None else configured_root(DEFAULT_BESTEFFORT, driver)
         self.sys_root = sys_root
         self.support: Support | None = None
         #: tier -> devices whose limits this strategy set (to remove them when no rule names them).
@@ -215,4 +208,5 @@ class BlkioTiers(Strategy):
 def blkio(init: StrategyInit) -> BlkioTiers:
     if init.args:
         raise HookConfigError(init.key_path, dict(init.args), "blkio takes no args")
-    return BlkioTiers(init.executor.layout.driver, init.host.sys)
+    driver = init.executor.layout.driver
+    return BlkioTiers(driver, init.host.sys, configured_root(init.config.suppress.besteffort_dir, driver))

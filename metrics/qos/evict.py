@@ -12,6 +12,15 @@ next decision sees the effect of the last one.
 through the runtime and checks nothing still runs; an API-based one is wired by the
 agent. An eviction that did not take raises ``EvictionError``: it is neither counted
 nor remembered (no cool-down, not pending), so the next round tries again.
+
+A pod stays "being evicted" (pending release) until it is gone, but no longer than
+``PENDING_MAX_AGE``, and not once it runs again under the same UID in a new sandbox: on a
+node with a kubelet, a pod stopped through the CRI is restarted by kubelet (its
+restartPolicy), which is not an eviction, and its usage is back (issue 28 item 4: the set
+stuck, "covered by pods already being evicted" while usage stayed over the threshold).
+Hence ``evict_mode`` defaults to ``api`` (the Eviction API, as koordlet's
+``--only-evict-by-api``) when the agent has a cluster; ``cri`` there means "stop the pod's
+containers now; kubelet restarts it", a relief, not an eviction.
 """
 
 from __future__ import annotations
@@ -44,6 +53,9 @@ SUB_PRIORITY: Final = "koordinator.sh/priority"
 STOP_CONTAINER: Final = "/runtime.v1.RuntimeService/StopContainer"
 STOP_SANDBOX: Final = "/runtime.v1.RuntimeService/StopPodSandbox"
 LIST_CONTAINERS: Final = "/runtime.v1.RuntimeService/ListContainers"
+#: A pod evicted this long ago and still on the node no longer counts as being evicted
+#: (seconds: four times Kubernetes' default 30 s termination grace period).
+PENDING_MAX_AGE: Final = 120.0
 
 
 class EvictionError(Exception):
@@ -131,10 +143,14 @@ class Pending:
     since: float
     cpu: float  # cores
     memory: float  # bytes
+    #: The sandbox stopped; the same UID in another sandbox is the pod restarted.
+    sandbox_id: str = ""
 
 
 class EvictionTracker:
-    """Pods being evicted, shared by the tasks, until they disappear from the node."""
+    """Pods being evicted, shared by the tasks, until they disappear from the node, run
+    again in a new sandbox (the pod views show one sandbox per UID, the newest), or
+    ``PENDING_MAX_AGE`` passed."""
 
     def __init__(self) -> None:
         self._pending: dict[str, Pending] = {}
@@ -149,6 +165,22 @@ class EvictionTracker:
         alive = set(live)
         for uid in [u for u in self._pending if u not in alive]:
             del self._pending[uid]
+
+    def refresh(self, pods: Iterable[PodView], now: float, max_age: float = PENDING_MAX_AGE) -> None:
+        """Drop pods gone, pods running again in a new sandbox (kubelet restarted a pod
+        stopped through the CRI: not evicted), and evictions older than ``max_age``."""
+        live = {p.uid: p for p in pods}
+        self.prune(live)
+        for uid, pending in list(self._pending.items()):
+            pod = live[uid]
+            if pending.sandbox_id and pod.sandbox_id and pod.sandbox_id != pending.sandbox_id:
+                why = "the pod runs again in a new sandbox (restarted, not evicted)"
+            elif now - pending.since > max_age:
+                why = f"still on the node {now - pending.since:.0f}s after its eviction"
+            else:
+                continue
+            del self._pending[uid]
+            log.warning("eviction_pending_expired", pod=pod.key, reason=why, since=pending.since)
 
     def pending_cpu(self) -> float:
         return sum(p.cpu for p in self._pending.values())
@@ -243,9 +275,10 @@ class SharedEviction:
         getting back; else the batch-cpu request and memory used) and the evictor's cool-down."""
         self.last[EVICTOR_OF.get(task, task)] = inputs.now
         if action is not None:
-            self.tracker.add(Pending(pod.uid, inputs.now, action.released_cpu, action.released_memory))
+            self.tracker.add(Pending(pod.uid, inputs.now, action.released_cpu, action.released_memory, pod.sandbox_id))
             return
-        self.tracker.add(Pending(pod.uid, inputs.now, batch_cpu_cores(pod), inputs.pod_memory_used.get(pod.uid, 0.0)))
+        self.tracker.add(Pending(pod.uid, inputs.now, batch_cpu_cores(pod), inputs.pod_memory_used.get(pod.uid, 0.0),
+                                 pod.sandbox_id))
 
     def cooling(self, task: str, now: float, cool_down: float) -> float | None:
         """Until when ``task``'s evictor cools down (None: it does not)."""
@@ -277,7 +310,7 @@ class EvictionStrategy:
     def plan(self, inputs: NodeInputs, window: BECPUWindow | None, threshold: ResourceThresholdStrategy,
              current: EvictRound | None = None) -> list[Plan]:
         """Memory task first, then CPU; the CPU task sees the memory task's victims."""
-        self.tracker.prune(p.uid for p in inputs.pods)
+        self.tracker.refresh(inputs.pods, inputs.now)
         current = current if current is not None else EvictRound()
         return [self.plan_memory(inputs, threshold, current), self.plan_cpu(inputs, window, threshold, current)]
 

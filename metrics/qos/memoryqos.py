@@ -22,7 +22,9 @@ bottom-up). Nothing is planned while no class rule and no pod annotation
 (``koordinator.sh/memoryQOS``, policy other than ``none``) enables memory QoS and it
 never was; once it was, the sums keep following the pods (whose values the hook resets).
 
-Support is detected once, when the ``kubepods`` root exists: ``memory.min`` there
+The root is the configured one (``metrics.qos.tierroot``: the parent of ``besteffort_dir``,
+never ``/kubepods`` as such) plus those above the pods' cgroups. Support is detected once,
+when the ``kubepods`` root exists: ``memory.min`` there
 (cgroup v2 upstream; v1 only on Anolis kernels). Without it: one log line
 (``memory_qos_tiers_unsupported``) and the strategy plans nothing, ever.
 """
@@ -53,6 +55,7 @@ from hooks.rules import Rules
 from metrics.model import PodView
 from metrics.qos.plan import LeveledWrite, Plan, Priority, SetCgroup
 from metrics.qos.strategy import Input, RoundContext, RoundInputs, Strategy, StrategyInit
+from metrics.qos.tierroot import DEFAULT_BESTEFFORT, configured_root
 from runtimeproxy.hookapi import HookConfigError
 
 log = structlog.get_logger("metrics.qos.memoryqos")
@@ -163,9 +166,9 @@ class MemoryQoSTiers(Strategy):
     #: Nobody else writes the tiers' memory.min/low: between resctrl and burst.
     priority = Priority.RESCTRL + 5
 
-    def __init__(self, driver: str) -> None:
-        root, burstable, besteffort = _TIERS.get(driver, _TIERS["cgroupfs"])
-        self.root = PurePosixPath(root)
+    def __init__(self, driver: str, root: PurePosixPath | None = None) -> None:
+        _, burstable, besteffort = _TIERS.get(driver, _TIERS["cgroupfs"])
+        self.root = root if root is not None else configured_root(DEFAULT_BESTEFFORT, driver)
         self.defaults = (self.root, self.root / burstable, self.root / besteffort)
         self.supported: bool | None = None
         self.was_active = False
@@ -195,7 +198,7 @@ class MemoryQoSTiers(Strategy):
 
     def _read(self, ctx: RoundContext) -> TierState:
         supported = self._detect(ctx.executor)
-        if supported is None:  # no kubepods at the hierarchy root: the one above the pods, if any
+        if supported is None:  # no configured root (yet): the one above the pods, if any
             for root in sorted({tier_dirs(PodMemory("", "", PurePosixPath(p.cgroup_dir.strip("/")), p.kube_qos,
                                                     0, 0))[0]
                                 for p in ctx.pods if p.kube_qos in _KUBE and p.cgroup_dir}):
@@ -283,6 +286,7 @@ class MemoryQoSTiers(Strategy):
 def memory_qos(init: StrategyInit) -> MemoryQoSTiers:
     if init.args:
         raise HookConfigError(init.key_path, dict(init.args), "memory-qos takes no args")
-    strategy = MemoryQoSTiers(init.executor.layout.driver)
+    driver = init.executor.layout.driver
+    strategy = MemoryQoSTiers(driver, configured_root(init.config.suppress.besteffort_dir, driver))
     strategy._detect(init.executor)
     return strategy

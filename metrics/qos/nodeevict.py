@@ -115,7 +115,7 @@ class CPUEvict(Strategy):
         if not t.enable or threshold is None:
             return Plan(CPU_EVICT, self.priority, (), {"enable": t.enable},
                         "disabled or cpuEvictThresholdPercent unset")
-        self.state.tracker.prune(p.uid for p in node.pods)
+        self.state.tracker.refresh(node.pods, node.now)
         until = self.state.cooling(CPU_EVICT, node.now, self.cfg.cpu_cool_down)
         if until is not None:
             return Plan(CPU_EVICT, self.priority, (), {"cool_down_until": until}, "cooling down")
@@ -203,7 +203,7 @@ class AllocatableEvict(Strategy):
         t = inputs.rules.resource_used_threshold_with_be
         node, alloc = inputs[NODE], inputs[self.allocatable]
         current = evict.round_of(inputs.scratch)
-        self.state.tracker.prune(p.uid for p in node.pods)
+        self.state.tracker.refresh(node.pods, node.now)
         return [self.plan_resource(r, node, alloc, t, current) for r in RESOURCES]
 
     def plan_resource(self, res: _Resource, node: NodeInputs, alloc: Allocatable, t: ResourceThresholdStrategy,

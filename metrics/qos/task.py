@@ -56,7 +56,13 @@ class ApiEvictor:
 
 
 def _evictor(init: TaskInit, settings: QoSSettings, agent: MetricsAgent) -> Evictor:
-    if settings.evict_mode == "cri":
+    mode = settings.evict_mode or ("api" if agent.kube is not None else "cri")
+    log.info("evict_mode", mode=mode, configured=settings.evict_mode or "default (api with a cluster, else cri)")
+    if mode == "cri":
+        if agent.kube is not None:
+            # Chosen explicitly next to a kubelet: a stop it undoes (restartPolicy), not an eviction.
+            log.warning("evict_mode_cri_with_kubelet", detail="pods are stopped through the CRI and kubelet restarts "
+                        "them; the pod object shows no eviction (evict_mode: api evicts through the API)")
         return CriEvictor(init.cri)
     if agent.kube is None:
         raise HookConfigError(f"{init.key_path}.evict_mode", "api",
@@ -88,7 +94,7 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
     config = ManagerConfig(
         interval=settings.interval, collect_interval=agent.settings.intervals.pods, dry_run=settings.dry_run,
         node_name=agent.settings.node_name, reserved_cores=_reserved(settings, agent),
-        suppress=SuppressConfig(besteffort_dir=PurePosixPath(settings.besteffort_dir)),
+        suppress=SuppressConfig(besteffort_dir=PurePosixPath(settings.besteffort_dir or agent.settings.besteffort_dir)),
         evict=EvictConfig(collect_interval=agent.settings.intervals.pods,
                           cpu_cool_down=settings.cpu_evict_cool_down,
                           memory_cool_down=settings.memory_evict_cool_down),

@@ -9,6 +9,14 @@ kept). A rebuild equal to the last one in sync makes no API call at all; the obj
 re-read anyway every ``resync`` seconds to repair edits made by others. Writes (create or
 patch) are at most one per ``interval``.
 
+Nothing is written before the pods are known (``ready``: the proxy's store rebuilt and
+kubelet's first pod list in): right after a restart the pod set is empty, and an NRT built
+from it says ``pod-cpu-allocs: null`` and gives an LSR pod's bound CPUs back to the shared
+pool, a window in which koord-scheduler can place another pod on them. Nor is a
+less-informed object written over a better one: a build missing an input the last write
+had (the CPU topology, kubelet's config or CPU manager checkpoint, the Node) is held back
+for up to ``resync`` seconds (an input gone that long is taken as really gone).
+
 The API client is anything with ``get_nrt``/``create_nrt``/``patch_nrt`` (``NRTClient``):
 ``metrics.informer.kubeclient.KubeClient`` in the agent.
 """
@@ -249,6 +257,19 @@ class NRTSources:
         )
 
 
+def known_inputs(inputs: NRTInputs) -> frozenset[str]:
+    """Which of the optional inputs a build had: a build knowing less than the object
+    already written must not replace it."""
+    known = {"topology"} if inputs.topology.cpus else set()
+    if inputs.kubelet_known:
+        known.add("kubelet_config")
+    if inputs.cpu_state.policy:
+        known.add("cpu_manager_state")
+    if inputs.node is not None:
+        known.add("node")
+    return frozenset(known)
+
+
 # --- the reporter ---------------------------------------------------------------------------
 class NRTReporter:
     def __init__(
@@ -259,8 +280,10 @@ class NRTReporter:
         interval: float = 3.0,
         resync: float = DEFAULT_RESYNC,
         clock: Callable[[], float] = time.monotonic,
+        ready: Callable[[], bool] | None = None,
     ) -> None:
         self._sources = sources
+        self._ready = ready
         self._kube = kube
         self.interval = interval
         self._resync = resync
@@ -275,6 +298,11 @@ class NRTReporter:
         self._problems: set[str] = set()
         self._last_failure = ""
         self.writes = {"created": 0, "patched": 0}
+        #: The inputs behind the last build and the last write; since when a poorer build is held.
+        self._known: frozenset[str] = frozenset()
+        self._written_known: frozenset[str] = frozenset()
+        self._held_since: float | None = None
+        self._waiting = ""
 
     @property
     def connected(self) -> bool:
@@ -286,7 +314,9 @@ class NRTReporter:
 
     def _build(self) -> NRTBuild:
         """In a worker thread."""
-        build = build_nrt(self._sources.read())
+        inputs = self._sources.read()
+        self._known = known_inputs(inputs)
+        build = build_nrt(inputs)
         for problem in build.problems:
             if problem not in self._problems:
                 self._problems.add(problem)
@@ -303,11 +333,22 @@ class NRTReporter:
         """Rebuild, then bring the cluster's object in line. Returns the outcome: ``local``
         (no cluster), ``unchanged`` (no API call), ``in_sync`` (read, nothing to write),
         ``deferred`` (a write is due but the last was less than ``interval`` ago),
-        ``created``, ``patched`` or ``failed``."""
+        ``waiting`` (the pods are not known yet: no API call), ``held`` (this build knows
+        less than the last write: no API call), ``created``, ``patched`` or ``failed``."""
         build = await self.rebuild()
         if self._kube is None:
             return "local"
         now = self._clock()
+        if self._ready is not None and not self._ready():
+            self._wait("pods not known yet (store rebuild, kubelet's first pod list)")
+            return "waiting"
+        if missing := self._written_known - self._known:
+            if self._held_since is None:
+                self._held_since = now
+            if now - self._held_since < self._resync:
+                self._wait(f"inputs missing that the last write had: {sorted(missing)}")
+                return "held"
+        self._held_since, self._waiting = None, ""
         desired = build.doc
         node = self._sources.node()
         owner = node_owner(node, self._sources.node_name)
@@ -327,6 +368,7 @@ class NRTReporter:
             patch.setdefault("metadata", {})["ownerReferences"] = refs
         if not patch:
             self._synced, self._synced_owner, self._checked_at = desired, owner, now
+            self._written_known = self._known  # the cluster's object is this build
             return "in_sync"
         return await self._write("patched", self._kube.patch_nrt, patch, desired, now, owner)
 
@@ -340,6 +382,7 @@ class NRTReporter:
         except KubeError as exc:
             return self._failed("create" if outcome == "created" else "patch", exc)
         self._synced, self._synced_owner, self._checked_at, self._written_at = desired, owner, now, now
+        self._written_known = self._known
         self.writes[outcome] += 1
         changed = _changed_keys(body) if outcome == "patched" else ["*"]
         log.info(f"nrt_{outcome}", name=self._sources.node_name, changed=changed)
@@ -347,6 +390,11 @@ class NRTReporter:
             self._last_failure = ""
             log.info("nrt_report_recovered")
         return outcome
+
+    def _wait(self, reason: str) -> None:
+        if reason != self._waiting:
+            self._waiting = reason
+            log.info("nrt_write_waiting", reason=reason)
 
     def _failed(self, what: str, exc: KubeError) -> str:
         # One line per distinct failure in a row, not one per interval.
@@ -379,4 +427,6 @@ class NRTReporter:
             "cluster": self._kube is not None,
             "writes": dict(self.writes),
             "last_failure": self._last_failure or None,
+            "inputs_known": sorted(self._known),
+            "waiting": self._waiting or None,
         }

@@ -44,6 +44,8 @@ class Resyncer:
         self._wake = asyncio.Event()
         self._failing = False
         self._reason = "reconnect"
+        #: A re-sync succeeded at least once (the store is complete: see ``TaskInit.pods_known``).
+        self.succeeded = False
 
     def trigger(self) -> None:
         """Re-sync now (the backend connection came back)."""
@@ -70,6 +72,7 @@ class Resyncer:
             if self._after is not None:
                 await self._after(result)
         recovered, self._failing = self._failing, False
+        self.succeeded = True
         # States learnt here changed behind the proxy's back (a container exited by itself).
         emit = log.info if result.changed or result.states_changed or recovered else log.debug
         emit("store_resynced", reason=reason, pods=result.pods, containers=result.containers,

@@ -2,14 +2,19 @@
 by the test: the QoS strategy blkio (through the real manager) gives the BE tier above a
 pod's cgroup blkio.throttle.*_device "<maj>:<min> <value>" from the NodeSLO-style rules,
 the next round finds nothing to repair, and turning the class off
-removes the limits again (the kernel drops a device's line on 0)."""
+removes the limits again (the kernel drops a device's line on 0).
+
+The manager is configured with this run's own BE tier (``besteffort_dir`` under a unique
+parent, as a kubelet ``cgroupRoot`` other than ``/``): a ``/kubepods``-like decoy tree
+under another unique parent, and a host ``/kubepods`` if there is one (only read), are
+not touched (issue 28 item 9)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -22,6 +27,7 @@ from metrics.qos.blkio import blkio
 from metrics.qos.evict import CriEvictor
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.strategy import StrategyInit
+from metrics.qos.suppress import SuppressConfig
 from metrics.store.tsdb import TSDB
 from runtimeproxy.demo.embeddedcgroup import remove_cgroup_tree, unique_test_parent
 from runtimeproxy.hookapi import HostRoots
@@ -46,6 +52,22 @@ def loop_device(tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.fixture
+def decoy_tier() -> Iterator[Path]:
+    """A /kubepods-like tree with no pod of ours, under its own unique test parent."""
+    prefix = unique_test_parent()
+    tier = ROOT / "blkio" / prefix.lstrip("/") / "kubepods" / "besteffort"
+    tier.mkdir(parents=True)
+    try:
+        yield tier
+    finally:
+        remove_cgroup_tree(prefix)
+
+
+def _throttles(tree: Path) -> dict[Path, str]:
+    return {p: p.read_text() for p in tree.rglob("blkio.throttle.*_device")} if tree.is_dir() else {}
+
+
+@pytest.fixture
 def be_pod_parent() -> Iterator[str]:
     if not (ROOT / "blkio" / "blkio.throttle.read_bps_device").is_file():
         pytest.fail("this test needs the v1 blkio controller at /sys/fs/cgroup/blkio (the CI host has it)")
@@ -65,12 +87,16 @@ def _rules(device: str, enable: bool) -> dict[str, object]:
 
 
 @pytest.mark.asyncio
-async def test_be_tier_throttled_on_a_real_loop_device(loop_device: str, be_pod_parent: str, tmp_path: Path) -> None:
+async def test_be_tier_throttled_on_a_real_loop_device(loop_device: str, be_pod_parent: str, decoy_tier: Path,
+                                                       tmp_path: Path) -> None:
     st = os.stat(loop_device)
     devno = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
     current = {"rules": parse_rules(_rules(loop_device, True))}
     executor = CgroupExecutor(CgroupLayout(ROOT, version=1))
-    config = ManagerConfig()
+    be_dir = PurePosixPath(be_pod_parent.lstrip("/")).parent
+    config = ManagerConfig(suppress=SuppressConfig(besteffort_dir=be_dir))
+    host_kubepods = _throttles(ROOT / "blkio" / "kubepods")  # another tenant's, if any: only read
+    decoy = _throttles(decoy_tier.parent)
     strategy = blkio(StrategyInit(name="blkio", args={}, key_path="strategies[0]", config=config, topology=[],
                                   executor=executor, host=HostRoots(cgroup=ROOT, sys=Path("/sys"))))
     pod = PodView(uid=UID, namespace="default", name="batch", sandbox_id="sb", qos=QoSClass.BE, priority=5000,
@@ -96,6 +122,8 @@ async def test_be_tier_throttled_on_a_real_loop_device(loop_device: str, be_pod_
         assert devno not in (tier / "blkio.throttle.read_iops_device").read_text()  # 0: no limit set
         pod_dir = ROOT / "blkio" / be_pod_parent.lstrip("/")
         assert devno not in (pod_dir / "blkio.throttle.read_bps_device").read_text()  # the tier, not the pod
+        assert _throttles(decoy_tier.parent) == decoy and decoy
+        assert _throttles(ROOT / "blkio" / "kubepods") == host_kubepods
 
         await manager.run_once()
         assert "written" not in {a["result"] for a in manager.explain()["strategies"]["blkio"]["applied"]}

@@ -66,6 +66,9 @@ def test_unsupported_kernel_through_the_proxy_touches_no_cookie(proxy: Any, pods
     pod = pods.sandbox("core-sched-be", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"})
     kubelet_creates_pod_cgroup(pod.linux.cgroup_parent)
     idle = pods.pod_dir(pod, "cpu").parent / "cpu.idle"  # the (test prefix's) besteffort tier
+    shares = idle.with_name("cpu.shares")
+    if idle.read_text().strip() == "0":
+        shares.write_text("2")  # kubelet's BestEffort tier weight
     doc = proxy.config()
     original = json.loads(json.dumps(doc))
     try:
@@ -90,6 +93,9 @@ def test_unsupported_kernel_through_the_proxy_touches_no_cookie(proxy: Any, pods
         doc["rules"]["policies"]["cpuPolicy"] = "groupIdentity"
         proxy.write_config(doc)
         assert _wait_for(lambda: idle.read_text().strip(), "0") == "0"
+        # The kernel reset the tier's weight to 1024 when cpu.idle went 1 -> 0: the hook
+        # that cleared it wrote kubelet's 2 back in the same step (issue 28 item 5).
+        assert _wait_for(lambda: shares.read_text().strip(), "2") == "2"
     finally:
         proxy.write_config(original)
         if idle.exists():

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
-from tests.integration.conftest import http_get
+from tests.integration.conftest import ProxyLauncher, http_get
 from tests.kubeapi import KubeApiServer
 from tests.unit.metrics.kubehelpers import kubeconfig
 
@@ -181,3 +181,55 @@ def test_nrt_nodemetric_prediction_events_and_nodeslo_against_the_api_server(
         return code == 200 and '"threshold_percent": 42' in body.decode()
 
     _wait_for("the suppress plan with threshold 42% in /debug/explain", planned_with_42, timeout=30)
+
+
+def _allocs_of(doc: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The pod-cpu-allocs a NRT document or patch carries (None: the write leaves it alone)."""
+    value = (doc.get("metadata") or {}).get("annotations", {}).get(ALLOCS)
+    return None if value is None else (json.loads(value) or [])
+
+
+def test_a_restart_publishes_nothing_less_informed(
+    proxy: Any, pods: Any, api: KubeApiServer, containerd: Any, proxy_config: dict[str, Any]
+) -> None:
+    """Issue 28 items 2 and 3: after a restart (the checkpointed predictor on disk, an LSR
+    pod bound to CPU 0) no NRT write drops the pod's allocation, and the first NodeMetric
+    status has the pod and the prediction restored from the checkpoint."""
+    rt = proxy.runtime()
+    uid = str(uuid.uuid4())
+    lsr = pods.sandbox("lsr-restart", qos="guaranteed", uid=uid, labels={"koordinator.sh/qosClass": "LSR"},
+                       annotations={"scheduling.koordinator.sh/resource-status": json.dumps({"cpuset": "0"})})
+    kubelet_creates_pod_cgroup(lsr.linux.cgroup_parent)
+    pods.start(rt, pods.create(rt, pods.run(rt, lsr), lsr, pods.container("app")))
+    _wait_for("the NRT with the pod's cpus", lambda: any(
+        a["uid"] == uid for a in _allocs_of(api.get("noderesourcetopologies", NODE) or {}) or []), timeout=30)
+    _wait_for("a NodeMetric with the pod and the prediction", lambda: any(
+        p["name"] == "lsr-restart" for p in (api.get("nodemetrics", NODE) or {}).get("status", {}).get(
+            "podsMetric", [])) and "prodReclaimableMetric" in api.get("nodemetrics", NODE)["status"], timeout=60)
+    _wait_for("the predictor's checkpoint", lambda: (WORK / "m.db.prediction.json").is_file(), timeout=30)
+
+    assert proxy.terminate() == 0  # its checkpoint is saved at stop
+    before = len(api.requests)
+    launcher = ProxyLauncher(containerd.socket)
+    try:
+        again = launcher.start(proxy_config.get("hooks", ()),
+                               extra={k: v for k, v in proxy_config.items() if k != "hooks"})
+        again.wait_event("store_rebuilt", timeout=30)
+
+        def first_status() -> Any:
+            return next((r for r in api.requests[before:] if r.method == "PATCH" and r.path == NM_STATUS), None)
+
+        first = _wait_for("the first NodeMetric after the restart", first_status, timeout=60).json()["status"]
+        assert any(p["name"] == "lsr-restart" for p in first.get("podsMetric") or []), first.get("podsMetric")
+        assert first.get("prodReclaimableMetric") and first.get("prodPeakMetric"), sorted(first)
+        # Several NRT intervals (500 ms) after the store came back: no write dropped the pod.
+        time.sleep(3)
+        nrt_writes = [r for r in api.requests[before:] if r.path.startswith(NRT_PATH.rsplit("/", 1)[0])
+                      and r.method in ("POST", "PATCH", "PUT")]
+        for write in nrt_writes:
+            allocs = _allocs_of(write.json())
+            assert allocs is None or any(a["uid"] == uid for a in allocs), (write.method, allocs)
+        assert any(a["uid"] == uid for a in _allocs_of(api.get("noderesourcetopologies", NODE) or {}) or [])
+    finally:
+        problems = launcher.cleanup()
+    assert not problems, "\n".join(problems)

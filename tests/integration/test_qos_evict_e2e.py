@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +120,26 @@ def test_an_eviction_before_start_container_keeps_the_pod_down(proxy: Any, pods:
     proxy.wait_event("pod_evicted", timeout=EVICT_TIMEOUT, pod="krp-test/be-late")
     be_cid = _create_and_start(rt, pods, be_sid, be_pod, "late")
     _assert_stays_down(rt, be_sid, be_cid)
+
+
+def test_a_pod_restarted_under_its_uid_is_evicted_again(proxy: Any, pods: Any) -> None:
+    """Issue 28 item 4 on a real node: with ``evict_mode: cri`` (no cluster here) kubelet
+    restarts a stopped pod in a new sandbox under the same UID. That is not an eviction:
+    the pod no longer counts as being evicted, and the memory still over the threshold
+    evicts it again, instead of 'covered by pods already being evicted' for good."""
+    rt = proxy.runtime()
+    uid = str(uuid.uuid4())
+    first = pods.sandbox("be-again", qos="besteffort", uid=uid, labels={"koordinator.sh/qosClass": "BE"})
+    kubelet_creates_pod_cgroup(first.linux.cgroup_parent)
+    first_sid = pods.run(rt, first)
+    proxy.wait_event("pod_evicted", timeout=EVICT_TIMEOUT, pod="krp-test/be-again")
+    _assert_stays_down(rt, first_sid, None)
+    evicted = len(proxy.events("pod_evicted", pod="krp-test/be-again"))
+    # kubelet: the same pod (same UID) in a new sandbox (attempt 1)
+    again = pods.sandbox("be-again", qos="besteffort", uid=uid, labels={"koordinator.sh/qosClass": "BE"})
+    again.metadata.attempt = 1
+    second_sid = pods.run(rt, again)
+    expired = proxy.wait_event("eviction_pending_expired", timeout=EVICT_TIMEOUT, pod="krp-test/be-again")
+    assert "new sandbox" in expired["reason"], expired
+    proxy.wait_event("pod_evicted", timeout=EVICT_TIMEOUT, count=evicted + 1, pod="krp-test/be-again")
+    _assert_stays_down(rt, second_sid, None)

@@ -98,3 +98,40 @@ def test_rule_change_is_reapplied_to_running_pods(proxy: Any, pods: Any) -> None
     finally:
         proxy.write_config(original)
     assert _wait_for(lambda: idle.read_text().strip(), "1") == "1"
+
+
+def test_clearing_cpu_idle_restores_the_weight_it_replaced(proxy: Any, pods: Any) -> None:
+    """Issue 28 item 5 on real cgroups: the kernel resets cpu.shares to 1024 when cpu.idle
+    goes 1 -> 0; turning BE group identity off gives a plain BestEffort pod kubelet's 2
+    back and a batch pod batch-resource's weight, in group-identity's own write."""
+    rt = proxy.runtime()
+    plain = pods.sandbox("idle-plain-be", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"})
+    spec = {"containers": {"app": {"requests": {"kubernetes.io/batch-cpu": "500"},
+                                   "limits": {"kubernetes.io/batch-cpu": "1000"}}}}
+    batch = pods.sandbox("idle-batch-be", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"},
+                         annotations={SPEC: json.dumps(spec)})
+    for pod in (plain, batch):
+        kubelet_creates_pod_cgroup(pod.linux.cgroup_parent)
+        (pods.pod_dir(pod, "cpu") / "cpu.shares").write_text("2")  # kubelet: a BestEffort pod
+        pods.run(rt, pod)
+        assert (pods.pod_dir(pod, "cpu") / "cpu.idle").read_text().strip() == "1"
+    doc = proxy.config()
+    original = json.loads(json.dumps(doc))
+    repaired = len(proxy.events("reconcile_repaired"))
+    try:
+        doc["rules"]["resourceQOSStrategy"]["beClass"]["cpuQOS"]["groupIdentity"] = 0
+        proxy.write_config(doc)
+        for pod in (plain, batch):
+            idle = pods.pod_dir(pod, "cpu") / "cpu.idle"
+            assert _wait_for(lambda idle=idle: idle.read_text().strip(), "0") == "0"
+        shares = {pod.metadata.name: pods.pod_dir(pod, "cpu") / "cpu.shares" for pod in (plain, batch)}
+        # batch-cpu requests 500m -> 512 shares (the same pass); 1024 is the kernel's reset.
+        assert _wait_for(lambda: shares["idle-plain-be"].read_text().strip(), "2", timeout=3) == "2"
+        assert _wait_for(lambda: shares["idle-batch-be"].read_text().strip(), "512", timeout=3) == "512"
+        changes = [c for e in proxy.events("reconcile_repaired")[repaired:] for c in e["changes"]]
+        for pod, weight in ((plain, 2), (batch, 512)):
+            assert f"group-identity:host:{shares[pod.metadata.name]}={weight}" in changes, changes
+    finally:
+        proxy.write_config(original)
+    for pod in (plain, batch):
+        assert _wait_for(lambda pod=pod: (pods.pod_dir(pod, "cpu") / "cpu.idle").read_text().strip(), "1") == "1"

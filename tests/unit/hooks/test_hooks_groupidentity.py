@@ -203,12 +203,16 @@ def test_idle_fallback_for_be(tmp_path: Path, tree: Tree) -> None:
 
 
 def test_idle_fallback_be_with_nonnegative_value_is_not_idle(tmp_path: Path) -> None:
-    v2_tree(tmp_path / "cgroup", ("cpu.idle",))
+    """Clearing cpu.idle also restores the weight the kernel reset (issue 28 item 5): a
+    BestEffort pod's kubelet weight, cpu.shares 2 = cpu.weight 1 on v2."""
+    v2_tree(tmp_path / "cgroup", ("cpu.idle", "cpu.weight"))
     target = pod_file(tmp_path, v2_tree, BE_PARENT, "cpu.idle")
     target.write_text("1\n")
+    target.with_name("cpu.weight").write_text("100\n")  # what the kernel shows after the clear
     rules = {"resourceQOSStrategy": {"beClass": {"cpuQOS": {"enable": True, "groupIdentity": 0}}}}
     patch = make_hook(tmp_path, rules=rules).pre_run_pod_sandbox(ctx("BE", BE_PARENT))
-    assert patch is not None and [(w.old, w.new) for w in patch.writes] == [("1", "0")]
+    assert patch is not None and [(w.target.rsplit("/", 1)[1], w.old, w.new) for w in patch.writes] == [
+        ("cpu.idle", "1", "0"), ("cpu.weight", "100", "1")]
 
 
 @pytest.mark.parametrize("tree", TREES)

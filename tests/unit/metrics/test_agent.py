@@ -154,3 +154,26 @@ async def test_a_tick_that_raises_fails_the_task_and_a_slow_one_is_not_queued(
         release.set()
     with pytest.raises(TSDBError, match="disk full"):
         await asyncio.wait_for(task, 5)
+
+
+def test_pod_views_are_complete_only_once_the_store_was_rebuilt(host: Any, tmp_path: Path) -> None:
+    """Issue 28 items 2-3: right after a restart the store snapshot is empty because it is
+    not rebuilt yet; views built then are not complete (NodeMetric, NRT and the restored
+    prediction wait), and the first refresh after the rebuild makes them so."""
+    from metrics.agent import SHARED_KEY, metrics_task
+    from runtimeproxy.hookapi import TaskInit
+
+    known = False
+    init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host,
+                    add_route=lambda _path, _route: None, pods_known=lambda: known,
+                    args={"db": str(tmp_path / "m.db"), "schedlat_source": "off", "cpi": False})
+    metrics_task(init)
+    agent = init.shared[SHARED_KEY]
+    try:
+        agent.refresh_pods()
+        assert not agent.pods_complete()
+        known = True
+        agent.refresh_pods()  # same (empty) pod set: rebuilt anyway, now complete
+        assert agent.pods_complete()
+    finally:
+        agent.tsdb.close()

@@ -176,3 +176,17 @@ def test_bad_node_facts_are_named(fact: Callable[[dict[str, Any]], object], n: d
 def test_bad_interval() -> None:
     with pytest.raises(ValueError, match="sync_interval"):
         StatesInformer(None, None, sync_interval=0)
+
+
+def test_pods_listed_once_kubelet_answered_a_list_even_an_empty_one(kubelet: Kubelet) -> None:
+    """Issue 28 items 2-3: what the agent publishes waits for kubelet's first pod list;
+    a node without pods answers an empty one, which counts (koordlet's podsHasSynced)."""
+    assert StatesInformer(None, None).pods_listed()  # no kubelet configured: nothing to wait for
+    client = KubeletPods(kubelet.url, timeout=2)
+    informer = StatesInformer(None, client)
+    kubelet.answer = (500, b"starting")
+    asyncio.run(informer.sync_pods())
+    assert not informer.pods_listed()
+    kubelet.answer = (200, b'{"kind":"PodList","items":null}')
+    asyncio.run(informer.sync_pods())
+    assert informer.pods_listed() and informer.pods() == {}

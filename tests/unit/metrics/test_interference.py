@@ -178,8 +178,11 @@ def test_pods_gone_are_forgotten_and_be_pods_are_not_judged(learnt: Interference
     out = learnt.step(Observation(200.0, (BE1,), {}, be=(BEUsage(BE1, 1.0, 1.0),)))
     assert out == {}
     fresh = learnt.step(obs(201.0, {"sched_latency_p99": 0.05}, busy_be(201.0)))
-    assert fresh[LS.uid][CPU].level is Level.NONE  # a new baseline: warming up, not judged
-    assert "learning baselines: sched_latency_p99 1/20" in fresh[LS.uid][CPU].reason
+    # A new baseline: warming up, judged against the floor (2 ms); BE activity explains
+    # the value, so it is not learnt. One step is no verdict yet.
+    assert fresh[LS.uid][CPU].level is Level.NONE
+    assert [e.threshold for e in fresh[LS.uid][CPU].evidence] == [0.002]
+    assert "learning baselines (judged against their floors): sched_latency_p99 0/20" in fresh[LS.uid][CPU].reason
     assert learnt.thresholds(LS.uid, "sched_latency_p99")[0] == 0.0
 
 
@@ -263,3 +266,25 @@ def test_signal_reader_without_the_view_queries_last(tmp_path: Path) -> None:
     assert reader.observe([_view("ls", QoSClass.LS, quota=0)], 1000.5).signals["ls"]["cpu_psi"] == 7.0
     assert reader.reads > 0
     db.close()
+
+
+def test_a_new_pod_is_judged_against_the_floors_while_its_baseline_is_learnt() -> None:
+    """Issue 28 item 11: PSI every 10 s and min_baseline 20 left a new LS pod unjudged for
+    ~200 s; an LS pod alone 60 s, then BE hogs, gets a verdict from the floor (cpu PSI 10)
+    within the run lengths, not after 20 samples. Its own quiet samples are learnt; the
+    antagonist's are not."""
+    analyser = InterferenceAnalyser()
+    level, t = Level.NONE, 0
+
+    def stamps(t: int) -> dict[str, dict[str, float]]:
+        return {LS.uid: {"cpu_psi": float(t - t % 10)}}
+
+    for t in range(0, 60):  # alone: PSI 2 % (one sample per 10 s)
+        analyser.step(obs(float(t), {"cpu_psi": 2.0}, (), stamps=stamps(t)))
+    for t in range(60, 150):  # 4 BE hogs: PSI 25.6 % (the issue's figure)
+        out = analyser.step(obs(float(t), {"cpu_psi": 25.6}, busy_be(float(t)), stamps=stamps(t)))
+        level = out[LS.uid][CPU].level
+        if level is Level.CONFIRMED:
+            break
+    assert level is Level.CONFIRMED and t - 60 <= 20, t
+    assert analyser._pods[LS.uid].baselines["cpu_psi"].values() == [2.0] * 6

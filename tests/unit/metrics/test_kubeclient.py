@@ -362,13 +362,15 @@ async def test_the_watched_nodeslo_feeds_hooks_and_tasks_through_one_provider(
         assert (threshold.enable, threshold.cpu_suppress_policy) == (True, "cfsQuota")
         assert batch.rules.resource_used_threshold_with_be.cpu_suppress_policy == "cfsQuota"
 
-        # A NodeSLO that does not parse is dropped as a whole, naming the field: the YAML applies.
+        # A NodeSLO that does not parse is rejected as a whole, naming the field: the last
+        # good NodeSLO stays in force (issue 28 item 6), not the YAML.
         api.before_watch.set()
-        while len(changes) < 2:
-            assert time.monotonic() < deadline, "the bad NodeSLO was not withdrawn"
+        while agent.nodeslo.explain()["rejected"] is None:
+            assert time.monotonic() < deadline, "the bad NodeSLO was not rejected"
             await asyncio.sleep(0.01)
-        assert gi.pod_value(be, QoSClass.BE) == (-1, "BE pod: class rule cpuQOS.groupIdentity -1")
-        assert not agent.rules().resource_used_threshold_with_be.enable
+        assert len(changes) == 1
+        assert gi.pod_value(be, QoSClass.BE) == (0, "BE pod: class cpuQOS disabled, group identity 0")
+        assert agent.rules().resource_used_threshold_with_be.cpu_suppress_policy == "cfsQuota"
         out = capsys.readouterr().out
         assert "nodeslo_rejected" in out and "nodeslo.spec.resourceQOSStrategy.beClass.cpuQOS.enable" in out
         # ... and an Event on the Node (issue 16 §4), as kubectl describe node shows it.
@@ -376,6 +378,7 @@ async def test_the_watched_nodeslo_feeds_hooks_and_tasks_through_one_provider(
         [event] = [e for e in api.objects("events") if e["reason"] == "NodeSLORejected"]
         assert event["involvedObject"]["kind"] == "Node" and event["involvedObject"]["name"] == NODE
         assert event["message"].startswith("nodeslo.spec.resourceQOSStrategy.beClass.cpuQOS.enable='no'")
+        assert event["message"].endswith("the last good NodeSLO applies")
     finally:
         await stop_informer(task)
         agent.tsdb.close()

@@ -89,3 +89,36 @@ async def test_created_then_patched_only_on_change(tmp_path: Path, api: Any, kub
     clock.now += 301  # re-read after the resync period: equal, nothing written
     assert await nrt.sync_once() == "in_sync"
     assert _writes(api) == ["POST", "PATCH"]
+
+
+@pytest.mark.asyncio
+async def test_nothing_written_before_the_pods_are_known_nor_over_a_better_object(
+    tmp_path: Path, api: Any, kube: KubeClient
+) -> None:
+    """Issue 28 item 2: no write while the pods are not known (a restart's empty store);
+    a build without an input the last write had (kubelet's CPU manager checkpoint, read
+    mid-rewrite) is held back, for at most the resync period."""
+    roots = host_tree(tmp_path)
+    state = tmp_path / "cpu_manager_state"
+    state.write_text('{"policyName":"static","defaultCpuSet":"1-3","entries":{"u-lsr":{"c":"0"}}}')
+    pods: list[PodView] = []
+    known = False
+    clock = Clock()
+    sources = NRTSources(NODE, roots, TopologyCollector(roots).latest, lambda: pods, lambda: None,
+                         cpu_manager_state=state, kubelet_config=tmp_path / "config.yaml", clock=clock)
+    nrt = NRTReporter(sources, kube, interval=3.0, clock=clock, ready=lambda: known)
+    assert await nrt.sync_once() == "waiting"
+    assert _writes(api) == [] and api.requests == []
+    known = True
+    pods.append(pod("u-lsr", QoSClass.LSR, "0"))
+    clock.now += 3
+    assert await nrt.sync_once() == "created"
+    state.write_text("")  # kubelet rewriting its checkpoint: the build knows less
+    pods.append(pod("u-ls", QoSClass.LS, ""))
+    for _ in range(3):
+        clock.now += 3
+        assert await nrt.sync_once() == "held"
+    assert _writes(api) == ["POST"]
+    assert nrt.explain()["waiting"].startswith("inputs missing")
+    clock.now += 300  # gone for longer than the resync period: taken as really gone
+    assert await nrt.sync_once() == "patched"

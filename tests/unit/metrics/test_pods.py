@@ -97,3 +97,16 @@ def test_views_are_reused_until_a_record_the_class_or_the_priority_changes() -> 
     assert (last["db"].priority, last["db"].qos) == (9100, QoSClass.LS)
     del store["pods"][db.id]
     assert [v.name for v in views.current()] == ["web"]
+
+
+def test_one_view_per_uid_the_newest_sandbox() -> None:
+    """kubelet restarted a pod (same UID, attempt 1) and keeps the stopped sandbox until its
+    garbage collection: the pod is viewed once, in its new sandbox (issue 28 item 4)."""
+    from dataclasses import replace
+
+    new = _pod("web", "/kubepods/besteffort/poduid-web", sid="sb-new")
+    new = replace(new, meta=replace(new.meta, attempt=1))
+    old = _pod("web", "/kubepods/besteffort/poduid-web", sid="sb-old")
+    other = _pod("db", "/kubepods/poduid-db")
+    views = _views([new, old, other]).current()  # the newest listed first: attempt decides
+    assert [(v.name, v.sandbox_id) for v in views] == [("db", "sb-db"), ("web", "sb-new")]

@@ -7,7 +7,7 @@ and no throttle files (one line, idle)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -22,6 +22,7 @@ from metrics.qos.blkio import BlkioTiers, blkio
 from metrics.qos.evict import CriEvictor
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.strategy import StrategyInit
+from metrics.qos.suppress import SuppressConfig
 from metrics.store.tsdb import TSDB
 from runtimeproxy.hookapi import HookConfigError, HostRoots
 
@@ -49,7 +50,8 @@ def sys_tree(root: Path) -> Path:
 
 class Env:
     def __init__(self, tmp: Path, *, version: int = 1, weight: str | None = None, dry_run: bool = False,
-                 driver: str = "cgroupfs", dirs: tuple[str, ...] | None = None, files: bool = True) -> None:
+                 driver: str = "cgroupfs", dirs: tuple[str, ...] | None = None, files: bool = True,
+                 besteffort: str = "kubepods/besteffort") -> None:
         self.root = tmp / "cgroup"
         self.base = self.root / "blkio" if version == 1 else self.root
         if version == 2:
@@ -71,7 +73,7 @@ class Env:
         self.pods: list[PodView] = []
         self.store = TSDB(tmp / "m.db", clock=lambda: NOW)
         executor = CgroupExecutor(CgroupLayout(self.root, version=version, driver=driver))  # type: ignore[arg-type]
-        config = ManagerConfig(dry_run=dry_run)
+        config = ManagerConfig(dry_run=dry_run, suppress=SuppressConfig(besteffort_dir=PurePosixPath(besteffort)))
         init = StrategyInit(name="blkio", args={}, key_path="strategies[0]", config=config, topology=[],
                             executor=executor, host=HostRoots(cgroup=self.root, sys=sys_tree(tmp / "sys")))
         self.strategy = blkio(init)
@@ -213,3 +215,18 @@ def test_args_are_refused_naming_the_key(tmp_path: Path) -> None:
     with pytest.raises(HookConfigError) as exc:
         blkio(init)
     assert exc.value.key_path == "tasks.qos-manager.strategies[3].args"
+
+
+@pytest.mark.asyncio
+async def test_tiers_come_from_the_configured_root_never_kubepods_at_the_hierarchy_root(envs: Any) -> None:
+    """Issue 28 item 9: kubelet's cgroupRoot is /custom; a /kubepods tree at the hierarchy
+    root is another tenant's (a decoy here): neither probed for support nor written."""
+    env = envs(dirs=("kubepods", "kubepods/besteffort", "kubepods/burstable", "custom/kubepods",
+                     "custom/kubepods/besteffort", "custom/kubepods/burstable"),
+               besteffort="custom/kubepods/besteffort")
+    env.rules = parse_rules(blocks(readBPS=4096))
+    decoy = {p: p.read_text() for p in (env.base / "kubepods").rglob("*") if p.is_file()}
+    await env.manager.run_once()
+    assert env.read("custom/kubepods/besteffort", "blkio.throttle.read_bps_device") == "253:16 4096"
+    assert {p: p.read_text() for p in (env.base / "kubepods").rglob("*") if p.is_file()} == decoy
+    assert set(env.explain()["plan"]["inputs"]["tiers"]) == {"custom/kubepods/besteffort", "custom/kubepods/burstable"}

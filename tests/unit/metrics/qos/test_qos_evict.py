@@ -256,3 +256,25 @@ async def test_every_eviction_counts_and_logs(capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out
     assert out.count("pod_evicted") == 1 and out.count("pod_eviction_failed") == 1
     EvictionMetrics(None, "node-1").inc(MEMORY_NAME)  # no registry: nothing exported, no error
+
+
+def test_a_pod_restarted_under_its_uid_or_evicted_too_long_ago_is_no_longer_pending() -> None:
+    """Issue 28 item 4: kubelet restarts a pod stopped through the CRI (same UID, new
+    sandbox): it is not being evicted any more, and usage over the threshold evicts again;
+    a pod still there PENDING_MAX_AGE after its eviction no longer counts either."""
+    from dataclasses import replace
+
+    from metrics.qos.evict import PENDING_MAX_AGE
+
+    strategy = EvictionStrategy(EvictConfig())
+    x, y = be("x"), be("y")
+    strategy.on_evicted(MEMORY_NAME, x, node((x, y), {"x": 80, "y": 30}))  # at 100, sandbox "x"
+    held = strategy.plan(node((x, y), {"x": 80, "y": 30}, now=105.0), None, MEM)[0]
+    assert held.actions == () and held.reason == "covered by pods already being evicted"
+    again = replace(x, sandbox_id="x-restarted")  # kubelet ran the pod again
+    plan = strategy.plan(node((again, y), {"x": 80, "y": 30}, now=106.0), None, MEM)[0]
+    assert victims(plan.actions) == ["x"] and "x" not in strategy.tracker
+    strategy.on_evicted(MEMORY_NAME, again, node((again, y), {"x": 80, "y": 30}, now=106.0))
+    assert strategy.plan(node((again, y), {"x": 80}, now=106.0 + PENDING_MAX_AGE), None, MEM)[0].actions == ()
+    late = strategy.plan(node((again, y), {"x": 80}, now=106.5 + PENDING_MAX_AGE), None, MEM)[0]
+    assert victims(late.actions) == ["x"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -23,6 +23,7 @@ from metrics.qos.evict import CriEvictor
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.memoryqos import MemoryQoSTiers, memory_qos
 from metrics.qos.strategy import StrategyInit
+from metrics.qos.suppress import SuppressConfig
 from metrics.store.tsdb import TSDB
 from runtimeproxy.hookapi import (
     ContainerContext,
@@ -56,7 +57,7 @@ def pod(uid: str, cgroup: str, kube: str, annotations: dict[str, str] | None = N
 
 class Env:
     def __init__(self, tmp: Path, *, version: int = 2, files: tuple[str, ...] = FILES, dry_run: bool = False,
-                 driver: str = "cgroupfs") -> None:
+                 driver: str = "cgroupfs", besteffort: str = "kubepods/besteffort") -> None:
         self.root = tmp / "cgroup"
         self.base = self.root if version == 2 else self.root / "memory"
         self.files = files
@@ -74,7 +75,7 @@ class Env:
         self.pods: list[PodView] = []
         self.store = TSDB(tmp / "m.db", clock=lambda: NOW)
         executor = CgroupExecutor(CgroupLayout(self.root, version=version, driver=driver))  # type: ignore[arg-type]
-        config = ManagerConfig(dry_run=dry_run)
+        config = ManagerConfig(dry_run=dry_run, suppress=SuppressConfig(besteffort_dir=PurePosixPath(besteffort)))
         init = StrategyInit(name="memory-qos", args={}, key_path="strategies[0]", config=config, topology=[],
                             executor=executor, host=HostRoots(cgroup=self.root))
         self.strategy = memory_qos(init)
@@ -273,3 +274,21 @@ async def test_hook_then_strategy_give_koordlets_tier_sums_from_the_requests(env
     # (1 GiB + 3 GiB) x minLimitPercent 50 / 100 = 2 GiB; lowLimitPercent 0 => low = min
     assert env.tier("kubepods/burstable") == (2 * GiB, 2 * GiB)
     assert env.tier("kubepods") == (2 * GiB, 2 * GiB)
+
+
+@pytest.mark.asyncio
+async def test_tiers_come_from_the_configured_root_never_kubepods_at_the_hierarchy_root(envs: Any) -> None:
+    """Issue 28 item 9: kubelet's cgroupRoot is /custom; the /kubepods tree at the hierarchy
+    root (made by Env) is another tenant's, with its own memory.min/low: left alone."""
+    env = envs(besteffort="custom/kubepods/besteffort")
+    for rel in ("kubepods", "kubepods/burstable", "kubepods/besteffort"):
+        env.mkdir(rel, 3 * GiB, 3 * GiB)  # the other tenant's protection
+    for rel in ("custom/kubepods", "custom/kubepods/burstable", "custom/kubepods/besteffort"):
+        env.mkdir(rel)
+    env.mkdir("custom/kubepods/burstable/poda", 512 * MiB, 800 * MiB)
+    env.pods = [pod("a", "custom/kubepods/burstable/poda", "burstable")]
+    decoy = {p: p.read_text() for p in (env.base / "kubepods").rglob("*") if p.is_file()}
+    await env.manager.run_once()
+    assert env.tier("custom/kubepods/burstable") == (512 * MiB, 800 * MiB)
+    assert env.tier("custom/kubepods") == (512 * MiB, 800 * MiB)
+    assert {p: p.read_text() for p in (env.base / "kubepods").rglob("*") if p.is_file()} == decoy
