@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import structlog
 
-from hooks.cgroups import CPU_CFS_QUOTA, CPU_IDLE, CgroupError
+from hooks.cgroups import CPU_CFS_QUOTA, CPU_IDLE, CPU_SHARES, MIN_SHARES, CgroupError
 from metrics.analysis.interference import CPU, MEMORY, Level, Verdict, confirmed
 from metrics.model import PodView
 from metrics.qos.plan import Action, Evict, Plan, Priority, SetCgroup
@@ -209,6 +209,12 @@ class Interference(Strategy):
         if self.original_idle is not None:
             out.append(SetCgroup(self.cfg.besteffort_dir, CPU_IDLE, self.original_idle,
                                  f"CPU interference cleared: BE tier cpu.idle back to {self.original_idle}"))
+            if self.original_idle == 0:
+                # cpu.idle 1 -> 0 resets the weight to the kernel default (cpu.shares 1024): the
+                # tier gets kubelet's BestEffort weight back in the same step (hooks.idleweight).
+                out.append(SetCgroup(self.cfg.besteffort_dir, CPU_SHARES, MIN_SHARES,
+                                     "CPU interference cleared: BE tier cpu.idle 0 reset its weight; "
+                                     f"kubelet's BestEffort tier weight cpu.shares {MIN_SHARES} restored"))
             self.original_idle = None
         return out
 

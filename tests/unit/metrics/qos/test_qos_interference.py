@@ -279,6 +279,25 @@ async def test_a_confirmed_cpu_verdict_makes_the_be_tier_sched_idle_until_releas
 
 
 @pytest.mark.asyncio
+async def test_clearing_the_tiers_cpu_idle_gives_back_kubelets_besteffort_weight(envs: Any) -> None:
+    """cpu.idle 1 -> 0 resets the kernel's weight to cpu.shares 1024 (issue 28 item 5): the
+    release writes kubelet's BestEffort tier weight (2) after cpu.idle, in the same step."""
+    env = envs(args={"be_cpus": 0, "be_idle": True})
+    tier = env.root / "cpu" / BE_DIR
+    (tier / "cpu.idle").write_text("0\n")
+    (tier / "cpu.shares").write_text("2\n")
+    env.verdicts = verdicts(cpu=Level.CONFIRMED)
+    await env.round()
+    assert (tier / "cpu.idle").read_text().strip() == "1"
+    (tier / "cpu.shares").write_text("1024\n")  # what the kernel leaves once cpu.idle goes back to 0
+    env.verdicts = verdicts()
+    env.now += 31  # past the hold
+    await env.round()
+    assert (tier / "cpu.idle").read_text().strip() == "0"
+    assert (tier / "cpu.shares").read_text().strip() == "2"
+
+
+@pytest.mark.asyncio
 async def test_without_cpu_idle_the_tier_is_left_alone_and_explain_says_so(envs: Any) -> None:
     env = envs(args={"be_cpus": 0})
     env.verdicts = verdicts(cpu=Level.CONFIRMED)
