@@ -336,3 +336,33 @@ async def test_the_periodic_resync_alone_runs_a_removed_pods_stages_within_its_i
         assert rec.seen == _removed("a")
     finally:
         task.cancel()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("first", ["nri-event", "resync"])
+async def test_an_nri_stop_event_and_the_resync_run_a_containers_post_stop_once(tmp_path: Path, first: str) -> None:
+    """With the NRI ingress containerd tells the stop as an event; the re-sync finds the same
+    transition: whichever comes first claims it in the ledger, the other runs nothing."""
+    from criapi import nri_v1alpha1_pb2 as nri
+    from runtimeproxy.config.ingress import NriSettings
+    from runtimeproxy.nri.plugin import NriPlugin, PluginInit
+
+    ctrd, rec = Containerd(), Recorder()
+    node = Node(tmp_path, ctrd, rec)
+    _pods(node, ctrd, "a")
+    chain = node.lifecycle._chain  # the recording chain
+    plugin = NriPlugin(PluginInit(settings=NriSettings, store=node.store, chain=chain,
+                                  skipped=lambda pod: False, posts=node.lifecycle.posts))
+    event = nri.StopContainerRequest(
+        pod=nri.PodSandbox(id="a", name="a", uid="u-a", namespace="ns"),
+        container=nri.Container(id="a-c", pod_sandbox_id="a", name="a-c", state=nri.CONTAINER_STOPPED))
+    ctrd.containers["a-c"] = ("a", cri.CONTAINER_EXITED)
+
+    async def nri_event() -> None:
+        await plugin._handle("StopContainer", event.SerializeToString(), 2.0)
+        assert await node.lifecycle.posts.settle(5.0)
+
+    for step in ((nri_event, node.resync) if first == "nri-event" else (node.resync, nri_event)):
+        await step()
+    assert rec.seen == [("PostStopContainer", "a-c")]
+    assert not node.ledger.owes("a-c", "stop")
