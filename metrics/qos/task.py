@@ -18,6 +18,7 @@ import structlog
 
 from hooks.cgroups import CgroupError, CgroupLayout
 from hooks.executor import CgroupExecutor
+from metrics import checkplan
 from metrics.agent import MetricsAgent, shared_agent
 from metrics.collect.cgroupfs import CgroupReader
 from metrics.informer.kubetypes import EvictionRefused, KubeError
@@ -139,6 +140,7 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
 
 # check-config and reload validate ``tasks.qos-manager`` through this, without building anything.
 qos_task.validate = validate_qos  # type: ignore[attr-defined]
+qos_task.plan = checkplan.qos_plan  # type: ignore[attr-defined]
 
 
 def _triggers(proc: Path, settings: QoSSettings) -> PsiTriggers | None:

@@ -214,6 +214,30 @@ def validate_tasks(settings: Settings) -> list[str]:
     return [name for name, _, _ in _enabled_tasks(settings)]
 
 
+def plan_tasks(settings: Settings) -> dict[str, Mapping[str, Any]]:
+    """What each enabled task would run, for ``check-config``: the factory's optional
+    ``plan(init)`` (a JSON-able mapping: its collectors, strategies, intervals, what is
+    off on this host and why), called after its ``validate`` with the same ``shared``
+    (so a task can read what an earlier one validated); its ``args`` for a task without one.
+    It must build nothing that lasts and write nothing."""
+    shared: dict[str, Any] = {}
+    out: dict[str, Mapping[str, Any]] = {}
+    for name, key_path, args in _enabled_tasks(settings):
+        factory = resolve_factory(name, key_path, TASK_GROUP)
+        init = TaskInit(name=name, args=args, key_path=key_path, snapshot=_no_pods, host=settings.host,
+                        rules=settings.rules, shared=shared,
+                        state_dir=Path(settings.state_dir) if settings.state_dir else None)
+        try:
+            validate = getattr(factory, "validate", None)
+            if validate is not None:
+                validate(init)
+            plan = getattr(factory, "plan", None)
+            out[name] = dict(plan(init)) if plan is not None else {"args": args}
+        except HookConfigError as exc:
+            raise _config_error(exc) from exc
+    return out
+
+
 def validate(settings: Settings) -> tuple[list[BoundHook], list[str]]:
     """Everything ``run`` checks before it listens, for ``check-config``: the hooks
     (built, so plugins validate their args) and the tasks; the chain and task names."""

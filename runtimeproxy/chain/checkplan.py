@@ -1,0 +1,95 @@
+"""``check-config``: the whole plan ``run`` would build from a config, as text or JSON.
+
+The hooks in chain order (built, so each validated its args), and per enabled task what
+its factory's optional ``plan(init)`` says it would run (``plugins.plan_tasks``: the
+metrics task's collectors, the QoS manager's strategies, their intervals, what is off on
+this host and why). The core renders any task's plan without knowing it: scalars as
+``key=value``, lists of named items as a table (name, state, interval, reason).
+
+What the builders log while probing the host is kept as ``notes`` instead of printed, so
+``--output json`` is one JSON document on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from structlog.testing import capture_logs
+
+from runtimeproxy.chain import plugins
+from runtimeproxy.config.settings import Settings
+
+
+def _duration(seconds: object) -> str:
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        return str(seconds)
+    return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
+
+
+def build(settings: Settings) -> dict[str, Any]:
+    """The plan as one JSON-able mapping (raises ConfigError like ``run`` would)."""
+    with capture_logs() as lines:
+        hooks, tasks = plugins.validate(settings)
+        plans = plugins.plan_tasks(settings)
+    return {
+        "config": {"listen": settings.listen, "backend": settings.backend.runtime_endpoint,
+                   "data_plane": settings.data_plane, "source": settings.source},
+        "hooks": [{"position": i + 1, "name": h.name, "failure_policy": h.policy.value, "timeout": h.timeout,
+                   "stages": sorted(s.value for s in h.stages)} for i, h in enumerate(hooks)],
+        "tasks": {name: plans.get(name, {}) for name in tasks},
+        "notes": [{k: v for k, v in line.items() if k != "log_level"} for line in lines],
+    }
+
+
+def _item(entry: Mapping[str, Any]) -> str:
+    parts = [str(entry.get("name", "")), str(entry.get("state", ""))]
+    if entry.get("interval") is not None:
+        parts.append(f"every {_duration(entry['interval'])}")
+    if entry.get("required"):
+        parts.append("required")
+    line = "  ".join(p for p in parts if p)
+    return f"{line}  ({entry['reason']})" if entry.get("reason") else line
+
+
+def _is_table(value: object, key: str = "name") -> bool:
+    return (isinstance(value, Sequence) and not isinstance(value, str) and bool(value)
+            and all(isinstance(v, Mapping) and key in v for v in value))
+
+
+def _note(note: Mapping[str, Any]) -> str:
+    fields = " ".join(f"{k}={_scalar(v)}" for k, v in note.items() if k not in ("event", "log_level"))
+    return f"{note.get('event')}: {fields}"
+
+
+def _scalar(value: object) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def render_text(plan: Mapping[str, Any], data_plane: str) -> list[str]:
+    """The plan for a terminal; the first lines are check-config's historic ones."""
+    cfg = plan["config"]
+    out = [f"config ok: listen={cfg['listen']} backend={cfg['backend']} {data_plane} source={cfg['source']}"]
+    if not plan["hooks"]:
+        out.append("no hooks configured: every call is passed through")
+    for h in plan["hooks"]:
+        out.append(f"{h['position']}. {h['name']}\t{h['failure_policy']}\t{h['timeout']}s\t{','.join(h['stages'])}")
+    tasks: Mapping[str, Mapping[str, Any]] = plan["tasks"]
+    out.append(f"tasks: {', '.join(tasks) if tasks else 'none'}")
+    for name, task in tasks.items():
+        out.append(f"task {name}:")
+        scalars = [f"{k}={_scalar(v)}" for k, v in task.items() if not (_is_table(v) or _is_table(v, "event"))]
+        if scalars:
+            out.append("  " + " ".join(scalars))
+        for key, value in task.items():
+            if _is_table(value):
+                out.append(f"  {key}:")
+                out.extend(f"    {_item(entry)}" for entry in value)
+            elif _is_table(value, "event"):
+                out.append(f"  {key}:")
+                out.extend(f"    {_note(entry)}" for entry in value)
+    if plan["notes"]:
+        out.append("host notes (what the builders found, as run logs them at start):")
+        out.extend(f"  {_note(note)}" for note in plan["notes"])
+    return out
