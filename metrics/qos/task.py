@@ -23,7 +23,7 @@ from metrics.agent import MetricsAgent, shared_agent
 from metrics.collect.cgroupfs import CgroupReader
 from metrics.informer.kubetypes import EvictionRefused, KubeError
 from metrics.model import PodView
-from metrics.qos import builtin, interference
+from metrics.qos import builtin, interference, previewroute
 from metrics.qos.evict import CriEvictor, EvictConfig, EvictionError, Evictor
 from metrics.qos.evictevents import RecordingEvictor
 from metrics.qos.fastpath import FastPath, FastPathConfig
@@ -111,6 +111,7 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
                     config=FastPathConfig(interval=settings.fast_interval, min_gap=settings.fast_interval)
                     ) if settings.fast_path and manager.suppress_strategy is not None else None
     init.add_explainer("qos", manager.explain)
+    previewroute.add_route(init, manager, strategy_init, settings.strategies, agent)  # koord-runtime-proxy plan
 
     async def run() -> None:
         if loaded.disabled:  # listed but off: undo what an earlier run left (e.g. sysctls)
