@@ -35,7 +35,8 @@ created while the proxy was down, or a rule change is repaired; only a file
 that differs is written and reported.
 
 args: ``idle_fallback`` (bool, default true), ``cgroup_driver`` (cgroupfs |
-systemd), ``cgroup_version`` (auto | 1 | 2).
+systemd), ``cgroup_version`` (auto | 1 | 2), ``dry_run`` (bool, default false: nothing
+written, each planned value reported once, as every hook's dry-run, ``hooks.dryrun``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from hooks.cgroups import (
     CgroupLayout,
     pod_cgroup_dir,
 )
+from hooks.dryrun import DryRunLedger, dry_run_arg, planned_writes
 from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
 from hooks.qos import QoSClass, pod_name
@@ -64,7 +66,7 @@ from hooks.rules import LiveRules, Rules
 from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostWrite, PodContext, PodInfo, PodPatch
 
 CPU_QOS_ANNOTATION: Final = "koordinator.sh/cpuQOS"
-_ARGS: Final = frozenset({"idle_fallback", "cgroup_driver", "cgroup_version"})
+_ARGS: Final = frozenset({"idle_fallback", "cgroup_driver", "cgroup_version", "dry_run"})
 _ANNOTATION_KEYS: Final = frozenset({"enable", "groupIdentity", "schedIdle", "coreExpeller"})
 _CLASSES: Final = (QoSClass.LSR, QoSClass.LS, QoSClass.BE)
 _SHOWN: Final = 200
@@ -118,6 +120,8 @@ class GroupIdentity:
         if not isinstance(fallback, bool):
             raise HookConfigError(f"{init.key_path}.idle_fallback", fallback, "expected true or false")
         self.idle_fallback = fallback
+        self.dry_run = dry_run_arg(init, args)
+        self._ledger = DryRunLedger("group-identity")
         driver, version = cgroup_args(init, args)
         self._rules = LiveRules(init)
         try:
@@ -215,6 +219,8 @@ class GroupIdentity:
             update = Update(cgroup, CPU_IDLE, idle, f"{why}: cpu.idle {idle}; {detection.describe()}", source)
         else:
             return None
+        if self.dry_run:
+            return update, self._ledger.report(planned_writes(self.executor, [update]), pod=pod_name(pod))
         return update, host_writes(self.executor.apply([update]))
 
     def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:

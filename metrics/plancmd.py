@@ -2,10 +2,12 @@
 
 Sends the document to the running agent (its loopback endpoint, route ``/debug/plan``,
 ``metrics.qos.preview``), which validates it with the parser its NodeSLO watch uses and
-plans one QoS round under it without writing anything. Prints every cgroup value that
-would change, per pod and per tier (``current -> new`` and the reason), the pods that
-would be evicted at the node's current usage, the BE pods whose tier limit changes
-(suppressed), and the strategies idle under it. Exit status: 0 shown, 2 the agent
+plans one QoS round under it without writing anything; then the rules overlay it
+returns to ``/debug/plan-hooks`` (``runtimeproxy.state.hookpreview``): the hooks'
+reconcile in dry run under those rules. Prints every cgroup value that would change,
+per pod and per tier (``current -> new`` and the reason), the pods that would be evicted
+at the node's current usage, the BE pods whose tier limit changes (suppressed), the
+strategies idle under it and the hooks that cannot be previewed. Exit status: 0 shown, 2 the agent
 refuses the document (the message names the field and value), 1 the agent cannot be
 reached.
 """
@@ -25,6 +27,10 @@ import yaml
 
 from metrics.qos.preview import QUERY, ROUTE, encode
 
+#: The core's route (``runtimeproxy.state.hookpreview.ROUTE``/``QUERY``, same encoding:
+#: metrics never import the core's rooms).
+HOOKS_ROUTE: Final = "/debug/plan-hooks"
+HOOKS_QUERY: Final = "rules"
 #: The endpoint reads at most 8 KiB of request head (``runtimeproxy.ops.httpendpoint``).
 MAX_TARGET: Final = 7 * 1024
 
@@ -76,6 +82,10 @@ def render(body: Mapping[str, Any]) -> list[str]:
         else:
             tiers.setdefault(change["cgroup"], []).append(change)
 
+    hooks = body.get("hooks") or {}
+    for change in hooks.get("changes", []):
+        pods.setdefault(change["pod"], []).append({**change, "strategy": f"hook {change['hook']}"})
+
     def line(c: Mapping[str, Any]) -> str:
         return f"    {c['path']}: {c['current'] or '-'} -> {c['new']}  ({c['strategy']}: {c['reason']})"
 
@@ -93,6 +103,10 @@ def render(body: Mapping[str, Any]) -> list[str]:
     out.append(f"suppressed (BE tier limit changes): {', '.join(body['suppressed']) or 'none'}")
     for other in body["other"]:
         out.append(f"other: {json.dumps(other, default=str)}")
+    for skipped in hooks.get("not_previewed", []):
+        out.append(f"hook {skipped['hook']} not previewed: {skipped['reason']}")
+    for error in hooks.get("errors", []):
+        out.append(f"hook {error['hook']} failed on {error['pod']}: {error['error']}")
     return out
 
 
@@ -109,5 +123,11 @@ def run(args: argparse.Namespace) -> int:
     code, body = _fetch(url)
     if code:
         return code
+    # The core cannot parse a NodeSLO: the QoS task's route returned it as the rules overlay.
+    hooks_url = f"http://{args.endpoint}{HOOKS_ROUTE}?{HOOKS_QUERY}={encode(body.get('overlay') or {})}"
+    code, hooks = _fetch(hooks_url)
+    if code:
+        return code
+    body["hooks"] = hooks
     print(json.dumps(body, indent=2) if args.output == "json" else "\n".join(render(body)))
     return 0

@@ -38,6 +38,7 @@ from runtimeproxy.ops import fdlimits, logsetup, sdnotify
 from runtimeproxy.ops.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.ops.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.ops.supervisor import Supervisor
+from runtimeproxy.state import hookpreview
 from runtimeproxy.state.history import ChangeHistory
 from runtimeproxy.state.reconcile import Reconciler
 from runtimeproxy.state.resync import Resyncer, watch_reconnects
@@ -127,7 +128,10 @@ class App:
         )
         self.rules.subscribe(self._rules_changed)
         self.http: HttpEndpoint | None = None
-        self._routes: dict[str, Route] = {"/debug/explain": self._explain_route}
+        self._routes: dict[str, Route] = {"/debug/explain": self._explain_route,
+                                          # the hooks' half of `koord-runtime-proxy plan` (a NodeSLO preview)
+                                          hookpreview.ROUTE: hookpreview.route(lambda: self.settings, self.store,
+                                                                               self._skipped)}
         self._explainers: dict[str, Explainer] = {}
         self._expositions: list[Exposition] = []
         base = TaskInit(

@@ -13,8 +13,8 @@ it), per pod or per tier (a tier lists the pods under it). Evictions list the po
 why. Other actions (resctrl schemata, task moves) are listed as the strategy describes
 them.
 
-Not previewed: what hooks write per container at reconcile (group identity, cpuset,
-per-container memory.min/low, blkio, resctrl groups): they have no per-call dry run.
+The hooks' half (what they write per pod and container at reconcile) is the core's
+``/debug/plan-hooks`` (``runtimeproxy.state.hookpreview``), given the overlay returned here.
 """
 
 from __future__ import annotations
@@ -70,12 +70,13 @@ def spec_of(doc: Mapping[str, Any]) -> Mapping[str, Any]:
     return doc
 
 
-def candidate_rules(spec: Mapping[str, Any], yaml_rules: Mapping[str, Any]) -> Rules:
-    """The rules in force if this NodeSLO were applied: the watch's parser, the
-    overlay merge, the rules provider's parse (errors as the agent logs them)."""
+def candidate_rules(spec: Mapping[str, Any], yaml_rules: Mapping[str, Any]) -> tuple[Mapping[str, Any], Rules]:
+    """The NodeSLO as the rules overlay the agent would register, and the rules in
+    force then: the watch's parser, the overlay merge, the rules provider's parse
+    (errors as the agent logs them)."""
     try:
-        overlay = rules_from_nodeslo(spec)
-        return parse_rules(merge_rules(yaml_rules, overlay) if overlay is not None else yaml_rules)
+        overlay = rules_from_nodeslo(spec) or {}
+        return overlay, parse_rules(merge_rules(yaml_rules, overlay))
     except HookConfigError as exc:
         raise PreviewError(f"{exc.key_path}: {exc.message} (got {exc.value!r})") from exc
 

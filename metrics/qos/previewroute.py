@@ -41,10 +41,11 @@ def add_route(init: TaskInit, manager: QoSManager, base: StrategyInit, specs: Se
     async def route(query: dict[str, str]) -> tuple[int, str, bytes]:
         try:
             spec = preview.spec_of(preview.decode(query.get(preview.QUERY, "")))
-            rules = preview.candidate_rules(spec, init.rules)
+            overlay, rules = preview.candidate_rules(spec, init.rules)
         except preview.PreviewError as exc:
             return 400, _JSON, json.dumps({"error": f"invalid NodeSLO: {exc}"}).encode()
         body = await asyncio.to_thread(preview.preview, rules, sources)
-        return 200, _JSON, json.dumps(body, default=str).encode()
+        # The overlay goes on to the hooks' half (/debug/plan-hooks): the core cannot parse a NodeSLO.
+        return 200, _JSON, json.dumps({**body, "overlay": overlay}, default=str).encode()
 
     init.add_route(preview.ROUTE, route)

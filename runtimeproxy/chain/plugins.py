@@ -95,6 +95,23 @@ def _local_hook(hook: HookSettings, settings: Settings, current_rules: RulesSour
     return BoundHook(hook.name, impl, stages, hook.failure_policy, hook.timeout)
 
 
+def dry_run_hook(hook: HookSettings, settings: Settings, current_rules: RulesSource) -> BoundHook | str:
+    """A fresh instance of a local hook with ``args.dry_run: true`` deciding from
+    ``current_rules`` (a preview), or why there is none: a remote hook, a hook that
+    refuses ``dry_run`` or does not say it took it (``impl.dry_run is True``: a hook
+    that ignored the key would write for real, so it is never called)."""
+    if hook.remote:
+        return "a remote hook has no dry run"
+    args = {**hook.args, "dry_run": True}
+    try:
+        bound = _local_hook(dataclasses.replace(hook, args=args), settings, current_rules)
+    except ConfigError as exc:
+        return f"no dry run: {exc}"
+    if getattr(bound.impl, "dry_run", None) is not True:
+        return "no dry run (the hook does not report dry_run)"
+    return bound
+
+
 def _remote_hook(hook: HookSettings) -> BoundHook:
     stages = hook.stages if hook.stages is not None else REMOTE_STAGES
     unsupported = stages - REMOTE_STAGES

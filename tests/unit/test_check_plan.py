@@ -106,3 +106,16 @@ def test_a_bad_value_still_exits_2_naming_it(tmp_path: Path, capsys: pytest.Capt
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "tasks.metrics.collectors.memlat.interval" in captured.err
+
+
+def test_dry_run_hook_builds_only_hooks_that_take_dry_run() -> None:
+    """The hooks' preview never calls a hook that could write: one without dry_run is refused."""
+    from runtimeproxy.chain import plugins
+    from runtimeproxy.config import settings as config
+
+    settings = config.load(ROOT / "runtimeproxy" / "default-config.yaml", {"hookserver_dir": ""})
+    built = {h.name: plugins.dry_run_hook(h, settings, lambda: {}) for h in settings.hooks}
+    previewable = sorted(name for name, b in built.items() if not isinstance(b, str))
+    assert previewable == ["blkio", "core-sched", "group-identity", "memory-qos", "oom-score-adj"]
+    assert all(b.impl.dry_run is True for b in built.values() if not isinstance(b, str))
+    assert "dry_run" in str(built["cpuset"])

@@ -36,7 +36,8 @@ def test_garbage_is_refused() -> None:
 
 def test_candidate_rules_merge_over_the_yaml_and_refuse_with_the_field() -> None:
     yaml_rules = {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 65}}
-    rules = preview.candidate_rules({"cpuBurstStrategy": {"policy": "cpuBurstOnly"}}, yaml_rules)
+    overlay, rules = preview.candidate_rules({"cpuBurstStrategy": {"policy": "cpuBurstOnly"}}, yaml_rules)
+    assert overlay == {"cpuBurstStrategy": {"policy": "cpuBurstOnly"}}
     assert rules.cpu_burst_strategy.policy == "cpuBurstOnly"
     assert rules.resource_used_threshold_with_be.cpu_suppress_threshold_percent == 65
     with pytest.raises(preview.PreviewError) as err:
