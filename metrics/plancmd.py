@@ -63,6 +63,8 @@ def _fetch(url: str) -> tuple[int, Any]:
         except ValueError:
             body = {}
         message = body.get("error", f"HTTP {exc.code}") if isinstance(body, Mapping) else f"HTTP {exc.code}"
+        if exc.code == 404:
+            message = f"the agent at {url.split('?')[0]} has no such route: is tasks.qos-manager enabled?"
         print(f"koord-runtime-proxy plan: {message}", file=sys.stderr)
         return (2 if exc.code == 400 else 1), None
     except OSError as exc:

@@ -3,6 +3,8 @@ a NodeSLO object or a bare spec, and refusals naming the field as the agent's wa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from metrics.qos import preview
@@ -44,3 +46,16 @@ def test_candidate_rules_merge_over_the_yaml_and_refuse_with_the_field() -> None
         preview.candidate_rules({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressThresholdPercent": 50,
                                                                  "cpuSuppressMinPercent": 60}}, {})
     assert str(err.value).startswith("nodeslo.spec.resourceUsedThresholdWithBE.cpuSuppressMinPercent: ")
+
+
+def test_plan_command_exit_codes_without_an_agent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """1: nothing answers at the endpoint; 2: the file is not a NodeSLO document."""
+    from runtimeproxy import cli
+
+    doc = tmp_path / "nodeslo.yaml"
+    doc.write_text("spec: {}\n")
+    assert cli.main(["plan", "--nodeslo", str(doc), "--endpoint", "127.0.0.1:1"]) == 1
+    assert "cannot reach the agent at http://127.0.0.1:1/debug/plan" in capsys.readouterr().err
+    doc.write_text("- a list\n")
+    assert cli.main(["plan", "--nodeslo", str(doc), "--endpoint", "127.0.0.1:1"]) == 2
+    assert "not a mapping" in capsys.readouterr().err
