@@ -8,7 +8,8 @@ merged over the config's ``rules:``; every local hook is built afresh with
 store's active pods and containers (the reconciler's walk). Each ``HostWrite`` a hook
 reports is a value that would change (``hooks.dryrun``: only files that differ),
 ``current -> new`` with its reason. Hooks without a dry run are listed, never called.
-Nothing is written and nothing is recorded in the store.
+Nothing is written and nothing is recorded in the store; the fresh hooks log their
+planned writes (``hook_dry_run``) as any dry run does.
 """
 
 from __future__ import annotations
