@@ -116,6 +116,6 @@ def test_dry_run_hook_builds_only_hooks_that_take_dry_run() -> None:
     settings = config.load(ROOT / "runtimeproxy" / "default-config.yaml", {"hookserver_dir": ""})
     built = {h.name: plugins.dry_run_hook(h, settings, lambda: {}) for h in settings.hooks}
     previewable = sorted(name for name, b in built.items() if not isinstance(b, str))
-    assert previewable == ["blkio", "core-sched", "group-identity", "memory-qos", "oom-score-adj"]
+    assert previewable == ["batch-resource", "blkio", "core-sched", "group-identity", "memory-qos", "oom-score-adj"]
     assert all(b.impl.dry_run is True for b in built.values() if not isinstance(b, str))
     assert "dry_run" in str(built["cpuset"])
