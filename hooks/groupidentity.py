@@ -60,7 +60,15 @@ from hooks.cgroups import (
 )
 from hooks.dryrun import DryRunLedger, dry_run_arg, planned_writes
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_args, host_writes, reject_unknown
+from hooks.hookargs import (
+    PROBE_SOURCE,
+    HostSupport,
+    cgroup_args,
+    host_writes,
+    kubepods_probe,
+    reject_unknown,
+    unknown_until_a_pod,
+)
 from hooks.qos import QoSClass, pod_name
 from hooks.rules import LiveRules, Rules
 from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostWrite, PodContext, PodInfo, PodPatch
@@ -222,6 +230,14 @@ class GroupIdentity:
         if self.dry_run:
             return update, self._ledger.report(planned_writes(self.executor, [update]), pod=pod_name(pod))
         return update, host_writes(self.executor.apply([update]))
+
+    def host_support(self) -> HostSupport:
+        """check-config's plan: whether this host has cpu.bvt_warp_ns (or cpu.idle)."""
+        try:
+            detection = self._detect(kubepods_probe(self.executor.layout), PROBE_SOURCE)
+        except CgroupError as exc:
+            return unknown_until_a_pod(exc)
+        return ("off" if detection.mode is Mode.NONE else "on"), detection.describe()
 
     def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
         done = self._apply(ctx.pod)

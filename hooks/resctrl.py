@@ -386,6 +386,12 @@ class Resctrl:
 
     # --- stages ---------------------------------------------------------------------------
 
+    def host_support(self) -> tuple[str, str]:
+        """check-config's plan: whether resctrl is mounted with L3 CAT."""
+        if self.fs.present:
+            return "on", f"resctrl at {self.fs.root}"
+        return "off", f"{self.fs.root / 'info/L3/cbm_mask'} does not exist: resctrl hook does nothing"
+
     def post_start_container(self, ctx: ContainerContext) -> ContainerPatch | None:
         if ctx.result is not None and not ctx.result.ok:
             return None

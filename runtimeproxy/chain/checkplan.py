@@ -13,12 +13,13 @@ What the builders log while probing the host is kept as ``notes`` instead of pri
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from structlog.testing import capture_logs
 
 from runtimeproxy.chain import plugins
+from runtimeproxy.chain.hookchain import BoundHook
 from runtimeproxy.config.settings import Settings
 
 
@@ -28,16 +29,31 @@ def _duration(seconds: object) -> str:
     return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
 
 
+def _host(hook: BoundHook) -> dict[str, str]:
+    """A hook's optional ``host_support() -> (on | off | unknown, why)``: whether this
+    host has what it writes (detected as at its first pod); "on" without one."""
+    probe: Callable[[], tuple[str, str]] | None = getattr(hook.impl, "host_support", None)
+    if probe is None:
+        return {"state": "on", "reason": ""}
+    try:
+        state, reason = probe()
+    except Exception as exc:  # noqa: BLE001 - a probe's failure is shown, not a crash of check-config
+        return {"state": "unknown", "reason": f"{type(exc).__name__}: {exc}"}
+    return {"state": state, "reason": reason}
+
+
 def build(settings: Settings) -> dict[str, Any]:
     """The plan as one JSON-able mapping (raises ConfigError like ``run`` would)."""
     with capture_logs() as lines:
         hooks, tasks = plugins.validate(settings)
         plans = plugins.plan_tasks(settings)
+        hosts = [_host(h) for h in hooks]
     return {
         "config": {"listen": settings.listen, "backend": settings.backend.runtime_endpoint,
                    "data_plane": settings.data_plane, "source": settings.source},
         "hooks": [{"position": i + 1, "name": h.name, "failure_policy": h.policy.value, "timeout": h.timeout,
-                   "stages": sorted(s.value for s in h.stages)} for i, h in enumerate(hooks)],
+                   "stages": sorted(s.value for s in h.stages), "host": host}
+                  for i, (h, host) in enumerate(zip(hooks, hosts, strict=True))],
         "tasks": {name: plans.get(name, {}) for name in tasks},
         "notes": [{k: v for k, v in line.items() if k != "log_level"} for line in lines],
     }
@@ -75,6 +91,10 @@ def render_text(plan: Mapping[str, Any], data_plane: str) -> list[str]:
         out.append("no hooks configured: every call is passed through")
     for h in plan["hooks"]:
         out.append(f"{h['position']}. {h['name']}\t{h['failure_policy']}\t{h['timeout']}s\t{','.join(h['stages'])}")
+    off = [h for h in plan["hooks"] if h["host"]["state"] != "on"]
+    if off:
+        out.append("hooks that do nothing on this host (or not known before the first pod):")
+        out.extend(f"  {h['name']}  {h['host']['state']}  ({h['host']['reason']})" for h in off)
     tasks: Mapping[str, Mapping[str, Any]] = plan["tasks"]
     out.append(f"tasks: {', '.join(tasks) if tasks else 'none'}")
     for name, task in tasks.items():

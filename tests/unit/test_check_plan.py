@@ -119,3 +119,40 @@ def test_dry_run_hook_builds_only_hooks_that_take_dry_run() -> None:
     assert previewable == ["batch-resource", "blkio", "core-sched", "group-identity", "memory-qos", "oom-score-adj"]
     assert all(b.impl.dry_run is True for b in built.values() if not isinstance(b, str))
     assert "dry_run" in str(built["cpuset"])
+
+
+def test_each_hook_says_whether_this_host_has_what_it_writes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cgroup v2 host whose kubepods root has cpu.idle, memory.min and io.max, and a
+    resctrl mount: group-identity, memory-qos, blkio and resctrl are on; without a
+    kubepods root the per-pod detections are unknown until the first pod."""
+    cg, resctrl = tmp_path / "cg", tmp_path / "resctrl"
+    (cg / "kubepods").mkdir(parents=True)
+    (cg / "cgroup.controllers").write_text("cpu memory io\n")
+    for name in ("cpu.idle", "memory.min", "memory.low", "memory.high", "io.max", "io.weight"):
+        (cg / "kubepods" / name).write_text("0\n")
+    (resctrl / "info" / "L3").mkdir(parents=True)
+    (resctrl / "info" / "L3" / "cbm_mask").write_text("fff\n")
+    config = _config(tmp_path, resctrl)
+    doc = yaml.safe_load(config.read_text())
+    doc["host"]["cgroup_root"] = str(cg)
+    config.write_text(yaml.safe_dump(doc, sort_keys=False))
+    hooks = {h["name"]: h["host"] for h in _plan(capsys, config)["hooks"]}
+    for name in ("group-identity", "memory-qos", "blkio", "resctrl"):
+        assert hooks[name]["state"] == "on", (name, hooks[name])
+    assert "cpu.idle fallback" in hooks["group-identity"]["reason"]
+    assert hooks["cpuset"] == {"state": "on", "reason": ""}  # no probe: nothing host-specific to say
+
+    (cg / "kubepods" / "cpu.idle").unlink()
+    (cg / "kubepods" / "memory.min").unlink()
+    hooks = {h["name"]: h["host"] for h in _plan(capsys, config)["hooks"]}
+    assert hooks["group-identity"]["state"] == "off" and "neither" in hooks["group-identity"]["reason"]
+    assert hooks["memory-qos"]["state"] == "off" and "without memory.min" in hooks["memory-qos"]["reason"]
+
+    doc["host"]["resctrl_root"] = str(tmp_path / "none")
+    (cg / "kubepods").rename(cg / "elsewhere")
+    config.write_text(yaml.safe_dump(doc, sort_keys=False))
+    hooks = {h["name"]: h["host"] for h in _plan(capsys, config)["hooks"]}
+    assert hooks["resctrl"]["state"] == "off"
+    assert hooks["blkio"]["state"] == "unknown" and "detected at the first pod" in hooks["blkio"]["reason"]
