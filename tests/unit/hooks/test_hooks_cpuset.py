@@ -619,3 +619,20 @@ def test_reconcile_bad_annotation_is_a_hook_error(tmp_path: Path) -> None:
         with pytest.raises(HookError, match="CPUs 8-15 that are not online"):
             run()
     assert snapshot(tmp_path) == before
+
+
+def test_dry_run_reports_the_reconcile_writes_and_writes_nothing(tmp_path: Path) -> None:
+    reconcile_tree(tmp_path / "cgroup", v1_tree, PARENT, pod_cpus="0-1")
+    sys_tree(tmp_path)
+    before = snapshot(tmp_path)
+    hook = make_hook(tmp_path, {"dry_run": True})
+    pod_patch = hook.reconcile_pod_sandbox(rpod(pod()))
+    assert pod_patch is not None
+    assert [(w.old, w.new) for w in pod_patch.writes] == [("400000", "-1 (dry-run, not written)")]
+    patch = hook.reconcile_container(rctr(pod()))
+    assert patch is not None
+    assert sorted((Path(w.target).name, w.old, w.new) for w in patch.writes) == [
+        ("cpu.cfs_quota_us", "200000", "-1 (dry-run, not written)"),
+        ("cpuset.cpus", "0-1", "0-3 (dry-run, not written)"),
+        ("cpuset.cpus", "0-7", "2-3 (dry-run, not written)")]
+    assert snapshot(tmp_path) == before
