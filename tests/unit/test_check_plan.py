@@ -3,6 +3,7 @@ collector and QoS strategy with its interval, on/off/idle and why, as text and a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -116,9 +117,22 @@ def test_dry_run_hook_builds_only_hooks_that_take_dry_run() -> None:
     settings = config.load(ROOT / "runtimeproxy" / "default-config.yaml", {"hookserver_dir": ""})
     built = {h.name: plugins.dry_run_hook(h, settings, lambda: {}) for h in settings.hooks}
     previewable = sorted(name for name, b in built.items() if not isinstance(b, str))
-    assert sorted(built) == [*previewable, "resctrl"]  # every shipped hook but resctrl has a dry run
+    assert previewable == sorted(built)  # every shipped hook has a dry run
     assert all(b.impl.dry_run is True for b in built.values() if not isinstance(b, str))
-    assert "dry_run" in str(built["resctrl"])
+    remote = dataclasses.replace(settings.hooks[0], plugin="", remote="/run/x.sock")
+    assert plugins.dry_run_hook(remote, settings, lambda: {}) == "a remote hook has no dry run"
+    ignoring = dataclasses.replace(settings.hooks[0], plugin="tests.unit.test_check_plan:NoDryRun", args={})
+    assert plugins.dry_run_hook(ignoring, settings, lambda: {}) == "no dry run (the hook does not report dry_run)"
+
+
+class NoDryRun:
+    """A hook that takes any args and so would ignore ``dry_run``: never called by a preview."""
+
+    def __init__(self, init: object) -> None:
+        self.init = init
+
+    def reconcile_pod_sandbox(self, ctx: object) -> None:
+        raise AssertionError("a preview must not call a hook without a dry run")
 
 
 def test_each_hook_says_whether_this_host_has_what_it_writes(
