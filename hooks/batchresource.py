@@ -38,7 +38,9 @@ With ``resourceUsedThresholdWithBE: {enable: true, cpuSuppressPolicy: cfsQuota}`
 quotas are -1: the BE tier as a whole is throttled instead.
 
 args: ``cgroup_driver`` (cgroupfs | systemd, default cgroupfs), ``cgroup_version``
-(auto | 1 | 2, default auto).
+(auto | 1 | 2, default auto), ``dry_run`` (bool, default false: no cgroup file is written,
+each planned value reported once, as every hook's dry-run, ``hooks.dryrun``; the
+requests' resources are still patched).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from hooks.cgroups import (
     container_cgroup_dir,
     pod_cgroup_dir,
 )
+from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason, planned_writes
 from hooks.executor import CgroupExecutor, Update, Write
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
 from hooks.qos import QoSClass, pod_name
@@ -73,6 +76,7 @@ from runtimeproxy.hookapi import (
     HookConfigError,
     HookError,
     HookInit,
+    HostWrite,
     PodContext,
     PodInfo,
     PodPatch,
@@ -80,7 +84,7 @@ from runtimeproxy.hookapi import (
 )
 
 MIN_QUOTA: Final = 1000
-_ARGS: Final = frozenset({"cgroup_driver", "cgroup_version"})
+_ARGS: Final = frozenset({"cgroup_driver", "cgroup_version", "dry_run"})
 
 
 def milli_cpu_to_shares(milli: int) -> int:
@@ -129,10 +133,10 @@ def pod_limits(spec: ExtendedResourceSpec, suppress_quota: bool) -> BatchLimits:
     return BatchLimits(milli_cpu_to_shares(requests), quota, memory if memory else -1)
 
 
-def _parse_args(init: HookInit) -> tuple[Driver, Version | Literal["auto"]]:
+def _parse_args(init: HookInit) -> tuple[Driver, Version | Literal["auto"], bool]:
     args: dict[str, Any] = dict(init.args)
     reject_unknown(init, args, _ARGS)
-    return cgroup_args(init, args)
+    return (*cgroup_args(init, args), dry_run_arg(init, args))
 
 
 class BatchResource:
@@ -140,7 +144,8 @@ class BatchResource:
     ReconcilePodSandbox, ReconcileContainer."""
 
     def __init__(self, init: HookInit) -> None:
-        driver, version = _parse_args(init)
+        driver, version, self.dry_run = _parse_args(init)
+        self._ledger = DryRunLedger("batch-resource")
         self._rules = LiveRules(init)
         try:
             self.layout = CgroupLayout(init.host.cgroup, version, driver)
@@ -153,6 +158,19 @@ class BatchResource:
     def rules(self) -> Rules:
         """The rules in force now: the YAML, with the NodeSLO merged over it when there is one."""
         return self._rules()
+
+    def _write(self, levels: list[list[Update]], pod: PodInfo) -> tuple[HostWrite, ...]:
+        """The cgroup writes (leveled: the pod before its container when growing), or in
+        dry run the ones that would change, reported once (``hooks.dryrun``)."""
+        if self.dry_run:
+            return self._ledger.report(planned_writes(self.executor, [u for level in levels for u in level]),
+                                       pod=pod_name(pod))
+        writes = self.executor.leveled_update(levels) if len(levels) > 1 else self.executor.apply(levels[0])
+        self.last_writes = writes
+        return host_writes(writes)
+
+    def _reason(self, reason: str) -> str:
+        return patch_reason(reason) if self.dry_run else reason
 
     @property
     def _suppress_quota(self) -> bool:
@@ -195,12 +213,9 @@ class BatchResource:
         if spec is None:
             return None
         limits = pod_limits(spec, self._suppress_quota)
-        writes = self.executor.apply(self._pod_updates(ctx.pod, limits))
-        self.last_writes = writes
-        done = host_writes(writes)
-        return PodPatch(
-            resources=limits.patch(), reason=_REASON if done else f"{_REASON} (pod cgroup already set)", writes=done
-        )
+        done = self._write([self._pod_updates(ctx.pod, limits)], ctx.pod)
+        return PodPatch(resources=limits.patch(), writes=done,
+                        reason=self._reason(_REASON if done else f"{_REASON} (pod cgroup already set)"))
 
     def _container_spec(self, ctx: ContainerContext) -> ContainerResources | None:
         spec = self._batch_spec(ctx.pod)
@@ -231,10 +246,8 @@ class BatchResource:
         spec = self._batch_spec(ctx.pod)
         if spec is None:
             return None
-        writes = self.executor.apply(self._pod_updates(ctx.pod, pod_limits(spec, self._suppress_quota)))
-        self.last_writes = writes
-        done = host_writes(writes)
-        return PodPatch(reason=f"{_REASON} (reconciled)", writes=done) if done else None
+        done = self._write([self._pod_updates(ctx.pod, pod_limits(spec, self._suppress_quota))], ctx.pod)
+        return PodPatch(reason=self._reason(f"{_REASON} (reconciled)"), writes=done) if done else None
 
     def reconcile_container(self, ctx: ContainerContext) -> ContainerPatch | None:
         """Write the container's batch values to its cgroup (with its pod, leveled)."""
@@ -260,10 +273,8 @@ class BatchResource:
             Update(cgroup, MEMORY_LIMIT, limits.memory_limit, f"{reason}: batch-memory limits", source),
         ]
         pod_updates = self._pod_updates(pod, pod_limits(spec, self._suppress_quota))
-        writes = self.executor.leveled_update([pod_updates, container_updates])
-        self.last_writes = writes
-        done = host_writes(writes)
-        return ContainerPatch(reason=f"{reason} (reconciled)", writes=done) if done else None
+        done = self._write([pod_updates, container_updates], pod)
+        return ContainerPatch(reason=self._reason(f"{reason} (reconciled)"), writes=done) if done else None
 
 
 _REASON: Final = "BE pod batch resources"

@@ -57,7 +57,15 @@ from hooks.blkiorules import BlkioBlock
 from hooks.cgroups import CgroupError, pod_cgroup_dir
 from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason, planned_writes
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_layout, host_writes, reject_unknown
+from hooks.hookargs import (
+    PROBE_SOURCE,
+    HostSupport,
+    cgroup_layout,
+    host_writes,
+    kubepods_probe,
+    reject_unknown,
+    unknown_until_a_pod,
+)
 from hooks.qos import QoSClass, pod_name
 from hooks.rules import LiveRules, Rules
 from runtimeproxy.hookapi import HookError, HookInit, HostRoots, LivePods, PodContext, PodInfo, PodPatch
@@ -178,6 +186,14 @@ class Blkio:
         if reconcile and not writes:
             return None
         return PodPatch(reason=f"{reason}{' (reconciled)' if reconcile else ''}", writes=writes)
+
+    def host_support(self) -> HostSupport:
+        """check-config's plan: whether this host's blkio cgroups have the throttle files."""
+        try:
+            support = self._detect(kubepods_probe(self.executor.layout), PROBE_SOURCE)
+        except CgroupError as exc:
+            return unknown_until_a_pod(exc)
+        return ("on" if support.throttle else "off"), support.describe()
 
     def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
         return self._apply(ctx.pod, reconcile=False)

@@ -421,6 +421,11 @@ class CoreSched:
         writes = self._container(ctx.pod, ctx.container.id, ctx.container.meta.name)
         return ContainerPatch(reason=writes[0].reason, writes=tuple(writes)) if writes else None
 
+    def host_support(self) -> tuple[str, str]:
+        """check-config's plan: whether this kernel does core scheduling (prctl)."""
+        support = self.support()
+        return ("on" if support.supported else "off"), support.detail
+
     def post_start_container(self, ctx: ContainerContext) -> ContainerPatch | None:
         if ctx.result is not None and not ctx.result.ok:
             return None

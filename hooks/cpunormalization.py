@@ -35,7 +35,8 @@ args: ``ratio`` — the node's ratio (number or string, as the node annotation
 carries it), in [1.0, 5.0]; absent, null or 1 disables the hook.
 ``cgroup_driver`` (cgroupfs | systemd), ``cgroup_version`` (auto | 1 | 2): the
 container cgroups the reconciler writes (the tree is looked at on first use, so
-the CRI-only stages work without one).
+the CRI-only stages work without one). ``dry_run`` (bool, default false): the reconciler's
+write is only reported, once per planned value (``hooks.dryrun``); requests still patched.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from typing import Any, Final, Literal
 
 from hooks.annotations import resource_status
 from hooks.cgroups import CPU_CFS_QUOTA, CgroupError, Driver, Version, container_cgroup_dir
+from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason, planned_writes
 from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, open_executor, reject_unknown
 from hooks.qos import QoSClass, pod_name
@@ -64,7 +66,7 @@ RATIO_ANNOTATION: Final = "node.koordinator.sh/cpu-normalization-ratio"
 MIN_RATIO: Final = Fraction(1)
 MAX_RATIO: Final = Fraction(5)
 MIN_QUOTA: Final = 1000
-_ARGS: Final = frozenset({"ratio", "cgroup_driver", "cgroup_version"})
+_ARGS: Final = frozenset({"ratio", "cgroup_driver", "cgroup_version", "dry_run"})
 _NORMALIZED: Final = frozenset({QoSClass.LS, QoSClass.LSR, QoSClass.BE, QoSClass.NONE})
 
 
@@ -111,6 +113,8 @@ class CPUNormalization:
         driver, version = cgroup_args(init, args)
         self._cgroup: tuple[Path, Version | Literal["auto"], Driver] = (init.host.cgroup, version, driver)
         self._executor: CgroupExecutor | None = None
+        self.dry_run = dry_run_arg(init, args)
+        self._ledger = DryRunLedger("cpu-normalization")
 
     @property
     def rules(self) -> Rules:
@@ -171,5 +175,10 @@ class CPUNormalization:
                   f"(normalized by cpu-normalization-ratio {self.ratio_text} at creation, not divided again)")
         source = (f"pod {pod_name(pod)}: container {container.meta.name} ({container.id}): "
                   f"cgroup_parent {pod.cgroup_parent!r}")
-        writes = host_writes(executor.apply([Update(cgroup, CPU_CFS_QUOTA, quota, reason, source)]))
+        update = Update(cgroup, CPU_CFS_QUOTA, quota, reason, source)
+        if self.dry_run:
+            planned = self._ledger.report(planned_writes(executor, [update]), pod=pod_name(pod),
+                                          container=container.meta.name)
+            return ContainerPatch(reason=patch_reason(reason), writes=planned) if planned else None
+        writes = host_writes(executor.apply([update]))
         return ContainerPatch(reason=reason, writes=writes) if writes else None

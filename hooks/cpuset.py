@@ -49,7 +49,8 @@ not depend on it.
 
 args: ``ls_pool``, ``be_pool``, ``reserved_cpus`` (CPU lists), ``unset_cpu_quota``
 (bool, default true), ``cgroup_driver`` (cgroupfs | systemd), ``cgroup_version``
-(auto | 1 | 2).
+(auto | 1 | 2), ``dry_run`` (bool, default false: no cgroup file is written, each planned
+value reported once, as every hook's dry-run, ``hooks.dryrun``; requests still patched).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ from hooks.cgroups import (
     pod_cgroup_dir,
 )
 from hooks.cpusets import CpuListError, check_on_node, format_cpu_list, parse_cpu_list, read_online_cpus
+from hooks.dryrun import DryRunLedger, dry_run_arg, planned_writes
 from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, open_executor
 from hooks.qos import QoSClass, pod_name
@@ -92,7 +94,8 @@ from runtimeproxy.hookapi import (
     ResourcesPatch,
 )
 
-_ARGS: Final = frozenset({"ls_pool", "be_pool", "reserved_cpus", "unset_cpu_quota", "cgroup_driver", "cgroup_version"})
+_ARGS: Final = frozenset({"ls_pool", "be_pool", "reserved_cpus", "unset_cpu_quota", "cgroup_driver", "cgroup_version",
+                          "dry_run"})
 _SHOWN: Final = 200
 
 
@@ -140,6 +143,8 @@ class CPUSet:
         if not isinstance(unset, bool):
             raise HookConfigError(f"{path}.unset_cpu_quota", unset, "expected true or false")
         self.unset_cpu_quota = unset
+        self.dry_run = dry_run_arg(init, args)
+        self._ledger = DryRunLedger("cpuset")
         self.ls_pool = self._cpu_arg(init, args, "ls_pool", allow_empty=False)
         self.be_pool = self._cpu_arg(init, args, "be_pool", allow_empty=False)
         self.reserved = self._cpu_arg(init, args, "reserved_cpus", allow_empty=True) or frozenset()
@@ -274,6 +279,14 @@ class CPUSet:
 
     # --- stages ----------------------------------------------------------------
 
+    def _write(self, executor: CgroupExecutor, levels: list[list[Update]], pod: PodInfo) -> tuple[HostWrite, ...]:
+        """The writes (leveled: widen the pod before its container), or in dry run the
+        ones that would change, reported once (``hooks.dryrun``)."""
+        if self.dry_run:
+            return self._ledger.report(planned_writes(executor, [u for level in levels for u in level]),
+                                       pod=pod_name(pod))
+        return host_writes(executor.leveled_update(levels) if len(levels) > 1 else executor.apply(levels[0]))
+
     def _unset_pod_quota(self, pod: PodInfo, qos: QoSClass, binding: Binding,
                          executor: CgroupExecutor) -> tuple[str, tuple[HostWrite, ...]]:
         try:
@@ -283,7 +296,7 @@ class CPUSet:
         reason = (f"{qos.value or 'no-class'} pod bound by resource-status cpuset {format_cpu_list(binding.cpus)}: "
                   "pod CFS quota unset")
         source = f"pod {pod_name(pod)}: cgroup_parent {pod.cgroup_parent!r}"
-        return reason, host_writes(executor.apply([Update(cgroup, CPU_CFS_QUOTA, -1, reason, source)]))
+        return reason, self._write(executor, [[Update(cgroup, CPU_CFS_QUOTA, -1, reason, source)]], pod)
 
     def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
         pod = ctx.pod
@@ -380,5 +393,5 @@ class CPUSet:
         if have and not cpus <= have:  # widen only; empty (v2: inherited) stays as it is
             pod_level.append(Update(pod_cgroup, CPUSET_CPUS, format_cpu_list(have | cpus),
                                     f"{reason}: pod cgroup widened to hold the container's CPUs", source))
-        writes = host_writes(executor.leveled_update([pod_level, container_level]))
+        writes = self._write(executor, [pod_level, container_level], pod)
         return ContainerPatch(reason=f"{reason} (reconciled)", writes=writes) if writes else None

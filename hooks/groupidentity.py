@@ -42,7 +42,8 @@ created while the proxy was down, or a rule change is repaired; only a file
 that differs is written and reported.
 
 args: ``idle_fallback`` (bool, default true), ``cgroup_driver`` (cgroupfs |
-systemd), ``cgroup_version`` (auto | 1 | 2).
+systemd), ``cgroup_version`` (auto | 1 | 2), ``dry_run`` (bool, default false: nothing
+written, each planned value reported once, as every hook's dry-run, ``hooks.dryrun``).
 """
 
 from __future__ import annotations
@@ -65,15 +66,24 @@ from hooks.cgroups import (
     CgroupLayout,
     pod_cgroup_dir,
 )
+from hooks.dryrun import DryRunLedger, dry_run_arg, planned_writes
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_args, host_writes, reject_unknown
+from hooks.hookargs import (
+    PROBE_SOURCE,
+    HostSupport,
+    cgroup_args,
+    host_writes,
+    kubepods_probe,
+    reject_unknown,
+    unknown_until_a_pod,
+)
 from hooks.idleweight import derived_weight
 from hooks.qos import QoSClass, pod_name
 from hooks.rules import LiveRules, Rules
 from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostWrite, PodContext, PodInfo, PodPatch
 
 CPU_QOS_ANNOTATION: Final = "koordinator.sh/cpuQOS"
-_ARGS: Final = frozenset({"idle_fallback", "cgroup_driver", "cgroup_version"})
+_ARGS: Final = frozenset({"idle_fallback", "cgroup_driver", "cgroup_version", "dry_run"})
 _ANNOTATION_KEYS: Final = frozenset({"enable", "groupIdentity", "schedIdle", "coreExpeller"})
 _CLASSES: Final = (QoSClass.LSR, QoSClass.LS, QoSClass.BE)
 _SHOWN: Final = 200
@@ -127,6 +137,8 @@ class GroupIdentity:
         if not isinstance(fallback, bool):
             raise HookConfigError(f"{init.key_path}.idle_fallback", fallback, "expected true or false")
         self.idle_fallback = fallback
+        self.dry_run = dry_run_arg(init, args)
+        self._ledger = DryRunLedger("group-identity")
         driver, version = cgroup_args(init, args)
         self._rules = LiveRules(init)
         try:
@@ -222,13 +234,16 @@ class GroupIdentity:
         detection = self._detect(cgroup, source)
         if detection.mode is Mode.BVT:
             update = Update(cgroup, CPU_BVT_WARP_NS, value, f"{why}; {detection.describe()}", source)
+            updates = [update]
         elif detection.mode is Mode.IDLE and qos is QoSClass.BE:
             idle = 1 if value == -1 else 0
             update = Update(cgroup, CPU_IDLE, idle, f"{why}: cpu.idle {idle}; {detection.describe()}", source)
-            return update, host_writes(self.executor.apply([update, *self._weight(pod, cgroup, idle, source)]))
+            updates = [update, *self._weight(pod, cgroup, idle, source)]
         else:
             return None
-        return update, host_writes(self.executor.apply([update]))
+        if self.dry_run:
+            return update, self._ledger.report(planned_writes(self.executor, updates), pod=pod_name(pod))
+        return update, host_writes(self.executor.apply(updates))
 
     def _is_idle(self, cgroup: PurePosixPath, source: str) -> bool:
         try:
@@ -258,6 +273,14 @@ class GroupIdentity:
             return []
         weight, whose = derived
         return [Update(cgroup, CPU_SHARES, weight, f"cpu.idle cleared: weight restored: {whose}", source)]
+
+    def host_support(self) -> HostSupport:
+        """check-config's plan: whether this host has cpu.bvt_warp_ns (or cpu.idle)."""
+        try:
+            detection = self._detect(kubepods_probe(self.executor.layout), PROBE_SOURCE)
+        except CgroupError as exc:
+            return unknown_until_a_pod(exc)
+        return ("off" if detection.mode is Mode.NONE else "on"), detection.describe()
 
     def pre_run_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:
         done = self._apply(ctx.pod)

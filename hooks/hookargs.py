@@ -9,8 +9,8 @@ the executor's writes into the ``HostWrite`` entries ``explain`` shows (dry-run:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any, Literal
+from pathlib import Path, PurePosixPath
+from typing import Any, Final, Literal
 
 from hooks.cgroups import CgroupError, CgroupLayout, Driver, Version
 from hooks.executor import CgroupExecutor, Write
@@ -58,3 +58,19 @@ def host_writes(writes: Sequence[Write]) -> tuple[HostWrite, ...]:
     """Only files whose value changed: an idempotent re-apply reports nothing."""
     return tuple(HostWrite(str(w.target_path), w.old or "", w.new, w.reason) for w in writes if w.changed)
 
+
+
+#: ``host_support()``'s answer (``check-config``'s plan): ("on" | "off" | "unknown", why).
+HostSupport = tuple[str, str]
+#: Where a hook that detects per pod looks when no pod exists yet.
+PROBE_SOURCE: Final = "check-config"
+
+
+def kubepods_probe(layout: CgroupLayout) -> PurePosixPath:
+    """A pod-like path under the kubepods root: per-pod detection (which probes the
+    pod's parent) then looks at the root, as it will for the first Guaranteed pod."""
+    return PurePosixPath("kubepods.slice" if layout.driver == "systemd" else "kubepods") / "probe"
+
+
+def unknown_until_a_pod(exc: CgroupError) -> HostSupport:
+    return "unknown", f"detected at the first pod: {exc}"

@@ -61,7 +61,15 @@ from hooks.cgroups import (
 )
 from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason, planned_writes
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_layout, host_writes, reject_unknown
+from hooks.hookargs import (
+    PROBE_SOURCE,
+    HostSupport,
+    cgroup_layout,
+    host_writes,
+    kubepods_probe,
+    reject_unknown,
+    unknown_until_a_pod,
+)
 from hooks.memoryqoscalc import (
     EXTRAS,
     MEMORY_HIGH,
@@ -298,6 +306,14 @@ class MemoryQoS:
         if reconcile and not writes:
             return None
         return ContainerPatch(reason=f"{reason}{' (reconciled)' if reconcile else ''}", writes=writes)
+
+    def host_support(self) -> HostSupport:
+        """check-config's plan: whether this host's memory cgroups have memory.min."""
+        try:
+            support = self._detect(kubepods_probe(self.executor.layout), PROBE_SOURCE)
+        except CgroupError as exc:
+            return unknown_until_a_pod(exc)
+        return ("on" if support.enabled else "off"), support.describe()
 
     def post_start_container(self, ctx: ContainerContext) -> ContainerPatch | None:
         return self._apply(ctx, reconcile=False)

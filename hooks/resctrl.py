@@ -80,6 +80,7 @@ from typing import Any, Final
 import structlog
 
 from hooks.cgroups import CgroupError, CgroupLayout, PathEscapeError, container_cgroup_dir
+from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason
 from hooks.executor import confine
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
 from hooks.proctasks import parse_ids, read_nofollow
@@ -101,7 +102,7 @@ from runtimeproxy.hookapi import (
 
 RESCTRL_ANNOTATION: Final = "node.koordinator.sh/resctrl"
 DEFAULT_POD_GROUP_PREFIX: Final = "koordlet-"
-_ARGS: Final = frozenset({"cgroup_driver", "cgroup_version", "class_group_prefix", "pod_group_prefix"})
+_ARGS: Final = frozenset({"cgroup_driver", "cgroup_version", "class_group_prefix", "pod_group_prefix", "dry_run"})
 _PREFIX: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 #: QoS class → (class group suffix, rules key for messages). LSE shares LSR's group.
 _CLASS_GROUPS: Final = {
@@ -158,6 +159,8 @@ class Resctrl:
         self.pod_group_prefix = self._prefix(init, args, "pod_group_prefix", DEFAULT_POD_GROUP_PREFIX,
                                              allow_empty=False)
         self._rules = LiveRules(init)
+        self.dry_run = dry_run_arg(init, args)
+        self._ledger = DryRunLedger("resctrl")
         self.fs = ResctrlFS(init.host.resctrl)
         try:
             self.layout = CgroupLayout(init.host.cgroup, version, driver)
@@ -329,11 +332,40 @@ class Resctrl:
                     detail=f"{self.fs.root / 'info/L3/cbm_mask'} does not exist: resctrl hook does nothing")
 
     def _group_writes(self, group: str, schemata: str, reason: str, *, create: bool) -> list[HostWrite]:
+        if self.dry_run:
+            return self._planned_group_writes(group, schemata, reason, create=create)
         writes: list[HostWrite] = []
         if create and self.fs.ensure_group(group):
             writes.append(HostWrite(str(self.fs.group_dir(group)), "", "created", reason))
         writes.extend(host_writes([self.fs.write_schemata(group, schemata, reason)]))
         return writes
+
+    def _planned_group_writes(self, group: str, schemata: str, reason: str, *, create: bool) -> list[HostWrite]:
+        """Dry run: the group that would be made and the schemata that would change,
+        reported once (``hooks.dryrun``). A group not made yet has the root's schemata."""
+        planned: list[HostWrite] = []
+        exists = self.fs.group_dir(group).is_dir()
+        if create and not exists:
+            planned.append(HostWrite(str(self.fs.group_dir(group)), "", "created", reason))
+        if exists:
+            planned.extend(host_writes([self.fs.plan_schemata(group, schemata, reason)]))
+        elif create:
+            target = self.fs.group_dir(group) / "schemata"
+            planned.append(HostWrite(str(target), "", schemata.strip(), reason))
+        return list(self._ledger.report(planned, group=group))
+
+    def _task_writes(self, group: str, threads: list[int], why: str) -> list[HostWrite]:
+        if not self.dry_run:
+            return list(host_writes([self.fs.add_tasks(group, threads, why)]))
+        if self.fs.group_dir(group).is_dir():
+            planned = self.fs.plan_tasks(group, threads, why)
+            old, moved = planned.old or "", planned.new
+        else:  # the group would be made: every thread moves in
+            old, moved = "", " ".join(map(str, sorted(set(threads))))
+        if not moved:
+            return []
+        target = str(self.fs.group_dir(group) / "tasks")
+        return list(self._ledger.report([HostWrite(target, old, moved, why)], group=group))
 
     def container_threads(self, pod: PodInfo, container_id: str) -> list[int] | None:
         """Thread ids of the container's cgroup; ``None`` when the cgroup does not exist."""
@@ -378,15 +410,22 @@ class Resctrl:
                 return None
             writes = self._group_writes(group, schemata, reason, create=True)
             why = f"{reason}: threads of container {ctx.container.meta.name}"
-            writes.extend(host_writes([self.fs.add_tasks(group, threads, why)]))
+            writes.extend(self._task_writes(group, threads, why))
         except ResctrlNotSupported:
             self._say_absent()
             return None
         except ResctrlError as exc:
             raise HookError(f"pod {pod_name(pod)}: {exc}") from exc
+        reason = patch_reason(reason) if self.dry_run else reason
         return ContainerPatch(reason=reason, writes=tuple(writes)) if writes else None
 
     # --- stages ---------------------------------------------------------------------------
+
+    def host_support(self) -> tuple[str, str]:
+        """check-config's plan: whether resctrl is mounted with L3 CAT."""
+        if self.fs.present:
+            return "on", f"resctrl at {self.fs.root}"
+        return "off", f"{self.fs.root / 'info/L3/cbm_mask'} does not exist: resctrl hook does nothing"
 
     def post_start_container(self, ctx: ContainerContext) -> ContainerPatch | None:
         if ctx.result is not None and not ctx.result.ok:
@@ -413,6 +452,7 @@ class Resctrl:
             return None
         except ResctrlError as exc:
             raise HookError(f"pod {pod_name(pod)}: {exc}") from exc
+        reason = patch_reason(reason) if self.dry_run else reason
         return PodPatch(reason=reason, writes=tuple(writes)) if writes else None
 
     def _reset_disabled_class(self, pod: PodInfo) -> PodPatch | None:

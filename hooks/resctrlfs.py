@@ -234,8 +234,9 @@ class ResctrlFS:
             raise ResctrlError(f"{target} is a symlink; refusing to follow it")
         return target
 
-    def write_schemata(self, name: str, text: str, reason: str) -> Write:
-        """Validate and write; unchanged when every given entry already holds."""
+    def plan_schemata(self, name: str, text: str, reason: str) -> Write:
+        """What ``write_schemata`` would do (validated, read, compared), without writing:
+        ``changed`` False when every given entry already holds."""
         target = self._group_file(name, "schemata")
         wanted = self.validate_schemata(text, f"schemata for group {name!r}")
         old = target.read_text().strip() if target.exists() else None
@@ -243,9 +244,23 @@ class ResctrlFS:
         if all(current.get(res, {}).get(i, "").lower().lstrip("0") == v.lower().lstrip("0")
                for res, entries in wanted.items() for i, v in entries.items()):
             return Write(target, old, text.strip(), reason, changed=False)
-        new = format_schemata(wanted)
-        _write_text(target, new, f"resctrl group {name!r}")
-        return Write(target, old, new.strip(), reason)
+        return Write(target, old, format_schemata(wanted).strip(), reason)
+
+    def write_schemata(self, name: str, text: str, reason: str) -> Write:
+        """Validate and write; unchanged when every given entry already holds."""
+        planned = self.plan_schemata(name, text, reason)
+        if planned.changed:
+            _write_text(planned.target_path, planned.new + "\n", f"resctrl group {name!r}")
+        return planned
+
+    def plan_tasks(self, name: str, pids: Iterable[int], reason: str) -> Write:
+        """The pids ``add_tasks`` would move (those not in the group yet), without writing."""
+        target = self._group_file(name, "tasks")
+        old = target.read_text() if target.exists() else ""
+        present = {int(p) for p in old.split() if p.isdigit()}
+        missing = sorted(set(pids) - present)
+        return Write(target, " ".join(map(str, sorted(present))), " ".join(map(str, missing)), reason,
+                     changed=bool(missing))
 
     def add_tasks(self, name: str, pids: Iterable[int], reason: str) -> Write:
         """Move ``pids`` into the group (one write per pid, as the kernel wants);

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector as PromCollector
 
 from hooks.qos import QoSClass
 from hooks.rules import LiveRules, Rules
+from metrics import checkplan
 from metrics import model as m
 from metrics.analysis.predictor_task import PredictionTask
 from metrics.collect.advisor import AdvisorCollector, AdvisorHealth
@@ -474,6 +475,8 @@ def metrics_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
 
 # check-config and reload validate ``tasks.metrics`` through this, without building the agent.
 metrics_task.validate = validate_metrics  # type: ignore[attr-defined]
+# check-config's plan (runtimeproxy.chain.plugins.plan_tasks): what run would build here.
+metrics_task.plan = checkplan.metrics_plan  # type: ignore[attr-defined]
 
 
 def shared_agent(init: TaskInit) -> MetricsAgent:

@@ -372,6 +372,12 @@ def validate_metrics(init: TaskInit) -> MetricsSettings:
     return settings
 
 
+def validated_metrics(shared: Mapping[str, Any]) -> MetricsSettings | None:
+    """The metrics task's settings as ``validate_metrics`` left them in ``shared``."""
+    found = shared.get(_VALIDATED_METRICS)
+    return found if isinstance(found, MetricsSettings) else None
+
+
 def validate_qos(init: TaskInit) -> QoSSettings:
     settings = parse_qos(init.args, init.key_path)
     metrics = init.shared.get(_VALIDATED_METRICS)

@@ -41,6 +41,7 @@ from runtimeproxy.ops import fdlimits, logsetup, sdnotify
 from runtimeproxy.ops.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.ops.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.ops.supervisor import Supervisor
+from runtimeproxy.state import hookpreview
 from runtimeproxy.state.events import watch_events
 from runtimeproxy.state.history import ChangeHistory
 from runtimeproxy.state.ledger import FILE_NAME as LEDGER_FILE
@@ -135,7 +136,10 @@ class App:
                                       posts=self.lifecycle.posts, settings_now=lambda: self.settings.nri,
                                       synchronized=self.reconciler.trigger)
         self.http: HttpEndpoint | None = None
-        self._routes: dict[str, Route] = {"/debug/explain": self._explain_route}
+        self._routes: dict[str, Route] = {"/debug/explain": self._explain_route,
+                                          # the hooks' half of `koord-runtime-proxy plan` (a NodeSLO preview)
+                                          hookpreview.ROUTE: hookpreview.route(lambda: self.settings, self.store,
+                                                                               self._skipped)}
         self._explainers: dict[str, Explainer] = {}
         self._expositions: list[Exposition] = []
         base = TaskInit(

@@ -74,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config",
                            help="validate everything run validates (hooks, tasks, files), list the chain")
     _add_config_flags(check)
+    check.add_argument("--output", choices=["text", "json"], default="text",
+                       help="json: the whole plan (hooks, tasks' collectors and strategies, what is off here) "
+                            "as one JSON document")
     explain = sub.add_parser("explain", help="what the hooks and tasks did for a pod (or the node), and why")
     explain.add_argument("pod", nargs="?", default="", help="namespace/name (omit for the node-wide view)")
     explain.add_argument("--endpoint", default="127.0.0.1:9316", help="the proxy's metrics host:port")
@@ -120,7 +123,7 @@ def _default_path() -> Path | None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from runtimeproxy.chain import plugins
+    from runtimeproxy.chain import checkplan
 
     settings = _settings(args)
     if settings is None:
@@ -128,30 +131,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from runtimeproxy.dataplane import process as dataplane
 
     try:
-        hooks, tasks = plugins.validate(settings)
+        plan = checkplan.build(settings)  # the hooks, tasks and their plans, as run builds them
         plane = dataplane.check(settings)
     except config.ConfigError as exc:
         print(f"koord-runtime-proxy: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    print(f"config ok: listen={settings.listen} backend={settings.backend.runtime_endpoint}"
-          f" {plane} ingress={settings.ingress} source={settings.source}")
-    if settings.ingress != "cri-proxy":
-        print(f"ingress: {_ingress_line(settings)}")
-    if not hooks:
-        print("no hooks configured: every call is passed through")
-    for i, hook in enumerate(hooks):
-        stages = ",".join(sorted(s.value for s in hook.stages))
-        print(f"{i + 1}. {hook.name}\t{hook.policy.value}\t{hook.timeout}s\t{stages}")
-    print(f"tasks: {', '.join(tasks) if tasks else 'none'}")
+    if args.output == "json":
+        print(json.dumps({**plan, "data_plane_check": plane}, indent=2, default=str))
+    else:
+        print("\n".join(checkplan.render_text(plan, plane)))
     return 0
-
-
-def _ingress_line(settings: config.Settings) -> str:
-    nri = settings.nri
-    if settings.ingress == "cri-proxy":
-        return f"cri-proxy (kubelet -> {settings.listen})"
-    where = f"nri (containerd calls {nri.plugin_index}-{nri.plugin_name} on {nri.socket})"
-    return where if settings.ingress == "nri" else f"both: cri-proxy on {settings.listen} + {where}"
 
 
 def _fetch_json(url: str) -> tuple[int, Any]:

@@ -10,7 +10,13 @@ is answered 422 with the schema errors, as the API server does with
 ``fieldValidation=Strict`` (unknown fields are errors, not silently pruned: a typo in a
 field name must fail a test).
 
-Not a cluster: no admission, no RBAC, no server-side apply, no resourceVersion
+RBAC, when a test sets ``role`` (``tests/kuberbac.Role``, e.g. parsed from the shipped
+``deploy/`` ClusterRole): every request is authorized as kube-apiserver's RBAC
+authorizer would for a user bound to that role alone, anything else answered 403
+Forbidden with the API server's Status body; every decision is kept (``decisions``).
+``token``: requests without that bearer token are answered 401.
+
+Not a cluster: no admission, no server-side apply, no resourceVersion
 conflicts, no garbage collection. Every request is recorded (``requests``/``seen``).
 
 Two ways for a test to steer it, which can be mixed:
@@ -43,9 +49,13 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import jsonschema
 import yaml
 
+from tests.kuberbac import Attributes, Role, attributes, forbidden
+
 REPO = Path(__file__).resolve().parents[1]
-#: CI clones the repository next to shared/ (as the worktrees here are).
-CRD_DIR = REPO.parent / "shared" / "reference" / "crds"
+#: CI clones the repository next to shared/; a worktree one level deeper (wt/NAME) finds
+#: it next to its parent.
+CRD_DIR = next((d / "shared" / "reference" / "crds" for d in (REPO.parent, REPO.parent.parent)
+                if (d / "shared" / "reference" / "crds").is_dir()), REPO.parent / "shared" / "reference" / "crds")
 HOLD = "hold"  # a watch script ending in HOLD keeps the stream open until ``release`` is set
 
 SLO = "slo.koordinator.sh/v1alpha1"
@@ -181,6 +191,11 @@ class KubeApiServer:
         self.pdb_blocked: set[str] = set()
         #: Resources (plurals) whose CRD is not installed: every request answers 404.
         self.missing: set[str] = set()
+        #: RBAC (see the module docstring): None allows everything.
+        self.role: Role | None = None
+        #: The bearer token every request must carry (None: any or none).
+        self.token: str | None = None
+        self.decisions: list[tuple[Attributes, bool]] = []
         self._store: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._log: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, type, plural, object)
         self._rv = itertools.count(1)
@@ -200,11 +215,14 @@ class KubeApiServer:
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 req = Request(self.command, url.path, parse_qs(url.query), headers, body)
                 server.requests.append(req)
-                if req.query.get("watch", [""])[0].lower() == "true":
+                denied = server._authenticate_and_authorize(req)
+                if denied is None and req.query.get("watch", [""])[0].lower() == "true":
                     server._watch(self, req)
                     return
                 route = server.routes.get((req.method, req.path))
-                if route is None:
+                if denied is not None:
+                    code, doc = denied
+                elif route is None:
                     code, doc = server._serve(req)
                 else:
                     code, doc = route(req) if callable(route) else route
@@ -268,7 +286,28 @@ class KubeApiServer:
         self.httpd.shutdown()
         self.httpd.server_close()
 
+    def granted_and_used(self) -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
+        """(what ``role`` grants, what was asked for and allowed) as (group, resource, verb)."""
+        granted = self.role.grants() if self.role is not None else set()
+        return granted, {a.grant for a, allowed in self.decisions if allowed}
+
+    def denied(self) -> list[Attributes]:
+        return [a for a, allowed in self.decisions if not allowed]
+
     # --- internals ------------------------------------------------------------------
+    def _authenticate_and_authorize(self, req: Request) -> Answer | None:
+        """None when the request may go on, else the 401/403 answer."""
+        if self.token is not None and req.headers.get("authorization") != f"Bearer {self.token}":
+            return status(401, "Unauthorized", "Unauthorized")
+        m = _PATH.match(req.path)
+        if self.role is None or m is None or m["plural"] not in RESOURCES:
+            return None  # unknown paths: 404 from _serve, as discovery would say
+        attrs = attributes(req.method, m["group"] or "", m["plural"], m["sub"],
+                           unquote(m["name"]) if m["name"] else None, unquote(m["ns"] or ""), req.query)
+        allowed = self.role.allows(attrs)
+        self.decisions.append((attrs, allowed))
+        return None if allowed else (403, forbidden(attrs, self.role.user))
+
     def _commit(self, key: tuple[str, str, str], doc: dict[str, Any], etype: str) -> None:
         """Under ``_changed``: store with a new resourceVersion and log the event."""
         meta = doc.setdefault("metadata", {})

@@ -204,6 +204,9 @@ class BlkioTiers(Strategy):
     def enabled(self, rules: Rules) -> bool:
         return self.support is None or self.support.throttle
 
+    def off_reason(self, rules: Rules) -> str:
+        return "" if self.enabled(rules) else "no blkio throttle files (io.max / blkio.throttle.*) on this host"
+
 
 def blkio(init: StrategyInit) -> BlkioTiers:
     if init.args:

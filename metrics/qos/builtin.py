@@ -15,6 +15,7 @@ from typing import Any, Final
 import structlog
 
 from hooks.resctrlfs import ResctrlFS
+from hooks.rules import Rules
 from metrics.model import MetricWriter, PodView
 from metrics.qos import evict
 from metrics.qos.burst import BurstStrategy, read_quotas
@@ -52,6 +53,11 @@ class CPUSuppress(Strategy):
 
     def _read_state(self, ctx: RoundContext) -> BEState:
         return read_be_state(ctx.executor, self.inner.cfg, ctx.pods)
+
+    def off_reason(self, rules: Rules) -> str:
+        if rules.resource_used_threshold_with_be.enable:
+            return ""
+        return "resourceUsedThresholdWithBE.enable is false (BE CPU limits are kept released)"
 
     def plan(self, inputs: RoundInputs) -> Plan:
         state = inputs[self.state_input]
@@ -100,6 +106,9 @@ class BEEvict(Strategy):
 
     def __init__(self, inner: evict.EvictionStrategy) -> None:
         self.inner = inner
+
+    def off_reason(self, rules: Rules) -> str:
+        return "" if rules.resource_used_threshold_with_be.enable else "resourceUsedThresholdWithBE.enable is false"
 
     def plan(self, inputs: RoundInputs) -> list[Plan]:
         return self.inner.plan(inputs[NODE], inputs[BE_CPU_WINDOW], inputs.rules.resource_used_threshold_with_be,

@@ -282,6 +282,9 @@ class MemoryQoSTiers(Strategy):
     def enabled(self, rules: Rules) -> bool:
         return self.supported is not False
 
+    def off_reason(self, rules: Rules) -> str:
+        return "" if self.enabled(rules) else "memory.min/memory.low are not supported by this kernel's cgroups"
+
 
 def memory_qos(init: StrategyInit) -> MemoryQoSTiers:
     if init.args:

@@ -104,6 +104,12 @@ class CPUEvict(Strategy):
         t = rules.resource_used_threshold_with_be
         return t.enable and t.cpu_evict_threshold_percent is not None
 
+    def off_reason(self, rules: Rules) -> str:
+        if self.enabled(rules):
+            return ""
+        return ("resourceUsedThresholdWithBE.enable is false" if not rules.resource_used_threshold_with_be.enable
+                else "resourceUsedThresholdWithBE.cpuEvictThresholdPercent is not set")
+
     def plan(self, inputs: RoundInputs) -> Plan:
         t = inputs.rules.resource_used_threshold_with_be
         node, window = inputs[NODE], inputs[NODE_CPU_WINDOW]
@@ -198,6 +204,12 @@ class AllocatableEvict(Strategy):
         t = rules.resource_used_threshold_with_be
         return t.enable and any(getattr(t, f"{r.key}_allocatable_evict_threshold_percent") is not None
                                 for r in RESOURCES)
+
+    def off_reason(self, rules: Rules) -> str:
+        if self.enabled(rules):
+            return ""
+        return ("resourceUsedThresholdWithBE.enable is false" if not rules.resource_used_threshold_with_be.enable
+                else "resourceUsedThresholdWithBE: no cpu/memoryAllocatableEvictThresholdPercent set")
 
     def plan(self, inputs: RoundInputs) -> list[Plan]:
         t = inputs.rules.resource_used_threshold_with_be

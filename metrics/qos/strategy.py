@@ -174,6 +174,12 @@ class Strategy:
     def enabled(self, rules: Rules) -> bool:
         return True
 
+    def off_reason(self, rules: Rules) -> str:
+        """Why it does nothing under ``rules`` ("" when it acts), for ``check-config``'s
+        plan: ``enabled(rules)`` false, or a strategy that runs but plans nothing (a
+        strategy that can be idle says so in its terms)."""
+        return "" if self.enabled(rules) else "off under the rules in force"
+
     def plan(self, inputs: RoundInputs) -> Plan | Sequence[Plan]:
         raise NotImplementedError
 
@@ -217,6 +223,8 @@ class Loaded:
 
     enabled: list[Strategy]
     disabled: list[Strategy]
+    #: Listed and enabled, but the factory built nothing: not on this host (it logs why).
+    absent: list[str] = field(default_factory=list)
 
 
 def load_strategies(specs: Sequence[StrategySpec] | None, base: StrategyInit,
@@ -237,6 +245,7 @@ def load_strategies(specs: Sequence[StrategySpec] | None, base: StrategyInit,
                             state_dir=base.state_dir, shared=base.shared)
         built = factory(init)
         if built is None:
+            out.absent.append(spec.name)
             continue
         if not isinstance(built, Strategy):
             raise HookConfigError(spec.key_path, spec.name, f"factory returned {type(built).__name__}, not a Strategy")

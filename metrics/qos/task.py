@@ -18,11 +18,12 @@ import structlog
 
 from hooks.cgroups import CgroupError, CgroupLayout
 from hooks.executor import CgroupExecutor
+from metrics import checkplan
 from metrics.agent import MetricsAgent, shared_agent
 from metrics.collect.cgroupfs import CgroupReader
 from metrics.informer.kubetypes import EvictionRefused, KubeError
 from metrics.model import PodView
-from metrics.qos import builtin, interference
+from metrics.qos import builtin, interference, previewroute
 from metrics.qos.evict import CriEvictor, EvictConfig, EvictionError, Evictor
 from metrics.qos.evictevents import RecordingEvictor
 from metrics.qos.fastpath import FastPath, FastPathConfig
@@ -116,6 +117,7 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
                     config=FastPathConfig(interval=settings.fast_interval, min_gap=settings.fast_interval)
                     ) if settings.fast_path and manager.suppress_strategy is not None else None
     init.add_explainer("qos", manager.explain)
+    previewroute.add_route(init, manager, strategy_init, settings.strategies, agent)  # koord-runtime-proxy plan
 
     async def run() -> None:
         if loaded.disabled:  # listed but off: undo what an earlier run left (e.g. sysctls)
@@ -145,6 +147,7 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
 
 # check-config and reload validate ``tasks.qos-manager`` through this, without building anything.
 qos_task.validate = validate_qos  # type: ignore[attr-defined]
+qos_task.plan = checkplan.qos_plan  # type: ignore[attr-defined]
 
 
 def _triggers(proc: Path, settings: QoSSettings) -> PsiTriggers | None:

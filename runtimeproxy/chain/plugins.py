@@ -95,6 +95,23 @@ def _local_hook(hook: HookSettings, settings: Settings, current_rules: RulesSour
     return BoundHook(hook.name, impl, stages, hook.failure_policy, hook.timeout)
 
 
+def dry_run_hook(hook: HookSettings, settings: Settings, current_rules: RulesSource) -> BoundHook | str:
+    """A fresh instance of a local hook with ``args.dry_run: true`` deciding from
+    ``current_rules`` (a preview), or why there is none: a remote hook, a hook that
+    refuses ``dry_run`` or does not say it took it (``impl.dry_run is True``: a hook
+    that ignored the key would write for real, so it is never called)."""
+    if hook.remote:
+        return "a remote hook has no dry run"
+    args = {**hook.args, "dry_run": True}
+    try:
+        bound = _local_hook(dataclasses.replace(hook, args=args), settings, current_rules)
+    except ConfigError as exc:
+        return f"no dry run: {exc}"
+    if getattr(bound.impl, "dry_run", None) is not True:
+        return "no dry run (the hook does not report dry_run)"
+    return bound
+
+
 def _remote_hook(hook: HookSettings) -> BoundHook:
     stages = hook.stages if hook.stages is not None else REMOTE_STAGES
     unsupported = stages - REMOTE_STAGES
@@ -212,6 +229,30 @@ def validate_tasks(settings: Settings) -> list[str]:
         except HookConfigError as exc:
             raise _config_error(exc) from exc
     return [name for name, _, _ in _enabled_tasks(settings)]
+
+
+def plan_tasks(settings: Settings) -> dict[str, Mapping[str, Any]]:
+    """What each enabled task would run, for ``check-config``: the factory's optional
+    ``plan(init)`` (a JSON-able mapping: its collectors, strategies, intervals, what is
+    off on this host and why), called after its ``validate`` with the same ``shared``
+    (so a task can read what an earlier one validated); its ``args`` for a task without one.
+    It must build nothing that lasts and write nothing."""
+    shared: dict[str, Any] = {}
+    out: dict[str, Mapping[str, Any]] = {}
+    for name, key_path, args in _enabled_tasks(settings):
+        factory = resolve_factory(name, key_path, TASK_GROUP)
+        init = TaskInit(name=name, args=args, key_path=key_path, snapshot=_no_pods, host=settings.host,
+                        rules=settings.rules, shared=shared,
+                        state_dir=Path(settings.state_dir) if settings.state_dir else None)
+        try:
+            validate = getattr(factory, "validate", None)
+            if validate is not None:
+                validate(init)
+            plan = getattr(factory, "plan", None)
+            out[name] = dict(plan(init)) if plan is not None else {"args": args}
+        except HookConfigError as exc:
+            raise _config_error(exc) from exc
+    return out
 
 
 def validate(settings: Settings) -> tuple[list[BoundHook], list[str]]:

@@ -295,6 +295,7 @@ class ProxyProcess:
 
     def __init__(
         self, *, workdir: Path, socket_path: Path, config_path: Path, env: Mapping[str, str],
+        command: Sequence[str] = (sys.executable, "-m", "runtimeproxy.cli"),
     ) -> None:
         self.workdir = workdir
         self.socket = socket_path
@@ -305,7 +306,7 @@ class ProxyProcess:
         self._channels: list[grpc.Channel] = []
         self._log_file = open(self.log_path, "wb")  # closed in wait_exit()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(config_path)],
+            [*command, "run", "--config", str(config_path)],
             stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             cwd=workdir, env=dict(env),
         )

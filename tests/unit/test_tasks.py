@@ -198,7 +198,7 @@ def test_check_config_accepts_valid_tasks(tmp_path: Path, capsys: pytest.Capture
         "metrics": {"kube": True, "tiers": {"raw": "1h"}}, "qos-manager": {"evict_mode": "api"}}}))
     assert cli.main(["check-config", "--config", str(path)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("config ok:") and out.splitlines()[-1] == "tasks: metrics, qos-manager"
+    assert out.startswith("config ok:") and "tasks: metrics, qos-manager" in out.splitlines()
 
 
 @pytest.mark.asyncio

@@ -516,3 +516,23 @@ def test_idle_pod_group_keeps_kernel_weight(tmp_path: Path) -> None:
     assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "250000"
     assert patch is not None
     assert [Path(w.target).name for w in patch.writes] == ["cpu.cfs_quota_us", "memory.limit_in_bytes"]
+
+
+def test_dry_run_reports_the_rule_change_and_writes_nothing(tmp_path: Path) -> None:
+    """``dry_run: true`` (the NodeSLO preview builds hooks so): the cfsQuota suppress
+    policy's -1 quotas are reported as planned writes, once, and no file changes."""
+    cg = trees_with_containers(tmp_path, v1_tree)
+    make_hook(tmp_path).reconcile_container(rctr(pod(), "main", MAIN_ID, quota=200_000))
+    before = snapshot(cg)
+    rules = {"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"}}
+    hook = make_hook(tmp_path, {"dry_run": True}, rules=rules)
+    pod_patch = hook.reconcile_pod_sandbox(rpod(pod()))
+    assert pod_patch is not None and pod_patch.reason.startswith("dry-run: ")
+    assert [(w.old, w.new) for w in pod_patch.writes] == [("250000", "-1 (dry-run, not written)")]
+    patch = hook.reconcile_container(rctr(pod(), "main", MAIN_ID, quota=200_000))
+    assert patch is not None
+    # the pod's quota was reported with the pod: only the container's is new here
+    assert [(Path(w.target).name, w.old, w.new) for w in patch.writes] == [
+        ("cpu.cfs_quota_us", "200000", "-1 (dry-run, not written)")]
+    assert snapshot(cg) == before
+    assert hook.reconcile_pod_sandbox(rpod(pod())) is None, "reported once per planned value"

@@ -357,3 +357,13 @@ def test_cgroup_config_errors(tmp_path: Path, args: dict[str, Any], key: str, fr
     with pytest.raises(HookConfigError, match=fragment) as exc:
         make_hook(tmp_path, args)
     assert exc.value.key_path == f"hooks[3].args.{key}"
+
+
+def test_dry_run_reports_the_reconcile_write_once_and_writes_nothing(tmp_path: Path) -> None:
+    target = with_container(tmp_path / "cgroup", v1_tree)
+    hook = make_hook(tmp_path, {"ratio": 1.2, "dry_run": True})
+    patch = hook.reconcile_container(rctx(100_000))
+    assert patch is not None and patch.reason.startswith("dry-run: LS container CFS quota 100000 as forwarded")
+    assert [(w.old, w.new) for w in patch.writes] == [("120000", "100000 (dry-run, not written)")]
+    assert target.read_text().strip() == "120000"
+    assert hook.reconcile_container(rctx(100_000)) is None  # reported once per planned value

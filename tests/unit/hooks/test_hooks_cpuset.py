@@ -633,3 +633,20 @@ def test_sweep_drops_the_bindings_of_gone_pods_their_cpus_return_to_the_pools(tm
     assert set(hook.bindings) == {"lse"}
     patch = hook.pre_create_container(ctr(pod("LS", None, uid="ls")))
     assert patch is not None and patch.resources == ResourcesPatch(cpuset_cpus="1-3,5-7")
+
+
+def test_dry_run_reports_the_reconcile_writes_and_writes_nothing(tmp_path: Path) -> None:
+    reconcile_tree(tmp_path / "cgroup", v1_tree, PARENT, pod_cpus="0-1")
+    sys_tree(tmp_path)
+    before = snapshot(tmp_path)
+    hook = make_hook(tmp_path, {"dry_run": True})
+    pod_patch = hook.reconcile_pod_sandbox(rpod(pod()))
+    assert pod_patch is not None
+    assert [(w.old, w.new) for w in pod_patch.writes] == [("400000", "-1 (dry-run, not written)")]
+    patch = hook.reconcile_container(rctr(pod()))
+    assert patch is not None
+    assert sorted((Path(w.target).name, w.old, w.new) for w in patch.writes) == [
+        ("cpu.cfs_quota_us", "200000", "-1 (dry-run, not written)"),
+        ("cpuset.cpus", "0-1", "0-3 (dry-run, not written)"),
+        ("cpuset.cpus", "0-7", "2-3 (dry-run, not written)")]
+    assert snapshot(tmp_path) == before

@@ -491,3 +491,27 @@ def test_rules_turned_off_later_reset_to_zero(tmp_path: Path) -> None:
     assert reset is not None and [(w.old, w.new) for w in reset.writes] == [("-1", "0")]
     assert "turned off by the rules: reset to 0" in reset.reason
     assert hook.reconcile_pod_sandbox(rctx("BE", BE_PARENT)) is None  # stays 0, nothing more to write
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_dry_run_reports_the_planned_write_once_and_writes_nothing(tmp_path: Path, tree: Tree) -> None:
+    """``dry_run: true`` (the NodeSLO preview builds hooks so): the value is decided as
+    usual, reported as a planned write (hooks.dryrun's shape), and no file changes."""
+    tree(tmp_path / "cgroup", ("cpu.bvt_warp_ns",))
+    before = snapshot(tmp_path)
+    hook = make_hook(tmp_path, {"dry_run": True})
+    patch = hook.pre_run_pod_sandbox(ctx("BE", BE_PARENT))
+    target = pod_file(tmp_path, tree, BE_PARENT, "cpu.bvt_warp_ns").resolve()
+    assert patch is not None and len(patch.writes) == 1
+    (write,) = patch.writes
+    assert (write.target, write.old, write.new) == (str(target), "0", "-1 (dry-run, not written)")
+    assert write.reason.startswith("dry-run: BE pod: class rule cpuQOS.groupIdentity -1")
+    assert snapshot(tmp_path) == before
+    again = hook.pre_run_pod_sandbox(ctx("BE", BE_PARENT))
+    assert again is not None and again.writes == ()  # reported once per planned value
+
+
+def test_dry_run_must_be_a_bool(tmp_path: Path) -> None:
+    v1_tree(tmp_path / "cgroup", BOTH)
+    with pytest.raises(HookConfigError, match=r"hooks\[2\]\.args\.dry_run"):
+        make_hook(tmp_path, {"dry_run": "yes"})

@@ -698,3 +698,34 @@ def test_sweep_without_resctrl_does_nothing(tmp_path: Path) -> None:
     v2_tree(tmp_path / "cgroup")
     hook = make_hook(tmp_path)
     assert hook.sweep_orphans(LivePods(frozenset())) == []
+
+
+# --- dry run ---------------------------------------------------------------------------------
+
+
+def test_dry_run_reports_group_schemata_and_tasks_and_writes_nothing(tmp_path: Path) -> None:
+    """``dry_run: true`` (the NodeSLO preview builds hooks so): a missing class group is
+    reported as created with its schemata and threads, a drifted one as the values that
+    would change; no file or directory appears or changes."""
+    make_resctrl(tmp_path / "resctrl")
+    v1_tree(tmp_path / "cgroup")
+    before = snapshot(tmp_path)
+    hook = make_hook(tmp_path, {"dry_run": True})
+    patch = hook.reconcile_container(cctx(pod("BE"), Stage.RECONCILE_CONTAINER))
+    assert patch is not None and patch.reason.startswith("dry-run: ")
+    assert [(Path(w.target).name, w.old, w.new) for w in patch.writes] == [
+        ("BE", "", "created (dry-run, not written)"),
+        ("schemata", "", "L3:0=f;1=f\nMB:0=100;1=100 (dry-run, not written)"),
+        ("tasks", "", "101 102 103 (dry-run, not written)")]
+    assert snapshot(tmp_path) == before and not group(tmp_path, "BE").exists()
+
+    make_hook(tmp_path).post_start_container(cctx(pod("BE")))  # the group, made for real
+    (group(tmp_path, "BE") / "tasks").write_text("101\n")
+    (group(tmp_path, "BE") / "schemata").write_text("L3:0=fff;1=fff\nMB:0=100;1=100\n")
+    before = snapshot(tmp_path)
+    drift = make_hook(tmp_path, {"dry_run": True}).reconcile_container(cctx(pod("BE"), Stage.RECONCILE_CONTAINER))
+    assert drift is not None
+    assert [(Path(w.target).name, w.old, w.new) for w in drift.writes] == [
+        ("schemata", "L3:0=fff;1=fff\nMB:0=100;1=100", "L3:0=f;1=f\nMB:0=100;1=100 (dry-run, not written)"),
+        ("tasks", "101", "102 103 (dry-run, not written)")]
+    assert snapshot(tmp_path) == before
