@@ -50,3 +50,37 @@ if [[ ! -f $stamp || requirements-dev.txt -nt $stamp || requirements.txt -nt $st
   .venv/bin/python -m pip install -q --no-deps -e .
   touch "$stamp"
 fi
+
+# A bootable Debian root for the real-systemd test (tests/integration/test_systemd_units.py):
+# the shipped units run in it under systemd-nspawn. Built once into the cache, rebuilt only when
+# missing or when this recipe changes (its text is the stamp); the tests boot an overlay of it.
+SYSTEMD_ROOT_PKGS="systemd,systemd-sysv,dbus,haproxy,python3,python3-venv,util-linux"
+sysroot=/var/cache/koord-runtime-proxy/systemd-root
+for p in debootstrap systemd-container; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || {
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap systemd-container >/dev/null
+    break
+  }
+done
+mirror=$(sed -n 's/^URIs: *\(http[^ ]*debian\)$/\1/p; s/^deb  *\(\[[^]]*\] *\)\{0,1\}\(http[^ ]*debian\)  *bookworm .*/\2/p' \
+  /etc/apt/sources.list /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list 2>/dev/null | head -1 || true)
+mirror=${mirror:-http://deb.debian.org/debian}
+recipe="debootstrap --variant=minbase --include=$SYSTEMD_ROOT_PKGS bookworm ROOT $mirror"
+mkdir -p "$(dirname "$sysroot")"
+(
+  flock 9  # helpers and CI jobs on one host build it once
+  if [[ ! -f $sysroot.recipe || "$(cat "$sysroot.recipe")" != "$recipe" || ! -x $sysroot/lib/systemd/systemd ]]; then
+    echo "setup-host: building $sysroot ($recipe)"
+    rm -rf "$sysroot.new" "$sysroot.recipe"
+    debootstrap --variant=minbase --include="$SYSTEMD_ROOT_PKGS" bookworm "$sysroot.new" "$mirror" \
+      >/tmp/krp-debootstrap.log 2>&1 \
+      || { echo "setup-host: debootstrap failed, see /tmp/krp-debootstrap.log"; exit 1; }
+    # Debian's own haproxy.service (its sample config) is not ours: never started in the root.
+    rm -f "$sysroot.new"/etc/systemd/system/multi-user.target.wants/haproxy.service
+    # A venv the tests install the project's wheel into (no network inside the root).
+    chroot "$sysroot.new" /usr/bin/python3 -m venv /opt/koord-runtime-proxy/venv
+    rm -rf "$sysroot" && mv "$sysroot.new" "$sysroot"
+    echo "$recipe" >"$sysroot.recipe"
+  fi
+) 9>"$(dirname "$sysroot")/.systemd-root.lock"
