@@ -54,7 +54,8 @@ fi
 # A bootable Debian root for the real-systemd test (tests/integration/test_systemd_units.py):
 # the shipped units run in it under systemd-nspawn. Built once into the cache, rebuilt only when
 # missing or when this recipe changes (its text is the stamp); the tests boot an overlay of it.
-SYSTEMD_ROOT_PKGS="systemd,systemd-sysv,dbus,haproxy,python3,python3-venv,util-linux"
+# procps: /bin/kill, which the units (and Debian's own haproxy.service) reload with.
+SYSTEMD_ROOT_PKGS="systemd,systemd-sysv,dbus,haproxy,procps,python3,python3-venv,util-linux"
 sysroot=/var/cache/koord-runtime-proxy/systemd-root
 for p in debootstrap systemd-container; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || {

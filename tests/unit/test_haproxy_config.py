@@ -267,14 +267,16 @@ def test_check_config_reports_the_data_plane(tmp_path: Path, monkeypatch: pytest
 
 
 def test_the_shipped_units_leave_haproxy_to_systemd() -> None:
-    """The product's unit runs HAProxy through its own unit (--data-plane-unit), propagates only
-    stop jobs to it (never restarts: PartOf/BindsTo would cut pass-through at every restart) and
-    uses the default KillMode; HAProxy's unit is master-worker with notify, restarted always."""
+    """The product's unit runs HAProxy through its own unit (--data-plane-unit), stops it only on
+    a stop job of its own (PartOf/BindsTo would cut pass-through at every restart, PropagatesStopTo
+    at every crash: test_systemd_units) and uses the default KillMode; HAProxy's unit is
+    master-worker with notify, restarted always."""
     systemd = Path(__file__).resolve().parents[2] / "systemd"
     unit = (systemd / "koord-runtime-proxy.service").read_text()
     directives = [line.split("=", 1)[0] for line in unit.splitlines() if "=" in line and not line.startswith("#")]
     assert "KillMode" not in directives and "PartOf" not in directives and "BindsTo" not in directives
-    assert "PropagatesStopTo=koord-runtime-proxy-haproxy.service" in unit.splitlines()
+    assert "PropagatesStopTo" not in directives  # it also stops HAProxy when this unit fails (crash, watchdog)
+    assert "exec systemctl stop --no-block koord-runtime-proxy-haproxy.service" in unit
     assert "After=koord-runtime-proxy-haproxy.service" in unit.splitlines()
     assert "--data-plane-unit koord-runtime-proxy-haproxy.service" in unit
     haproxy_unit = (systemd / "koord-runtime-proxy-haproxy.service").read_text().splitlines()
