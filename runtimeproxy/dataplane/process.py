@@ -167,9 +167,9 @@ class HaproxyDataPlane:
         assert self.unit is not None
         changed = await self._write_config(self._settings)
         await self.unit.ensure(changed)
-        if not changed:
-            # A previous process took the interception server out when it stopped.
-            await asyncio.to_thread(self.intercept, True)
+        # A previous process took the interception server out when it stopped (a reloaded
+        # worker starts with it in; telling it again is harmless).
+        await asyncio.to_thread(self.intercept, True)
         log.info("data_plane_serving", unit=self.unit.unit, pid=self.unit.pid, socket=self._settings.listen,
                  intercept_socket=str(self.layout.intercept_socket))
         await asyncio.Event().wait()  # nothing to supervise: systemd does

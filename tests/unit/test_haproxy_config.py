@@ -287,5 +287,7 @@ def test_the_shipped_units_leave_haproxy_to_systemd() -> None:
     # Its paths are the data plane's layout for the shipped listen.
     env = next(line for line in haproxy_unit if line.startswith("Environment="))
     listen = Path(from_mapping(builtin_default()).listen)
-    assert f'"DIR={haproxy.Layout.for_listen(listen).run_dir}"' in env and f'"SOCKET={listen}"' in env
+    run_dir = haproxy.Layout.for_listen(listen).run_dir
+    assert f'"DIR={run_dir}"' in env and f'"SOCKET={listen}"' in env
+    assert f"ConditionPathExists={run_dir / 'haproxy.cfg'}" in haproxy_unit
     assert from_mapping(builtin_default()).data_plane_unit == ""  # `run` in a terminal: a child
