@@ -331,6 +331,7 @@ def test_five_restarts_of_the_proxy_fail_no_pass_through_call(machine: Machine) 
             machine.systemctl("restart", PROXY)  # returns once the new process sent READY=1
             assert machine.main_pid(PROXY) != before
             clients.more(200)
+    print(f"5 restarts: {dict(clients.outcomes)}, slowest call {clients.slowest:.3f}s")
     assert set(clients.outcomes) == {"OK"}, clients.outcomes
     assert clients.slowest < CALL_TIMEOUT
     assert machine.main_pid(HAPROXY) == haproxy_pid  # the same master, never restarted
@@ -355,6 +356,7 @@ def test_haproxy_upgraded_as_dpkg_does_then_reloaded_fails_no_call(machine: Mach
         _wait(lambda: not os.readlink(f"/proc/{host_master}/exe").endswith("(deleted)"), 10,
               "the master re-executed the new binary")
         clients.more(500)
+    print(f"upgrade + reload: {dict(clients.outcomes)}")
     assert os.stat(f"/proc/{host_master}/exe").st_ino != old_inode
     assert machine.main_pid(HAPROXY) == master  # a reload, not a restart
     assert set(clients.outcomes) == {"OK"}, clients.outcomes
@@ -366,6 +368,7 @@ def test_haproxy_killed_is_back_via_systemd_within_2s(machine: Machine) -> None:
     killed = time.monotonic()
     _wait(lambda: _answers(machine.socket), 10, "kubelet's socket answering again")
     back = time.monotonic() - killed
+    print(f"haproxy killed -9: answering again after {back:.3f}s")
     assert back < 2.0, f"back after {back:.2f}s (loaded host: see the console log)"
     assert machine.main_pid(HAPROXY) != master
     assert machine.show(PROXY, "ActiveState") == "active"
