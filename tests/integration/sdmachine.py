@@ -220,7 +220,15 @@ class Machine:
         return self.run(["journalctl", "-q", "-o", "cat", "--no-pager", "-u", unit], check=False).stdout
 
     def connect_containerd(self) -> None:
-        (self.ctd_dir / "containerd.sock").symlink_to(self.containerd_socket)
+        link = self.ctd_dir / "containerd.sock"
+        if not link.is_symlink():
+            link.symlink_to(self.containerd_socket)
+
+    def ready(self) -> None:
+        """containerd connected, both units active (a test may run alone: ``-k``)."""
+        self.connect_containerd()
+        for unit in (HAPROXY, PROXY):
+            wait(lambda u=unit: self.show(u, "ActiveState") == "active", 60, f"{unit} active")
 
 
 class Clients:

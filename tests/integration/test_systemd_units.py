@@ -84,8 +84,8 @@ def test_ready_only_when_containerd_answers_through_haproxy_and_the_watchdog_is_
     assert machine.main_pid(HAPROXY) == haproxy_pid
 
 
-def test_five_restarts_of_the_proxy_fail_no_pass_through_call(machine: Machine) -> None:
-    _wait(lambda: machine.show(PROXY, "ActiveState") == "active", 30, "the proxy READY")
+def test_five_restarts_and_a_kill_9_of_the_proxy_fail_no_pass_through_call(machine: Machine) -> None:
+    machine.ready()
     haproxy_pid = machine.main_pid(HAPROXY)
     with Clients(machine.socket) as clients:
         clients.more(200)
@@ -94,7 +94,13 @@ def test_five_restarts_of_the_proxy_fail_no_pass_through_call(machine: Machine) 
             machine.systemctl("restart", PROXY)  # returns once the new process sent READY=1
             assert machine.main_pid(PROXY) != before
             clients.more(200)
-    print(f"5 restarts: {dict(clients.outcomes)}, slowest call {clients.slowest:.3f}s")
+        # A crash: systemd restarts the proxy (RestartSec=2), HAProxy is not stopped meanwhile.
+        crashed, restarts = machine.main_pid(PROXY), int(machine.show(PROXY, "NRestarts"))
+        os.kill(machine.host_pid(crashed), signal.SIGKILL)
+        _wait(lambda: int(machine.show(PROXY, "NRestarts")) > restarts, 20, "restarted after the crash")
+        _wait(lambda: machine.show(PROXY, "ActiveState") == "active", 30, "the proxy READY again")
+        clients.more(200)
+    print(f"5 restarts and a kill -9: {dict(clients.outcomes)}, slowest call {clients.slowest:.3f}s")
     assert set(clients.outcomes) == {"OK"}, clients.outcomes
     assert clients.slowest < CALL_TIMEOUT
     assert machine.main_pid(HAPROXY) == haproxy_pid  # the same master, never restarted
@@ -105,6 +111,7 @@ def test_five_restarts_of_the_proxy_fail_no_pass_through_call(machine: Machine) 
 def test_haproxy_upgraded_as_dpkg_does_then_reloaded_fails_no_call(machine: Machine) -> None:
     """A new binary written next to the old one and renamed over it (dpkg), then
     ``systemctl reload``: the master re-executes the new file; no call fails."""
+    machine.ready()
     master = machine.main_pid(HAPROXY)
     binary = machine.merged / "usr" / "sbin" / "haproxy"
     old_inode = binary.stat().st_ino
@@ -126,6 +133,7 @@ def test_haproxy_upgraded_as_dpkg_does_then_reloaded_fails_no_call(machine: Mach
 
 
 def test_haproxy_killed_is_back_via_systemd_within_2s(machine: Machine) -> None:
+    machine.ready()
     master = machine.main_pid(HAPROXY)
     os.kill(machine.host_pid(master), signal.SIGKILL)
     killed = time.monotonic()
@@ -138,8 +146,7 @@ def test_haproxy_killed_is_back_via_systemd_within_2s(machine: Machine) -> None:
 
 
 def test_stop_of_the_proxy_stops_haproxy_and_removes_kubelets_socket(machine: Machine) -> None:
-    for unit in (HAPROXY, PROXY):
-        _wait(lambda u=unit: machine.show(u, "ActiveState") == "active", 30, f"{unit} active")
+    machine.ready()
     assert machine.socket.exists()
     machine.systemctl("stop", PROXY)
     assert machine.show(PROXY, "ActiveState") == "inactive"
