@@ -141,6 +141,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         stages = ",".join(sorted(s.value for s in hook.stages))
         print(f"{i + 1}. {hook.name}\t{hook.policy.value}\t{hook.timeout}s\t{stages}")
     print(f"tasks: {', '.join(tasks) if tasks else 'none'}")
+    for key in settings.deprecated:
+        print(f"deprecated, ignored: {key}")
     return 0
 
 

@@ -291,3 +291,23 @@ def test_the_shipped_units_leave_haproxy_to_systemd() -> None:
     assert f'"DIR={run_dir}"' in env and f'"SOCKET={listen}"' in env
     assert f"ConditionPathExists={run_dir / 'haproxy.cfg'}" in haproxy_unit
     assert from_mapping(builtin_default()).data_plane_unit == ""  # `run` in a terminal: a child
+
+
+def test_a_deprecated_key_is_named_at_start_and_by_check_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from runtimeproxy import cli
+    from runtimeproxy.app import announce
+
+    settings = from_mapping({"data_plane_orphan_grace": "30s"})
+    with structlog.testing.capture_logs() as logs:
+        announce(settings)
+    warned = [e for e in logs if e["event"] == "config_key_deprecated"]
+    assert len(warned) == 1 and warned[0]["key"].startswith("data_plane_orphan_grace: ignored")
+    assert warned[0]["log_level"] == "warning"
+    path = tmp_path / "c.yaml"
+    path.write_text(f"listen: {tmp_path}/k.sock\nhookserver_dir: ''\ndata_plane: grpc\nstate_dir: ''\n"
+                    "data_plane_survives_restart: true\n")
+    path.chmod(0o600)
+    assert cli.main(["check-config", "--config", str(path)]) == 0
+    assert "deprecated, ignored: data_plane_survives_restart: ignored" in capsys.readouterr().out
