@@ -77,6 +77,9 @@ mkdir -p "$(dirname "$sysroot")"
     debootstrap --variant=minbase --include="$SYSTEMD_ROOT_PKGS" bookworm "$sysroot.new" "$mirror" \
       >/tmp/krp-debootstrap.log 2>&1 \
       || { echo "setup-host: debootstrap failed, see /tmp/krp-debootstrap.log"; exit 1; }
+    # The tests upgrade HAProxy with dpkg from this .deb (debootstrap keeps what it installed).
+    ls "$sysroot.new"/var/cache/apt/archives/haproxy_*.deb >/dev/null \
+      || { echo "setup-host: no haproxy .deb left in the root's apt cache"; exit 1; }
     # Debian's own haproxy.service (its sample config) is not ours: never started in the root.
     rm -f "$sysroot.new"/etc/systemd/system/multi-user.target.wants/haproxy.service
     # A venv the tests install the project's wheel into (no network inside the root).
