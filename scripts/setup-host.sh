@@ -67,7 +67,8 @@ done
 mirror=$(sed -n 's/^URIs: *\(http[^ ]*debian\)$/\1/p; s/^deb  *\(\[[^]]*\] *\)\{0,1\}\(http[^ ]*debian\)  *bookworm .*/\2/p' \
   /etc/apt/sources.list /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list 2>/dev/null | head -1 || true)
 mirror=${mirror:-http://deb.debian.org/debian}
-recipe="debootstrap --variant=minbase --include=$SYSTEMD_ROOT_PKGS bookworm ROOT $mirror"
+# rev: bump when the steps after debootstrap below change (the recipe text is the cache's stamp).
+recipe="rev 1: debootstrap --variant=minbase --include=$SYSTEMD_ROOT_PKGS bookworm ROOT $mirror"
 mkdir -p "$(dirname "$sysroot")"
 (
   flock 9  # helpers and CI jobs on one host build it once
@@ -75,8 +76,8 @@ mkdir -p "$(dirname "$sysroot")"
     echo "setup-host: building $sysroot ($recipe)"
     rm -rf "$sysroot.new" "$sysroot.recipe"
     debootstrap --variant=minbase --include="$SYSTEMD_ROOT_PKGS" bookworm "$sysroot.new" "$mirror" \
-      >/tmp/krp-debootstrap.log 2>&1 \
-      || { echo "setup-host: debootstrap failed, see /tmp/krp-debootstrap.log"; exit 1; }
+      >"$(dirname "$sysroot")/debootstrap.log" 2>&1 \
+      || { echo "setup-host: debootstrap failed, see "$(dirname "$sysroot")/debootstrap.log""; exit 1; }
     # The tests upgrade HAProxy with dpkg from this .deb (debootstrap keeps what it installed).
     ls "$sysroot.new"/var/cache/apt/archives/haproxy_*.deb >/dev/null \
       || { echo "setup-host: no haproxy .deb left in the root's apt cache"; exit 1; }
