@@ -77,7 +77,7 @@ mkdir -p "$(dirname "$sysroot")"
     rm -rf "$sysroot.new" "$sysroot.recipe"
     debootstrap --variant=minbase --include="$SYSTEMD_ROOT_PKGS" bookworm "$sysroot.new" "$mirror" \
       >"$(dirname "$sysroot")/debootstrap.log" 2>&1 \
-      || { echo "setup-host: debootstrap failed, see "$(dirname "$sysroot")/debootstrap.log""; exit 1; }
+      || { echo "setup-host: debootstrap failed, see $(dirname "$sysroot")/debootstrap.log"; exit 1; }
     # The tests upgrade HAProxy with dpkg from this .deb (debootstrap keeps what it installed).
     ls "$sysroot.new"/var/cache/apt/archives/haproxy_*.deb >/dev/null \
       || { echo "setup-host: no haproxy .deb left in the root's apt cache"; exit 1; }
