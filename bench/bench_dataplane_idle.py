@@ -1,11 +1,9 @@
-"""Benchmark: what the data plane costs on an idle node with the shipped orphan grace:
-HAProxy's master and worker and the orphan watchdog (a ``sh`` blocked in ``read``).
+"""Benchmark: what the data plane costs on an idle node: HAProxy's master and worker.
 
 Run by hand as root: ``.venv/bin/python bench/bench_dataplane_idle.py --seconds 60``. One
-proxy with ``data_plane: haproxy`` and ``data_plane_orphan_grace: 30s`` (the shipped values)
-in front of a private containerd, no hooks, no calls; CPU time of each process from /proc
-over the window (after 5 s of settling), RSS at its end; the Python process is the anchor
-measured in the same run. Stopped with SIGQUIT (both at once).
+proxy with ``data_plane: haproxy`` (HAProxy its child) in front of a private containerd, no
+hooks, no calls; CPU time of each process from /proc over the window (after 5 s of settling),
+RSS at its end; the Python process is the anchor measured in the same run. Stopped with SIGTERM.
 """
 
 from __future__ import annotations
@@ -37,13 +35,11 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="the idle window")
     args = ap.parse_args()
     with BenchNode("di") as node:
-        proc, sock, _ = node.proxy("idle", {"data_plane": "haproxy", "data_plane_orphan_grace": "30s"})
+        proc, _, _ = node.proxy("idle", {"data_plane": "haproxy"})
         time.sleep(5)
-        run_dir = sock.parent / f".{sock.name}.dataplane"
-        master = int((run_dir / "master.pid").read_text().split()[0])
-        watchdog = int((run_dir / "watchdog.pid").read_text().split()[0])
+        master = _children(proc.pid)[0]  # setpriv execs HAProxy in its own pid
         procs = {"python (anchor)": proc.pid, "haproxy master": master,
-                 **{f"haproxy worker {w}": w for w in _children(master)}, "watchdog (sh)": watchdog}
+                 **{f"haproxy worker {w}": w for w in _children(master)}}
         before = {name: cpu_seconds(pid) for name, pid in procs.items()}
         start = time.monotonic()
         time.sleep(args.seconds)
@@ -56,9 +52,9 @@ def main() -> int:
             print(f"| {name} | {used[name]:.2f} | {100 * used[name] / took:.3f} | {rss[name]:.1f} |")
         plane = [n for n in procs if not n.startswith("python")]
         total = sum(used[n] for n in plane)
-        print(f"| data plane total (HAProxy + watchdog) | {total:.2f} | {100 * total / took:.3f} | "
+        print(f"| data plane total (HAProxy) | {total:.2f} | {100 * total / took:.3f} | "
               f"{sum(rss[n] for n in plane):.1f} |")
-        proc.send_signal(signal.SIGQUIT)
+        proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     return 0
 

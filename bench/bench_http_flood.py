@@ -113,7 +113,7 @@ def main() -> None:
         port, sock = free_port(), node.base / "proxy.sock"
         doc = {"listen": str(sock), "backend": {"runtime_endpoint": str(node.ctd.socket)},
                "metrics": {"listen": f"127.0.0.1:{port}"}, "hookserver_dir": "",
-               "log": {"level": "info", "format": "json"}, "hooks": [], "data_plane_orphan_grace": 0}
+               "log": {"level": "info", "format": "json"}, "hooks": []}
         cfg = node.base / "proxy.yaml"
         cfg.write_text(yaml.safe_dump(doc, sort_keys=False))
         env = dict(os.environ)

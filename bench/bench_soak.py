@@ -154,8 +154,7 @@ def main() -> int:
         work.mkdir()
         socket, port = node.base / "soak.sock", free_port()
         doc = yaml.safe_load(demo_config(work, socket, node.ctd.socket, port, node.prefix))
-        doc |= {"log": {"level": "info", "format": "json"}, "hookserver_dir": "", "state_dir": str(work / "state"),
-                "data_plane_orphan_grace": 0}
+        doc |= {"log": {"level": "info", "format": "json"}, "hookserver_dir": "", "state_dir": str(work / "state")}
         if args.no_tasks:
             doc["tasks"] = {}
         elif args.retention:

@@ -73,7 +73,7 @@ class BenchNode:
         full = {"listen": str(sock), "backend": {"runtime_endpoint": str(self.ctd.socket)},
                 "metrics": {"listen": f"127.0.0.1:{port}"}, "hookserver_dir": "", "log": {"level": "warning"},
                 "hooks": [], "state_dir": str(self.base / f"{name}-state"),
-                "data_plane_orphan_grace": 0, **doc}  # stopping a bench proxy stops its HAProxy too
+                **doc}
         cfg = self.base / f"{name}.yaml"
         cfg.write_text(yaml.safe_dump(full, sort_keys=False))
         proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg)], cwd=cwd)

@@ -57,7 +57,7 @@ log = structlog.get_logger("runtimeproxy.app")
 VERSION_METHOD = "/runtime.v1.RuntimeService/Version"
 _RESTART_ONLY = ("listen", "socket_mode", "backend", "metrics_listen", "max_message_bytes", "tasks",
                  "metrics_max_connections", "metrics_idle_timeout", "metrics_fd_reserve", "state_dir",
-                 "data_plane", "data_plane_orphan_grace", "ingress", "nri")
+                 "data_plane", "data_plane_unit", "ingress", "nri")
 #: Pods whose change history is kept on disk (each its last CHANGES_PER_POD changes).
 HISTORY_PODS = 512
 
@@ -155,7 +155,6 @@ class App:
         self._stop = asyncio.Event()
         #: The store was rebuilt from the runtime since start (tasks see ``pods_known``).
         self._pods_known = False
-        self._full_stop = False
         self._ready = False
         self._stopping = False
         self._oneshots: set[asyncio.Task[bool]] = set()
@@ -169,7 +168,6 @@ class App:
             loop.add_signal_handler(signal.SIGTERM, self._stop.set)
             loop.add_signal_handler(signal.SIGINT, self._stop.set)
             loop.add_signal_handler(signal.SIGHUP, self._reload_soon)
-            loop.add_signal_handler(signal.SIGQUIT, self.stop_all)
         try:
             nri_ingress.check_socket(self.settings)  # before anything listens: exit 2 naming nri.socket
             if self.data_plane is not None:
@@ -226,11 +224,6 @@ class App:
     def request_stop(self) -> None:
         self._stop.set()
 
-    def stop_all(self) -> None:
-        """SIGQUIT: stop, the data plane too even if it is to survive a restart."""
-        self._full_stop = True
-        self._stop.set()
-
     @property
     def ready(self) -> bool:
         return self._ready
@@ -264,9 +257,9 @@ class App:
         self.store.close()
         self.ledger.save()  # the done marks of the Post stages that just ran
         if self.data_plane is not None:
-            # Last: kubelet's pass-through calls keep working while Python drains.
-            # With data_plane_orphan_grace > 0 only a full stop (SIGQUIT) stops HAProxy too (else its watchdog, later).
-            await self.data_plane.stop(self.settings.shutdown_grace, full=self._full_stop)
+            # Last: kubelet's pass-through calls keep working while Python drains. A child stops
+            # now; HAProxy's systemd unit stops only with `systemctl stop` (see the units).
+            await self.data_plane.stop(self.settings.shutdown_grace)
         log.info("stopped")
         return 0
 
@@ -495,6 +488,8 @@ def announce(settings: Settings) -> None:
     log.info("config_loaded", source=settings.source or "settings")
     for risk in settings.accepted_risks:
         log.warning("insecure_setting_allowed", risk=risk)
+    for key in settings.deprecated:
+        log.warning("config_key_deprecated", key=key)
 
 
 def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, Any]) -> int:

@@ -51,13 +51,15 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hookserver-dir", dest="hookserver_dir", help="Koordinator hook-server registrations")
     p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", dest="log_format", choices=["auto", "json", "console"])
+    p.add_argument("--data-plane-unit", dest="data_plane_unit",
+                   help="HAProxy's systemd service (the shipped unit passes it); '' runs HAProxy as a child")
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
     mapping = {
         "listen": "listen", "backend": "backend.runtime_endpoint", "image_backend": "backend.image_endpoint",
         "metrics_listen": "metrics.listen", "hookserver_dir": "hookserver_dir",
-        "log_level": "log.level", "log_format": "log.format",
+        "log_level": "log.level", "log_format": "log.format", "data_plane_unit": "data_plane_unit",
     }
     return {key: getattr(args, attr) for attr, key in mapping.items() if getattr(args, attr, None) is not None}
 

@@ -74,3 +74,42 @@ if [[ ! -x $ctrd17/usr/bin/containerd ]]; then
   "$ctrd17.tmp/usr/bin/containerd" --version
   rm -rf "$ctrd17" && mv "$ctrd17.tmp" "$ctrd17"
 fi
+
+# A bootable Debian root for the real-systemd test (tests/integration/test_systemd_units.py):
+# the shipped units run in it under systemd-nspawn. Built once into the cache, rebuilt only when
+# missing or when this recipe changes (its text is the stamp); the tests boot an overlay of it.
+# procps: /bin/kill, which the units (and Debian's own haproxy.service) reload with.
+SYSTEMD_ROOT_PKGS="systemd,systemd-sysv,dbus,haproxy,procps,python3,python3-venv,util-linux"
+sysroot=/var/cache/koord-runtime-proxy/systemd-root
+for p in debootstrap systemd-container; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || {
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap systemd-container >/dev/null
+    break
+  }
+done
+mirror=$(sed -n 's/^URIs: *\(http[^ ]*debian\)$/\1/p; s/^deb  *\(\[[^]]*\] *\)\{0,1\}\(http[^ ]*debian\)  *bookworm .*/\2/p' \
+  /etc/apt/sources.list /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list 2>/dev/null | head -1 || true)
+mirror=${mirror:-http://deb.debian.org/debian}
+# rev: bump when the steps after debootstrap below change (the recipe text is the cache's stamp).
+recipe="rev 1: debootstrap --variant=minbase --include=$SYSTEMD_ROOT_PKGS bookworm ROOT $mirror"
+mkdir -p "$(dirname "$sysroot")"
+(
+  flock 9  # helpers and CI jobs on one host build it once
+  if [[ ! -f $sysroot.recipe || "$(cat "$sysroot.recipe")" != "$recipe" || ! -x $sysroot/lib/systemd/systemd ]]; then
+    echo "setup-host: building $sysroot ($recipe)"
+    rm -rf "$sysroot.new" "$sysroot.recipe"
+    debootstrap --variant=minbase --include="$SYSTEMD_ROOT_PKGS" bookworm "$sysroot.new" "$mirror" \
+      >"$(dirname "$sysroot")/debootstrap.log" 2>&1 \
+      || { echo "setup-host: debootstrap failed, see $(dirname "$sysroot")/debootstrap.log"; exit 1; }
+    # The tests upgrade HAProxy with dpkg from this .deb (debootstrap keeps what it installed).
+    ls "$sysroot.new"/var/cache/apt/archives/haproxy_*.deb >/dev/null \
+      || { echo "setup-host: no haproxy .deb left in the root's apt cache"; exit 1; }
+    # Debian's own haproxy.service (its sample config) is not ours: never started in the root.
+    rm -f "$sysroot.new"/etc/systemd/system/multi-user.target.wants/haproxy.service
+    # A venv the tests install the project's wheel into (no network inside the root).
+    chroot "$sysroot.new" /usr/bin/python3 -m venv /opt/koord-runtime-proxy/venv
+    rm -rf "$sysroot" && mv "$sysroot.new" "$sysroot"
+    echo "$recipe" >"$sysroot.recipe"
+  fi
+) 9>"$(dirname "$sysroot")/.systemd-root.lock"

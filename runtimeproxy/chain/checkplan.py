@@ -60,7 +60,8 @@ def build(settings: Settings) -> dict[str, Any]:
     return {
         "config": {"listen": settings.listen, "backend": settings.backend.runtime_endpoint,
                    "data_plane": settings.data_plane, "source": settings.source,
-                   "ingress": settings.ingress, "ingress_detail": ingress_line(settings)},
+                   "ingress": settings.ingress, "ingress_detail": ingress_line(settings),
+                   "deprecated": list(settings.deprecated)},
         "hooks": [{"position": i + 1, "name": h.name, "failure_policy": h.policy.value, "timeout": h.timeout,
                    "stages": sorted(s.value for s in h.stages), "host": host}
                   for i, (h, host) in enumerate(zip(hooks, hosts, strict=True))],
@@ -110,6 +111,7 @@ def render_text(plan: Mapping[str, Any], data_plane: str) -> list[str]:
         out.extend(f"  {h['name']}  {h['host']['state']}  ({h['host']['reason']})" for h in off)
     tasks: Mapping[str, Mapping[str, Any]] = plan["tasks"]
     out.append(f"tasks: {', '.join(tasks) if tasks else 'none'}")
+    out.extend(f"deprecated, ignored: {key}" for key in cfg["deprecated"])
     for name, task in tasks.items():
         out.append(f"task {name}:")
         scalars = [f"{k}={_scalar(v)}" for k, v in task.items() if not (_is_table(v) or _is_table(v, "event"))]

@@ -1,6 +1,6 @@
 """Parsing of the listen, socket and data-plane settings of ``runtimeproxy.config.settings``:
 the CRI socket path and mode, ``metrics.listen``, ``allow_insecure`` and the risks it
-accepts, ``data_plane`` and HAProxy's idle timeout and orphan grace.
+accepts, ``data_plane``, HAProxy's idle timeout and its systemd unit.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Mapping
 from typing import Any, Final
 
-from runtimeproxy.config.configvalues import DURATION, ConfigError, mapping, parse_duration, reject_unknown, string
+from runtimeproxy.config.configvalues import ConfigError, mapping, parse_duration, reject_unknown, string
 
 #: ``allow_insecure.<key>: true`` accepts one risk that is otherwise refused (exit 2 at
 #: start, a reload rejected); it is then warned about at every start.
@@ -117,28 +117,32 @@ def data_plane(value: object) -> str:
     return value.lower()
 
 
-#: HAProxy's orphan watchdog sleeps at most this long (a day) before stopping it.
-_MAX_ORPHAN_GRACE = 86400.0
+#: Keys earlier versions read that this one ignores, each with why. Accepted (one warning
+#: per start) rather than refused: a node upgraded with its old config.yaml (a modified
+#: conffile is kept) must still start, or kubelet loses its runtime.
+DEPRECATED_KEYS: Final = {
+    key: "ignored: HAProxy no longer outlives this process on its own; under systemd its own unit "
+         "(data_plane_unit) keeps it across restarts, outside systemd it stops with this process"
+    for key in ("data_plane_orphan_grace", "data_plane_survives_restart")
+}
+#: A systemd service name systemctl takes as one argument (no leading '-': no option).
+_UNIT_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9:_.@\\-]{0,240}\.service")
 
 
-def orphan_grace(top: Mapping[str, Any], default: float) -> float:
-    """``data_plane_orphan_grace`` (0 .. 24h); the older ``data_plane_survives_restart``
-    still works alone (false: 0, true: the default grace), never together with it."""
-    if "data_plane_survives_restart" in top:
-        old = top["data_plane_survives_restart"]
-        if "data_plane_orphan_grace" in top:
-            raise ConfigError("data_plane_survives_restart", old,
-                              "replaced by data_plane_orphan_grace: set only data_plane_orphan_grace")
-        if not isinstance(old, bool):
-            raise ConfigError("data_plane_survives_restart", old, "must be true or false")
-        return default if old else 0.0
-    value = top.get("data_plane_orphan_grace", default)
-    zero = isinstance(value, int | float | str) and not isinstance(value, bool) and (
-        value == 0 or (isinstance(value, str) and (m := DURATION.match(value)) is not None and float(m.group(1)) == 0))
-    seconds = 0.0 if zero else parse_duration(value, "data_plane_orphan_grace")
-    if seconds > _MAX_ORPHAN_GRACE:
-        raise ConfigError("data_plane_orphan_grace", value, "must be between 0 (stop with this process) and 24h")
-    return seconds
+def deprecated(top: Mapping[str, Any]) -> tuple[str, ...]:
+    """``key: why`` for each deprecated key present (announced at start)."""
+    return tuple(f"{key}: {why}" for key, why in DEPRECATED_KEYS.items() if key in top)
+
+
+def data_plane_unit(value: object) -> str:
+    """``data_plane_unit``: HAProxy's systemd service (the shipped systemd config sets it), or
+    empty: HAProxy runs as this process's child and dies with it."""
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str) or not _UNIT_NAME.fullmatch(value):
+        raise ConfigError("data_plane_unit", value, "must be a systemd service name (like "
+                          "koord-runtime-proxy-haproxy.service) or empty (HAProxy runs as this process's child)")
+    return value
 
 
 def idle_timeout(value: object) -> float:

@@ -127,10 +127,10 @@ class Settings:
     data_plane: str = "haproxy"
     #: haproxy: a call or stream sending nothing either way for this long is cut (dead peers).
     data_plane_idle_timeout: float = 86400.0
-    #: haproxy: the data plane outlives this process (SIGTERM, a crash) by up to this long; the
-    #: next ``run`` adopts it within it, else its watchdog stops it. 0: it stops with this process.
-    #: SIGQUIT stops both at once (see docs/architecture.md, "Data plane").
-    data_plane_orphan_grace: float = 30.0
+    #: haproxy: HAProxy's systemd service (the shipped systemd config sets it): systemd runs it,
+    #: this process renders its configuration and reloads it. Empty: HAProxy is this process's
+    #: child and dies with it (demo, tests, ``run`` in a terminal). See docs/architecture.md, "Data plane".
+    data_plane_unit: str = ""
     #: Risks the operator accepted (``allow_insecure:``), see confignet.INSECURE_OPT_INS.
     allow_insecure: frozenset[str] = frozenset()
     #: The accepted risks actually present: one warning line each at every start.
@@ -138,6 +138,8 @@ class Settings:
     #: How lifecycle events reach the chain: ``cri-proxy``, ``nri`` or ``both`` (runtimeproxy.config.ingress).
     ingress: str = "cri-proxy"
     nri: NriSettings = NriSettings()
+    #: Deprecated keys present (``key: why``, ignored): one warning line each at every start.
+    deprecated: tuple[str, ...] = field(default=(), compare=False)
 
 
 _TOP_KEYS: Final = frozenset(
@@ -145,7 +147,7 @@ _TOP_KEYS: Final = frozenset(
         "listen", "socket_mode", "backend", "hooks", "hookserver_dir", "skip_label",
         "metrics", "log", "shutdown_grace", "max_message_bytes", "reload_poll_interval", "reconcile_interval",
         "host", "rules", "tasks", "allow_insecure", "resync_interval", "state_dir",
-        "data_plane", "data_plane_idle_timeout", "data_plane_survives_restart", "data_plane_orphan_grace",
+        "data_plane", "data_plane_idle_timeout", "data_plane_unit", *net.DEPRECATED_KEYS,
         "ingress", "nri",
     }
 )
@@ -329,7 +331,8 @@ def from_mapping(data: object) -> Settings:
         tasks=types.MappingProxyType(dict(mapping(top.get("tasks"), "tasks"))),
         data_plane=net.data_plane(top.get("data_plane", default.data_plane)),
         data_plane_idle_timeout=net.idle_timeout(top.get("data_plane_idle_timeout", default.data_plane_idle_timeout)),
-        data_plane_orphan_grace=net.orphan_grace(top, default.data_plane_orphan_grace),
+        data_plane_unit=net.data_plane_unit(top.get("data_plane_unit", default.data_plane_unit)),
+        deprecated=net.deprecated(top),
         allow_insecure=allow_insecure,
         accepted_risks=accepted_risks,
         ingress=ingress_value(top.get("ingress", default.ingress)),

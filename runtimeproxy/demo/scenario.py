@@ -253,7 +253,7 @@ def main(*, workdir: Path | None, config_path: Path | None, once: bool = False, 
         if rt is not None:
             _cleanup(rt, sandboxes)
         if proxy is not None and proxy.poll() is None:
-            proxy.send_signal(signal.SIGQUIT)  # a full stop: its HAProxy too, not after the orphan grace
+            proxy.send_signal(signal.SIGTERM)  # its HAProxy (a child) stops with it
             proxy.wait(timeout=30)
         containerd.stop()
         embeddedcgroup.remove_cgroup_tree(prefix)

@@ -277,9 +277,6 @@ def proxy_config_doc(
         "hookserver_dir": "",
         "log": {"level": "info", "format": "json"},
         "hooks": [dict(h) for h in hooks],
-        # A test's SIGTERM stops HAProxy too (the shipped 30 s orphan grace would leave it
-        # running that long after each test); tests of the grace set it.
-        "data_plane_orphan_grace": 0,
     }
     doc.update(extra or {})
     return doc

@@ -1,6 +1,6 @@
-"""The HAProxy data plane as the proxy process runs it: supervision of the haproxy
-child (kill -9, config reloads under load, our own death, stop), in front of the real
-fixture containerd. The parity suites (test_proxy_parity, test_proxy_relay,
+"""The HAProxy data plane as the proxy process runs it outside systemd: a plain child
+(kill -9, config reloads under load, it dies with us, stop), in front of the real fixture
+containerd. Under systemd (its own unit): test_systemd_units. The parity suites (test_proxy_parity, test_proxy_relay,
 test_proxy_hooks_cgroups) run through both data planes."""
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import grpc
 import pytest
 
 from criapi import cri_v1_pb2 as cri
-from runtimeproxy.config.settings import builtin_default
 from runtimeproxy.demo.embedded import EmbeddedContainerd, runtime_stub, unix_channel
 
 VERSION = "/runtime.v1.RuntimeService/Version"
@@ -388,150 +387,3 @@ class _Lifecycle:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(10)
-
-
-def _shipped_orphan_grace() -> Any:
-    return builtin_default()["data_plane_orphan_grace"]
-
-
-def _armed(proxy: Any) -> list[int]:
-    return [int(e["pid"]) for e in proxy.events("data_plane_watchdog_armed")]
-
-
-def test_python_restarts_are_invisible_to_pass_through(
-    proxy_factory: Any, haproxy_config: dict[str, Any], watch_plugin: list[Path]
-) -> None:
-    """With the SHIPPED settings (data_plane_orphan_grace as in the default config): 5 restarts
-    of the Python process (SIGTERM and kill -9 in turn) while 5 clients loop on
-    Version/ListContainers: HAProxy is adopted by each next process (same pid, same socket
-    inode), no pass-through call fails, a lifecycle call in the window is only UNAVAILABLE (or
-    OK), never hung (one inside Python at a kill -9 may be lost). Each adoption ends the
-    previous process's watchdog. SIGQUIT stops it all."""
-    assert _shipped_orphan_grace() == "30s"
-    config = {**haproxy_config, "data_plane_orphan_grace": _shipped_orphan_grace()}
-    # RemovePodSandbox goes to Python first (a Pre hook), else it would be noticed: pass-through.
-    proxy = proxy_factory.start([WATCH_REMOVE], extra=config, pythonpath=watch_plugin)
-    socket_path = proxy.socket
-    haproxy_pid = _haproxy_pid(proxy, 1)
-    inode = os.stat(socket_path).st_ino
-    killed: list[tuple[float, float]] = []
-    termed: list[tuple[float, float]] = []
-    watchdogs: list[int] = []
-    try:
-        with Clients(socket_path, VERSION, 3) as version, Clients(socket_path, LIST, 2) as lists, \
-                _Lifecycle(socket_path) as lifecycle:
-            _wait(lambda: version.ok() > 10 and lists.ok() > 10, 10, "clients calling")
-            for i in range(5):
-                sig = signal.SIGTERM if i % 2 == 0 else signal.SIGKILL
-                sent = time.monotonic()
-                proxy.send(sig)
-                assert proxy.wait_exit() == (0 if sig == signal.SIGTERM else -9)
-                (killed if sig == signal.SIGKILL else termed).append((sent, time.monotonic()))
-                if sig == signal.SIGTERM:
-                    assert proxy.events("data_plane_kept", pid=haproxy_pid)
-                assert _alive(haproxy_pid) and os.stat(socket_path).st_ino == inode
-                before = version.ok() + lists.ok()
-                time.sleep(0.3)  # the window without Python: pass-through goes on
-                assert version.ok() + lists.ok() > before
-                previous = _armed(proxy)
-                proxy = proxy_factory.start([WATCH_REMOVE], extra=config, socket_path=socket_path,
-                                            pythonpath=watch_plugin)
-                assert proxy.wait_event("data_plane_adopted")["pid"] == haproxy_pid
-                assert not proxy.events("data_plane_started")
-                assert os.stat(socket_path).st_ino == inode
-                proxy.wait_event("data_plane_watchdog_armed")
-                watchdogs.extend(previous)
-                _wait(lambda prev=previous: not any(map(_alive, prev)), 2, "the previous watchdog ended")
-            time.sleep(0.3)
-        assert set(version.outcomes) == {"OK"} and set(lists.outcomes) == {"OK"}, (version.outcomes, lists.outcomes)
-        assert version.slowest < CALL_TIMEOUT and lists.slowest < CALL_TIMEOUT
-        # Only a call inside Python at a kill -9 may end otherwise (nobody is left to answer it:
-        # CANCELLED or UNKNOWN, kubelet retries). A SIGTERM drains: every call then is OK or
-        # UNAVAILABLE, as is every call that starts while Python is down.
-        in_flight = [(s, e) for s, e in lifecycle.broken if any(s <= k0 <= e for k0, _ in killed)]
-        assert lifecycle.broken == in_flight and len(in_flight) <= 2, (
-            lifecycle.outcomes, lifecycle.details, lifecycle.broken, killed, termed)
-        assert lifecycle.outcomes["UNAVAILABLE"] > 0 and lifecycle.outcomes["OK"] > 0, lifecycle.outcomes
-        assert lifecycle.slowest < CALL_TIMEOUT
-        # A full stop (SIGQUIT) stops HAProxy and the watchdog too and removes the socket.
-        watchdogs.extend(_armed(proxy))
-        proxy.send(signal.SIGQUIT)
-        assert proxy.wait_exit() == 0
-        assert not _alive(haproxy_pid) and not socket_path.exists()
-        assert len(watchdogs) == 6 and not any(map(_alive, watchdogs))
-    finally:
-        for pid in [haproxy_pid, *watchdogs]:  # what this test started, by pid
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
-def test_an_orphaned_haproxy_is_stopped_after_the_grace_an_adopted_one_never(
-    proxy_factory: Any, haproxy_config: dict[str, Any]
-) -> None:
-    """A short grace: SIGTERM, a new run adopts HAProxy within the grace, and it is still
-    serving well after the grace; kill -9 of the watchdog re-arms it (calls unaffected);
-    then a SIGTERM with no restart: HAProxy gone within grace + 2 s, the socket path removed,
-    the watchdog gone, one JSON line saying so."""
-    grace = 3.0
-    config = {**haproxy_config, "data_plane_orphan_grace": f"{grace:g}s"}
-    proxy = proxy_factory.start(extra=config)
-    socket_path = proxy.socket
-    haproxy_pid = _haproxy_pid(proxy, 1)
-    started: list[int] = []
-    try:
-        proxy.send(signal.SIGTERM)
-        assert proxy.wait_exit() == 0
-        started += _armed(proxy)
-        proxy = proxy_factory.start(extra=config, socket_path=socket_path)
-        assert proxy.wait_event("data_plane_adopted")["pid"] == haproxy_pid
-        with Clients(socket_path, VERSION, 2) as clients:
-            time.sleep(grace + 2)  # the first watchdog's grace is long over
-            assert _alive(haproxy_pid) and _answers(socket_path)
-            watchdog = _armed(proxy)[0]
-            os.kill(watchdog, signal.SIGKILL)
-            rearmed = int(proxy.wait_event("data_plane_watchdog_armed", count=2)["pid"])
-            assert rearmed != watchdog and _alive(rearmed)
-            time.sleep(0.5)
-        assert set(clients.outcomes) == {"OK"}, clients.outcomes
-        started += _armed(proxy)
-        proxy.send(signal.SIGTERM)
-        assert proxy.wait_exit() == 0
-        assert proxy.events("data_plane_kept", pid=haproxy_pid)
-        gone_at = time.monotonic()
-        time.sleep(grace - 1)
-        assert _alive(haproxy_pid) and _answers(socket_path), "stopped before the grace"
-        _wait(lambda: not _alive(haproxy_pid), grace + 2 - (time.monotonic() - gone_at), "haproxy stopped")
-        _wait(lambda: not socket_path.exists(), 1, "the socket removed")
-        _wait(lambda: not _alive(rearmed), 1, "the watchdog gone")
-        assert '"event": "data_plane_orphan_stopped"' in proxy.log()
-    finally:
-        for pid in [haproxy_pid, *started]:  # what this test started, by pid
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
-def test_a_run_with_grace_0_adopts_what_a_run_with_a_grace_left_and_stops_it_with_itself(
-    proxy_factory: Any, haproxy_config: dict[str, Any]
-) -> None:
-    """Setting data_plane_orphan_grace to 0 across a restart: the new run adopts the HAProxy
-    the previous one left (no SocketInUse, no restart loop until the grace), ends its
-    watchdog, and its own SIGTERM stops HAProxy at once and removes the socket."""
-    proxy = proxy_factory.start(extra={**haproxy_config, "data_plane_orphan_grace": "30s"})
-    socket_path = proxy.socket
-    haproxy_pid = _haproxy_pid(proxy, 1)
-    first_watchdog = _armed(proxy)
-    try:
-        proxy.send(signal.SIGTERM)
-        assert proxy.wait_exit() == 0
-        assert _alive(haproxy_pid) and all(map(_alive, first_watchdog))
-        proxy = proxy_factory.start(extra=haproxy_config, socket_path=socket_path)  # grace 0
-        assert proxy.wait_event("data_plane_adopted")["pid"] == haproxy_pid
-        _wait(lambda: not any(map(_alive, first_watchdog)), 2, "the previous watchdog ended")
-        assert not _armed(proxy) and _answers(socket_path)
-        proxy.send(signal.SIGTERM)
-        assert proxy.wait_exit() == 0
-        assert not _alive(haproxy_pid) and not socket_path.exists()
-    finally:
-        for pid in [haproxy_pid, *first_watchdog]:  # what this test started, by pid
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)

@@ -23,6 +23,7 @@ from google.protobuf import json_format, text_format
 from google.protobuf.message import Message
 
 from criapi import cri_v1_pb2 as cri
+from runtimeproxy.dataplane import haproxy
 from runtimeproxy.demo.embedded import EmbeddedContainerd, runtime_stub
 from tests.unit import h2raw
 
@@ -344,14 +345,14 @@ def test_lifecycle_through_proxy_matches_direct(
     assert "CONTAINER_EXITED" in dict(expected)["StopContainer"]
     assert dict(expected)["RemoveContainer"].startswith("NOT_FOUND")
     # The proxied run really went through the proxy's interception path: every lifecycle call
-    # with the gRPC transport; behind HAProxy (no hooks here) only the two that bring
-    # objects into the store, the rest straight to containerd (runtimeproxy.dataplane.haproxy.STORE_CALLS).
+    # with the gRPC transport; behind HAProxy (no hooks here) only those the store needs to
+    # see (runtimeproxy.dataplane.haproxy.STORE_CALLS), the rest straight to containerd.
     intercepted = {e["method"] for e in proxy.events("cri_call", pod_name="parity-life", result="OK")}
     if proxy.config()["data_plane"] == "grpc":
         assert intercepted == {"RunPodSandbox", "CreateContainer", "StartContainer", "UpdateContainerResources",
                                "StopContainer", "RemoveContainer", "StopPodSandbox", "RemovePodSandbox"}
     else:
-        assert intercepted == {"RunPodSandbox", "CreateContainer"}
+        assert intercepted == haproxy.STORE_CALLS
 
 
 def test_requests_reach_containerd_unchanged_without_hooks(pods: Any, proxy: Any) -> None:

@@ -398,8 +398,6 @@ def proxy_settings(
         # The lifecycle layer's tests run on the in-process transport; the data-plane tests
         # (test_dataplane_wire, test_dataplane_metrics) ask for each data plane.
         "data_plane": "grpc",
-        # A stop stops HAProxy too (the shipped grace would leave it 30 s after the test).
-        "data_plane_orphan_grace": 0,
     }
     data.update(extra)
     return data

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 from pathlib import Path
 
@@ -189,20 +190,17 @@ def test_data_plane_keys_are_validated() -> None:
     assert from_mapping({"data_plane_idle_timeout": "90m"}).data_plane_idle_timeout == 5400.0
 
 
-def test_orphan_grace_defaults_to_30s_and_the_old_key_still_works_alone() -> None:
-    assert from_mapping({}).data_plane_orphan_grace == 30.0
-    for zero in (0, "0", "0s", "0ms"):
-        assert from_mapping({"data_plane_orphan_grace": zero}).data_plane_orphan_grace == 0.0
-    assert from_mapping({"data_plane_orphan_grace": "2m"}).data_plane_orphan_grace == 120.0
-    assert from_mapping({"data_plane_survives_restart": False}).data_plane_orphan_grace == 0.0
-    assert from_mapping({"data_plane_survives_restart": True}).data_plane_orphan_grace == 30.0
-    for bad in ("-1s", "25h", True, "soon", float("inf")):
-        with pytest.raises(ConfigError, match=f"data_plane_orphan_grace: .*{bad!r}"):
-            from_mapping({"data_plane_orphan_grace": bad})
-    with pytest.raises(ConfigError, match="data_plane_survives_restart: must be true or false"):
-        from_mapping({"data_plane_survives_restart": "yes"})
-    with pytest.raises(ConfigError, match="data_plane_survives_restart: replaced by data_plane_orphan_grace"):
-        from_mapping({"data_plane_survives_restart": True, "data_plane_orphan_grace": "10s"})
+def test_data_plane_unit_is_a_service_name_or_empty_and_the_orphan_grace_is_ignored_with_a_warning() -> None:
+    assert from_mapping({}).data_plane_unit == ""
+    unit = "koord-runtime-proxy-haproxy.service"
+    assert from_mapping({"data_plane_unit": unit}).data_plane_unit == unit
+    for bad in ("-H.service", "haproxy", "a b.service", "x.service\n", 7, True, "x/y.service"):
+        with pytest.raises(ConfigError, match=f"data_plane_unit: .*{re.escape(repr(bad))}"):
+            from_mapping({"data_plane_unit": bad})
+    # An upgraded node's old config.yaml still starts; the removed keys are named at start.
+    old = from_mapping({"data_plane_orphan_grace": "30s", "data_plane_survives_restart": True})
+    assert [d.split(":")[0] for d in old.deprecated] == ["data_plane_orphan_grace", "data_plane_survives_restart"]
+    assert from_mapping({}).deprecated == ()
 
 
 def test_missing_haproxy_is_a_config_error_never_a_fallback(monkeypatch: pytest.MonkeyPatch,
@@ -269,7 +267,10 @@ def test_check_config_reports_the_data_plane(tmp_path: Path, monkeypatch: pytest
     if find_haproxy() is not None:
         assert cli.main(["check-config", "--config", str(path)]) == 0
         first = capsys.readouterr().out.splitlines()[0]
-        assert "data_plane=haproxy (/" in first and "; outlives the proxy by up to 30s)" in first, first
+        assert "data_plane=haproxy (/" in first and "; a child: stops with the proxy)" in first, first
+        unit = "koord-runtime-proxy-haproxy.service"
+        assert cli.main(["check-config", "--config", str(path), "--data-plane-unit", unit]) == 0
+        assert f"; run by systemd: {unit})" in capsys.readouterr().out.splitlines()[0]
         # A configuration HAProxy refuses is exit 2 naming data_plane.
         monkeypatch.setattr(haproxy, "render", lambda s, layout: "global\n    no-such-keyword 1\n")
         assert cli.main(["check-config", "--config", str(path)]) == 2
@@ -281,10 +282,48 @@ def test_check_config_reports_the_data_plane(tmp_path: Path, monkeypatch: pytest
     assert "data_plane: the haproxy binary is not installed" in capsys.readouterr().err
 
 
-def test_the_shipped_unit_and_config_keep_haproxy_across_a_restart_but_not_for_ever() -> None:
-    """HAProxy survives an upgrade, a restart or a crash of the proxy only if systemd does not
-    kill it with the proxy (KillMode=process) and the config lets it outlive us (a grace > 0);
-    it is never orphaned for long (the grace is bounded)."""
-    unit = (Path(__file__).resolve().parents[2] / "systemd" / "koord-runtime-proxy.service").read_text()
-    assert [line for line in unit.splitlines() if line.startswith("KillMode=")] == ["KillMode=process"]
-    assert 0 < from_mapping(builtin_default()).data_plane_orphan_grace <= 60
+def test_the_shipped_units_leave_haproxy_to_systemd() -> None:
+    """The product's unit runs HAProxy through its own unit (--data-plane-unit), stops it only on
+    a stop job of its own (PartOf/BindsTo would cut pass-through at every restart, PropagatesStopTo
+    at every crash: test_systemd_units) and uses the default KillMode; HAProxy's unit is
+    master-worker with notify, restarted always."""
+    systemd = Path(__file__).resolve().parents[2] / "systemd"
+    unit = (systemd / "koord-runtime-proxy.service").read_text()
+    directives = [line.split("=", 1)[0] for line in unit.splitlines() if "=" in line and not line.startswith("#")]
+    assert "KillMode" not in directives and "PartOf" not in directives and "BindsTo" not in directives
+    assert "PropagatesStopTo" not in directives  # it also stops HAProxy when this unit fails (crash, watchdog)
+    assert "exec systemctl stop --no-block koord-runtime-proxy-haproxy.service" in unit
+    assert "After=koord-runtime-proxy-haproxy.service" in unit.splitlines()
+    assert "--data-plane-unit koord-runtime-proxy-haproxy.service" in unit
+    haproxy_unit = (systemd / "koord-runtime-proxy-haproxy.service").read_text().splitlines()
+    for line in ("Type=notify", "Restart=always", "ExecReload=/bin/kill -USR2 $MAINPID"):
+        assert line in haproxy_unit
+    start = next(line for line in haproxy_unit if line.startswith("ExecStart="))
+    assert " -Ws " in start
+    # Its paths are the data plane's layout for the shipped listen.
+    env = next(line for line in haproxy_unit if line.startswith("Environment="))
+    listen = Path(from_mapping(builtin_default()).listen)
+    run_dir = haproxy.Layout.for_listen(listen).run_dir
+    assert f'"DIR={run_dir}"' in env and f'"SOCKET={listen}"' in env
+    assert f"ConditionPathExists={run_dir / 'haproxy.cfg'}" in haproxy_unit
+    assert from_mapping(builtin_default()).data_plane_unit == ""  # `run` in a terminal: a child
+
+
+def test_a_deprecated_key_is_named_at_start_and_by_check_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from runtimeproxy import cli
+    from runtimeproxy.app import announce
+
+    settings = from_mapping({"data_plane_orphan_grace": "30s"})
+    with structlog.testing.capture_logs() as logs:
+        announce(settings)
+    warned = [e for e in logs if e["event"] == "config_key_deprecated"]
+    assert len(warned) == 1 and warned[0]["key"].startswith("data_plane_orphan_grace: ignored")
+    assert warned[0]["log_level"] == "warning"
+    path = tmp_path / "c.yaml"
+    path.write_text(f"listen: {tmp_path}/k.sock\nhookserver_dir: ''\ndata_plane: grpc\nstate_dir: ''\n"
+                    "data_plane_survives_restart: true\n")
+    path.chmod(0o600)
+    assert cli.main(["check-config", "--config", str(path)]) == 0
+    assert "deprecated, ignored: data_plane_survives_restart: ignored" in capsys.readouterr().out

@@ -275,7 +275,6 @@ def test_run_warns_about_accepted_risks_at_every_start(short_dir: Path) -> None:
         "listen": str(short_dir / "p.sock"), "backend": {"runtime_endpoint": str(short_dir / "none.sock")},
         "socket_mode": "0666", "metrics": {"listen": ""}, "log": {"format": "json"},
         "allow_insecure": {"socket_mode": True, "file_permissions": True},
-        "data_plane_orphan_grace": 0,  # its HAProxy stops with it
     }, 0o666)
     proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(path)],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
