@@ -21,7 +21,7 @@ from metrics.qos.burst import BurstStrategy, read_quotas
 from metrics.qos.plan import Action, AddTasks, Evict, Outcome, Plan, Priority, SetSchemata
 from metrics.qos.resctrlsync import ResctrlSync, apply_resctrl
 from metrics.qos.strategy import BE_CPU_WINDOW, NODE, Input, RoundContext, RoundInputs, Strategy, StrategyInit
-from metrics.qos.suppress import BEState, SuppressStrategy, read_be_state
+from metrics.qos.suppress import BEState, SuppressStrategy, read_be_children, read_be_state
 
 log = structlog.get_logger("metrics.qos.builtin")
 
@@ -47,16 +47,20 @@ class CPUSuppress(Strategy):
         self.inner = inner
         self.writer = writer
         self.be_state: BEState | None = None
-        self.state_input: Input[BEState] = Input("be_state", self._read_state, _state_summary)
+        # The tier's knobs only: the quotas under it are read while planning, and only
+        # when a write may need them (``SuppressStrategy.plan``): most rounds keep the limit.
+        self.state_input: Input[BEState] = Input("be_tier", self._read_state, _state_summary)
         self.reads = (NODE, self.state_input)
 
     def _read_state(self, ctx: RoundContext) -> BEState:
-        return read_be_state(ctx.executor, self.inner.cfg, ctx.pods)
+        return read_be_state(ctx.executor, self.inner.cfg, ctx.pods, children=False)
 
     def plan(self, inputs: RoundInputs) -> Plan:
         state = inputs[self.state_input]
         self.be_state = state
-        return self.inner.plan(inputs[NODE], inputs.rules.resource_used_threshold_with_be, state)
+        ctx = inputs.ctx
+        return self.inner.plan(inputs[NODE], inputs.rules.resource_used_threshold_with_be, state,
+                               lambda: read_be_children(ctx.executor, self.inner.cfg, ctx.pods))
 
     def after(self, plan: Plan, outcomes: Sequence[Outcome], inputs: RoundInputs) -> None:
         """The BE limit now in force, for the ``koordlet_be_suppress_*`` series: only

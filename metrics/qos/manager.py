@@ -184,10 +184,12 @@ class QoSManager:
             return result
 
     async def _refresh_be_state(self) -> None:
-        """The BE limit as written, so the fast path compares against what is in force."""
+        """The BE limit as written, so the fast path compares against what is in force (the
+        tier's knobs only: the fast path never looks at the quotas under it)."""
         chosen = self.suppress_strategy
         if not self.cfg.dry_run and chosen is not None:
-            chosen.be_state = await asyncio.to_thread(suppress.read_be_state, self._executor, chosen.inner.cfg)
+            chosen.be_state = await asyncio.to_thread(suppress.read_be_state, self._executor, chosen.inner.cfg,
+                                                      children=False)
 
     def _plan_round(self, rules: Rules, strategies: Sequence[Strategy], node: NodeInputs | None = None
                     ) -> _Planned:

@@ -19,8 +19,8 @@ is pure (``plan``); reading the current BE state is ``read_be_state``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any, Final, Protocol
 
@@ -95,7 +95,12 @@ class BEState:
         return capacity if self.quota <= 0 else self.quota / period
 
 
-def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[PodView] = ()) -> BEState:
+def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[PodView] = (), *,
+                  children: bool = True) -> BEState:
+    """The tier's knobs; with ``children`` also every quota under it (``tierquota``:
+    hundreds of files at 110 pods, so a caller that may not need them passes False
+    and reads them through ``read_be_children`` when it does)."""
+
     def read(resource: Any) -> str | None:
         try:
             return executor.read(cfg.besteffort_dir, resource)
@@ -112,7 +117,12 @@ def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[
     quota: int | None = None
     if quota_text:
         quota = -1 if quota_text[0] == "max" else int(quota_text[0]) if quota_text[0].lstrip("-").isdigit() else None
-    return BEState(cpus, quota, read_children(executor, cfg.besteffort_dir, cfg.cfs_period_us, pods))
+    return BEState(cpus, quota, read_be_children(executor, cfg, pods) if children else ())
+
+
+def read_be_children(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[PodView]
+                     ) -> tuple[ChildQuota, ...]:
+    return read_children(executor, cfg.besteffort_dir, cfg.cfs_period_us, pods)
 
 
 def is_be(pod: PodView) -> bool:
@@ -286,7 +296,11 @@ class SuppressStrategy:
             actions.append(self._quota_write(-1, f"recover BE cfs quota ({why})"))
         return actions
 
-    def plan(self, inputs: NodeInputs, threshold: ResourceThresholdStrategy, state: BEState) -> Plan:
+    def plan(self, inputs: NodeInputs, threshold: ResourceThresholdStrategy, state: BEState,
+             children: Callable[[], tuple[ChildQuota, ...]] | None = None) -> Plan:
+        """``children``: when given, ``state.children`` were not read and this reads them,
+        only when a write may need them (a cpuset write, a quota that moves, clamps held);
+        a tier quota that stays needs none (the kernel keeps every child below it)."""
         self.decision = None
         if not threshold.enable:
             acts = self.recover(inputs.pods, cpuset=True, quota=True, why="resourceUsedThresholdWithBE disabled")
@@ -302,8 +316,10 @@ class SuppressStrategy:
         info = {**base, **formula.describe(), "node_used": inputs.node_cpu_used,
                 "capacity_cores": inputs.capacity_cores, "reserved_cores": inputs.reserved_cores}
         if threshold.cpu_suppress_policy == "cpuset":
+            if children is not None and state.cpuset is not None:
+                state = replace(state, children=children())
             return self._plan_cpuset(inputs, formula, state, info)
-        return self._plan_quota(inputs, formula, state, info)
+        return self._plan_quota(inputs, formula, state, info, children)
 
     def _plan_cpuset(self, inputs: NodeInputs, formula: SuppressFormula, state: BEState,
                      info: dict[str, Any]) -> Plan:
@@ -327,10 +343,12 @@ class SuppressStrategy:
         return Plan(NAME, Priority.SUPPRESS, actions, info, reason)
 
     def _plan_quota(self, inputs: NodeInputs, formula: SuppressFormula, state: BEState,
-                    info: dict[str, Any]) -> Plan:
+                    info: dict[str, Any], children: Callable[[], tuple[ChildQuota, ...]] | None = None) -> Plan:
         if state.quota is None:
             return Plan(NAME, Priority.SUPPRESS, (), info, "no decision: current BE cfs quota unreadable")
         new, why = quota_target(formula.suppress, state.quota, inputs.capacity_cores, self.cfg.cfs_period_us)
+        if children is not None and (new is not None or self._clamps.clamped):
+            state = replace(state, children=children())
         info = {**info, "current_quota": state.quota, "quota": new}
         recovery = self.recover(inputs.pods, cpuset=True, quota=False, why="policy cfsQuota")
         kept = state.quota if new is None else new
