@@ -346,12 +346,13 @@ class SuppressStrategy:
                     info: dict[str, Any], children: Callable[[], tuple[ChildQuota, ...]] | None = None) -> Plan:
         if state.quota is None:
             return Plan(NAME, Priority.SUPPRESS, (), info, "no decision: current BE cfs quota unreadable")
-        new, why = quota_target(formula.suppress, state.quota, inputs.capacity_cores, self.cfg.cfs_period_us)
+        current = state.quota
+        new, why = quota_target(formula.suppress, current, inputs.capacity_cores, self.cfg.cfs_period_us)
         if children is not None and (new is not None or self._clamps.clamped):
             state = replace(state, children=children())
-        info = {**info, "current_quota": state.quota, "quota": new}
+        info = {**info, "current_quota": current, "quota": new}
         recovery = self.recover(inputs.pods, cpuset=True, quota=False, why="policy cfsQuota")
-        kept = state.quota if new is None else new
+        kept = current if new is None else new
         if kept > 0:
             self.decision = Decision("cfsQuota", kept / self.cfg.cfs_period_us, formula)
         write = self._quota_write(kept, why, state.children)
