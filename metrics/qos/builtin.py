@@ -18,6 +18,7 @@ from hooks.resctrlfs import ResctrlFS
 from metrics.model import MetricWriter, PodView
 from metrics.qos import evict
 from metrics.qos.burst import BurstStrategy, read_quotas
+from metrics.qos.pathcache import PathCache
 from metrics.qos.plan import Action, AddTasks, Evict, Outcome, Plan, Priority, SetSchemata
 from metrics.qos.resctrlsync import ResctrlSync, apply_resctrl
 from metrics.qos.strategy import BE_CPU_WINDOW, NODE, Input, RoundContext, RoundInputs, Strategy, StrategyInit
@@ -85,11 +86,12 @@ class CPUBurst(Strategy):
 
     def __init__(self, inner: BurstStrategy | None = None) -> None:
         self.inner = inner if inner is not None else BurstStrategy()
+        self.paths = PathCache()
         self.quotas: Input[Mapping[str, int]] = Input("burst_quotas", self._read_quotas, len)
         self.reads = (NODE, self.quotas)
 
     def _read_quotas(self, ctx: RoundContext) -> dict[str, int]:
-        return read_quotas(ctx.executor, self.inner.quota_dirs(ctx.pods, ctx.rules.cpu_burst_strategy))
+        return read_quotas(ctx.executor, self.inner.quota_dirs(ctx.pods, ctx.rules.cpu_burst_strategy), self.paths)
 
     def plan(self, inputs: RoundInputs) -> Plan:
         return self.inner.plan(inputs[NODE], inputs.rules.cpu_burst_strategy, inputs[self.quotas])

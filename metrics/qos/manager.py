@@ -44,6 +44,7 @@ from metrics.qos.plan import Action, Evict, LeveledWrite, Outcome, Plan, Rejecte
 from metrics.qos.resctrlsync import ResctrlSync
 from metrics.qos.strategy import NODE, RoundContext, RoundInputs, Strategy, StrategyInit, read_inputs
 from metrics.qos.suppress import BEState, CPULike, SuppressStrategy
+from metrics.qos.verified import VerifiedWrites
 from runtimeproxy.hookapi import HookError, PodInfo
 
 __all__ = ["ManagerConfig", "Outcome", "QoSManager", "Round"]
@@ -123,6 +124,7 @@ class QoSManager:
         self._failing: dict[str, tuple[str, int]] = {}
         #: The pods as of the last round (read by the fast path).
         self.pods: tuple[PodView, ...] = ()
+        self._verified = VerifiedWrites(config.verified_for)
 
     @property
     def suppress(self) -> SuppressStrategy | None:
@@ -261,13 +263,17 @@ class QoSManager:
     def _write(self, strategy: str, action: Action) -> Outcome:
         # Keyed by what is written and how it failed, not by the value: a suppress target
         # changes every tick, and a refused write must not warn at the tick rate.
+        if self._verified.fresh(action):
+            return Outcome(action, "unchanged")
         key = f"{strategy}:{_targets(action)}"
         try:
             changed = self._apply(strategy, action)
         except CgroupGoneError as exc:
+            self._verified.forget(action)
             log.debug("qos_write_skipped", strategy=strategy, reason=str(exc))
             return Outcome(action, "gone")
         except HookError as exc:  # CgroupError, ResctrlError, a strategy's own write error
+            self._verified.forget(action)
             cause = f"{type(exc).__name__}: {str(exc).rsplit(':', 1)[-1].strip()}"
             before, failures = self._failing.get(key, ("", 0))
             count = failures + 1 if before == cause else 1
@@ -277,6 +283,7 @@ class QoSManager:
                 if self._on_write_failed is not None:
                     self._on_write_failed(strategy, _targets(action), cause)
             return Outcome(action, f"failed: {exc}")
+        self._verified.done(action)
         failed = self._failing.pop(key, None)
         if failed is not None:
             log.info("qos_write_recovered", strategy=strategy, target=_targets(action), cause=failed[0],
