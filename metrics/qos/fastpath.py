@@ -261,8 +261,6 @@ class FastPath:
         state = self._manager.be_state
         if not threshold.enable or state is None or inputs.missing:
             return None
-        if self._clock() - self._last_trigger < self._gap:
-            return None
         capacity, period = inputs.capacity_cores, self._manager.cfg.suppress.cfs_period_us
         current = state.limit_cores(threshold.cpu_suppress_policy, capacity, period)
         if current is None:
@@ -274,6 +272,14 @@ class FastPath:
         else:
             wanted = value
             target = max(value * period, MIN_QUOTA) / period
+        strategy = self._manager.suppress
+        if strategy is not None and target <= current + capacity * strategy.cfg.growth_step:
+            # This tick still wants the limit where it is (or lower): the loop's growth
+            # waits (``SuppressStrategy.hold``), so a burst every second keeps BE down
+            # instead of a drop here and a growth there each second.
+            strategy.hold(inputs.now)
+        if self._clock() - self._last_trigger < self._gap:
+            return None
         # The drop is judged on the headroom itself, not on the target floored at the
         # minimum: a limit already small (a busy node) within the band of the floor must
         # still go to the floor at once when LS takes everything, not a round later.

@@ -74,6 +74,16 @@ class SuppressConfig:
     cfs_period_us: int = 100_000
     #: kubelet's reserved CPUs (``--reserved-cpus``), never given to BE.
     reserved_cpus: frozenset[int] = frozenset()
+    #: After the BE limit was lowered (by either path), it grows back only from inputs
+    #: newer than that: the 1 s loop's store samples are up to 2 collect intervals old,
+    #: so until then they still show the moment before the LS burst the fast path saw,
+    #: and raising the limit from them undid the fast path's drop 11-29 ms later (issue
+    #: 28 item 7). 0 (koordlet, no fast path): no hold. The task sets it with the fast path.
+    hold_after_drop: float = 0.0
+    #: A growth smaller than this share of the capacity is not written (a drop still is
+    #: at the 1 % dead band: protecting LS stays prompt, giving back is lazier). 0: the
+    #: dead band alone (koordlet). The task sets it with the fast path.
+    growth_step: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +261,29 @@ class SuppressStrategy:
         #: missing inputs, unreadable state, no CPU left).
         self.decision: Decision | None = None
         self._clamps = ChildClamps(cfg.cfs_period_us)
+        #: ``inputs.now`` of the last plan that lowered the BE limit (either path):
+        #: one decision, shared by the fast path and the loop (see ``_held``).
+        self.lowered_at = -math.inf
+
+    def hold(self, now: float) -> None:
+        """Inputs at ``now`` confirmed the BE limit in force (or wanted it lower): growth
+        waits ``hold_after_drop`` from here (the fast path calls it on every such tick)."""
+        self.lowered_at = max(self.lowered_at, now)
+
+    def _held(self, grows: bool, lowers: bool, step_ok: bool, inputs: NodeInputs) -> str | None:
+        """Why a change of the BE limit is not made now (None: make it). A drop is
+        remembered; a growth waits ``hold_after_drop`` after one and must be a step."""
+        if lowers:
+            self.hold(inputs.now)
+            return None
+        if not grows:
+            return None
+        since = inputs.now - self.lowered_at
+        if since < self.cfg.hold_after_drop:
+            return f"lowered {max(since, 0.0):.1f}s ago: grows from inputs newer than {self.cfg.hold_after_drop:g}s"
+        if not step_ok:
+            return f"growth below the {self.cfg.growth_step:.0%} step"
+        return None
 
     def recovery_cpus(self, pods: Sequence[PodView]) -> frozenset[int]:
         """All CPUs - LSE-bound - reserved (koordlet's calcBECPUSet)."""
@@ -331,6 +364,11 @@ class SuppressStrategy:
         wanted = max(math.ceil(formula.suppress), MIN_CPUSET)
         cap = len(state.cpuset) + math.ceil(GROWTH_RATIO * len(self.topology))
         n = min(wanted, cap, len(candidates))
+        have = len(state.cpuset)
+        step = max(1, math.ceil(self.cfg.growth_step * len(self.topology)))
+        held = self._held(n > have, n < have, n - have >= step, inputs)
+        if held is not None:
+            n, info = min(have, len(candidates)), {**info, "held": held}
         cpus = _split_select(n, candidates, lsr)
         info = {**info, "wanted_cpus": wanted, "growth_cap": cap, "cpus": format_cpu_list(cpus),
                 "excluded_lse": format_cpu_list(lse), "excluded_reserved": format_cpu_list(self.cfg.reserved_cpus)}
@@ -348,6 +386,11 @@ class SuppressStrategy:
             return Plan(NAME, Priority.SUPPRESS, (), info, "no decision: current BE cfs quota unreadable")
         current = state.quota
         new, why = quota_target(formula.suppress, current, inputs.capacity_cores, self.cfg.cfs_period_us)
+        if new is not None and current > 0:
+            step = inputs.capacity_cores * self.cfg.cfs_period_us * self.cfg.growth_step
+            held = self._held(new > current, new < current, new - current >= step, inputs)
+            if held is not None:
+                new, why = None, f"BE quota {current} kept: {held}"
         if children is not None and (new is not None or self._clamps.clamped):
             state = replace(state, children=children())
         info = {**info, "current_quota": current, "quota": new}
