@@ -388,6 +388,10 @@ def _no_overlay(name: str, overlay: Mapping[str, Any] | None) -> None:
     return None
 
 
+def _no_reconcile() -> None:
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class TaskInit:
     """What a background-task factory (entry-point group ``koord_runtime_proxy.tasks``)
@@ -415,7 +419,9 @@ class TaskInit:
     - ``shared``: one mapping per process, for tasks of one plugin family to share an
       object (e.g. the metrics store) whatever their order in the YAML;
     - ``state_dir``: the config's ``state_dir`` (None when empty), for what must survive
-      a restart.
+      a restart;
+    - ``reconcile_now()``: ask for a reconciler pass at once (thread-safe), e.g. after a
+      task lifted a limit that hooks' values under it had to wait for.
     """
 
     name: str
@@ -435,6 +441,7 @@ class TaskInit:
     #: The config's ``state_dir`` (None: empty, keep state in memory only): what a task
     #: must remember across restarts (e.g. sysctl values to restore) goes under it.
     state_dir: Path | None = None
+    reconcile_now: Callable[[], None] = _no_reconcile
 
 
 class HookError(Exception):

@@ -9,17 +9,19 @@ are unchanged). Plan names stay koordlet-like (``cpu_suppress``, ``cpu_burst``,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import PurePosixPath
 from typing import Any, Final
 
 import structlog
 
+from hooks.cgroups import CPU_CFS_QUOTA
 from hooks.resctrlfs import ResctrlFS
 from metrics.model import MetricWriter, PodView
 from metrics.qos import evict
 from metrics.qos.burst import BurstStrategy, read_quotas
 from metrics.qos.pathcache import PathCache
-from metrics.qos.plan import Action, AddTasks, Evict, Outcome, Plan, Priority, SetSchemata
+from metrics.qos.plan import Action, AddTasks, Evict, LeveledWrite, Outcome, Plan, Priority, SetCgroup, SetSchemata
 from metrics.qos.resctrlsync import ResctrlSync, apply_resctrl
 from metrics.qos.strategy import BE_CPU_WINDOW, NODE, Input, RoundContext, RoundInputs, Strategy, StrategyInit
 from metrics.qos.suppress import BEState, SuppressStrategy, read_be_children, read_be_state
@@ -30,6 +32,8 @@ log = structlog.get_logger("metrics.qos.builtin")
 WRITER: Final = "writer"  # MetricWriter for the koordlet_be_suppress_* series
 RESCTRL: Final = "resctrl"  # a ResctrlSync (else built from host.resctrl when mounted)
 AGENT: Final = "agent"  # the MetricsAgent (its informer: the Node object)
+#: A ``() -> None`` asking for a reconciler pass (``TaskInit.reconcile_now``).
+RECONCILE: Final = "reconcile"
 
 
 def _state_summary(state: BEState) -> dict[str, Any]:
@@ -44,9 +48,14 @@ class CPUSuppress(Strategy):
     name = "cpu-suppress"
     priority = Priority.SUPPRESS
 
-    def __init__(self, inner: SuppressStrategy, writer: MetricWriter | None = None) -> None:
+    def __init__(self, inner: SuppressStrategy, writer: MetricWriter | None = None,
+                 reconcile: Callable[[], None] | None = None) -> None:
         self.inner = inner
         self.writer = writer
+        #: Asked for when the tier's quota went up (issue 28 item 8): hooks' quotas under
+        #: it (batch-resource's) were held at the tier's until then; the tier is released
+        #: first, then the children get their own values in a pass right after.
+        self.reconcile = reconcile
         self.be_state: BEState | None = None
         # The tier's knobs only: the quotas under it are read while planning, and only
         # when a write may need them (``SuppressStrategy.plan``): most rounds keep the limit.
@@ -66,6 +75,9 @@ class CPUSuppress(Strategy):
     def after(self, plan: Plan, outcomes: Sequence[Outcome], inputs: RoundInputs) -> None:
         """The BE limit now in force, for the ``koordlet_be_suppress_*`` series: only
         once it is written (not in dry-run, not after a failed write)."""
+        if self.reconcile is not None and _tier_raised(self.inner.cfg.besteffort_dir, outcomes,
+                                                      inputs[self.state_input].quota):
+            self.reconcile()
         decision = self.inner.decision
         if self.writer is None or decision is None or any(o.result.startswith("failed") for o in outcomes):
             return
@@ -76,6 +88,21 @@ class CPUSuppress(Strategy):
         that nobody revises any more would throttle BE for good, and on cgroup v1 a
         parent quota below a new BE container's own quota makes runc fail to create it."""
         return self.inner.recover(list(pods), cpuset=True, quota=True, why="QoS manager stopped")
+
+
+def _tier_raised(tier: PurePosixPath, outcomes: Sequence[Outcome], before: int | None) -> bool:
+    """Whether these outcomes wrote the tier's CFS quota above ``before`` (or lifted it)."""
+    for outcome in outcomes:
+        if outcome.result != "written":
+            continue
+        action = outcome.action
+        top = action.levels[0] if isinstance(action, LeveledWrite) else (action,)
+        for item in top:
+            if (isinstance(item, SetCgroup) and item.cgroup == tier and item.resource is CPU_CFS_QUOTA
+                    and isinstance(item.value, int) and before is not None and before > 0
+                    and (item.value <= 0 or item.value > before)):
+                return True
+    return False
 
 
 class CPUBurst(Strategy):
@@ -150,7 +177,7 @@ class Resctrl(Strategy):
 
 def cpu_suppress(init: StrategyInit) -> CPUSuppress:
     writer = init.shared.get(WRITER)
-    return CPUSuppress(SuppressStrategy(init.config.suppress, init.topology), writer)
+    return CPUSuppress(SuppressStrategy(init.config.suppress, init.topology), writer, init.shared.get(RECONCILE))
 
 
 def cpu_burst(init: StrategyInit) -> CPUBurst:

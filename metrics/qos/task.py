@@ -110,7 +110,7 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
     strategy_init = StrategyInit(name="", args={}, key_path=f"{init.key_path}.strategies", config=config,
                                  topology=cpus, executor=executor, host=init.host, state_dir=init.state_dir,
                                  shared={builtin.WRITER: agent.tsdb, builtin.AGENT: agent,
-                                         interference.TASKS: init.shared})
+                                         interference.TASKS: init.shared, builtin.RECONCILE: init.reconcile_now})
     loaded = load_strategies(settings.strategies, strategy_init)
     log.info("qos_strategies", enabled=[s.name for s in loaded.enabled], disabled=[s.name for s in loaded.disabled])
     manager = QoSManager(
