@@ -220,6 +220,8 @@ class BurstStrategy:
             del self._buckets[gone]
         self._raised &= live
         self._bursted &= live
+        if self._warned:
+            self._warned &= {p.uid for p in inputs.pods}
         info = {"policy": node.policy, "node_state": state.value, "share_pool_ratio": ratio, "pods": per_pod}
         return Plan(NAME, Priority.BURST, tuple(actions), info, f"share pool {state.value}")
 

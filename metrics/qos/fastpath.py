@@ -170,6 +170,8 @@ class FastPath:
         if pods is self._pods:
             return
         self._pods = pods
+        if self._warned:  # warned-once keys of pods that are gone go with them
+            self._warned &= {p.uid for p in pods} | {"root", _PODS, _BE}
         tier, reason = self._tier_mode(pods)
         mode = "tier" if tier else "pods"
         if mode != self.mode:

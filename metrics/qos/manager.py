@@ -121,7 +121,9 @@ class QoSManager:
         self._owners: dict[str, Strategy] = {s.name: s for s in self.strategies}
         self._plan_names: dict[str, set[str]] = {}
         #: target(s) -> (cause, consecutive failures) of writes failing now: warned once each.
+        #: Pruned every round to what was tried in it (a pod gone while failing leaves).
         self._failing: dict[str, tuple[str, int]] = {}
+        self._tried: set[str] = set()
         #: The pods as of the last round (read by the fast path).
         self.pods: tuple[PodView, ...] = ()
         self._verified = VerifiedWrites(config.verified_for)
@@ -161,13 +163,18 @@ class QoSManager:
         async with self._lock:
             rules = self._rules()
             planned = await asyncio.to_thread(self._plan_round, rules, self.strategies)
-            self.pods = planned.inputs.pods
+            if planned.inputs.pods != self.pods:  # else the same object: the fast path keeps its paths
+                self._verified.keep_pods({p.uid for p in planned.inputs.pods})
+                self.pods = planned.inputs.pods
             result = await self._execute(planned.plans, planned.inputs)
             self._round_info = {"order": [s.name for s in self.strategies], "idle": planned.idle,
                                 "inputs": planned.inputs.summaries}
             for name in planned.idle:
                 for plan_name in self._plan_names.pop(name, set()):
                     self._explain.pop(plan_name, None)
+            if self._failing:
+                self._failing = {k: v for k, v in self._failing.items() if k in self._tried}
+            self._tried = set()
             await self._refresh_be_state()
             return result
 
@@ -266,6 +273,7 @@ class QoSManager:
         if self._verified.fresh(action):
             return Outcome(action, "unchanged")
         key = f"{strategy}:{_targets(action)}"
+        self._tried.add(key)
         try:
             changed = self._apply(strategy, action)
         except CgroupGoneError as exc:

@@ -265,6 +265,13 @@ class SuppressStrategy:
         #: one decision, shared by the fast path and the loop (see ``_held``).
         self.lowered_at = -math.inf
 
+    def _forget_gone(self, pods: Sequence[PodView]) -> None:
+        """Nothing kept per pod outlives the pod (issue 28 item 10: churn must not grow it)."""
+        if self._warned or self._clamps.clamped:
+            live = {p.uid for p in pods}
+            self._warned &= live
+            self._clamps.keep_pods(live)
+
     def hold(self, now: float) -> None:
         """Inputs at ``now`` confirmed the BE limit in force (or wanted it lower): growth
         waits ``hold_after_drop`` from here (the fast path calls it on every such tick)."""
@@ -335,6 +342,7 @@ class SuppressStrategy:
         only when a write may need them (a cpuset write, a quota that moves, clamps held);
         a tier quota that stays needs none (the kernel keeps every child below it)."""
         self.decision = None
+        self._forget_gone(inputs.pods)
         if not threshold.enable:
             acts = self.recover(inputs.pods, cpuset=True, quota=True, why="resourceUsedThresholdWithBE disabled")
             return Plan(NAME, Priority.SUPPRESS, tuple(acts), {"enable": False}, "disabled: recovering BE limits")

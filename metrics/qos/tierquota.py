@@ -163,6 +163,11 @@ class ChildClamps:
         """Children clamped now: cgroup -> original quota (for explain and tests)."""
         return {str(cg): c.original for cg, c in self._originals.items()}
 
+    def keep_pods(self, live: set[str]) -> None:
+        """Forget clamps of pods that are gone (their cgroups went with them); clamps of
+        cgroups no pod owns are forgotten when the children are next read."""
+        self._originals = {cg: c for cg, c in self._originals.items() if not c.pod_uid or c.pod_uid in live}
+
     def write(self, tier: SetCgroup, children: Sequence[ChildQuota] | None) -> SetCgroup | LeveledWrite:
         """``tier`` (a quota on the tier) with the children's writes it needs; a plain
         write when none does. ``children`` None: their values are unknown (recovery),

@@ -11,8 +11,8 @@ written again: a value changed behind our back is put back within ``seconds``. A
 failed or vanished target is forgotten at once. Only ``SetCgroup`` / ``LeveledWrite``
 are remembered (a strategy's own actions, resctrl, evictions: never).
 
-Bounded: an entry not asked for within ``seconds`` is dropped (``prune``), so pods
-and containers that went leave nothing behind.
+Bounded: an entry not asked for within ``seconds`` is dropped (``prune``), and the
+entries of a pod go when it leaves the pod list (``keep_pods``).
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ class VerifiedWrites:
     def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.seconds = seconds
         self._clock = clock
-        #: Target -> the value last found in place there (written or unchanged), and when.
-        self._at: dict[_Target, tuple[Value, float]] = {}
+        #: Target -> the value last found in place there (written or unchanged), when, and
+        #: the pod it belongs to ("" for a tier).
+        self._at: dict[_Target, tuple[Value, float, str]] = {}
         self._pruned = clock()
 
     def __len__(self) -> int:
@@ -71,7 +72,7 @@ class VerifiedWrites:
             return
         now = self._clock()
         for item in items:
-            self._at[(item.cgroup, item.resource.name)] = (item.value, now)
+            self._at[(item.cgroup, item.resource.name)] = (item.value, now, item.pod_uid)
 
     def forget(self, action: Action) -> None:
         """Every target the action touches (a failed leveled write may have left any)."""
@@ -83,6 +84,10 @@ class VerifiedWrites:
 
     def clear(self) -> None:
         self._at.clear()
+
+    def keep_pods(self, live: set[str]) -> None:
+        """Forget the targets of pods that are gone (called when the pod list changes)."""
+        self._at = {k: v for k, v in self._at.items() if not v[2] or v[2] in live}
 
     def prune(self, now: float) -> None:
         self._pruned = now
