@@ -57,7 +57,7 @@ from metrics.collect.cgroupfs import CgroupReader, read_cpu_usage_ns
 from metrics.model import PodView
 from metrics.qos.inputs import NodeInputs, TierUsage
 from metrics.qos.manager import QoSManager
-from metrics.qos.suppress import MIN_CPUSET, MIN_QUOTA, is_be, suppress_cores
+from metrics.qos.suppress import MIN_CPUSET, MIN_QUOTA, is_be, ls_headroom, suppress_cores
 from metrics.qos.suppress import NAME as SUPPRESS_NAME
 
 log = structlog.get_logger("metrics.qos.fastpath")
@@ -267,25 +267,28 @@ class FastPath:
         current = state.limit_cores(threshold.cpu_suppress_policy, capacity, period)
         if current is None:
             return None
-        value = suppress_cores(inputs, threshold).suppress
+        formula = suppress_cores(inputs, threshold)
+        value, ls_value = formula.suppress, ls_headroom(formula, inputs)
         if threshold.cpu_suppress_policy == "cpuset":
-            wanted = float(math.ceil(value))
+            wanted, ls_value = float(math.ceil(value)), float(math.ceil(ls_value))
             target = max(wanted, float(MIN_CPUSET))
         else:
             wanted = value
             target = max(value * period, MIN_QUOTA) / period
-        strategy = self._manager.suppress
-        if strategy is not None and target <= current + capacity * strategy.cfg.growth_step:
-            # This tick still wants the limit where it is (or lower): the loop's growth
-            # waits (``SuppressStrategy.hold``), so a burst every second keeps BE down
-            # instead of a drop here and a growth there each second.
-            strategy.hold(inputs.now)
-        if self._clock() - self._last_trigger < self._gap:
-            return None
         # The drop is judged on the headroom itself, not on the target floored at the
         # minimum: a limit already small (a busy node) within the band of the floor must
         # still go to the floor at once when LS takes everything, not a round later.
-        if target < current and wanted < current - max(capacity * self.cfg.dead_band, self.cfg.noise_cores):
+        band = max(capacity * self.cfg.dead_band, self.cfg.noise_cores)
+        lower = wanted < current - band
+        strategy = self._manager.suppress
+        if lower and ls_value < current - band and strategy is not None:
+            # The non-BE pods want the limit lower than it is (a burst, even at the floor):
+            # the loop's growth waits (``SuppressStrategy.hold``), so a burst every second
+            # keeps BE down instead of a drop here and a growth there each second.
+            strategy.hold(inputs.now)
+        if self._clock() - self._last_trigger < self._gap:
+            return None
+        if target < current and lower:
             return f"headroom dropped: BE target {target:.2f} < limit {current:.2f} cores"
         return None
 

@@ -278,8 +278,9 @@ class SuppressStrategy:
         self.lowered_at = max(self.lowered_at, now)
 
     def _held(self, grows: bool, lowers: bool, step_ok: bool, inputs: NodeInputs) -> str | None:
-        """Why a change of the BE limit is not made now (None: make it). A drop is
-        remembered; a growth waits ``hold_after_drop`` after one and must be a step."""
+        """Why a change of the BE limit is not made now (None: make it). A drop the
+        non-BE pods call for (``lowers``) is remembered; a growth waits
+        ``hold_after_drop`` after one and must be a step."""
         if lowers:
             self.hold(inputs.now)
             return None
@@ -339,8 +340,8 @@ class SuppressStrategy:
     def plan(self, inputs: NodeInputs, threshold: ResourceThresholdStrategy, state: BEState,
              children: Callable[[], tuple[ChildQuota, ...]] | None = None) -> Plan:
         """``children``: when given, ``state.children`` were not read and this reads them,
-        only when a write may need them (a cpuset write, a quota that moves, clamps held);
-        a tier quota that stays needs none (the kernel keeps every child below it)."""
+        only when a write may need them (a cpuset write, a quota that moves); a tier
+        quota that stays needs none (the kernel keeps every child below it)."""
         self.decision = None
         self._forget_gone(inputs.pods)
         if not threshold.enable:
@@ -374,7 +375,8 @@ class SuppressStrategy:
         n = min(wanted, cap, len(candidates))
         have = len(state.cpuset)
         step = max(1, math.ceil(self.cfg.growth_step * len(self.topology)))
-        held = self._held(n > have, n < have, n - have >= step, inputs)
+        ls_cpus = math.ceil(ls_headroom(formula, inputs))
+        held = self._held(n > have, n < have and ls_cpus < have, n - have >= step, inputs)
         if held is not None:
             n, info = min(have, len(candidates)), {**info, "held": held}
         cpus = _split_select(n, candidates, lsr)
@@ -396,21 +398,37 @@ class SuppressStrategy:
         new, why = quota_target(formula.suppress, current, inputs.capacity_cores, self.cfg.cfs_period_us)
         if new is not None and current > 0:
             step = inputs.capacity_cores * self.cfg.cfs_period_us * self.cfg.growth_step
-            held = self._held(new > current, new < current, new - current >= step, inputs)
+            ls_quota = ls_headroom(formula, inputs) * self.cfg.cfs_period_us
+            held = self._held(new > current, new < current and ls_quota < current, new - current >= step, inputs)
             if held is not None:
                 new, why = None, f"BE quota {current} kept: {held}"
-        if children is not None and (new is not None or self._clamps.clamped):
+        # The children matter only when the tier moves: while it stays, the kernel keeps
+        # every child at or below it, and a child someone else changed meanwhile is
+        # told from its clamp when they are next read (before the tier moves).
+        unread = children is not None and (new is None or new == current)  # at the floor: stays
+        if children is not None and not unread:
             state = replace(state, children=children())
         info = {**info, "current_quota": current, "quota": new}
         recovery = self.recover(inputs.pods, cpuset=True, quota=False, why="policy cfsQuota")
         kept = current if new is None else new
         if kept > 0:
             self.decision = Decision("cfsQuota", kept / self.cfg.cfs_period_us, formula)
+        if unread:
+            info["clamped_children"] = self.clamped
+            return Plan(NAME, Priority.SUPPRESS, tuple(recovery), info, why)
         write = self._quota_write(kept, why, state.children)
         info["clamped_children"] = self.clamped
         if new is None and isinstance(write, SetCgroup):
             return Plan(NAME, Priority.SUPPRESS, tuple(recovery), info, why)
         return Plan(NAME, Priority.SUPPRESS, (write, *recovery), info, why)
+
+
+def ls_headroom(formula: SuppressFormula, inputs: NodeInputs) -> float:
+    """The suppress value with the system's share at its reservation: what the non-BE
+    pods alone leave BE. A drop below the limit in force by this measure is the pods'
+    doing (an LS burst) and holds growth; one from system noise alone (other work on the
+    host, seen for 100 ms) does not, as before the hold."""
+    return formula.suppress + formula.system_used - inputs.reserved_cores
 
 
 def quota_target(suppress: float, current: int, capacity: float, period: int) -> tuple[int | None, str]:
