@@ -180,6 +180,9 @@ class NewestView(Protocol):
         """Label ``key``'s value -> the newest value of the series of ``metric`` whose
         newest sample is in ``[start, end]``; None: no such view (a read-only store)."""
 
+    def average_by_label(self, metric: str, key: str, start: float, end: float) -> dict[str, float] | None:
+        """Label ``key``'s value -> the mean of the series of ``metric`` over ``[start, end]``."""
+
 
 class MetricWriter(Protocol):
     def write(self, samples: Sequence[Sample], now: float | None = None) -> None:

@@ -116,6 +116,10 @@ def _fresh_containers(reader: MetricReader, metric: str, pods: Sequence[PodView]
 
 
 def avg_by_label(reader: MetricReader, metric: str, key: str, start: float, end: float) -> dict[str, float]:
+    if isinstance(reader, NewestView):
+        found = reader.average_by_label(metric, key, start, end)
+        if found is not None:
+            return found
     return {_label(lb, key): agg.avg for lb, agg in reader.aggregate_all(metric, start, end).items()
             if _label(lb, key) and agg.count > 0}
 

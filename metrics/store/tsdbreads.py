@@ -274,6 +274,37 @@ class TSDBReads:
                         break
         return out
 
+    def average_by_label(self, metric: str, key: str, start: float, end: float) -> dict[str, float] | None:
+        """``metrics.model.NewestView``: by label ``key``, the mean of every series of
+        ``metric`` over ``[start, end]`` (as ``aggregate_all``'s ``avg``), without the
+        percentiles and label decoding ``aggregate_all`` does for every series."""
+        lo, hi = q.to_ms(start), q.to_ms(end)
+
+        def read() -> tuple[dict[str, Columns], dict[str, list[r.Bucket]]]:
+            with self._snapshot() as conn:
+                return f.raw_window_all(conn, metric, lo, hi), r.buckets_window_all(conn, metric, lo, hi)
+
+        nothing: tuple[dict[str, Columns], dict[str, list[r.Bucket]]] = ({}, {})
+        raw, buckets = self._from_file(read, nothing)
+        pending = self._pending()
+        if pending:
+            for text, extra in d.pending_of_metric(pending, metric, lo, hi).items():
+                raw.setdefault(text, Columns()).extend(extra)
+        names = self._key_labels
+        out: dict[str, float] = {}
+        for text in raw.keys() | buckets.keys():
+            cols, parts = raw.get(text), buckets.get(text, ())
+            count = (len(cols.vals) if cols is not None else 0) + sum(b.count for b in parts)
+            if count == 0:
+                continue
+            named = names.get(f"{metric}\n{text}")
+            lbl = named[1] if named is not None else q.decode_labels(text)
+            value = next((v for k, v in lbl if k == key), "")
+            if value:
+                total = (sum(cols.vals) if cols is not None else 0.0) + sum(b.total for b in parts)
+                out[value] = total / count
+        return out
+
     def newest_values(self) -> list[tuple[str, Labels, float]]:
         """``(metric, labels, value)`` of the newest sample of every series this writer
         wrote (flushed or not; until GC's retention cut), for the Prometheus exporter:
