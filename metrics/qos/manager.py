@@ -205,6 +205,8 @@ class QoSManager:
         """Read every declared input once, then plan (worker thread). ``node``: the
         fast path's own node inputs, used instead of the store's."""
         pods = node.pods if node is not None else tuple(self._pods())
+        if node is None and pods == self.pods:
+            pods = self.pods  # unchanged: the same object, so views derived from it are reused
         ctx = RoundContext(now=node.now if node is not None else self._clock(), rules=rules, pods=pods,
                            reader=self._reader, executor=self._executor, config=self.cfg,
                            capacity_cores=self.capacity)

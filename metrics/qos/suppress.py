@@ -264,6 +264,8 @@ class SuppressStrategy:
         #: ``inputs.now`` of the last plan that lowered the BE limit (either path):
         #: one decision, shared by the fast path and the loop (see ``_held``).
         self.lowered_at = -math.inf
+        #: The last pod-view cpuset write built: (the pod list object, (cpus, reason), write).
+        self._cpuset_writes: tuple[Sequence[PodView], tuple[frozenset[int], str], LeveledWrite] | None = None
 
     def _forget_gone(self, pods: Sequence[PodView]) -> None:
         """Nothing kept per pod outlives the pod (issue 28 item 10: churn must not grow it)."""
@@ -312,11 +314,16 @@ class SuppressStrategy:
                 depths.setdefault(child.depth, []).append(
                     SetCgroup(child.cgroup, CPUSET_CPUS, text, reason, child.pod_uid))
             return LeveledWrite((top, *(tuple(depths[d]) for d in sorted(depths))), reason)
+        cached = self._cpuset_writes
+        if cached is not None and cached[0] is pods and cached[1] == (cpus, reason):
+            return cached[2]  # the same pod list and value: the same write (built once per change)
         be = [p for p in pods if p.qos is QoSClass.BE]
         pod_level = tuple(SetCgroup(PurePosixPath(p.cgroup_dir), CPUSET_CPUS, text, reason, p.uid) for p in be)
         ctr_level = tuple(SetCgroup(PurePosixPath(c.cgroup_dir), CPUSET_CPUS, text, reason, p.uid)
                           for p in be for c in p.containers)
-        return LeveledWrite(tuple(lv for lv in (top, pod_level, ctr_level) if lv), reason)
+        write = LeveledWrite(tuple(lv for lv in (top, pod_level, ctr_level) if lv), reason)
+        self._cpuset_writes = (pods, (cpus, reason), write)
+        return write
 
     def _quota_write(self, quota: int, reason: str, children: Sequence[ChildQuota] | None = None
                      ) -> SetCgroup | LeveledWrite:
