@@ -31,6 +31,10 @@ all (kube BestEffort). This hook gives them what they were scheduled for:
   When the recomputed quota is -1 (no batch-cpu limit, or the cfsQuota suppress
   policy now on), -1 is written.
 
+  On cgroup v1 a quota above the pod's tier's (the BE tier under cfsQuota suppression,
+  say while the suppression is being switched off) would be refused (EINVAL): it is held
+  at the tier's until the QoS manager lifts the tier and asks for the next pass.
+
 Formulas (Koordinator ``MilliCPUToShares`` / ``MilliCPUToQuota``):
 shares = clamp(milli·1024/1000, 2, 262144); quota = milli·100 (at least 1000,
 -1 when unlimited); memory limit = batch-memory limit (unlimited when missing).
