@@ -146,13 +146,22 @@ class QoSManager:
     # --- loop ---------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Round after round until cancelled; ``wake()`` starts the next one early."""
+        """Round after round until cancelled; ``wake()`` starts the next one early, but
+        not before one collect interval after the last one started: a round sooner than
+        that plans from the same store samples (one decision per input change). On a
+        host under CPU pressure the PSI trigger fires every window, and each woken round
+        doubled the loop's cost for nothing; the fast path, woken too, acts at once."""
         while True:
+            started = time.monotonic()
             await self.run_once()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.cfg.interval)
             except TimeoutError:
                 pass
+            else:
+                rest = min(self.cfg.collect_interval, self.cfg.interval) - (time.monotonic() - started)
+                if rest > 0:
+                    await asyncio.sleep(rest)
             self._wake.clear()
 
     def wake(self) -> None:
