@@ -52,6 +52,9 @@ NAME: Final = "cpu_suppress"
 MIN_QUOTA: Final = 2000  # µs: koordlet's floor, so BE pods are throttled, never frozen
 MIN_CPUSET: Final = 2
 GROWTH_RATIO: Final = 0.1
+#: Seconds a cpuset write reuses the cgroups found under the tier while the pod list is
+#: the same object (``_cpuset_children``).
+CHILDREN_MAX_AGE: Final = 30.0
 DEAD_BAND_RATIO: Final = 0.01
 
 
@@ -264,8 +267,22 @@ class SuppressStrategy:
         #: ``inputs.now`` of the last plan that lowered the BE limit (either path):
         #: one decision, shared by the fast path and the loop (see ``_held``).
         self.lowered_at = -math.inf
+        #: The children read for a cpuset write: (the pod list object, when, children).
+        self._children: tuple[Sequence[PodView], float, tuple[ChildQuota, ...]] | None = None
         #: The last pod-view cpuset write built: (the pod list object, (cpus, reason), write).
         self._cpuset_writes: tuple[Sequence[PodView], tuple[frozenset[int], str], LeveledWrite] | None = None
+
+    def _cpuset_children(self, inputs: NodeInputs, children: Callable[[], tuple[ChildQuota, ...]]
+                         ) -> tuple[ChildQuota, ...]:
+        """The cgroups under the tier for a cpuset write: read again when the pod list
+        changed (new pods, containers, sandboxes) or after ``CHILDREN_MAX_AGE``, else the
+        last read's (the cpuset policy writes every round; the walk was most of it)."""
+        cached = self._children
+        if cached is not None and cached[0] is inputs.pods and 0 <= inputs.now - cached[1] < CHILDREN_MAX_AGE:
+            return cached[2]
+        found = children()
+        self._children = (inputs.pods, inputs.now, found)
+        return found
 
     def _forget_gone(self, pods: Sequence[PodView]) -> None:
         """Nothing kept per pod outlives the pod (issue 28 item 10: churn must not grow it)."""
@@ -366,7 +383,7 @@ class SuppressStrategy:
                 "capacity_cores": inputs.capacity_cores, "reserved_cores": inputs.reserved_cores}
         if threshold.cpu_suppress_policy == "cpuset":
             if children is not None and state.cpuset is not None:
-                state = replace(state, children=children())
+                state = replace(state, children=self._cpuset_children(inputs, children))
             return self._plan_cpuset(inputs, formula, state, info)
         return self._plan_quota(inputs, formula, state, info, children)
 
