@@ -263,6 +263,7 @@ class QoSManager:
         task stops, and at start for strategies listed but disabled. Skipped in dry-run."""
         if self.cfg.dry_run:
             return []
+        self._verified.clear()  # what is released is checked against the files, not remembered
         out: list[Outcome] = []
         pods = list(self._pods())
         for chosen in strategies if strategies is not None else self.strategies:
