@@ -200,10 +200,12 @@ class BatchResource:
             return quota, why
         try:
             tier = int(CPU_CFS_QUOTA.parse(self.executor.read(pod_cgroup.parent, CPU_CFS_QUOTA), 1))
+            if tier <= 0:
+                return quota, why  # the tier is not limited (the usual case): one read
             period = int(CPU_CFS_PERIOD.parse(self.executor.read(pod_cgroup.parent, CPU_CFS_PERIOD), 1))
         except (CgroupError, ValueError):
             return quota, why  # no readable tier: the write says what is wrong
-        if tier <= 0 or period <= 0:
+        if period <= 0:
             return quota, why
         cap = max(tier * DEFAULT_PERIOD // period, MIN_QUOTA)
         if quota <= cap:
