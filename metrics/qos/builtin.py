@@ -91,7 +91,12 @@ class CPUSuppress(Strategy):
 
 
 def _tier_raised(tier: PurePosixPath, outcomes: Sequence[Outcome], before: int | None) -> bool:
-    """Whether these outcomes wrote the tier's CFS quota above ``before`` (or lifted it)."""
+    """Whether these outcomes lifted the tier's CFS quota (to unlimited) from a limit.
+    Only then may batch-resource have held quotas under it (suppression being switched
+    off: while cfsQuota suppression is on its pods carry no quota of their own); a
+    growth within suppression asks for no pass (a pass walks every pod)."""
+    if before is None or before <= 0:
+        return False
     for outcome in outcomes:
         if outcome.result != "written":
             continue
@@ -99,8 +104,7 @@ def _tier_raised(tier: PurePosixPath, outcomes: Sequence[Outcome], before: int |
         top = action.levels[0] if isinstance(action, LeveledWrite) else (action,)
         for item in top:
             if (isinstance(item, SetCgroup) and item.cgroup == tier and item.resource is CPU_CFS_QUOTA
-                    and isinstance(item.value, int) and before is not None and before > 0
-                    and (item.value <= 0 or item.value > before)):
+                    and isinstance(item.value, int) and item.value <= 0):
                 return True
     return False
 
