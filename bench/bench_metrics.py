@@ -29,7 +29,8 @@ NodeMetric (report interval 30 s) are served and watched, each status PATCH vali
 against the CRD. Variants: no tasks, metrics without a cluster, metrics with ``kube: true``,
 everything on (shipped hooks and rules, metrics with ``kube: true``, the QoS manager with
 ``evict_mode: api``);
-``--kube-baseline DIR`` adds the same ``kube: true`` runs with the code of another checkout
+``--split`` adds everything on without the QoS manager and with its fast path off (where
+the everything-on CPU goes); ``--kube-baseline DIR`` adds the same ``kube: true`` runs with the code of another checkout
 (e.g. ``git archive <commit> | tar -x -C DIR`` of a commit still on the ``kubernetes``
 client) for a comparison in the same run.
 """
@@ -197,6 +198,13 @@ def _kube(node: BenchNode, args: argparse.Namespace) -> int:
 
     variants = [(name, {"tasks": tasks}, cwd) for name, tasks, cwd in variants]
     variants.append(("everything on, kube: true", everything("d.db"), None))
+    if args.split:  # where everything-on's CPU goes: without the QoS manager, without its fast path
+        no_qos = everything("f.db")
+        del no_qos["tasks"]["qos-manager"]
+        variants.append(("shipped hooks + metrics kube: true, no qos-manager", no_qos, None))
+        no_fast = everything("g.db")
+        no_fast["tasks"]["qos-manager"] = {**qos, "fast_path": False, "psi_trigger": False}
+        variants.append(("everything on, fast path off", no_fast, None))
     if args.kube_baseline:
         old = Path(args.kube_baseline)
         variants.append((f"metrics, kube: true, code of {old}",
@@ -232,6 +240,8 @@ def main() -> int:
                     help="--steady without the NodeMetric fetch: the shipped default (no cluster, no reporter)")
     ap.add_argument("--kube", action="store_true", help="with kube: true against the test API server")
     ap.add_argument("--kube-baseline", default="", help="--kube: also run this checkout's code (a directory)")
+    ap.add_argument("--split", action="store_true",
+                    help="--kube: also everything on without the qos-manager, and with its fast path off")
     ap.add_argument("--intervals", action="append", default=[], metavar="NAME=DUR,...",
                     help="also a variant with these collector intervals (e.g. psi=2s,schedlat=1s); repeatable;"
                          " --only-intervals: just these, after no tasks and the defaults")

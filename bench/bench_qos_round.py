@@ -7,12 +7,24 @@ NodeSLO section on. Each set runs ``--rounds`` rounds (``run_once``: inputs read
 plans, arbitration, writes, explain) and prints CPU time per round (process time,
 so the loaded shared machine's other work does not count) and wall time. The anchor
 is the empty strategy list in the same run: the manager's own floor.
+
+``--pods 30,110,250`` runs each pod count and prints the marginal CPU per pod between
+them (flat in pods: the cost per pod at 250 not above that at 110). The "re-check" row
+is the CPU set with ``verified_for: 0``: every cgroup write checked against its file,
+as a round does once per ``verified_for`` (60 s) for what it found in place before.
+``--profile`` prints where one round's CPU goes (cProfile, the worker thread inlined).
+
+Then the suppress flap (issue 28 item 7): a simulated minute of an LS pod bursting to
+6 cores for 100 ms every second on a fixture tree, the real fast path (100 ms) and the
+1 s loop; it prints the BE tier quota writes per minute with the fast path's hold and
+step (shipped) and without them (before the fix).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import logging
 import statistics
 import tempfile
@@ -105,13 +117,14 @@ def samples(pods: list[PodView]) -> list[Sample]:
     return out
 
 
-async def measure(root: Path, pods: list[PodView], names: list[str], rounds: int) -> tuple[float, float]:
-    store = TSDB(root / f"m-{len(names)}.db", clock=lambda: NOW)
+async def measure(root: Path, pods: list[PodView], names: list[str], rounds: int,
+                  verified_for: float = 60.0) -> tuple[float, float]:
+    store = TSDB(root / f"m-{len(names)}-{verified_for:g}.db", clock=lambda: NOW)
     try:
         store.write(samples(pods))
         store.flush()
         executor = CgroupExecutor(CgroupLayout(root / "cgroup", version=1))
-        config = ManagerConfig(reserved_cores=0.5)
+        config = ManagerConfig(reserved_cores=0.5, verified_for=verified_for)
         base = StrategyInit(name="", args={}, key_path="strategies", config=config, topology=TOPOLOGY,
                             executor=executor, host=HostRoots(cgroup=root / "cgroup", proc=root / "proc",
                                                               sys=root / "sys"), state_dir=root / "state")
@@ -133,22 +146,86 @@ async def measure(root: Path, pods: list[PodView], names: list[str], rounds: int
         store.close()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--pods", type=int, default=100)
-    ap.add_argument("--rounds", type=int, default=30)
-    args = ap.parse_args()
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+RECHECK = "CPU set, re-check round"
+
+
+def run_counts(counts: list[int], rounds: int) -> dict[int, dict[str, tuple[float, float]]]:
+    out: dict[int, dict[str, tuple[float, float]]] = {}
+    for n in counts:
+        with tempfile.TemporaryDirectory(prefix="krpb-qosround-") as tmp:
+            root = Path(tmp)
+            pods = build(root, n)
+            results: dict[str, tuple[float, float]] = {}
+            for label, names in SETS.items():
+                results[label] = asyncio.run(measure(root, pods, names, rounds))
+            results[RECHECK] = asyncio.run(measure(root, pods, SETS["CPU (be-evict, suppress, burst)"], rounds, 0.0))
+            out[n] = results
+    return out
+
+
+def profile(n: int, rounds: int) -> None:
+    import cProfile
+    import pstats
+
+    async def inline(func: Any, /, *args: Any, **kwargs: Any) -> Any:
+        return func(*args, **kwargs)
+
+    asyncio.to_thread = inline  # type: ignore[assignment]  # the worker thread's work, profiled
+    prof = cProfile.Profile()
     with tempfile.TemporaryDirectory(prefix="krpb-qosround-") as tmp:
         root = Path(tmp)
-        pods = build(root, args.pods)
-        results: dict[str, Any] = {}
-        for label, names in SETS.items():
-            results[label] = asyncio.run(measure(root, pods, names, args.rounds))
-    print(f"QoS manager round, {args.pods} pods, median of {args.rounds} rounds")
-    print(f"{'strategies':<32} {'cpu ms':>8} {'wall ms':>8}")
-    for label, (cpu, wall) in results.items():
-        print(f"{label:<32} {cpu:>8.2f} {wall:>8.2f}")
+        pods = build(root, n)
+        original = QoSManager.run_once
+
+        async def profiled(self: QoSManager) -> Any:
+            prof.enable()
+            try:
+                return await original(self)
+            finally:
+                prof.disable()
+
+        asyncio.run(measure(root, pods, SETS["all 6 (no resctrl mount)"], 1))  # warm caches, first writes
+        QoSManager.run_once = profiled  # type: ignore[method-assign]
+        asyncio.run(measure(root, pods, SETS["all 6 (no resctrl mount)"], rounds))
+        QoSManager.run_once = original  # type: ignore[method-assign]
+    print(f"\nprofile: all 6 strategies, {n} pods, {rounds + 1} rounds (cProfile adds its own overhead)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pods", default="100", help="pod counts, comma-separated (e.g. 30,110,250)")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-flap", action="store_true", help="skip the suppress flap minute")
+    args = ap.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    counts = [int(n) for n in args.pods.split(",")]
+    results = run_counts(counts, args.rounds)
+    for n, by_set in results.items():
+        print(f"QoS manager round, {n} pods, median of {args.rounds} rounds")
+        print(f"{'strategies':<40} {'cpu ms':>8} {'wall ms':>8}")
+        for label, (cpu, wall) in by_set.items():
+            print(f"{label:<40} {cpu:>8.2f} {wall:>8.2f}")
+    if len(counts) > 1:
+        print("\nmarginal CPU per pod (µs per pod and round) between pod counts")
+        print(f"{'strategies':<40} " + " ".join(f"{f'{a}->{b}':>10}" for a, b in itertools.pairwise(counts)))
+        for label in results[counts[0]]:
+            steps = [(results[b][label][0] - results[a][label][0]) * 1000 / (b - a)
+                     for a, b in itertools.pairwise(counts)]
+            print(f"{label:<40} " + " ".join(f"{s:>10.1f}" for s in steps))
+    if args.profile:
+        profile(counts[-1], 10)
+    if not args.no_flap:
+        from qosflap import flap_minute
+
+        print("\nsuppress flap: LS bursts 6 cores for 100 ms every second, one simulated minute")
+        print(f"{'suppress config':<44} {'tier writes/min':>16} {'quota up':>9} {'quota down':>11}")
+        for label, hold in (("fast path + 1 s loop, before (no hold/step)", False),
+                            ("fast path + 1 s loop, shipped (hold, step)", True)):
+            writes = asyncio.run(flap_minute(hold))
+            ups = sum(1 for a, b in itertools.pairwise(writes) if b > a)
+            print(f"{label:<44} {len(writes):>16} {ups:>9} {len(writes) - 1 - ups:>11}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,10 @@ all (kube BestEffort). This hook gives them what they were scheduled for:
   When the recomputed quota is -1 (no batch-cpu limit, or the cfsQuota suppress
   policy now on), -1 is written.
 
+  On cgroup v1 a quota above the pod's tier's (the BE tier under cfsQuota suppression,
+  say while the suppression is being switched off) would be refused (EINVAL): it is held
+  at the tier's until the QoS manager lifts the tier and asks for the next pass.
+
 Formulas (Koordinator ``MilliCPUToShares`` / ``MilliCPUToQuota``):
 shares = clamp(milli·1024/1000, 2, 262144); quota = milli·100 (at least 1000,
 -1 when unlimited); memory limit = batch-memory limit (unlimited when missing).
@@ -51,6 +55,7 @@ from typing import Any, Final, Literal
 
 from hooks.annotations import BATCH_CPU, BATCH_MEMORY, ContainerResources, ExtendedResourceSpec, extended_resource_spec
 from hooks.cgroups import (
+    CPU_CFS_PERIOD,
     CPU_CFS_QUOTA,
     CPU_IDLE,
     CPU_SHARES,
@@ -84,6 +89,8 @@ from runtimeproxy.hookapi import (
 )
 
 MIN_QUOTA: Final = 1000
+#: The CFS period kubelet and these quotas use (µs).
+DEFAULT_PERIOD: Final = 100_000
 _ARGS: Final = frozenset({"cgroup_driver", "cgroup_version", "dry_run"})
 
 
@@ -192,13 +199,36 @@ class BatchResource:
         except CgroupError as exc:
             raise HookError(f"pod {pod_name(pod)}: {exc}") from exc
         reason = _REASON
+        quota, quota_why = self._under_tier(cgroup, limits.cpu_quota, "batch-cpu limits")
         updates = [
-            Update(cgroup, CPU_CFS_QUOTA, limits.cpu_quota, f"{reason}: batch-cpu limits", source),
+            Update(cgroup, CPU_CFS_QUOTA, quota, f"{reason}: {quota_why}", source),
             Update(cgroup, MEMORY_LIMIT, limits.memory_limit, f"{reason}: batch-memory limits", source),
         ]
         if not self._idle(cgroup, source):
             updates.insert(0, Update(cgroup, CPU_SHARES, limits.cpu_shares, f"{reason}: batch-cpu requests", source))
         return updates
+
+    def _under_tier(self, pod_cgroup: PurePosixPath, quota: int, why: str) -> tuple[int, str]:
+        """``quota`` held at the pod's tier's while that is lower (cgroup v1: a child above
+        its parent's quota/period is refused with EINVAL). Switching cfsQuota suppression
+        off restores these quotas while the QoS manager may not have lifted the BE tier
+        yet: the tier goes first, and the manager asks for a pass once it has (issue 28
+        item 8), which writes the full value."""
+        if quota <= 0 or self.layout.version != 1 or not pod_cgroup.parent.parts:
+            return quota, why
+        try:
+            tier = int(CPU_CFS_QUOTA.parse(self.executor.read(pod_cgroup.parent, CPU_CFS_QUOTA), 1))
+            if tier <= 0:
+                return quota, why  # the tier is not limited (the usual case): one read
+            period = int(CPU_CFS_PERIOD.parse(self.executor.read(pod_cgroup.parent, CPU_CFS_PERIOD), 1))
+        except (CgroupError, ValueError):
+            return quota, why  # no readable tier: the write says what is wrong
+        if period <= 0:
+            return quota, why
+        cap = max(tier * DEFAULT_PERIOD // period, MIN_QUOTA)
+        if quota <= cap:
+            return quota, why
+        return cap, f"{why} ({quota}) held at the BE tier's quota {tier} until it is lifted"
 
     def _idle(self, cgroup: PurePosixPath, source: str) -> bool:
         """An idle (SCHED_IDLE) group's weight belongs to the kernel: writing shares
@@ -267,6 +297,7 @@ class BatchResource:
         source = (f"pod {pod_name(pod)}: container {container.meta.name} ({container.id}): "
                   f"cgroup_parent {pod.cgroup_parent!r}")
         reason = _CONTAINER_REASON
+        quota, quota_why = self._under_tier(cgroup.parent, quota, quota_why)
         container_updates = [
             Update(cgroup, CPU_SHARES, limits.cpu_shares, f"{reason}: batch-cpu requests", source),
             Update(cgroup, CPU_CFS_QUOTA, quota, f"{reason}: {quota_why}", source),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, NamedTuple, Protocol
+from typing import Final, NamedTuple, Protocol, runtime_checkable
 
 from hooks.qos import QoSClass
 
@@ -169,6 +169,19 @@ class MetricReader(Protocol):
 
     def get_kv(self, key: str) -> object | None:
         """A static record (JSON-decoded), None when absent."""
+
+
+@runtime_checkable
+class NewestView(Protocol):
+    """The newest sample of every series a writer wrote, held in memory (the store's
+    write path keeps it anyway): a round's inputs read from it, not from the file."""
+
+    def newest_by_label(self, metric: str, key: str, start: float, end: float) -> dict[str, float] | None:
+        """Label ``key``'s value -> the newest value of the series of ``metric`` whose
+        newest sample is in ``[start, end]``; None: no such view (a read-only store)."""
+
+    def average_by_label(self, metric: str, key: str, start: float, end: float) -> dict[str, float] | None:
+        """Label ``key``'s value -> the mean of the series of ``metric`` over ``[start, end]``."""
 
 
 class MetricWriter(Protocol):

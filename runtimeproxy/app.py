@@ -149,6 +149,7 @@ class App:
             add_exposition=self._add_exposition,
             state_dir=Path(settings.state_dir) if settings.state_dir else None,
             pods_known=lambda: self._pods_known or self.resyncer.succeeded,
+            reconcile_now=self._reconcile_now,
         )
         for name, task in plugins.build_tasks(settings, base):
             self.supervisor.add(f"task:{name}", task)
@@ -215,6 +216,12 @@ class App:
         """The rules in force changed (a NodeSLO update, from a watch thread, or a
         reload): re-apply them to running pods with a reconciler pass now."""
         log.info("rules_changed", sources=self.rules.sources())
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.reconciler.trigger)
+
+    def _reconcile_now(self) -> None:
+        """A task asks for a pass (thread-safe): e.g. the QoS manager lifted the BE tier's
+        quota, and batch-resource's pod quotas could not exceed it until then."""
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self.reconciler.trigger)
 

@@ -419,6 +419,10 @@ def _always() -> bool:
     return True
 
 
+def _no_reconcile() -> None:
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class TaskInit:
     """What a background-task factory (entry-point group ``koord_runtime_proxy.tasks``)
@@ -450,6 +454,8 @@ class TaskInit:
     - ``pods_known()``: whether ``snapshot`` is complete, i.e. the store was rebuilt from
       the runtime since the start (tasks start before that: an empty snapshot right after
       a restart means "not known yet", not "no pods"; what is published from it waits).
+    - ``reconcile_now()``: ask for a reconciler pass at once (thread-safe), e.g. after a
+      task lifted a limit that hooks' values under it had to wait for.
     """
 
     name: str
@@ -470,6 +476,7 @@ class TaskInit:
     #: must remember across restarts (e.g. sysctl values to restore) goes under it.
     state_dir: Path | None = None
     pods_known: Callable[[], bool] = _always
+    reconcile_now: Callable[[], None] = _no_reconcile
 
 
 class HookError(Exception):

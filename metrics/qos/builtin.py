@@ -9,20 +9,23 @@ are unchanged). Plan names stay koordlet-like (``cpu_suppress``, ``cpu_burst``,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import PurePosixPath
 from typing import Any, Final
 
 import structlog
 
+from hooks.cgroups import CPU_CFS_QUOTA
 from hooks.resctrlfs import ResctrlFS
 from hooks.rules import Rules
 from metrics.model import MetricWriter, PodView
 from metrics.qos import evict
 from metrics.qos.burst import BurstStrategy, read_quotas
-from metrics.qos.plan import Action, AddTasks, Evict, Outcome, Plan, Priority, SetSchemata
+from metrics.qos.pathcache import PathCache
+from metrics.qos.plan import Action, AddTasks, Evict, LeveledWrite, Outcome, Plan, Priority, SetCgroup, SetSchemata
 from metrics.qos.resctrlsync import ResctrlSync, apply_resctrl
 from metrics.qos.strategy import BE_CPU_WINDOW, NODE, Input, RoundContext, RoundInputs, Strategy, StrategyInit
-from metrics.qos.suppress import BEState, SuppressStrategy, read_be_state
+from metrics.qos.suppress import BEState, SuppressStrategy, read_be_children, read_be_state
 
 log = structlog.get_logger("metrics.qos.builtin")
 
@@ -30,6 +33,8 @@ log = structlog.get_logger("metrics.qos.builtin")
 WRITER: Final = "writer"  # MetricWriter for the koordlet_be_suppress_* series
 RESCTRL: Final = "resctrl"  # a ResctrlSync (else built from host.resctrl when mounted)
 AGENT: Final = "agent"  # the MetricsAgent (its informer: the Node object)
+#: A ``() -> None`` asking for a reconciler pass (``TaskInit.reconcile_now``).
+RECONCILE: Final = "reconcile"
 
 
 def _state_summary(state: BEState) -> dict[str, Any]:
@@ -44,15 +49,22 @@ class CPUSuppress(Strategy):
     name = "cpu-suppress"
     priority = Priority.SUPPRESS
 
-    def __init__(self, inner: SuppressStrategy, writer: MetricWriter | None = None) -> None:
+    def __init__(self, inner: SuppressStrategy, writer: MetricWriter | None = None,
+                 reconcile: Callable[[], None] | None = None) -> None:
         self.inner = inner
         self.writer = writer
+        #: Asked for when the tier's quota went up (issue 28 item 8): hooks' quotas under
+        #: it (batch-resource's) were held at the tier's until then; the tier is released
+        #: first, then the children get their own values in a pass right after.
+        self.reconcile = reconcile
         self.be_state: BEState | None = None
-        self.state_input: Input[BEState] = Input("be_state", self._read_state, _state_summary)
+        # The tier's knobs only: the quotas under it are read while planning, and only
+        # when a write may need them (``SuppressStrategy.plan``): most rounds keep the limit.
+        self.state_input: Input[BEState] = Input("be_tier", self._read_state, _state_summary)
         self.reads = (NODE, self.state_input)
 
     def _read_state(self, ctx: RoundContext) -> BEState:
-        return read_be_state(ctx.executor, self.inner.cfg, ctx.pods)
+        return read_be_state(ctx.executor, self.inner.cfg, ctx.pods, children=False)
 
     def off_reason(self, rules: Rules) -> str:
         if rules.resource_used_threshold_with_be.enable:
@@ -62,11 +74,16 @@ class CPUSuppress(Strategy):
     def plan(self, inputs: RoundInputs) -> Plan:
         state = inputs[self.state_input]
         self.be_state = state
-        return self.inner.plan(inputs[NODE], inputs.rules.resource_used_threshold_with_be, state)
+        ctx = inputs.ctx
+        return self.inner.plan(inputs[NODE], inputs.rules.resource_used_threshold_with_be, state,
+                               lambda: read_be_children(ctx.executor, self.inner.cfg, ctx.pods))
 
     def after(self, plan: Plan, outcomes: Sequence[Outcome], inputs: RoundInputs) -> None:
         """The BE limit now in force, for the ``koordlet_be_suppress_*`` series: only
         once it is written (not in dry-run, not after a failed write)."""
+        if self.reconcile is not None and _tier_raised(self.inner.cfg.besteffort_dir, outcomes,
+                                                      inputs[self.state_input].quota):
+            self.reconcile()
         decision = self.inner.decision
         if self.writer is None or decision is None or any(o.result.startswith("failed") for o in outcomes):
             return
@@ -79,6 +96,25 @@ class CPUSuppress(Strategy):
         return self.inner.recover(list(pods), cpuset=True, quota=True, why="QoS manager stopped")
 
 
+def _tier_raised(tier: PurePosixPath, outcomes: Sequence[Outcome], before: int | None) -> bool:
+    """Whether these outcomes lifted the tier's CFS quota (to unlimited) from a limit.
+    Only then may batch-resource have held quotas under it (suppression being switched
+    off: while cfsQuota suppression is on its pods carry no quota of their own); a
+    growth within suppression asks for no pass (a pass walks every pod)."""
+    if before is None or before <= 0:
+        return False
+    for outcome in outcomes:
+        if outcome.result != "written":
+            continue
+        action = outcome.action
+        top = action.levels[0] if isinstance(action, LeveledWrite) else (action,)
+        for item in top:
+            if (isinstance(item, SetCgroup) and item.cgroup == tier and item.resource is CPU_CFS_QUOTA
+                    and isinstance(item.value, int) and item.value <= 0):
+                return True
+    return False
+
+
 class CPUBurst(Strategy):
     """CPU burst (§4.2)."""
 
@@ -87,11 +123,12 @@ class CPUBurst(Strategy):
 
     def __init__(self, inner: BurstStrategy | None = None) -> None:
         self.inner = inner if inner is not None else BurstStrategy()
+        self.paths = PathCache()
         self.quotas: Input[Mapping[str, int]] = Input("burst_quotas", self._read_quotas, len)
         self.reads = (NODE, self.quotas)
 
     def _read_quotas(self, ctx: RoundContext) -> dict[str, int]:
-        return read_quotas(ctx.executor, self.inner.quota_dirs(ctx.pods, ctx.rules.cpu_burst_strategy))
+        return read_quotas(ctx.executor, self.inner.quota_dirs(ctx.pods, ctx.rules.cpu_burst_strategy), self.paths)
 
     def plan(self, inputs: RoundInputs) -> Plan:
         return self.inner.plan(inputs[NODE], inputs.rules.cpu_burst_strategy, inputs[self.quotas])
@@ -153,7 +190,7 @@ class Resctrl(Strategy):
 
 def cpu_suppress(init: StrategyInit) -> CPUSuppress:
     writer = init.shared.get(WRITER)
-    return CPUSuppress(SuppressStrategy(init.config.suppress, init.topology), writer)
+    return CPUSuppress(SuppressStrategy(init.config.suppress, init.topology), writer, init.shared.get(RECONCILE))
 
 
 def cpu_burst(init: StrategyInit) -> CPUBurst:

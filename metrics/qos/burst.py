@@ -32,6 +32,7 @@ from hooks.qos import QoSClass
 from hooks.rules import CPUBurstStrategy, parse_cpu_burst
 from metrics.model import ContainerView, PodView
 from metrics.qos.inputs import NodeInputs
+from metrics.qos.pathcache import PathCache
 from metrics.qos.plan import Action, LeveledWrite, Plan, Priority, SetCgroup
 from runtimeproxy.hookapi import HookConfigError
 
@@ -145,15 +146,22 @@ def burst_us(ctr: ContainerView, percent: int) -> int | None:
     return min(int(ctr.cpu_quota / ctr.cpu_period * percent / 100 * BASE_PERIOD), ctr.cpu_quota)
 
 
-def read_quotas(executor: CgroupExecutor, cgroups: Iterable[str]) -> dict[str, int]:
-    """Current cpu.cfs_quota_us per cgroup dir; unreadable dirs are left out."""
+def read_quotas(executor: CgroupExecutor, cgroups: Iterable[str], paths: PathCache | None = None
+                ) -> dict[str, int]:
+    """Current cpu.cfs_quota_us per cgroup dir; unreadable dirs are left out. ``paths``:
+    the confined paths kept between rounds (every burstable container, every second)."""
     out: dict[str, int] = {}
+    version = executor.layout.version
     for cgroup in cgroups:
         try:
-            value = CPU_CFS_QUOTA.parse(executor.read(PurePosixPath(cgroup), CPU_CFS_QUOTA), executor.layout.version)
-        except (CgroupError, ValueError):
+            text = (paths.read(executor, cgroup, CPU_CFS_QUOTA) if paths is not None
+                    else executor.read(PurePosixPath(cgroup), CPU_CFS_QUOTA))
+            value = CPU_CFS_QUOTA.parse(text, version)
+        except (CgroupError, OSError, ValueError):
             continue
         out[cgroup] = int(value)
+    if paths is not None:
+        paths.end_round()
     return out
 
 
@@ -212,6 +220,8 @@ class BurstStrategy:
             del self._buckets[gone]
         self._raised &= live
         self._bursted &= live
+        if self._warned:
+            self._warned &= {p.uid for p in inputs.pods}
         info = {"policy": node.policy, "node_state": state.value, "share_pool_ratio": ratio, "pods": per_pod}
         return Plan(NAME, Priority.BURST, tuple(actions), info, f"share pool {state.value}")
 

@@ -21,5 +21,10 @@ class ManagerConfig:
     capacity_cores: float | None = None
     #: max(kubelet reserved, ``node.koordinator.sh/reservation``), in cores.
     reserved_cores: float = 0.0
+    #: A cgroup write found in place (or made) is not checked again for this many seconds
+    #: while the plans ask for the same value (koordlet's executor cache and its
+    #: ``cgroup-force-update-seconds``, 60): a round at 110 pods re-read ~200 files only
+    #: to find them unchanged. 0: check every round.
+    verified_for: float = 60.0
     suppress: SuppressConfig = SuppressConfig()
     evict: EvictConfig = EvictConfig()

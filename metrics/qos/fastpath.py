@@ -57,7 +57,7 @@ from metrics.collect.cgroupfs import CgroupReader, read_cpu_usage_ns
 from metrics.model import PodView
 from metrics.qos.inputs import NodeInputs, TierUsage
 from metrics.qos.manager import QoSManager
-from metrics.qos.suppress import MIN_CPUSET, MIN_QUOTA, is_be, suppress_cores
+from metrics.qos.suppress import MIN_CPUSET, MIN_QUOTA, is_be, ls_headroom, suppress_cores
 from metrics.qos.suppress import NAME as SUPPRESS_NAME
 
 log = structlog.get_logger("metrics.qos.fastpath")
@@ -170,6 +170,8 @@ class FastPath:
         if pods is self._pods:
             return
         self._pods = pods
+        if self._warned:  # warned-once keys of pods that are gone go with them
+            self._warned &= {p.uid for p in pods} | {"root", _PODS, _BE}
         tier, reason = self._tier_mode(pods)
         mode = "tier" if tier else "pods"
         if mode != self.mode:
@@ -261,15 +263,14 @@ class FastPath:
         state = self._manager.be_state
         if not threshold.enable or state is None or inputs.missing:
             return None
-        if self._clock() - self._last_trigger < self._gap:
-            return None
         capacity, period = inputs.capacity_cores, self._manager.cfg.suppress.cfs_period_us
         current = state.limit_cores(threshold.cpu_suppress_policy, capacity, period)
         if current is None:
             return None
-        value = suppress_cores(inputs, threshold).suppress
+        formula = suppress_cores(inputs, threshold)
+        value, ls_value = formula.suppress, ls_headroom(formula, inputs)
         if threshold.cpu_suppress_policy == "cpuset":
-            wanted = float(math.ceil(value))
+            wanted, ls_value = float(math.ceil(value)), float(math.ceil(ls_value))
             target = max(wanted, float(MIN_CPUSET))
         else:
             wanted = value
@@ -277,7 +278,17 @@ class FastPath:
         # The drop is judged on the headroom itself, not on the target floored at the
         # minimum: a limit already small (a busy node) within the band of the floor must
         # still go to the floor at once when LS takes everything, not a round later.
-        if target < current and wanted < current - max(capacity * self.cfg.dead_band, self.cfg.noise_cores):
+        band = max(capacity * self.cfg.dead_band, self.cfg.noise_cores)
+        lower = wanted < current - band
+        strategy = self._manager.suppress
+        if lower and ls_value < current - band and strategy is not None:
+            # The non-BE pods want the limit lower than it is (a burst, even at the floor):
+            # the loop's growth waits (``SuppressStrategy.hold``), so a burst every second
+            # keeps BE down instead of a drop here and a growth there each second.
+            strategy.hold(inputs.now)
+        if self._clock() - self._last_trigger < self._gap:
+            return None
+        if target < current and lower:
             return f"headroom dropped: BE target {target:.2f} < limit {current:.2f} cores"
         return None
 

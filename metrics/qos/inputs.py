@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from metrics import model
-from metrics.model import Labels, MetricReader, PodView
+from metrics.model import Labels, MetricReader, NewestView, PodView
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +78,21 @@ def last_by_label(reader: MetricReader, metric: str, key: str, now: float, max_a
     return out
 
 
+def _newest(reader: MetricReader, metric: str, key: str, now: float, max_age: float) -> dict[str, float] | None:
+    """The store's in-memory newest values (``NewestView``): one pass over the series of
+    ``metric``, no query; None when the reader keeps none (then the file is asked)."""
+    if isinstance(reader, NewestView):
+        return reader.newest_by_label(metric, key, now - max_age, now)
+    return None
+
+
 def _fresh_pods(reader: MetricReader, metric: str, pods: Sequence[PodView], now: float,
                 max_age: float) -> dict[str, float]:
-    """Per pod uid: known pods through ``last`` (which also sees samples not yet
-    flushed), plus pods with metrics but no PodView (flushed samples only)."""
+    """Per pod uid, including pods with metrics but no PodView. From the newest view when
+    the store keeps one; else known pods through ``last`` plus the flushed others."""
+    newest = _newest(reader, metric, model.POD_UID, now, max_age)
+    if newest is not None:
+        return newest
     out = last_by_label(reader, metric, model.POD_UID, now, max_age)
     for pod in pods:
         sample = reader.last(metric, model.labels(pod_uid=pod.uid), max_age, now)
@@ -92,6 +103,9 @@ def _fresh_pods(reader: MetricReader, metric: str, pods: Sequence[PodView], now:
 
 def _fresh_containers(reader: MetricReader, metric: str, pods: Sequence[PodView], now: float,
                       max_age: float) -> dict[str, float]:
+    newest = _newest(reader, metric, model.CONTAINER_ID, now, max_age)
+    if newest is not None:
+        return {c.id: newest[c.id] for p in pods for c in p.containers if c.id in newest}
     out: dict[str, float] = {}
     for pod in pods:
         for ctr in pod.containers:
@@ -102,6 +116,10 @@ def _fresh_containers(reader: MetricReader, metric: str, pods: Sequence[PodView]
 
 
 def avg_by_label(reader: MetricReader, metric: str, key: str, start: float, end: float) -> dict[str, float]:
+    if isinstance(reader, NewestView):
+        found = reader.average_by_label(metric, key, start, end)
+        if found is not None:
+            return found
     return {_label(lb, key): agg.avg for lb, agg in reader.aggregate_all(metric, start, end).items()
             if _label(lb, key) and agg.count > 0}
 

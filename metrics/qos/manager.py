@@ -44,6 +44,7 @@ from metrics.qos.plan import Action, Evict, LeveledWrite, Outcome, Plan, Rejecte
 from metrics.qos.resctrlsync import ResctrlSync
 from metrics.qos.strategy import NODE, RoundContext, RoundInputs, Strategy, StrategyInit, read_inputs
 from metrics.qos.suppress import BEState, CPULike, SuppressStrategy
+from metrics.qos.verified import VerifiedWrites
 from runtimeproxy.hookapi import HookError, PodInfo
 
 __all__ = ["ManagerConfig", "Outcome", "QoSManager", "Round"]
@@ -120,9 +121,12 @@ class QoSManager:
         self._owners: dict[str, Strategy] = {s.name: s for s in self.strategies}
         self._plan_names: dict[str, set[str]] = {}
         #: target(s) -> (cause, consecutive failures) of writes failing now: warned once each.
+        #: Pruned every round to what was tried in it (a pod gone while failing leaves).
         self._failing: dict[str, tuple[str, int]] = {}
+        self._tried: set[str] = set()
         #: The pods as of the last round (read by the fast path).
         self.pods: tuple[PodView, ...] = ()
+        self._verified = VerifiedWrites(config.verified_for)
 
     @property
     def suppress(self) -> SuppressStrategy | None:
@@ -142,13 +146,22 @@ class QoSManager:
     # --- loop ---------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Round after round until cancelled; ``wake()`` starts the next one early."""
+        """Round after round until cancelled; ``wake()`` starts the next one early, but
+        not before one collect interval after the last one started: a round sooner than
+        that plans from the same store samples (one decision per input change). On a
+        host under CPU pressure the PSI trigger fires every window, and each woken round
+        doubled the loop's cost for nothing; the fast path, woken too, acts at once."""
         while True:
+            started = time.monotonic()
             await self.run_once()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.cfg.interval)
             except TimeoutError:
                 pass
+            else:
+                rest = min(self.cfg.collect_interval, self.cfg.interval) - (time.monotonic() - started)
+                if rest > 0:
+                    await asyncio.sleep(rest)
             self._wake.clear()
 
     def wake(self) -> None:
@@ -159,13 +172,18 @@ class QoSManager:
         async with self._lock:
             rules = self._rules()
             planned = await asyncio.to_thread(self._plan_round, rules, self.strategies)
-            self.pods = planned.inputs.pods
+            if planned.inputs.pods != self.pods:  # else the same object: the fast path keeps its paths
+                self._verified.keep_pods({p.uid for p in planned.inputs.pods})
+                self.pods = planned.inputs.pods
             result = await self._execute(planned.plans, planned.inputs)
             self._round_info = {"order": [s.name for s in self.strategies], "idle": planned.idle,
                                 "inputs": planned.inputs.summaries}
             for name in planned.idle:
                 for plan_name in self._plan_names.pop(name, set()):
                     self._explain.pop(plan_name, None)
+            if self._failing:
+                self._failing = {k: v for k, v in self._failing.items() if k in self._tried}
+            self._tried = set()
             await self._refresh_be_state()
             return result
 
@@ -184,16 +202,20 @@ class QoSManager:
             return result
 
     async def _refresh_be_state(self) -> None:
-        """The BE limit as written, so the fast path compares against what is in force."""
+        """The BE limit as written, so the fast path compares against what is in force (the
+        tier's knobs only: the fast path never looks at the quotas under it)."""
         chosen = self.suppress_strategy
         if not self.cfg.dry_run and chosen is not None:
-            chosen.be_state = await asyncio.to_thread(suppress.read_be_state, self._executor, chosen.inner.cfg)
+            chosen.be_state = await asyncio.to_thread(suppress.read_be_state, self._executor, chosen.inner.cfg,
+                                                      children=False)
 
     def _plan_round(self, rules: Rules, strategies: Sequence[Strategy], node: NodeInputs | None = None
                     ) -> _Planned:
         """Read every declared input once, then plan (worker thread). ``node``: the
         fast path's own node inputs, used instead of the store's."""
         pods = node.pods if node is not None else tuple(self._pods())
+        if node is None and pods == self.pods:
+            pods = self.pods  # unchanged: the same object, so views derived from it are reused
         ctx = RoundContext(now=node.now if node is not None else self._clock(), rules=rules, pods=pods,
                            reader=self._reader, executor=self._executor, config=self.cfg,
                            capacity_cores=self.capacity)
@@ -241,6 +263,7 @@ class QoSManager:
         task stops, and at start for strategies listed but disabled. Skipped in dry-run."""
         if self.cfg.dry_run:
             return []
+        self._verified.clear()  # what is released is checked against the files, not remembered
         out: list[Outcome] = []
         pods = list(self._pods())
         for chosen in strategies if strategies is not None else self.strategies:
@@ -259,13 +282,18 @@ class QoSManager:
     def _write(self, strategy: str, action: Action) -> Outcome:
         # Keyed by what is written and how it failed, not by the value: a suppress target
         # changes every tick, and a refused write must not warn at the tick rate.
+        if self._verified.fresh(action):
+            return Outcome(action, "unchanged")
         key = f"{strategy}:{_targets(action)}"
+        self._tried.add(key)
         try:
             changed = self._apply(strategy, action)
         except CgroupGoneError as exc:
+            self._verified.forget(action)
             log.debug("qos_write_skipped", strategy=strategy, reason=str(exc))
             return Outcome(action, "gone")
         except HookError as exc:  # CgroupError, ResctrlError, a strategy's own write error
+            self._verified.forget(action)
             cause = f"{type(exc).__name__}: {str(exc).rsplit(':', 1)[-1].strip()}"
             before, failures = self._failing.get(key, ("", 0))
             count = failures + 1 if before == cause else 1
@@ -275,6 +303,7 @@ class QoSManager:
                 if self._on_write_failed is not None:
                     self._on_write_failed(strategy, _targets(action), cause)
             return Outcome(action, f"failed: {exc}")
+        self._verified.done(action)
         failed = self._failing.pop(key, None)
         if failed is not None:
             log.info("qos_write_recovered", strategy=strategy, target=_targets(action), cause=failed[0],

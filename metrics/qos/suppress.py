@@ -19,8 +19,8 @@ is pure (``plan``); reading the current BE state is ``read_be_state``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any, Final, Protocol
 
@@ -52,6 +52,9 @@ NAME: Final = "cpu_suppress"
 MIN_QUOTA: Final = 2000  # µs: koordlet's floor, so BE pods are throttled, never frozen
 MIN_CPUSET: Final = 2
 GROWTH_RATIO: Final = 0.1
+#: Seconds a cpuset write reuses the cgroups found under the tier while the pod list is
+#: the same object (``_cpuset_children``).
+CHILDREN_MAX_AGE: Final = 30.0
 DEAD_BAND_RATIO: Final = 0.01
 
 
@@ -74,6 +77,16 @@ class SuppressConfig:
     cfs_period_us: int = 100_000
     #: kubelet's reserved CPUs (``--reserved-cpus``), never given to BE.
     reserved_cpus: frozenset[int] = frozenset()
+    #: After the BE limit was lowered (by either path), it grows back only from inputs
+    #: newer than that: the 1 s loop's store samples are up to 2 collect intervals old,
+    #: so until then they still show the moment before the LS burst the fast path saw,
+    #: and raising the limit from them undid the fast path's drop 11-29 ms later (issue
+    #: 28 item 7). 0 (koordlet, no fast path): no hold. The task sets it with the fast path.
+    hold_after_drop: float = 0.0
+    #: A growth smaller than this share of the capacity is not written (a drop still is
+    #: at the 1 % dead band: protecting LS stays prompt, giving back is lazier). 0: the
+    #: dead band alone (koordlet). The task sets it with the fast path.
+    growth_step: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +108,12 @@ class BEState:
         return capacity if self.quota <= 0 else self.quota / period
 
 
-def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[PodView] = ()) -> BEState:
+def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[PodView] = (), *,
+                  children: bool = True) -> BEState:
+    """The tier's knobs; with ``children`` also every quota under it (``tierquota``:
+    hundreds of files at 110 pods, so a caller that may not need them passes False
+    and reads them through ``read_be_children`` when it does)."""
+
     def read(resource: Any) -> str | None:
         try:
             return executor.read(cfg.besteffort_dir, resource)
@@ -112,7 +130,12 @@ def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[
     quota: int | None = None
     if quota_text:
         quota = -1 if quota_text[0] == "max" else int(quota_text[0]) if quota_text[0].lstrip("-").isdigit() else None
-    return BEState(cpus, quota, read_children(executor, cfg.besteffort_dir, cfg.cfs_period_us, pods))
+    return BEState(cpus, quota, read_be_children(executor, cfg, pods) if children else ())
+
+
+def read_be_children(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[PodView]
+                     ) -> tuple[ChildQuota, ...]:
+    return read_children(executor, cfg.besteffort_dir, cfg.cfs_period_us, pods)
 
 
 def is_be(pod: PodView) -> bool:
@@ -241,6 +264,53 @@ class SuppressStrategy:
         #: missing inputs, unreadable state, no CPU left).
         self.decision: Decision | None = None
         self._clamps = ChildClamps(cfg.cfs_period_us)
+        #: ``inputs.now`` of the last plan that lowered the BE limit (either path):
+        #: one decision, shared by the fast path and the loop (see ``_held``).
+        self.lowered_at = -math.inf
+        #: The children read for a cpuset write: (the pod list object, when, children).
+        self._children: tuple[Sequence[PodView], float, tuple[ChildQuota, ...]] | None = None
+        #: The last pod-view cpuset write built: (the pod list object, (cpus, reason), write).
+        self._cpuset_writes: tuple[Sequence[PodView], tuple[frozenset[int], str], LeveledWrite] | None = None
+
+    def _cpuset_children(self, inputs: NodeInputs, children: Callable[[], tuple[ChildQuota, ...]]
+                         ) -> tuple[ChildQuota, ...]:
+        """The cgroups under the tier for a cpuset write: read again when the pod list
+        changed (new pods, containers, sandboxes) or after ``CHILDREN_MAX_AGE``, else the
+        last read's (the cpuset policy writes every round; the walk was most of it)."""
+        cached = self._children
+        if cached is not None and cached[0] is inputs.pods and 0 <= inputs.now - cached[1] < CHILDREN_MAX_AGE:
+            return cached[2]
+        found = children()
+        self._children = (inputs.pods, inputs.now, found)
+        return found
+
+    def _forget_gone(self, pods: Sequence[PodView]) -> None:
+        """Nothing kept per pod outlives the pod (issue 28 item 10: churn must not grow it)."""
+        if self._warned or self._clamps.clamped:
+            live = {p.uid for p in pods}
+            self._warned &= live
+            self._clamps.keep_pods(live)
+
+    def hold(self, now: float) -> None:
+        """Inputs at ``now`` confirmed the BE limit in force (or wanted it lower): growth
+        waits ``hold_after_drop`` from here (the fast path calls it on every such tick)."""
+        self.lowered_at = max(self.lowered_at, now)
+
+    def _held(self, grows: bool, lowers: bool, step_ok: bool, inputs: NodeInputs) -> str | None:
+        """Why a change of the BE limit is not made now (None: make it). A drop the
+        non-BE pods call for (``lowers``) is remembered; a growth waits
+        ``hold_after_drop`` after one and must be a step."""
+        if lowers:
+            self.hold(inputs.now)
+            return None
+        if not grows:
+            return None
+        since = inputs.now - self.lowered_at
+        if since < self.cfg.hold_after_drop:
+            return f"lowered {max(since, 0.0):.1f}s ago: grows from inputs newer than {self.cfg.hold_after_drop:g}s"
+        if not step_ok:
+            return f"growth below the {self.cfg.growth_step:.0%} step"
+        return None
 
     def recovery_cpus(self, pods: Sequence[PodView]) -> frozenset[int]:
         """All CPUs - LSE-bound - reserved (koordlet's calcBECPUSet)."""
@@ -261,11 +331,16 @@ class SuppressStrategy:
                 depths.setdefault(child.depth, []).append(
                     SetCgroup(child.cgroup, CPUSET_CPUS, text, reason, child.pod_uid))
             return LeveledWrite((top, *(tuple(depths[d]) for d in sorted(depths))), reason)
+        cached = self._cpuset_writes
+        if cached is not None and cached[0] is pods and cached[1] == (cpus, reason):
+            return cached[2]  # the same pod list and value: the same write (built once per change)
         be = [p for p in pods if p.qos is QoSClass.BE]
         pod_level = tuple(SetCgroup(PurePosixPath(p.cgroup_dir), CPUSET_CPUS, text, reason, p.uid) for p in be)
         ctr_level = tuple(SetCgroup(PurePosixPath(c.cgroup_dir), CPUSET_CPUS, text, reason, p.uid)
                           for p in be for c in p.containers)
-        return LeveledWrite(tuple(lv for lv in (top, pod_level, ctr_level) if lv), reason)
+        write = LeveledWrite(tuple(lv for lv in (top, pod_level, ctr_level) if lv), reason)
+        self._cpuset_writes = (pods, (cpus, reason), write)
+        return write
 
     def _quota_write(self, quota: int, reason: str, children: Sequence[ChildQuota] | None = None
                      ) -> SetCgroup | LeveledWrite:
@@ -286,8 +361,13 @@ class SuppressStrategy:
             actions.append(self._quota_write(-1, f"recover BE cfs quota ({why})"))
         return actions
 
-    def plan(self, inputs: NodeInputs, threshold: ResourceThresholdStrategy, state: BEState) -> Plan:
+    def plan(self, inputs: NodeInputs, threshold: ResourceThresholdStrategy, state: BEState,
+             children: Callable[[], tuple[ChildQuota, ...]] | None = None) -> Plan:
+        """``children``: when given, ``state.children`` were not read and this reads them,
+        only when a write may need them (a cpuset write, a quota that moves); a tier
+        quota that stays needs none (the kernel keeps every child below it)."""
         self.decision = None
+        self._forget_gone(inputs.pods)
         if not threshold.enable:
             acts = self.recover(inputs.pods, cpuset=True, quota=True, why="resourceUsedThresholdWithBE disabled")
             return Plan(NAME, Priority.SUPPRESS, tuple(acts), {"enable": False}, "disabled: recovering BE limits")
@@ -302,8 +382,10 @@ class SuppressStrategy:
         info = {**base, **formula.describe(), "node_used": inputs.node_cpu_used,
                 "capacity_cores": inputs.capacity_cores, "reserved_cores": inputs.reserved_cores}
         if threshold.cpu_suppress_policy == "cpuset":
+            if children is not None and state.cpuset is not None:
+                state = replace(state, children=self._cpuset_children(inputs, children))
             return self._plan_cpuset(inputs, formula, state, info)
-        return self._plan_quota(inputs, formula, state, info)
+        return self._plan_quota(inputs, formula, state, info, children)
 
     def _plan_cpuset(self, inputs: NodeInputs, formula: SuppressFormula, state: BEState,
                      info: dict[str, Any]) -> Plan:
@@ -315,6 +397,12 @@ class SuppressStrategy:
         wanted = max(math.ceil(formula.suppress), MIN_CPUSET)
         cap = len(state.cpuset) + math.ceil(GROWTH_RATIO * len(self.topology))
         n = min(wanted, cap, len(candidates))
+        have = len(state.cpuset)
+        step = max(1, math.ceil(self.cfg.growth_step * len(self.topology)))
+        ls_cpus = math.ceil(ls_headroom(formula, inputs))
+        held = self._held(n > have, n < have and ls_cpus < have, n - have >= step, inputs)
+        if held is not None:
+            n, info = min(have, len(candidates)), {**info, "held": held}
         cpus = _split_select(n, candidates, lsr)
         info = {**info, "wanted_cpus": wanted, "growth_cap": cap, "cpus": format_cpu_list(cpus),
                 "excluded_lse": format_cpu_list(lse), "excluded_reserved": format_cpu_list(self.cfg.reserved_cpus)}
@@ -327,20 +415,44 @@ class SuppressStrategy:
         return Plan(NAME, Priority.SUPPRESS, actions, info, reason)
 
     def _plan_quota(self, inputs: NodeInputs, formula: SuppressFormula, state: BEState,
-                    info: dict[str, Any]) -> Plan:
+                    info: dict[str, Any], children: Callable[[], tuple[ChildQuota, ...]] | None = None) -> Plan:
         if state.quota is None:
             return Plan(NAME, Priority.SUPPRESS, (), info, "no decision: current BE cfs quota unreadable")
-        new, why = quota_target(formula.suppress, state.quota, inputs.capacity_cores, self.cfg.cfs_period_us)
-        info = {**info, "current_quota": state.quota, "quota": new}
+        current = state.quota
+        new, why = quota_target(formula.suppress, current, inputs.capacity_cores, self.cfg.cfs_period_us)
+        if new is not None and current > 0:
+            step = inputs.capacity_cores * self.cfg.cfs_period_us * self.cfg.growth_step
+            ls_quota = ls_headroom(formula, inputs) * self.cfg.cfs_period_us
+            held = self._held(new > current, new < current and ls_quota < current, new - current >= step, inputs)
+            if held is not None:
+                new, why = None, f"BE quota {current} kept: {held}"
+        # The children matter only when the tier moves: while it stays, the kernel keeps
+        # every child at or below it, and a child someone else changed meanwhile is
+        # told from its clamp when they are next read (before the tier moves).
+        unread = children is not None and (new is None or new == current)  # at the floor: stays
+        if children is not None and not unread:
+            state = replace(state, children=children())
+        info = {**info, "current_quota": current, "quota": new}
         recovery = self.recover(inputs.pods, cpuset=True, quota=False, why="policy cfsQuota")
-        kept = state.quota if new is None else new
+        kept = current if new is None else new
         if kept > 0:
             self.decision = Decision("cfsQuota", kept / self.cfg.cfs_period_us, formula)
+        if unread:
+            info["clamped_children"] = self.clamped
+            return Plan(NAME, Priority.SUPPRESS, tuple(recovery), info, why)
         write = self._quota_write(kept, why, state.children)
         info["clamped_children"] = self.clamped
         if new is None and isinstance(write, SetCgroup):
             return Plan(NAME, Priority.SUPPRESS, tuple(recovery), info, why)
         return Plan(NAME, Priority.SUPPRESS, (write, *recovery), info, why)
+
+
+def ls_headroom(formula: SuppressFormula, inputs: NodeInputs) -> float:
+    """The suppress value with the system's share at its reservation: what the non-BE
+    pods alone leave BE. A drop below the limit in force by this measure is the pods'
+    doing (an LS burst) and holds growth; one from system noise alone (other work on the
+    host, seen for 100 ms) does not, as before the hold."""
+    return formula.suppress + formula.system_used - inputs.reserved_cores
 
 
 def quota_target(suppress: float, current: int, capacity: float, period: int) -> tuple[int | None, str]:

@@ -12,7 +12,7 @@ import functools
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import structlog
 
@@ -83,6 +83,19 @@ def _reserved(settings: QoSSettings, agent: MetricsAgent) -> float:
     return from_node or 0.0
 
 
+def _suppress_config(settings: QoSSettings, besteffort_dir: str, collect_interval: float) -> SuppressConfig:
+    """With the fast path, two paths decide the BE limit: a drop holds growth until the
+    loop's store inputs are all newer than it, and growth moves in steps (no flapping)."""
+    if not settings.fast_path:
+        return SuppressConfig(besteffort_dir=PurePosixPath(besteffort_dir))
+    return SuppressConfig(besteffort_dir=PurePosixPath(besteffort_dir),
+                          hold_after_drop=2 * collect_interval, growth_step=FAST_PATH_GROWTH_STEP)
+
+
+#: With the fast path on: a growth of the BE limit below 5 % of the node is not written.
+FAST_PATH_GROWTH_STEP: Final = 0.05
+
+
 def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
     settings = parse_qos(init.args, init.key_path)
     agent = shared_agent(init)
@@ -95,7 +108,8 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
     config = ManagerConfig(
         interval=settings.interval, collect_interval=agent.settings.intervals.pods, dry_run=settings.dry_run,
         node_name=agent.settings.node_name, reserved_cores=_reserved(settings, agent),
-        suppress=SuppressConfig(besteffort_dir=PurePosixPath(settings.besteffort_dir or agent.settings.besteffort_dir)),
+        suppress=_suppress_config(settings, settings.besteffort_dir or agent.settings.besteffort_dir,
+                                  agent.settings.intervals.pods),
         evict=EvictConfig(collect_interval=agent.settings.intervals.pods,
                           cpu_cool_down=settings.cpu_evict_cool_down,
                           memory_cool_down=settings.memory_evict_cool_down),
@@ -104,7 +118,7 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
     strategy_init = StrategyInit(name="", args={}, key_path=f"{init.key_path}.strategies", config=config,
                                  topology=cpus, executor=executor, host=init.host, state_dir=init.state_dir,
                                  shared={builtin.WRITER: agent.tsdb, builtin.AGENT: agent,
-                                         interference.TASKS: init.shared})
+                                         interference.TASKS: init.shared, builtin.RECONCILE: init.reconcile_now})
     loaded = load_strategies(settings.strategies, strategy_init)
     log.info("qos_strategies", enabled=[s.name for s in loaded.enabled], disabled=[s.name for s in loaded.disabled])
     manager = QoSManager(

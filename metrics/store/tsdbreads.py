@@ -56,6 +56,9 @@ class TSDBReads:
     _key_labels: dict[SeriesKey, tuple[str, Labels]]
     _readers: q.ReaderConnections
     _closed: bool
+    #: Metric -> labels as written -> series key (``tsdbwrites``).
+    _keys: dict[str, dict[Labels, SeriesKey]]
+    readonly: bool
 
     def _reader(self) -> sqlite3.Connection:
         if self._closed:
@@ -243,6 +246,64 @@ class TSDBReads:
         with self._batch_lock:
             found = self._latest.get(handle)
         return (found[0] / 1000, found[1]) if found is not None else None
+
+    def newest_by_label(self, metric: str, key: str, start: float, end: float) -> dict[str, float] | None:
+        """``metrics.model.NewestView``: by label ``key``, the newest value of every series
+        of ``metric`` last written in ``[start, end]``, from the in-memory record alone
+        (no query, no label decoding: the label sets written are kept by metric). A
+        sample in the file but not in memory is older than ``LATEST_KEEP``: not fresh.
+        None on a read-only store (it writes nothing, so it keeps no such record)."""
+        if self.readonly:
+            return None
+        lo, hi = q.to_ms(start), q.to_ms(end)
+        by_labels = self._keys.get(metric)
+        if not by_labels:
+            return {}
+        pairs = list(by_labels.copy().items())
+        out: dict[str, float] = {}
+        with self._batch_lock:
+            latest = self._latest
+            for lbl, series in pairs:
+                found = latest.get(series)
+                if found is None or not lo <= found[0] <= hi:
+                    continue
+                for k, v in lbl:
+                    if k == key:
+                        if v:
+                            out[v] = found[1]
+                        break
+        return out
+
+    def average_by_label(self, metric: str, key: str, start: float, end: float) -> dict[str, float] | None:
+        """``metrics.model.NewestView``: by label ``key``, the mean of every series of
+        ``metric`` over ``[start, end]`` (as ``aggregate_all``'s ``avg``), without the
+        percentiles and label decoding ``aggregate_all`` does for every series."""
+        lo, hi = q.to_ms(start), q.to_ms(end)
+
+        def read() -> tuple[dict[str, Columns], dict[str, list[r.Bucket]]]:
+            with self._snapshot() as conn:
+                return f.raw_window_all(conn, metric, lo, hi), r.buckets_window_all(conn, metric, lo, hi)
+
+        nothing: tuple[dict[str, Columns], dict[str, list[r.Bucket]]] = ({}, {})
+        raw, buckets = self._from_file(read, nothing)
+        pending = self._pending()
+        if pending:
+            for text, extra in d.pending_of_metric(pending, metric, lo, hi).items():
+                raw.setdefault(text, Columns()).extend(extra)
+        names = self._key_labels
+        out: dict[str, float] = {}
+        for text in raw.keys() | buckets.keys():
+            cols, parts = raw.get(text), buckets.get(text, ())
+            count = (len(cols.vals) if cols is not None else 0) + sum(b.count for b in parts)
+            if count == 0:
+                continue
+            named = names.get(f"{metric}\n{text}")
+            lbl = named[1] if named is not None else q.decode_labels(text)
+            value = next((v for k, v in lbl if k == key), "")
+            if value:
+                total = (sum(cols.vals) if cols is not None else 0.0) + sum(b.total for b in parts)
+                out[value] = total / count
+        return out
 
     def newest_values(self) -> list[tuple[str, Labels, float]]:
         """``(metric, labels, value)`` of the newest sample of every series this writer

@@ -63,3 +63,42 @@ def test_be_window(store: TSDB) -> None:
     assert win is not None
     assert (win.count, win.usage_avg, win.request_last, win.limit_last) == (10, 5.5, 19.0, 11.0)
     assert build_be_cpu_window(store, now=NOW + 100, window=10) is None
+
+
+class _QueriesOnly:
+    """The same store seen only through ``MetricReader``: the per-series queries."""
+
+    def __init__(self, db: TSDB) -> None:
+        self.aggregate, self.aggregate_all, self.aggregate_many = db.aggregate, db.aggregate_all, db.aggregate_many
+        self.last, self.get_kv = db.last, db.get_kv
+
+
+def test_the_in_memory_view_gives_what_the_queries_give(store: TSDB, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: a round's inputs from the store's newest values (no query per pod) are
+    the inputs the per-series queries gave, flushed or not, fresh or stale, known or not."""
+    pods = [pod(u) for u in "abcd"]
+    store.write([Sample(model.NODE_CPU_USAGE, 4.0, ts=NOW - 4), Sample(model.NODE_CPU_USAGE, 5.0, ts=NOW - 1)]
+                + [Sample(model.POD_CPU_USAGE, v, labels(pod_uid=u), NOW - t)
+                   for u, v, t in (("a", 1.0, 3), ("a", 1.5, 0.5), ("b", 2.0, 1), ("c", 9.0, 3), ("ghost", 0.4, 1))]
+                + [Sample(model.POD_MEMORY_USED, 1e6, labels(pod_uid="a"), NOW - 1)]
+                + [Sample(model.CONTAINER_CPU_USAGE, 0.3, labels(pod_uid="b", container_id="b-c"), NOW - 1),
+                   Sample(model.CONTAINER_CPU_THROTTLED, 0.2, labels(pod_uid="a", container_id="a-c"), NOW - 1)])
+    store.flush()
+    store.write([Sample(model.POD_CPU_USAGE, 0.7, labels(pod_uid="d"), NOW - 0.2)])  # not flushed yet
+    queried = build_node_inputs(_QueriesOnly(store), pods, now=NOW, capacity_cores=8, reserved_cores=0.5)
+    asked: list[str] = []
+    last, aggregate_all = store.last, store.aggregate_all
+    monkeypatch.setattr(store, "last", lambda metric, *a: asked.append(metric) or last(metric, *a))
+    monkeypatch.setattr(store, "aggregate_all", lambda metric, *a: asked.append(metric) or aggregate_all(metric, *a))
+    viewed = build_node_inputs(store, pods, now=NOW, capacity_cores=8, reserved_cores=0.5)
+    # node series only: nothing asked per pod or container, no window query over all pods
+    assert set(asked) <= {model.NODE_CPU_USAGE, model.NODE_MEMORY_USED, model.NODE_MEMORY_TOTAL}, asked
+    assert dict(viewed.pod_cpu_used) == {"a": 1.5, "b": 2.0, "d": 0.7, "ghost": 0.4}
+    assert dict(viewed.pod_cpu_used) == dict(queried.pod_cpu_used)
+    assert dict(viewed.pod_memory_used) == dict(queried.pod_memory_used)
+    assert dict(viewed.container_cpu_used) == dict(queried.container_cpu_used) == {"b-c": 0.3}
+    assert dict(viewed.container_throttled) == dict(queried.container_throttled) == {"a-c": 0.2}
+    assert viewed.pod_cpu_avg == pytest.approx(queried.pod_cpu_avg)
+    assert viewed.pod_cpu_avg["a"] == pytest.approx(1.25)
+    assert viewed.missing == queried.missing
+    assert "pod_cpu_usage_cores{ns/c}" in viewed.missing

@@ -4,6 +4,8 @@ switches, stale metrics, eviction through the runtime, explain."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -293,3 +295,32 @@ async def test_release_in_dry_run_writes_nothing(env_factory: Any) -> None:
     before = tree(env.root)
     assert env.manager.release() == []
     assert tree(env.root) == before
+
+
+@pytest.mark.asyncio
+async def test_wakes_do_not_run_rounds_faster_than_the_samples_change(env_factory: Any) -> None:
+    """Issue 29: under CPU pressure the PSI trigger fires every window; a woken round
+    sooner than one collect interval after the last plans from the same samples, and
+    ran the loop at the trigger rate (twice its cost on a busy host)."""
+    env = env_factory(ON)
+    env.usage()
+    env.manager.cfg = ManagerConfig(interval=0.2, collect_interval=0.2)
+    rounds: list[float] = []
+    original = env.manager.run_once
+
+    async def counted() -> Any:
+        rounds.append(time.monotonic())
+        return await original()
+
+    env.manager.run_once = counted
+    task = asyncio.create_task(env.manager.run())
+    start = time.monotonic()
+    while time.monotonic() - start < 1.0:
+        env.manager.wake()  # a trigger every 20 ms
+        await asyncio.sleep(0.02)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    gaps = [b - a for a, b in itertools.pairwise(rounds)]
+    assert len(rounds) <= 7, f"{len(rounds)} rounds in 1 s at a 0.2 s collect interval"
+    assert min(gaps) >= 0.19, gaps
