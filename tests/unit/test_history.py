@@ -3,7 +3,12 @@ stops the proxy."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -124,3 +129,85 @@ def test_unusable_state_dir_means_memory_only_never_a_crash(tmp_path: Path, kind
         history.close()
     events = [e["event"] for e in logs if e["log_level"] == "warning"]
     assert "change_history_not_saved" in events and len(events) <= 2, events
+
+
+@pytest.fixture
+def small_fs() -> Iterator[Path]:
+    """A 256 KiB tmpfs of our own, unmounted (and its mount point removed) afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    point = Path(tempfile.mkdtemp(prefix="krpt-history-fs-"))
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "krpt-history-fs", str(point)],
+                       check=True)
+        try:
+            yield point
+        finally:
+            if subprocess.run(["umount", str(point)], check=False).returncode != 0:
+                subprocess.run(["umount", "-l", str(point)], check=False)
+    finally:
+        point.rmdir()
+
+
+def _fill(fs: Path) -> Path:
+    """Take every free byte of ``fs`` with one file."""
+    filler = fs / "filler"
+    with open(filler, "wb", buffering=0) as out:
+        with contextlib.suppress(OSError):
+            while True:
+                out.write(b"\0" * 4096)
+    return filler
+
+
+def _big(i: int) -> Change:
+    """A change of ~4 KiB on disk: a few of them need new pages of a full filesystem."""
+    return Change("h", "PreCreateContainer", "t", str(i), "x" * 4000, "test")
+
+
+def test_a_full_disk_keeps_the_history_in_memory_and_the_file_catches_up_once_space_returns(
+        small_fs: Path) -> None:
+    state = small_fs / "state"
+    history = ChangeHistory(state, per_pod=64, max_pods=8, retry_after=0.0)
+    history.load()
+    history.append("before", (_change(1),))
+    assert history.wait_written(10) and history.not_saved() is None
+    filler = _fill(small_fs)
+    try:
+        with capture_logs() as logs:
+            for i in range(8):  # the file's last page fills up: ENOSPC
+                history.append("full", (_big(i),))
+            assert history.wait_written(10) and "No space" in str(history.not_saved())
+            for i in range(8, 12):  # still full: kept in memory, no second warning
+                history.append("full", (_big(i),))
+            assert history.wait_written(10) and history.not_saved() is not None
+            filler.unlink()  # space is back: the next change brings the file up to date, while running
+            history.append("after", (_change(2),))
+            assert history.wait_written(10) and history.not_saved() is None
+            text = (state / FILE_NAME).read_text()
+    finally:
+        history.close()
+    events = [e["event"] for e in logs if e["event"].startswith("change_history")]
+    assert events == ["change_history_not_saved", "change_history_saved"], events
+    assert '"uid":"after"' in text and text.count('"uid":"full"') == 12 and '"uid":"before"' in text
+    assert not (state / (FILE_NAME + ".tmp")).exists()
+    again = ChangeHistory(state, per_pod=64, max_pods=8)
+    loaded = again.load()
+    again.close()
+    assert sorted(loaded) == ["after", "before", "full"], "everything recorded while full is on disk now"
+    assert [c.old for c in loaded["full"]] == [str(i) for i in range(12)]
+
+
+def test_a_history_still_unsaved_at_stop_is_written_then(small_fs: Path) -> None:
+    state = small_fs / "state"
+    history = ChangeHistory(state, per_pod=64, max_pods=8, retry_after=3600.0)  # no retry while running
+    history.load()
+    filler = _fill(small_fs)
+    for i in range(8):
+        history.append("full", (_big(i),))
+    assert history.wait_written(10) and history.not_saved() is not None
+    filler.unlink()
+    history.append("after", (_change(2),))
+    assert history.wait_written(10) and history.not_saved() is not None, "back-off: not tried yet"
+    history.close()
+    text = (state / FILE_NAME).read_text()
+    assert '"uid":"after"' in text and text.count('"uid":"full"') == 8
