@@ -38,6 +38,7 @@ from runtimeproxy.ops import fdlimits, logsetup, sdnotify
 from runtimeproxy.ops.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.ops.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.ops.supervisor import Supervisor
+from runtimeproxy.state import statedir
 from runtimeproxy.state.history import ChangeHistory
 from runtimeproxy.state.reconcile import Reconciler
 from runtimeproxy.state.resync import Resyncer, watch_reconnects
@@ -469,6 +470,8 @@ def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, An
     old, new = fdlimits.raise_nofile_limit()
     if new != old:
         log.info("nofile_limit_raised", old=old, new=new)
+    # One proxy per state dir, for the life of the process (exit 2 naming the holder's pid).
+    state_lock = statedir.claim(Path(settings.state_dir)) if settings.state_dir else None
 
     async def main() -> int:
         logsetup.install_loop_exception_handler(asyncio.get_running_loop())
@@ -480,4 +483,8 @@ def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, An
         gc.freeze()
         return await app.run()
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    finally:
+        if state_lock is not None:
+            state_lock.release()
