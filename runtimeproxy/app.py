@@ -37,6 +37,7 @@ from runtimeproxy.lifecycle.handler import Lifecycle, SkipLabel
 from runtimeproxy.ops import fdlimits, logsetup, sdnotify
 from runtimeproxy.ops.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.ops.promstats import HttpEndpoint, ProxyMetrics
+from runtimeproxy.ops.repeats import RepeatFilter
 from runtimeproxy.ops.supervisor import Supervisor
 from runtimeproxy.state import statedir
 from runtimeproxy.state.history import ChangeHistory
@@ -77,13 +78,14 @@ class App:
         self.metrics.set_build_info(__version__)
         self.registry.register(FailureCollector())  # host writes refused, from every executor in the process
         self._pools = HookPools()  # sync hooks' threads: a bounded pool per hook, kept across reloads
+        self._repeats = RepeatFilter()  # hook failures already logged, per object: kept across reloads
         # One source of rules for every hook and task: the YAML, with the NodeSLO merged
         # over it while the metrics task has one (it registers the overlay).
         self.rules = RulesProvider(settings.rules)
         self._loop: asyncio.AbstractEventLoop | None = None
         # Built here so a bad plugin or stage fails start-up, before the socket exists.
         self.chain: HookChain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics,
-                                                    current_rules=self.rules.current)
+                                                    current_rules=self.rules.current, repeats=self._repeats)
         history = (ChangeHistory(Path(settings.state_dir), per_pod=CHANGES_PER_POD, max_pods=HISTORY_PODS)
                    if settings.state_dir else None)
         self.store = Store(history)
@@ -343,7 +345,7 @@ class App:
             # refused now: under Restart=always it would leave the node without a runtime.
             plugins.validate_tasks(settings)
             chain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics,
-                                        current_rules=self.rules.current)
+                                        current_rules=self.rules.current, repeats=self._repeats)
         except ConfigError as exc:
             self.metrics.config_reloaded(False)
             log.error("config_reload_rejected", trigger=trigger, error=str(exc), kept="previous config")
