@@ -43,9 +43,9 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import jsonschema
 import yaml
 
+from tests.reference import reference
+
 REPO = Path(__file__).resolve().parents[1]
-#: CI clones the repository next to shared/ (as the worktrees here are).
-CRD_DIR = REPO.parent / "shared" / "reference" / "crds"
 HOLD = "hold"  # a watch script ending in HOLD keeps the stream open until ``release`` is set
 
 SLO = "slo.koordinator.sh/v1alpha1"
@@ -121,11 +121,8 @@ def _strict(schema: Any) -> Any:
 
 @cache
 def crd_validator(crd_file: str, version: str) -> jsonschema.protocols.Validator:
-    """A validator of ``version`` of the CRD in ``CRD_DIR/crd_file``."""
-    path = CRD_DIR / crd_file
-    if not path.is_file():
-        raise FileNotFoundError(f"CRD schema {path} not found: the reference material (shared/reference/crds) "
-                                f"must be checked out next to the repository")
+    """A validator of ``version`` of the CRD in ``shared/reference/crds/<crd_file>``."""
+    path = reference("crds", crd_file)
     doc = yaml.safe_load(path.read_text())
     for v in doc["spec"]["versions"]:
         if v["name"] == version:
@@ -171,6 +168,7 @@ class KubeApiServer:
 
     def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         """``tls``: serve HTTPS with this server-side context (e.g. requiring client certificates)."""
+        reference("crds")  # here, in the test's thread: skipped (failed under CI) before any request
         self.routes: dict[tuple[str, str], Answer | Callable[[Request], Answer]] = {}
         self.watch_scripts: dict[str, list[list[object]]] = {}
         self.requests: list[Request] = []
