@@ -9,6 +9,7 @@ in-flight ones within ``shutdown_grace``, stop background tasks, close channels.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
@@ -102,6 +103,8 @@ class App:
             skip_label=lambda: SkipLabel(self.settings.skip_label_key, self.settings.skip_label_value),
         )
         self.server: InterceptServer
+        #: HAProxy's counters read off the loop before each scrape (None without HAProxy).
+        self._stats_read: Callable[[], None] | None = None
         #: The lifecycle calls HAProxy relays straight to containerd, told after the reply.
         self.notices: NoticeServer | None = None
         if self.data_plane is not None:
@@ -109,8 +112,8 @@ class App:
             self.server = H1InterceptServer(listen=self.data_plane.intercept_socket, lifecycle=self.lifecycle,
                                             metrics=self.metrics, max_message_bytes=settings.max_message_bytes)
             # Pass-through calls are counted by HAProxy; its counters are read at scrape time.
-            haproxystats.install(self.registry, self.metrics.cri_calls, self.metrics.cri_errors,
-                                 self.data_plane.layout.stats_socket)
+            self._stats_read = haproxystats.install(self.registry, self.metrics.cri_calls, self.metrics.cri_errors,
+                                                    self.data_plane.layout.stats_socket).refresh
             self.notices = NoticeServer(
                 self.data_plane.layout.notice_socket, frozenset(haproxy.LIFECYCLE_METHODS),
                 lambda n: self.lifecycle.notice(n.method, n.payload, n.result),
@@ -147,6 +150,7 @@ class App:
         self._ready = False
         self._stopping = False
         self._oneshots: set[asyncio.Task[bool]] = set()
+        self._reload_lock = asyncio.Lock()
 
     # --- start / stop ------------------------------------------------------------
 
@@ -224,7 +228,14 @@ class App:
         # Signal handlers cannot await; keep a reference so the task is owned until done.
         task = asyncio.get_running_loop().create_task(self.reload("SIGHUP"), name="reload:SIGHUP")
         self._oneshots.add(task)
-        task.add_done_callback(self._oneshots.discard)
+        task.add_done_callback(self._oneshot_done)
+
+    def _oneshot_done(self, task: asyncio.Task[bool]) -> None:
+        """A one-shot task ended: its outcome is looked at (a bug in it is logged, never
+        "Task exception was never retrieved" at exit)."""
+        self._oneshots.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("task_failed", task=task.get_name(), error=f"{type(exc).__name__}: {exc}", exc_info=exc)
 
     async def shutdown(self) -> int:
         sdnotify.notify("STOPPING=1")
@@ -265,6 +276,7 @@ class App:
         self.http = HttpEndpoint(
             host.strip("[]"), int(port), self.registry, health=self._health_problem,
             routes=self._routes, expositions=self._expositions, after_scrape=heap.trim,
+            before_scrape=self._stats_read,
             idle_timeout=self.settings.metrics_idle_timeout, max_connections=self.settings.metrics_max_connections,
             fd_reserve=self.settings.metrics_fd_reserve, stats=self.metrics.http,
         )
@@ -317,7 +329,10 @@ class App:
                 if not logged:
                     log.warning("backend_unavailable", endpoint=self.settings.backend.runtime_endpoint, error=str(exc))
                     logged = True
-                await asyncio.wait([asyncio.ensure_future(self._stop.wait())], timeout=delay)
+                # wait_for, not wait([ensure_future(...)]): the waiter is cancelled at the timeout
+                # instead of left pending, one more per retry, until the stop.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), timeout=delay)
                 delay = min(delay * 2, 2.0)
                 continue
             version = cri.VersionResponse.FromString(reply.payload)
@@ -338,14 +353,16 @@ class App:
     # --- reload ------------------------------------------------------------------
 
     async def reload(self, trigger: str) -> bool:
-        """Validate, build, swap; on any error keep the running config."""
+        """Validate, build, swap; on any error keep the running config. One at a time (a
+        SIGHUP and a file change at once): the second builds on what the first swapped in."""
+        async with self._reload_lock:
+            return await self._reload(trigger)
+
+    async def _reload(self, trigger: str) -> bool:
         try:
-            settings = load(self._config_path, self._overrides)
-            # Tasks restart only with the process, but a value ``run`` would refuse must be
-            # refused now: under Restart=always it would leave the node without a runtime.
-            plugins.validate_tasks(settings)
-            chain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics,
-                                        current_rules=self.rules.current, repeats=self._repeats)
+            # Off the loop: reading, validating and building take 90-170 ms (plugins import,
+            # files are read) that the CRI calls in flight must not wait for.
+            settings, chain = await asyncio.to_thread(self._prepare_reload)
         except ConfigError as exc:
             self.metrics.config_reloaded(False)
             log.error("config_reload_rejected", trigger=trigger, error=str(exc), kept="previous config")
@@ -367,6 +384,16 @@ class App:
         log.info("config_reloaded", trigger=trigger, hooks=[h.name for h in chain.hooks])
         await plugins.close_hooks(old.hooks)
         return True
+
+    def _prepare_reload(self) -> tuple[Settings, HookChain]:
+        """The new settings and chain (in a worker thread); ConfigError if any of it is refused."""
+        settings = load(self._config_path, self._overrides)
+        # Tasks restart only with the process, but a value ``run`` would refuse must be
+        # refused now: under Restart=always it would leave the node without a runtime.
+        plugins.validate_tasks(settings)
+        chain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics,
+                                    current_rules=self.rules.current, repeats=self._repeats)
+        return settings, chain
 
     def _fingerprint(self) -> tuple[object, ...]:
         path = self._config_path
