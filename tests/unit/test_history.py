@@ -3,11 +3,8 @@ stops the proxy."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +14,7 @@ from structlog.testing import capture_logs
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.chain.hookchain import Change
 from runtimeproxy.state.history import FILE_NAME, ChangeHistory
+from tests.tmpfs import fill, small_tmpfs
 
 RT = "/runtime.v1.RuntimeService/"
 
@@ -133,30 +131,10 @@ def test_unusable_state_dir_means_memory_only_never_a_crash(tmp_path: Path, kind
 
 @pytest.fixture
 def small_fs() -> Iterator[Path]:
-    """A 256 KiB tmpfs of our own, unmounted (and its mount point removed) afterwards."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    point = Path(tempfile.mkdtemp(prefix="krpt-history-fs-"))
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "krpt-history-fs", str(point)],
-                       check=True)
-        try:
-            yield point
-        finally:
-            if subprocess.run(["umount", str(point)], check=False).returncode != 0:
-                subprocess.run(["umount", "-l", str(point)], check=False)
-    finally:
-        point.rmdir()
-
-
-def _fill(fs: Path) -> Path:
-    """Take every free byte of ``fs`` with one file."""
-    filler = fs / "filler"
-    with open(filler, "wb", buffering=0) as out:
-        with contextlib.suppress(OSError):
-            while True:
-                out.write(b"\0" * 4096)
-    return filler
+    with small_tmpfs("256k", "krpt-history-fs-") as point:
+        yield point
 
 
 def _big(i: int) -> Change:
@@ -171,7 +149,7 @@ def test_a_full_disk_keeps_the_history_in_memory_and_the_file_catches_up_once_sp
     history.load()
     history.append("before", (_change(1),))
     assert history.wait_written(10) and history.not_saved() is None
-    filler = _fill(small_fs)
+    filler = fill(small_fs)
     try:
         with capture_logs() as logs:
             for i in range(8):  # the file's last page fills up: ENOSPC
@@ -201,7 +179,7 @@ def test_a_history_still_unsaved_at_stop_is_written_then(small_fs: Path) -> None
     state = small_fs / "state"
     history = ChangeHistory(state, per_pod=64, max_pods=8, retry_after=3600.0)  # no retry while running
     history.load()
-    filler = _fill(small_fs)
+    filler = fill(small_fs)
     for i in range(8):
         history.append("full", (_big(i),))
     assert history.wait_written(10) and history.not_saved() is not None
