@@ -78,6 +78,7 @@ from typing import Any, Final
 
 import structlog
 
+from hooks.annotations import AnnotationError
 from hooks.cgroups import CgroupError, CgroupLayout, PathEscapeError, container_cgroup_dir
 from hooks.executor import confine
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
@@ -113,10 +114,6 @@ _SHOWN: Final = 200
 _FULL: Final = ResctrlQOS()  # Koordinator's None config: 0-100 % LLC, 100 % MBA
 
 log = structlog.get_logger("hooks.resctrl")
-
-
-class AnnotationError(ValueError):
-    """The resctrl annotation is malformed (message without pod and value)."""
 
 
 def _int(value: object, where: str, low: int, high: int) -> int:

@@ -43,6 +43,7 @@ from typing import Final
 import structlog
 
 from metrics.model import Labels
+from runtimeproxy.hookapi import KoordError
 from runtimeproxy.ops.privatefiles import private_file
 
 SCHEMA_VERSION: Final = 3
@@ -129,7 +130,7 @@ _CORRUPT_CODES: Final = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB
 log = structlog.get_logger("metrics.store.tsdbquery")
 
 
-class TSDBError(Exception):
+class TSDBError(KoordError):
     """The store cannot do what was asked; the message names the file."""
 
     def __init__(self, path: Path, reason: str) -> None:
