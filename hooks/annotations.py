@@ -26,7 +26,7 @@ from typing import Final, TypeVar
 
 from hooks.cpusets import CpuListError, parse_cpu_list
 from hooks.qos import pod_name
-from runtimeproxy.hookapi import HookError, PodInfo
+from runtimeproxy.hookapi import HookError, KoordError, PodInfo
 
 T = TypeVar("T")
 
@@ -54,7 +54,7 @@ _DECIMAL: Final = {
 }
 
 
-class AnnotationError(ValueError):
+class AnnotationError(KoordError, ValueError):
     """A value inside an annotation is wrong; ``where`` is its JSON path."""
 
 

@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any, Final
 
 import structlog
@@ -49,6 +47,7 @@ from hooks.hookargs import cgroup_layout, reject_unknown
 from hooks.proctasks import ProcessGoneError, ProcFile, container_procs
 from hooks.qos import pod_name
 from runtimeproxy.hookapi import ContainerContext, ContainerPatch, HookError, HookInit, HostWrite, LivePods
+from runtimeproxy.ops.repeats import RepeatFilter
 
 OOM_SCORE_ADJ_SPEC: Final = "koordinator.sh/oom-score-adj-spec"
 OOM_SCORE_ADJ: Final = "koordinator.sh/oom-score-adj"
@@ -128,9 +127,9 @@ class OOMScoreAdj:
         self.layout = cgroup_layout(init, args)
         self.proc = ProcFile(init.host.proc, "oom_score_adj")
         self._ledger = DryRunLedger("oom-score-adj")
-        self._lock = threading.Lock()
-        #: (pod uid, container id) -> the bad annotation text last reported for it.
-        self._bad: OrderedDict[tuple[str, str], str] = OrderedDict()
+        #: Per container: the bad annotation or refused write last logged (each logged once, not every pass).
+        self._bad = RepeatFilter()
+        self._refused = RepeatFilter()
 
     def _decide(self, ctx: ContainerContext) -> tuple[int, str] | None:
         key = (ctx.pod.meta.uid, ctx.container.id)
@@ -138,24 +137,19 @@ class OOMScoreAdj:
             decided = container_oom_score_adj(ctx.pod.annotations, ctx.container.meta.name)
         except OOMAnnotationError as exc:
             err = HookError(f"pod {pod_name(ctx.pod)} container {ctx.container.meta.name}: {exc}; nothing written")
-            with self._lock:
-                err.repeat = self._bad.get(key) == exc.raw
-                self._bad[key] = exc.raw
-                while len(self._bad) > 4096:
-                    self._bad.popitem(last=False)
+            err.repeat = not self._bad.failed(key, exc.raw).log
             raise err from exc
-        with self._lock:
-            self._bad.pop(key, None)
+        self._bad.cleared(key)
         return decided
 
     def sweep_orphans(self, live: LivePods) -> list[str]:
         """The bad annotations remembered for containers of pods that no longer exist."""
-        with self._lock:
-            gone = [key for key in self._bad if key[0] not in live.uids]
-            for key in gone:
-                del self._bad[key]
-        return [f"oom-score-adj: bad annotation of pod {uid} container {cid} forgotten (pod no longer exists)"
-                for uid, cid in gone]
+        def live_pod(key: Hashable) -> bool:
+            return isinstance(key, tuple) and key[0] in live.uids
+
+        self._refused.forget(live_pod)
+        return [f"oom-score-adj: bad annotation of pod {key[0]} container {key[1]} forgotten (pod no longer exists)"
+                for key in self._bad.forget(live_pod) if isinstance(key, tuple)]
 
     def _apply(self, ctx: ContainerContext) -> ContainerPatch | None:
         decided = self._decide(ctx)
@@ -193,12 +187,21 @@ class OOMScoreAdj:
             writes = list(self._ledger.report(plans, pod=pod_name(pod), container=container.meta.name))
         changed = len(writes)
         writes = _summarised(writes, pids)
+        obj = (pod.meta.uid, container.id)
         if failed:
-            log.warning("oom_score_adj_failed", pod=pod_name(pod), container=container.meta.name, value=value,
-                        failed=len(failed), of=len(pids), first=failed[0])
+            # Once per container and cause (the error without its pid), not at every pass.
+            verdict = self._refused.failed(obj, f"{value} {failed[0].partition(': ')[2]}")
+            emit = log.warning if verdict.log else log.debug
+            emit("oom_score_adj_failed", pod=pod_name(pod), container=container.meta.name, value=value,
+                 failed=len(failed), of=len(pids), first=failed[0], repeats=verdict.repeats)
             if not writes:
-                raise HookError(f"pod {pod_name(pod)} container {container.meta.name}: oom_score_adj {value}: "
+                err = HookError(f"pod {pod_name(pod)} container {container.meta.name}: oom_score_adj {value}: "
                                 f"{len(failed)} of {len(pids)} process(es) refused, first: {failed[0]}")
+                err.repeat = not verdict.log
+                raise err
+        elif (repeats := self._refused.cleared(obj)) is not None:
+            log.info("oom_score_adj_recovered", pod=pod_name(pod), container=container.meta.name, value=value,
+                     repeats=repeats)
         if not writes:
             return None
         if self.dry_run:

@@ -79,6 +79,7 @@ from typing import Any, Final
 
 import structlog
 
+from hooks.annotations import AnnotationError
 from hooks.cgroups import CgroupError, CgroupLayout, PathEscapeError, container_cgroup_dir
 from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason
 from hooks.executor import confine
@@ -116,10 +117,6 @@ _SHOWN: Final = 200
 _FULL: Final = ResctrlQOS()  # Koordinator's None config: 0-100 % LLC, 100 % MBA
 
 log = structlog.get_logger("hooks.resctrl")
-
-
-class AnnotationError(ValueError):
-    """The resctrl annotation is malformed (message without pod and value)."""
 
 
 def _int(value: object, where: str, low: int, high: int) -> int:

@@ -164,12 +164,20 @@ def _pod_uid(labels: m.Labels) -> str | None:
 
 
 def pod_usage(db: TSDB, start: float, end: float, meta: Mapping[str, PodMeta]) -> tuple[PodUsage, ...]:
-    cpu = {uid: a.avg for lb, a in db.aggregate_all(m.POD_CPU_USAGE, start, end).items()
-           if (uid := _pod_uid(lb)) is not None}
-    memory = {uid: a.last for lb, a in db.aggregate_all(m.POD_MEMORY_USED, start, end).items()
-              if (uid := _pod_uid(lb)) is not None}
+    cpu_all = {uid: a for lb, a in db.aggregate_all(m.POD_CPU_USAGE, start, end).items()
+               if (uid := _pod_uid(lb)) is not None}
+    memory_all = {uid: a for lb, a in db.aggregate_all(m.POD_MEMORY_USED, start, end).items()
+                  if (uid := _pod_uid(lb)) is not None}
+    cpu = {uid: a.avg for uid, a in cpu_all.items()}
+    memory = {uid: a.last for uid, a in memory_all.items()}
+    # The agent's record names the pods running now. A pod missing from it that was not
+    # sampled in the newest tick either has gone since: not listed (its samples stay in
+    # the store). One missing from the record but in the newest tick is new: by uid.
+    newest = max((a.last_ts for a in (*cpu_all.values(), *memory_all.values())), default=0.0)
+    gone = {uid for uid in cpu.keys() | memory.keys() if uid not in meta
+            and max(a.last_ts for a in (cpu_all.get(uid), memory_all.get(uid)) if a is not None) < newest}
     rows: list[PodUsage] = []
-    for uid in cpu.keys() | memory.keys():
+    for uid in (cpu.keys() | memory.keys()) - gone:
         info = meta.get(uid)
         rows.append(PodUsage(
             uid=uid,

@@ -9,6 +9,7 @@ in-flight ones within ``shutdown_grace``, stop background tasks, close channels.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
@@ -40,8 +41,9 @@ from runtimeproxy.nri import ingress as nri_ingress
 from runtimeproxy.ops import fdlimits, logsetup, sdnotify
 from runtimeproxy.ops.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.ops.promstats import HttpEndpoint, ProxyMetrics
+from runtimeproxy.ops.repeats import RepeatFilter
 from runtimeproxy.ops.supervisor import Supervisor
-from runtimeproxy.state import hookpreview
+from runtimeproxy.state import hookpreview, statedir
 from runtimeproxy.state.events import watch_events
 from runtimeproxy.state.history import ChangeHistory
 from runtimeproxy.state.ledger import FILE_NAME as LEDGER_FILE
@@ -81,13 +83,14 @@ class App:
         self.metrics.set_build_info(__version__)
         self.registry.register(FailureCollector())  # host writes refused, from every executor in the process
         self._pools = HookPools()  # sync hooks' threads: a bounded pool per hook, kept across reloads
+        self._repeats = RepeatFilter()  # hook failures already logged, per object: kept across reloads
         # One source of rules for every hook and task: the YAML, with the NodeSLO merged
         # over it while the metrics task has one (it registers the overlay).
         self.rules = RulesProvider(settings.rules)
         self._loop: asyncio.AbstractEventLoop | None = None
         # Built here so a bad plugin or stage fails start-up, before the socket exists.
         self.chain: HookChain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics,
-                                                    current_rules=self.rules.current)
+                                                    current_rules=self.rules.current, repeats=self._repeats)
         history = (ChangeHistory(Path(settings.state_dir), per_pod=CHANGES_PER_POD, max_pods=HISTORY_PODS)
                    if settings.state_dir else None)
         self.ledger = ObjectLedger(Path(settings.state_dir) / LEDGER_FILE if settings.state_dir else None)
@@ -104,6 +107,8 @@ class App:
             mark=nri_ingress.proxy_mark(settings),
         )
         self.server: InterceptServer
+        #: HAProxy's counters read off the loop before each scrape (None without HAProxy).
+        self._stats_read: Callable[[], None] | None = None
         if self.data_plane is not None:
             # HAProxy owns kubelet's socket; Python gets only the lifecycle calls, on a private
             # socket, over HTTP/2: the grpc plane's server, serving those methods only.
@@ -113,8 +118,8 @@ class App:
                                       max_message_bytes=settings.max_message_bytes, handler=self.handler,
                                       receive_slack=INTERCEPT_SLACK)
             # Pass-through calls are counted by HAProxy; its counters are read at scrape time.
-            haproxystats.install(self.registry, self.metrics.cri_calls, self.metrics.cri_errors,
-                                 self.data_plane.layout.stats_socket)
+            self._stats_read = haproxystats.install(self.registry, self.metrics.cri_calls, self.metrics.cri_errors,
+                                                    self.data_plane.layout.stats_socket).refresh
         elif settings.ingress == "nri":
             self.server = nri_ingress.NoSocket()
         else:
@@ -159,6 +164,7 @@ class App:
         self._ready = False
         self._stopping = False
         self._oneshots: set[asyncio.Task[bool]] = set()
+        self._reload_lock = asyncio.Lock()
 
     # --- start / stop ------------------------------------------------------------
 
@@ -239,7 +245,14 @@ class App:
         # Signal handlers cannot await; keep a reference so the task is owned until done.
         task = asyncio.get_running_loop().create_task(self.reload("SIGHUP"), name="reload:SIGHUP")
         self._oneshots.add(task)
-        task.add_done_callback(self._oneshots.discard)
+        task.add_done_callback(self._oneshot_done)
+
+    def _oneshot_done(self, task: asyncio.Task[bool]) -> None:
+        """A one-shot task ended: its outcome is looked at (a bug in it is logged, never
+        "Task exception was never retrieved" at exit)."""
+        self._oneshots.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("task_failed", task=task.get_name(), error=f"{type(exc).__name__}: {exc}", exc_info=exc)
 
     async def shutdown(self) -> int:
         sdnotify.notify("STOPPING=1")
@@ -277,6 +290,7 @@ class App:
         self.http = HttpEndpoint(
             host.strip("[]"), int(port), self.registry, health=self._health_problem,
             routes=self._routes, expositions=self._expositions, after_scrape=heap.trim,
+            before_scrape=self._stats_read,
             idle_timeout=self.settings.metrics_idle_timeout, max_connections=self.settings.metrics_max_connections,
             fd_reserve=self.settings.metrics_fd_reserve, stats=self.metrics.http,
         )
@@ -329,7 +343,10 @@ class App:
                 if not logged:
                     log.warning("backend_unavailable", endpoint=self.settings.backend.runtime_endpoint, error=str(exc))
                     logged = True
-                await asyncio.wait([asyncio.ensure_future(self._stop.wait())], timeout=delay)
+                # wait_for, not wait([ensure_future(...)]): the waiter is cancelled at the timeout
+                # instead of left pending, one more per retry, until the stop.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), timeout=delay)
                 delay = min(delay * 2, 2.0)
                 continue
             version = cri.VersionResponse.FromString(reply.payload)
@@ -363,14 +380,16 @@ class App:
     # --- reload ------------------------------------------------------------------
 
     async def reload(self, trigger: str) -> bool:
-        """Validate, build, swap; on any error keep the running config."""
+        """Validate, build, swap; on any error keep the running config. One at a time (a
+        SIGHUP and a file change at once): the second builds on what the first swapped in."""
+        async with self._reload_lock:
+            return await self._reload(trigger)
+
+    async def _reload(self, trigger: str) -> bool:
         try:
-            settings = load(self._config_path, self._overrides)
-            # Tasks restart only with the process, but a value ``run`` would refuse must be
-            # refused now: under Restart=always it would leave the node without a runtime.
-            plugins.validate_tasks(settings)
-            chain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics,
-                                        current_rules=self.rules.current)
+            # Off the loop: reading, validating and building take 90-170 ms (plugins import,
+            # files are read) that the CRI calls in flight must not wait for.
+            settings, chain = await asyncio.to_thread(self._prepare_reload)
         except ConfigError as exc:
             self.metrics.config_reloaded(False)
             log.error("config_reload_rejected", trigger=trigger, error=str(exc), kept="previous config")
@@ -394,6 +413,16 @@ class App:
         log.info("config_reloaded", trigger=trigger, hooks=[h.name for h in chain.hooks])
         await plugins.close_hooks(old.hooks)
         return True
+
+    def _prepare_reload(self) -> tuple[Settings, HookChain]:
+        """The new settings and chain (in a worker thread); ConfigError if any of it is refused."""
+        settings = load(self._config_path, self._overrides)
+        # Tasks restart only with the process, but a value ``run`` would refuse must be
+        # refused now: under Restart=always it would leave the node without a runtime.
+        plugins.validate_tasks(settings)
+        chain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics,
+                                    current_rules=self.rules.current, repeats=self._repeats)
+        return settings, chain
 
     def _fingerprint(self) -> tuple[object, ...]:
         path = self._config_path
@@ -505,6 +534,8 @@ def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, An
     old, new = fdlimits.raise_nofile_limit()
     if new != old:
         log.info("nofile_limit_raised", old=old, new=new)
+    # One proxy per state dir, for the life of the process (exit 2 naming the holder's pid).
+    state_lock = statedir.claim(Path(settings.state_dir)) if settings.state_dir else None
 
     async def main() -> int:
         logsetup.install_loop_exception_handler(asyncio.get_running_loop())
@@ -516,4 +547,8 @@ def run(settings: Settings, *, config_path: Path | None, overrides: dict[str, An
         gc.freeze()
         return await app.run()
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    finally:
+        if state_lock is not None:
+            state_lock.release()

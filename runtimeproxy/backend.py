@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from runtimeproxy.hookapi import KoordError
+
 Metadata = Sequence[tuple[str, str | bytes]]
 
 
@@ -38,7 +40,7 @@ class Code(enum.IntEnum):
     UNAUTHENTICATED = 16
 
 
-class CallError(Exception):
+class CallError(KoordError):
     """A call ended with a non-OK status; carries everything needed to relay it."""
 
     def __init__(self, code: Code, details: str, trailing_metadata: Metadata = ()) -> None:

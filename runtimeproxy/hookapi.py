@@ -381,7 +381,15 @@ Exposition = Callable[[], bytes]
 CriCall = Callable[[str, bytes, float], Awaitable[bytes]]
 
 
-class CriCallError(Exception):
+class KoordError(Exception):
+    """The root of the project's own errors. Its families: configuration (``ConfigError``,
+    ``HookConfigError``), hooks (``HookError``), calls (``CallError``, ``CriCallError``),
+    the cluster (``metrics.informer.kubetypes.KubeError``) and the store
+    (``metrics.store.tsdbquery.TSDBError``). ``except KoordError`` never hides a bug
+    (a TypeError, an AttributeError) the way ``except Exception`` does."""
+
+
+class CriCallError(KoordError):
     """The runtime answered a task's CRI call with an error (``code`` is the gRPC status name)."""
 
     def __init__(self, method: str, code: str, message: str) -> None:
@@ -479,7 +487,7 @@ class TaskInit:
     reconcile_now: Callable[[], None] = _no_reconcile
 
 
-class HookError(Exception):
+class HookError(KoordError):
     """A hook could not do its job (bad annotation, write refused...). The hook's
     failure policy decides whether the CRI call fails."""
 
@@ -495,7 +503,7 @@ class TargetGoneError(HookError):
     away, not a fault; the next store re-sync drops it."""
 
 
-class HookConfigError(Exception):
+class HookConfigError(KoordError):
     """A hook's ``args`` are invalid. ``key_path`` names where, ``value`` what."""
 
     def __init__(self, key_path: str, value: object, message: str) -> None:

@@ -50,12 +50,9 @@ import jsonschema
 import yaml
 
 from tests.kuberbac import Attributes, Role, attributes, forbidden
+from tests.reference import reference
 
 REPO = Path(__file__).resolve().parents[1]
-#: CI clones the repository next to shared/; a worktree one level deeper (wt/NAME) finds
-#: it next to its parent.
-CRD_DIR = next((d / "shared" / "reference" / "crds" for d in (REPO.parent, REPO.parent.parent)
-                if (d / "shared" / "reference" / "crds").is_dir()), REPO.parent / "shared" / "reference" / "crds")
 HOLD = "hold"  # a watch script ending in HOLD keeps the stream open until ``release`` is set
 
 SLO = "slo.koordinator.sh/v1alpha1"
@@ -131,11 +128,8 @@ def _strict(schema: Any) -> Any:
 
 @cache
 def crd_validator(crd_file: str, version: str) -> jsonschema.protocols.Validator:
-    """A validator of ``version`` of the CRD in ``CRD_DIR/crd_file``."""
-    path = CRD_DIR / crd_file
-    if not path.is_file():
-        raise FileNotFoundError(f"CRD schema {path} not found: the reference material (shared/reference/crds) "
-                                f"must be checked out next to the repository")
+    """A validator of ``version`` of the CRD in ``shared/reference/crds/<crd_file>``."""
+    path = reference("crds", crd_file)
     doc = yaml.safe_load(path.read_text())
     for v in doc["spec"]["versions"]:
         if v["name"] == version:
@@ -181,6 +175,7 @@ class KubeApiServer:
 
     def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         """``tls``: serve HTTPS with this server-side context (e.g. requiring client certificates)."""
+        reference("crds")  # here, in the test's thread: skipped (failed under CI) before any request
         self.routes: dict[tuple[str, str], Answer | Callable[[Request], Answer]] = {}
         self.watch_scripts: dict[str, list[list[object]]] = {}
         self.requests: list[Request] = []

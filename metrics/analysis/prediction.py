@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +52,7 @@ from metrics.model import (
     PodView,
     labels,
 )
+from runtimeproxy.ops.privatefiles import write_private
 
 log = structlog.get_logger("metrics.analysis.prediction")
 
@@ -212,13 +212,8 @@ class PeakPredictor:
             return
         doc = {"version": CHECKPOINT_VERSION, "saved_at": now,
                "models": {k: m.to_dict() for k, m in self._snapshot.items()}}
-        tmp = self.checkpoint.with_name(self.checkpoint.name + ".tmp")
-        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as out:
-            json.dump(doc, out, separators=(",", ":"))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, self.checkpoint)
+        self.checkpoint.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_private(self.checkpoint, json.dumps(doc, separators=(",", ":")))  # 0600: state is private
         self.saved_at = now
 
     def restore(self, now: float) -> int:

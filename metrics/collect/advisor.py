@@ -36,8 +36,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector as PromCollector
 
+from metrics.collect.registry import positive_duration
 from metrics.model import CONTAINER_ID, POD_UID, PodView, Sample
-from runtimeproxy.config.settings import ConfigError, parse_duration
 from runtimeproxy.hookapi import HookConfigError
 
 log = structlog.get_logger("metrics.advisor")
@@ -96,8 +96,8 @@ def _advisor(item: object, where: str) -> AdvisorSpec:
     url = item.get("url")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) < 10:
         raise HookConfigError(f"{where}.url", url, "must be an http:// or https:// URL")
-    interval = _duration(item.get("interval", "15s"), f"{where}.interval")
-    timeout = _duration(item.get("timeout", f"{min(interval, DEFAULT_TIMEOUT)}s"), f"{where}.timeout")
+    interval = positive_duration(item.get("interval", "15s"), f"{where}.interval")
+    timeout = positive_duration(item.get("timeout", f"{min(interval, DEFAULT_TIMEOUT)}s"), f"{where}.timeout")
     if timeout > interval:
         raise HookConfigError(f"{where}.timeout", item.get("timeout"), f"must not exceed interval ({interval:g}s)")
     max_bytes = item.get("max_bytes", DEFAULT_MAX_BYTES)
@@ -123,16 +123,6 @@ def _advisor(item: object, where: str) -> AdvisorSpec:
         raise HookConfigError(f"{where}.labels.container_name", labels["container_name"],
                               "needs pod_uid or pod_namespace + pod_name to find the container")
     return AdvisorSpec(name, url, frozenset(metrics), interval, timeout, max_bytes, dict(labels))
-
-
-def _duration(value: object, key_path: str) -> float:
-    try:
-        seconds = parse_duration(value, key_path)
-    except ConfigError as exc:
-        raise HookConfigError(key_path, value, "must be a duration such as 15s or 500ms") from exc
-    if seconds <= 0:
-        raise HookConfigError(key_path, value, "must be a positive duration")
-    return seconds
 
 
 class ScrapeError(Exception):

@@ -141,7 +141,7 @@ def parse_collectors(raw: object, key_path: str, names: Iterable[str] | None = N
             raise HookConfigError(f"{where}.enabled", enabled, "must be true or false")
         interval = item.get("interval")
         if interval is not None:
-            interval = _duration(interval, f"{where}.interval")
+            interval = positive_duration(interval, f"{where}.interval")
         args = item.get("args") or {}
         if not isinstance(args, Mapping):
             raise HookConfigError(f"{where}.args", args, "must be a mapping")
@@ -149,7 +149,9 @@ def parse_collectors(raw: object, key_path: str, names: Iterable[str] | None = N
     return tuple(out)
 
 
-def _duration(value: object, key_path: str) -> float:
+def positive_duration(value: object, key_path: str) -> float:
+    """A task argument's duration (``1s``, ``500ms``, seconds), > 0; HookConfigError naming the key.
+    The one such parser of the collectors' and advisors' settings."""
     try:
         seconds = parse_duration(value, key_path)
     except ConfigError as exc:

@@ -28,10 +28,12 @@ from typing import Any
 
 import yaml
 
+from runtimeproxy.hookapi import KoordError
+
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
-class ConfigError(ValueError):
+class ConfigError(KoordError, ValueError):
     """The configuration is missing or unusable (names the file and field)."""
 
 

@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtimeproxy.hookapi import KoordError
+
 
 class Kind(enum.Enum):
     NODE = "Node"
@@ -17,7 +19,7 @@ class Kind(enum.Enum):
     NODEMETRIC = "NodeMetric"
 
 
-class KubeError(Exception):
+class KubeError(KoordError):
     """Base of this module's errors."""
 
 

@@ -40,6 +40,7 @@ from metrics.model import PodView
 from metrics.qos.plan import Action, Plan, Priority, SetFile
 from metrics.qos.strategy import Input, RoundContext, RoundInputs, Strategy, StrategyInit
 from runtimeproxy.hookapi import HookError
+from runtimeproxy.ops.privatefiles import write_private
 
 log = structlog.get_logger("metrics.qos.sysconfig")
 
@@ -147,10 +148,8 @@ class SystemConfig(Strategy):
         if self.state_path is None:
             return
         try:
-            self.state_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.state_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.originals, sort_keys=True))
-            os.replace(tmp, self.state_path)
+            self.state_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            write_private(self.state_path, json.dumps(self.originals, sort_keys=True))
         except OSError as exc:
             raise HostFileError(f"{self.state_path}: cannot save the original values: {exc}") from exc
 

@@ -43,6 +43,8 @@ from typing import Final
 import structlog
 
 from metrics.model import Labels
+from runtimeproxy.hookapi import KoordError
+from runtimeproxy.ops.privatefiles import private_file
 
 SCHEMA_VERSION: Final = 3
 #: SQLite page caches (KiB): resident memory once filled, so sized to the work.
@@ -128,7 +130,7 @@ _CORRUPT_CODES: Final = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB
 log = structlog.get_logger("metrics.store.tsdbquery")
 
 
-class TSDBError(Exception):
+class TSDBError(KoordError):
     """The store cannot do what was asked; the message names the file."""
 
     def __init__(self, path: Path, reason: str) -> None:
@@ -169,9 +171,14 @@ def open_writer(path: Path, busy_timeout: float, wal_limit: int) -> tuple[sqlite
     """The writer's connection to a file with our schema (created or upgraded here),
     and the number of samples in ``frames``."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         raise TSDBError(path, f"cannot create its directory: {exc}") from exc
+    try:
+        # Created 0600 before SQLite opens it: the -wal and -shm files take its mode.
+        private_file(path)
+    except OSError as exc:
+        raise TSDBError(path, f"cannot create it: {exc}") from exc
     try:
         conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None, check_same_thread=False)
     except sqlite3.Error as exc:

@@ -53,6 +53,7 @@ from runtimeproxy.hookapi import (
     frozen_map,
 )
 from runtimeproxy.hostwrites import HOOK_DEADLINE, is_repeat
+from runtimeproxy.ops.repeats import RepeatFilter, Verdict
 
 log = structlog.get_logger("runtimeproxy.chain")
 
@@ -197,8 +198,11 @@ class HookChain:
         pools: HookPools | None = None,
         observer: HookObserver | None = None,
         validator: PatchValidator | None = None,
+        repeats: RepeatFilter | None = None,
     ) -> None:
         self.hooks = tuple(hooks)
+        #: Failures already logged, per hook and object (kept across reloads by the caller).
+        self._repeats = RepeatFilter() if repeats is None else repeats
         self._pools = HookPools() if pools is None else pools
         # Every patch is checked before it counts (runtimeproxy.chain.validate): no hook, local or remote, bypasses it.
         self._validator = validator if validator is not None else PatchValidator.for_host(HostRoots())
@@ -284,6 +288,7 @@ class HookChain:
             hook = run[step.index]
             self._observe_seconds(hook.name, ctx.stage.value, step.result, step.seconds)
             if step.result == "ok":
+                self._succeeded(hook, ctx)
                 if step.changes:
                     patches.append((hook.name, cast(Patch, step.patch)))
                     changes.extend(cast(tuple[Change, ...], step.changes))
@@ -338,6 +343,7 @@ class HookChain:
             self._failed(hook, ctx, f"{type(exc).__name__}: {exc}", "error", start, repeat=self._quiet(exc, ctx))
             return None
         self._observe(hook.name, stage, "ok", start)
+        self._succeeded(hook, ctx)
         return patch
 
     async def _invoke_async(self, method: Callable[[Context], Any], ctx: Context, deadline: float) -> object:
@@ -366,14 +372,30 @@ class HookChain:
                 repeat: bool = False) -> None:
         """A failed hook: counted, then its policy (Fail raises ``HookFailed``, Ignore logs)."""
         if self._observer is not None:
-            self._observer.hook_failed(hook.name, ctx.stage.value, hook.policy.value)
+            self._observer.hook_failed(hook.name, ctx.stage.value, hook.policy.value)  # every failure counted
+        # The same object failing the same way again (every reconcile pass) is logged once:
+        # a repeat only below warning; a new cause again, with the old one's repeat count.
+        verdict = Verdict(log=False, repeats=0)  # a quiet failure (logged elsewhere, or gone): not remembered
+        if not repeat:
+            verdict = self._repeats.failed(_key(hook, ctx), "timeout" if deadline else reason)
+            repeat = not verdict.log
         if hook.policy is FailurePolicy.FAIL:
             failed = HookFailed(hook.name, ctx.stage, reason, deadline=deadline)
             failed.repeat = repeat
             raise failed
         # A repeat (a host write failing the same way again) was logged by the executor.
         emit = log.debug if repeat else log.warning
-        emit("hook_failed", hook=hook.name, stage=ctx.stage.value, policy="Ignore", reason=reason)
+        extra = {"repeats": verdict.repeats} if repeat else {"previous_cause_repeats": verdict.repeats} \
+            if verdict.repeats else {}
+        emit("hook_failed", hook=hook.name, stage=ctx.stage.value, policy="Ignore", reason=reason, **extra)
+
+    def _succeeded(self, hook: BoundHook, ctx: Context) -> None:
+        """The hook worked for this object: a failure logged before is over (one line)."""
+        if not self._repeats.failing():
+            return  # the common case, without building the key
+        repeats = self._repeats.cleared(_key(hook, ctx))
+        if repeats is not None:
+            log.info("hook_recovered", hook=hook.name, stage=ctx.stage.value, object=_object(ctx), repeats=repeats)
 
     def _observe(self, hook: str, stage: str, result: HookResult, start: float) -> None:
         self._observe_seconds(hook, stage, result, time.perf_counter() - start)
@@ -381,6 +403,17 @@ class HookChain:
     def _observe_seconds(self, hook: str, stage: str, result: HookResult, seconds: float) -> None:
         if self._observer is not None:
             self._observer.hook_observed(hook, stage, result, seconds)
+
+
+def _key(hook: BoundHook, ctx: Context) -> tuple[str, str, str]:
+    """What repeats: one hook at one stage for one object (a reconcile pass repeats the
+    same stage; another stage of the same object, e.g. its PostStop, is news)."""
+    return hook.name, ctx.stage.value, _object(ctx)
+
+
+def _object(ctx: Context) -> str:
+    """What a hook call is about: the container, else the pod."""
+    return f"container:{ctx.container.id}" if isinstance(ctx, ContainerContext) else f"pod:{ctx.pod.meta.uid}"
 
 
 def _stops_chain(hook: BoundHook) -> bool:

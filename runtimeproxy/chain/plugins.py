@@ -24,6 +24,7 @@ from runtimeproxy.chain.validate import PatchValidator
 from runtimeproxy.config.filetrust import path_problem
 from runtimeproxy.config.settings import ConfigError, FailurePolicy, HookSettings, Settings
 from runtimeproxy.hookapi import HookConfigError, HookInit, PodSnapshot, Stage, TaskInit
+from runtimeproxy.ops.repeats import RepeatFilter
 
 log = structlog.get_logger("runtimeproxy.plugins")
 
@@ -166,10 +167,10 @@ def build_hooks(settings: Settings, *, current_rules: RulesSource | None = None)
 
 def build_chain(
     settings: Settings, *, pools: HookPools, observer: HookObserver | None = None,
-    current_rules: RulesSource | None = None,
+    current_rules: RulesSource | None = None, repeats: RepeatFilter | None = None,
 ) -> HookChain:
     return HookChain(build_hooks(settings, current_rules=current_rules), pools=pools, observer=observer,
-                     validator=PatchValidator.for_host(settings.host))
+                     validator=PatchValidator.for_host(settings.host), repeats=repeats)
 
 
 async def close_hooks(hooks: Sequence[BoundHook]) -> None:

@@ -33,7 +33,11 @@ UNIX_PATH_MAX = 107
 
 
 def check_unix_path(path: str, key_path: str) -> None:
-    """A path the kernel can bind or connect to as a unix socket (length only)."""
+    """A path the kernel can bind or connect to as a unix socket, and that can be written
+    into HAProxy's generated configuration and command line: no control character (a
+    newline would end the line it is on), at most ``UNIX_PATH_MAX`` bytes."""
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+        raise ConfigError(key_path, path, "a socket path must not contain control characters (newline, tab, NUL...)")
     size = len(os.fsencode(path))
     if size > UNIX_PATH_MAX:
         raise ConfigError(key_path, path, f"a unix socket path is at most {UNIX_PATH_MAX} bytes, this one has {size}")

@@ -10,8 +10,10 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final
 
+from runtimeproxy.hookapi import KoordError
 
-class ConfigError(Exception):
+
+class ConfigError(KoordError):
     """A setting is invalid. The message starts with the key path."""
 
     def __init__(self, key_path: str, value: object, message: str) -> None:

@@ -100,6 +100,12 @@ class DataPlaneCounters(Collector):
         self._seen: dict[tuple[str, str], int] = {}
         self._base: dict[tuple[str, str], int] = {}
         self._failed = False
+        #: The table ``refresh`` read (off the loop) for the next ``collect``; None: read there.
+        self._fresh: dict[str, dict[str, int]] | None = None
+
+    def refresh(self) -> None:
+        """Read HAProxy's table now (blocking: the stats socket), for the next collect."""
+        self._fresh = self._snapshot()
 
     def _reset(self, key: str) -> None:
         """The table started again from 0 (HAProxy restarted or reloaded): what was counted
@@ -131,7 +137,7 @@ class DataPlaneCounters(Collector):
     def collect(self) -> Iterator[Metric]:
         [calls] = self._calls.collect()
         [errors] = self._errors.collect()
-        table = self._snapshot()
+        table, self._fresh = (self._fresh, None) if self._fresh is not None else (self._snapshot(), None)
         for key in sorted(set(table) | {k for k, _ in self._seen}):
             fields = table.get(key, {})
             first = (key, "UNIMPLEMENTED") if key == NOT_CRI_KEY else (key, "calls")

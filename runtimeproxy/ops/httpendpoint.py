@@ -145,6 +145,8 @@ class HttpEndpoint:
     renderer's (pre-rendered text of exporters too big for per-sample formatting);
     ``after_scrape`` runs once such a response has been sent and its connection
     closed (the app gives the scrape's freed megabytes back to the OS).
+    ``before_scrape`` runs in a worker thread before the registry is rendered: what
+    blocks (HAProxy's stats socket) is read there, never on the loop.
 
     ``health`` returns None when healthy, else the reason ``/healthz`` answers 503
     with.
@@ -169,6 +171,7 @@ class HttpEndpoint:
         routes: Mapping[str, RouteHandler] | None = None,
         expositions: Sequence[Callable[[], bytes]] = (),
         after_scrape: Callable[[], None] | None = None,
+        before_scrape: Callable[[], None] | None = None,
         idle_timeout: float = 5.0,
         max_connections: int = 64,
         fd_reserve: int = 256,
@@ -191,6 +194,7 @@ class HttpEndpoint:
         self._routes = self._build_routes(routes or {})
         self._expositions = tuple(expositions)
         self._after_scrape = after_scrape
+        self._before_scrape = before_scrape
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._port: int | None = None
@@ -354,7 +358,10 @@ class HttpEndpoint:
     async def _metrics(self, _query: dict[str, str]) -> Response:
         # Rendered on the loop: scrapes are rare (15 s), the registry's part is small and
         # the big exporters render their own text (~17 ms for 6400 series), and collectors
-        # owned by other modules may not be safe to read from a worker thread.
+        # owned by other modules may not be safe to read from a worker thread. What blocks
+        # (a socket read) is done by ``before_scrape``, in a thread, first.
+        if self._before_scrape is not None:
+            await asyncio.to_thread(self._before_scrape)
         body = [prometheus_client.generate_latest(self._registry)]
         body.extend(render() for render in self._expositions)
         return 200, prometheus_client.CONTENT_TYPE_LATEST, body

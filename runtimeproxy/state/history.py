@@ -6,8 +6,12 @@ Bounded: ``per_pod`` changes for at most ``max_pods`` pods (least recently chang
 dropped first), and the file is rewritten from that bounded view whenever it has
 grown to twice it. All writing happens on one daemon thread fed by a queue, so the
 event loop only enqueues. A missing file starts empty; an unreadable or corrupt one
-starts with what could be read and one warning; a state dir that cannot be written
-leaves the history in memory only, with one warning. Never a crash.
+starts with what could be read and one warning. A write that fails (a full disk, a
+state dir that cannot be written) keeps the history in memory with one warning
+(``change_history_not_saved``); the writer keeps the bounded view up to date and
+rewrites the whole file once it can again (tried at the next change after a back-off
+of ``retry_after`` seconds, doubling up to ``RETRY_MAX``; one ``change_history_saved``
+line then), like the metrics store's degraded mode. Never a crash.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import os
 import queue
 import threading
+import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Final
@@ -32,6 +37,8 @@ FILE_NAME: Final = "changes.jsonl"
 FIELD_CAP: Final = 4096
 _FIELDS: Final = tuple(f.name for f in fields(Change))
 _STOP: Final = object()
+#: Longest wait between two attempts to write the file again while it cannot be written.
+RETRY_MAX: Final = 60.0
 
 _Log = collections.OrderedDict[str, collections.deque[Change]]
 
@@ -56,15 +63,17 @@ def _decode(line: str) -> tuple[str, Change | None]:
 
 
 class ChangeHistory:
-    def __init__(self, state_dir: Path, *, per_pod: int, max_pods: int) -> None:
+    def __init__(self, state_dir: Path, *, per_pod: int, max_pods: int, retry_after: float = 1.0) -> None:
         self.path = state_dir / FILE_NAME
         self._per_pod = per_pod
         self._max_pods = max_pods
+        self._retry_after = retry_after
         self._view: _Log = collections.OrderedDict()  # the writer thread's copy of what is kept
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._file: Any = None
         self._lines = 0
+        self._not_saved: str | None = None  # set and cleared by the writer thread
 
     # --- the event loop's side -------------------------------------------------------
 
@@ -99,6 +108,17 @@ class ChangeHistory:
 
     def forget(self, uid: str) -> None:
         self._queue.put((uid, None))
+
+    def not_saved(self) -> str | None:
+        """Why the file is not written now (the writer's last error); None while it is."""
+        return self._not_saved
+
+    def wait_written(self, timeout: float) -> bool:
+        """Whether the writer took everything queued before this call within ``timeout``
+        (written, or kept in memory while ``not_saved``)."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         """Write what is queued and stop the writer (at shutdown)."""
@@ -158,21 +178,74 @@ class ChangeHistory:
             self._rewrite()
 
     def _run(self) -> None:
-        failed = False
+        #: The error that stopped the writing (None while the file is written), and when to try again.
+        failed: str | None = None
+        backoff = self._retry_after
+        retry_at = 0.0
         try:
             self._rewrite()  # drops corrupt lines and what the bounds no longer keep
         except OSError as exc:
-            failed = True
-            log.warning("change_history_not_saved", path=str(self.path), error=str(exc), kept="in memory only")
+            failed = self._not_saved = str(exc)
+            retry_at = time.monotonic() + backoff
+            self._discard()
+            log.warning("change_history_not_saved", path=str(self.path), error=failed, kept="in memory only")
         while (item := self._queue.get()) is not _STOP:
-            if failed:
-                continue  # keep draining: the queue must not grow
+            self._not_saved = failed
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            assert isinstance(item, tuple)
+            if failed is None:
+                try:
+                    self._write(item)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a disk error (or a bug) must not kill the writer
+                    failed = self._not_saved = str(exc)  # one warning; the in-memory log (explain) is unaffected
+                    backoff = self._retry_after
+                    retry_at = time.monotonic() + backoff
+                    self._discard()
+                    log.warning("change_history_not_saved", path=str(self.path), error=failed,
+                                kept="in memory only")
+                    continue  # _write applied the item to the view before the file refused it
+            self._apply_item(item)  # the view stays current: it is what the file is rewritten from
+            if time.monotonic() < retry_at:
+                continue
             try:
-                assert isinstance(item, tuple)
-                self._write(item)
-            except Exception as exc:  # noqa: BLE001 - a disk error (or a bug) must not kill the writer
-                failed = True  # one warning; the in-memory log (explain) is unaffected
-                log.warning("change_history_not_saved", path=str(self.path), error=str(exc), kept="in memory only")
+                self._rewrite()
+            except OSError:
+                self._discard()
+                backoff = min(backoff * 2, RETRY_MAX)
+                retry_at = time.monotonic() + backoff
+                continue
+            log.info("change_history_saved", path=str(self.path), after_error=failed, kept_pods=len(self._view))
+            failed = self._not_saved = None
+        if failed is not None:  # stopping: one more try, whatever the back-off, as the metrics store does
+            try:
+                self._rewrite()
+                log.info("change_history_saved", path=str(self.path), after_error=failed, kept_pods=len(self._view))
+            except OSError:
+                self._discard()
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def _apply_item(self, item: tuple[str, tuple[Change, ...] | None]) -> None:
+        uid, changes = item
+        if changes is None:
+            self._apply(uid, None)
+        for c in changes or ():
+            self._apply(uid, c)
+
+    def _discard(self) -> None:
+        """After a failed write: close the file (a later rewrite replaces it whole) and
+        remove a partial temporary file, so the space it took is free again."""
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass  # its buffered tail could not be written either: the rewrite covers it
+            self._file = None
+        try:
+            self.path.with_name(self.path.name + ".tmp").unlink(missing_ok=True)
+        except OSError:
+            pass  # e.g. the state dir is a file: nothing was created

@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,12 @@ from metrics.store.tsdb import TSDB
 from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
 
 MIB = 1 << 20
+#: The pod and node collectors' sampling interval: every window below is sized from it.
+POD_INTERVAL = 1.0
+#: Samples each comparison needs (consecutive pairs bracketed by the kernel reads).
+ROWS = 4
+#: How long to wait for them on a loaded host (the agent's ticks and the reads can both lag).
+PATIENCE = 60.0
 #: Made by ``_remove_db_dir`` (not at import: a module collected but not run left it behind).
 DB_DIR = Path(tempfile.gettempdir(), f"krpt-metrics-{uuid.uuid4().hex}")
 
@@ -46,7 +52,7 @@ def proxy_config() -> dict[str, Any]:
         "db": str(DB_DIR / "metrics.db"),
         "flush_interval": "500ms",
         "report_interval": "2s",
-        "intervals": {"psi": "2s", "schedlat": "2s"},
+        "intervals": {"psi": "2s", "schedlat": "2s", "pods": f"{POD_INTERVAL}s", "node": f"{POD_INTERVAL}s"},
         "node_name": "krpt-node",
     }}}
 
@@ -118,6 +124,13 @@ class KernelUsage:
         self._stop.set()
         self._thread.join()
 
+    def bracketed(self, t: float) -> bool:
+        """Whether reads close around ``t`` (within 0.25 s) pin the kernel's counter there:
+        a sample at a moment the reader thread was descheduled is not compared."""
+        times = list(self.times)
+        i = bisect.bisect_left(times, t)
+        return 0 < i < len(times) and times[i] - times[i - 1] < 0.25
+
     def _at(self, t: float, series: list[float]) -> float:
         """``series`` at wall time ``t``, interpolated between the two nearest reads."""
         i = bisect.bisect_left(self.times, t)
@@ -151,14 +164,6 @@ def _store() -> TSDB:
     return TSDB.open_readonly(DB_DIR / "metrics.db")
 
 
-def _wait_window(workload: dict[str, Any], seconds: float) -> float:
-    """Sleep until the workload has run ``seconds`` (plus a flush); return now."""
-    remaining = workload["started"] + seconds + 1.5 - time.time()
-    if remaining > 0:
-        time.sleep(remaining)
-    return time.time()
-
-
 def _get(proxy: Any, path: str) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{proxy.metrics_port}{path}", timeout=5) as resp:
         body: bytes = resp.read()
@@ -174,24 +179,42 @@ def _container_labels(pod: cri.PodSandboxConfig, cid: str) -> model.Labels:
     return model.labels(pod_uid=pod.metadata.uid, container_id=cid)
 
 
+def _spinner_samples(workload: dict[str, Any], kernel_usage: KernelUsage) -> tuple[
+        list[tuple[float, float]], dict[float, float], dict[float, float]]:
+    """The spinner's container CPU samples (and its pod's, and the throttled share) since
+    the kernel reads began, once ``ROWS`` consecutive pairs are bracketed by reads: waits
+    on the store (polled at the sampling interval), not for a fixed time."""
+    labels = _container_labels(workload["spin_pod"], workload["spin"])
+    pod_labels = model.labels(pod_uid=workload["spin_pod"].metadata.uid)
+    deadline = time.monotonic() + PATIENCE
+    while True:
+        kernel_usage.wait_covering(0.1)
+        since = kernel_usage.times[0] + 0.05
+        store = _store()
+        try:
+            end = time.time()
+            points = [p for p in store.points(model.CONTAINER_CPU_USAGE, labels, since, end)]
+            pod = dict(store.points(model.POD_CPU_USAGE, pod_labels, since, end))
+            throttled = dict(store.points(model.CONTAINER_CPU_THROTTLED, labels, since, end))
+        finally:
+            store.close()
+        pairs = [(a, b) for a, b in itertools.pairwise(points)
+                 if kernel_usage.bracketed(a[0]) and kernel_usage.bracketed(b[0])]
+        if len(pairs) >= ROWS and sum(1 for _, (ts, _v) in pairs if ts in pod and ts in throttled) >= ROWS:
+            return points, pod, throttled
+        assert time.monotonic() < deadline, f"{len(pairs)} bracketed sample pairs after {PATIENCE}s: {points}"
+        time.sleep(POD_INTERVAL)
+
+
 def test_spinner_is_reported_as_the_kernel_accounts_it(workload: dict[str, Any], kernel_usage: KernelUsage) -> None:
     """Each collector sample is the container's cores since the previous one: pair it
     with the kernel's CPU time between the two samples' instants."""
-    _wait_window(workload, 2)
-    now = kernel_usage.wait_covering(7) - 0.5  # the newest samples, bracketed by reads on both sides
-    store = _store()
-    try:
-        labels = _container_labels(workload["spin_pod"], workload["spin"])
-        points = [p for p in store.points(model.CONTAINER_CPU_USAGE, labels, now - 6, now)
-                  if p[0] > kernel_usage.times[0] + 0.05]
-        pod = dict(store.points(model.POD_CPU_USAGE, model.labels(pod_uid=workload["spin_pod"].metadata.uid),
-                                now - 6, now))
-        throttled = dict(store.points(model.CONTAINER_CPU_THROTTLED, labels, now - 6, now))
-    finally:
-        store.close()
+    points, pod, throttled = _spinner_samples(workload, kernel_usage)
+    pairs = [(a, b) for a, b in itertools.pairwise(points)
+             if kernel_usage.bracketed(a[0]) and kernel_usage.bracketed(b[0])]
     # (sample time, collector's cores, kernel's cores over the same interval)
-    rows = [(ts, value, kernel_usage.cores(prev, ts)) for (prev, _), (ts, value) in itertools.pairwise(points)]
-    assert len(rows) >= 3, points
+    rows = [(ts, value, kernel_usage.cores(prev, ts)) for (prev, _), (ts, value) in pairs]
+    assert len(rows) >= ROWS, points
     collected, kernel = _mean(v for _, v, _ in rows), _mean(k for _, _, k in rows)
     assert abs(collected - kernel) <= 0.03, rows
     assert 0.1 < kernel <= 0.5 + 0.03, rows  # it ran, and CFS held it to its quota
@@ -201,44 +224,68 @@ def test_spinner_is_reported_as_the_kernel_accounts_it(workload: dict[str, Any],
     assert abs(_mean(v for v, _ in pod_rows) - _mean(k for _, k in pod_rows)) <= 0.03, pod_rows
     # The throttled share of CFS periods, as the kernel counted them in the same
     # intervals (on an idle host nearly every period; on a loaded one fewer).
-    cfs = [(throttled[ts], *kernel_usage.throttled(prev, ts)) for (prev, _), (ts, _v) in itertools.pairwise(points)
-           if ts in throttled]
+    cfs = [(throttled[ts], *kernel_usage.throttled(prev, ts)) for (prev, _), (ts, _v) in pairs if ts in throttled]
     assert len(cfs) >= 3, (throttled, points)
     periods = sum(n for _, n, _ in cfs)
     assert periods > 5, cfs  # a quota'd spinner that ran: CFS periods elapsed
     assert abs(_mean(r for r, _, _ in cfs) - sum(t for _, _, t in cfs) / periods) <= 0.15, cfs
 
 
+def _eventually(check: Callable[[], tuple[bool, Any]], what: str) -> Any:
+    """``check()`` -> (done, detail), polled at the sampling interval until done (the
+    store's state, not a fixed wait); AssertionError with the last detail after PATIENCE."""
+    deadline = time.monotonic() + PATIENCE
+    while True:
+        done, detail = check()
+        if done:
+            return detail
+        assert time.monotonic() < deadline, f"{what} after {PATIENCE}s: {detail}"
+        time.sleep(POD_INTERVAL)
+
+
 def test_holder_of_100_mib_is_reported_within_5_percent(workload: dict[str, Any]) -> None:
-    now = _wait_window(workload, 6)
-    store = _store()
-    try:
-        last = store.last(model.CONTAINER_MEMORY_USED, _container_labels(workload["mem_pod"], workload["holder"]),
-                          max_age=5, now=now)
-    finally:
-        store.close()
-    assert last is not None
-    assert abs(last.value - 100 * MIB) <= 0.05 * 100 * MIB, last.value / MIB
+    labels = _container_labels(workload["mem_pod"], workload["holder"])
+
+    def check() -> tuple[bool, Any]:  # dd fills its buffer at its own pace on a loaded host
+        store = _store()
+        try:
+            last = store.last(model.CONTAINER_MEMORY_USED, labels, max_age=3 * POD_INTERVAL + 2, now=time.time())
+        finally:
+            store.close()
+        return last is not None and abs(last.value - 100 * MIB) <= 0.05 * 100 * MIB, last
+
+    _eventually(check, "the holder's memory within 5 % of 100 MiB")
 
 
 def test_node_total_is_consistent_with_the_pods(workload: dict[str, Any], kernel_usage: KernelUsage) -> None:
-    _wait_window(workload, 8)
-    now = kernel_usage.wait_covering(7) - 0.5
-    store = _store()
-    try:
-        node = store.aggregate(model.NODE_CPU_USAGE, model.NO_LABELS, now - 5, now)
-        capacity = store.last(model.NODE_CPU_CAPACITY, model.NO_LABELS, max_age=5, now=now)
-        pods = store.aggregate_all(model.POD_CPU_USAGE, now - 5, now)
-        system = store.aggregate(model.SYSTEM_CPU_USAGE, model.NO_LABELS, now - 5, now)
-        node_mem = store.last(model.NODE_MEMORY_USED, model.NO_LABELS, max_age=5, now=now)
-        pod_mem = store.aggregate_all(model.POD_MEMORY_USED, now - 5, now)
-    finally:
-        store.close()
-    assert node is not None and capacity is not None and system is not None and node_mem is not None
+    window = ROWS * POD_INTERVAL + 1  # at least ROWS samples of each series at the sampling interval
+    spin_labels = model.labels(pod_uid=workload["spin_pod"].metadata.uid)
+
+    def check() -> tuple[bool, Any]:
+        kernel_usage.wait_covering(window + 1)
+        now = time.time() - 0.5  # the newest samples, bracketed by reads on both sides
+        store = _store()
+        try:
+            read = (store.aggregate(model.NODE_CPU_USAGE, model.NO_LABELS, now - window, now),
+                    store.last(model.NODE_CPU_CAPACITY, model.NO_LABELS, max_age=window, now=now),
+                    store.aggregate_all(model.POD_CPU_USAGE, now - window, now),
+                    store.aggregate(model.SYSTEM_CPU_USAGE, model.NO_LABELS, now - window, now),
+                    store.last(model.NODE_MEMORY_USED, model.NO_LABELS, max_age=window, now=now),
+                    store.aggregate_all(model.POD_MEMORY_USED, now - window, now))
+        finally:
+            store.close()
+        node, capacity, pods, system, node_mem, _ = read
+        spinner = pods.get(spin_labels)
+        done = (node is not None and node.count >= ROWS and capacity is not None and system is not None
+                and node_mem is not None and spinner is not None and spinner.count >= ROWS
+                and kernel_usage.bracketed(spinner.first_ts - 1) and kernel_usage.bracketed(spinner.last_ts))
+        return done, read
+
+    node, capacity, pods, system, node_mem, pod_mem = _eventually(check, f"{ROWS} samples of node and pods")
     pods_sum = sum(a.avg for a in pods.values())
     # The spinner as the kernel accounted it over the samples' intervals (its quota,
     # 0.5, on an idle host; less on a loaded one); the holder sleeps.
-    spinner = pods[model.labels(pod_uid=workload["spin_pod"].metadata.uid)]
+    spinner = pods[spin_labels]
     kernel = kernel_usage.cores(spinner.first_ts - 1, spinner.last_ts)
     assert kernel - 0.05 <= pods_sum <= kernel + 0.1, (pods, kernel)
     # The node sees every pod's CPU plus whatever else runs (sampling windows differ a little).
@@ -250,27 +297,35 @@ def test_node_total_is_consistent_with_the_pods(workload: dict[str, Any], kernel
 
 
 def test_prometheus_exposes_koordlet_names(proxy: Any, workload: dict[str, Any]) -> None:
-    _wait_window(workload, 3)
-    text = _get(proxy, "/metrics")
-    assert 'koordlet_node_used_cpu_cores{node="krpt-node"}' in text
     spin_uid = workload["spin_pod"].metadata.uid
-    assert any(spin_uid in line and line.startswith("koord_runtime_proxy_pod_cpu_usage_cores")
-               for line in text.splitlines()), text[-2000:]
+
+    def check() -> tuple[bool, Any]:
+        text = _get(proxy, "/metrics")
+        return ('koordlet_node_used_cpu_cores{node="krpt-node"}' in text
+                and any(spin_uid in line and line.startswith("koord_runtime_proxy_pod_cpu_usage_cores")
+                        for line in text.splitlines())), text[-2000:]
+
+    _eventually(check, "koordlet's node metric and the spinner's pod metric on /metrics")
 
 
 def test_nodemetric_document_on_loopback(proxy: Any, workload: dict[str, Any]) -> None:
-    _wait_window(workload, 5)
-    doc = json.loads(_get(proxy, "/apis/nodemetric"))
-    status = doc.get("status", doc)
-    assert "nodeUsage" in status["nodeMetric"]
-    names = {(p["namespace"], p["name"]) for p in status["podsMetric"]}
-    assert ("krp-test", "spinner") in names and ("krp-test", "holder") in names
+    def check() -> tuple[bool, Any]:
+        doc = json.loads(_get(proxy, "/apis/nodemetric"))
+        status = doc.get("status", doc)
+        names = {(p["namespace"], p["name"]) for p in status.get("podsMetric", [])}
+        return ("nodeUsage" in status.get("nodeMetric", {})
+                and ("krp-test", "spinner") in names and ("krp-test", "holder") in names), status
+
+    _eventually(check, "both pods in the NodeMetric document")
 
 
 def test_top_reads_the_store(workload: dict[str, Any]) -> None:
-    _wait_window(workload, 4)
-    out = subprocess.run([sys.executable, "-m", "runtimeproxy.cli", "top", "--db", str(DB_DIR / "metrics.db"),
-                          "--window", "3"], capture_output=True, text=True, timeout=30, check=False)
-    assert out.returncode == 0, out.stderr
-    lines = {line.split()[1]: line for line in out.stdout.splitlines()[1:] if line.startswith("krp-test")}
-    assert "spinner" in lines and "holder" in lines, out.stdout
+    def check() -> tuple[bool, Any]:
+        out = subprocess.run([sys.executable, "-m", "runtimeproxy.cli", "top", "--db", str(DB_DIR / "metrics.db"),
+                              "--window", str(3 * POD_INTERVAL)], capture_output=True, text=True, timeout=30,
+                             check=False)
+        assert out.returncode == 0, out.stderr
+        lines = {line.split()[1]: line for line in out.stdout.splitlines()[1:] if line.startswith("krp-test")}
+        return "spinner" in lines and "holder" in lines, out.stdout
+
+    _eventually(check, "both pods in top")

@@ -9,13 +9,10 @@ once space returns (one info line). Stopping the proxy closes the store: no -wal
 from __future__ import annotations
 
 import contextlib
-import errno
 import itertools
 import json
 import os
 import signal
-import subprocess
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -28,6 +25,7 @@ from structlog.testing import capture_logs
 from metrics import model as m
 from metrics.model import Sample
 from metrics.store.tsdb import TSDB
+from tests.tmpfs import fill, small_tmpfs
 
 SERIES = 200
 
@@ -35,31 +33,8 @@ SERIES = 200
 @pytest.fixture
 def small_fs() -> Iterator[Path]:
     """A 2 MiB tmpfs of our own, unmounted (and its mount point removed) afterwards."""
-    point = Path(tempfile.mkdtemp(prefix="krpt-fullfs-"))
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "krpt-fullfs", str(point)], check=True)
-        try:
-            yield point
-        finally:
-            if subprocess.run(["umount", str(point)], check=False).returncode != 0:
-                subprocess.run(["umount", "-l", str(point)], check=False)
-    finally:
-        point.rmdir()
-
-
-def _fill(fs: Path) -> Path:
-    """Take every free byte of ``fs`` with one file."""
-    filler = fs / "filler"
-    with open(filler, "wb") as out:
-        try:
-            while True:
-                out.write(b"\0" * 65536)
-                out.flush()
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-        with contextlib.suppress(OSError):
-            out.close()
-    return filler
+    with small_tmpfs("2m", "krpt-fullfs-") as point:
+        yield point
 
 
 def _tick(db: TSDB, t: float) -> None:
@@ -72,7 +47,7 @@ def test_a_full_disk_degrades_the_store_which_serves_from_memory_and_recovers(sm
     try:
         _tick(db, now[0])
         assert db.flush() == SERIES and db.degraded is None
-        filler = _fill(small_fs)
+        filler = fill(small_fs)
         with capture_logs() as logs:
             for _ in range(30):  # 30 ticks of 200 while full: 6000 samples, 2000 may stay
                 now[0] += 1
@@ -122,7 +97,7 @@ def test_the_flush_is_retried_with_back_off_not_on_every_tick(small_fs: Path) ->
     try:
         _tick(db, now[0])
         db.flush()
-        _fill(small_fs)
+        fill(small_fs)
         attempts: list[float] = []
         original = db._insert_frames
 
@@ -146,7 +121,7 @@ def test_closing_on_a_full_disk_does_not_raise(small_fs: Path) -> None:
     db = TSDB(small_fs / "m.db", clock=lambda: 1000.0)
     _tick(db, 1000.0)
     db.flush()
-    _fill(small_fs)
+    fill(small_fs)
     _tick(db, 1001.0)
     with capture_logs() as logs:
         db.close()
@@ -181,7 +156,7 @@ def test_the_proxy_keeps_measuring_on_a_full_disk_and_closes_the_store_at_sigter
     while not db_path.exists() or Path(f"{db_path}-wal").stat().st_size == 0:
         assert time.monotonic() < deadline, proxy.log()[-3000:]
         time.sleep(0.2)
-    filler = _fill(small_fs)
+    filler = fill(small_fs)
     degraded = proxy.wait_event("tsdb.store_degraded", timeout=20)
     assert degraded["level"] == "warning" and "full" in degraded["error"]
     time.sleep(3)  # a few more ticks and retries while full
@@ -222,7 +197,7 @@ def test_a_store_opened_on_a_full_disk_starts_degraded_and_opens_when_space_retu
     if existing:
         with contextlib.closing(TSDB(path, clock=lambda: now[0])) as first:
             _tick(first, now[0])
-    filler = _fill(small_fs)
+    filler = fill(small_fs)
     with capture_logs() as logs:
         db = TSDB(path, clock=lambda: now[0])
     try:

@@ -3,8 +3,15 @@
 No containerd: the test makes its own container-like cgroups (``koord-test-<uuid>/c1`` in
 the v1 cpu hierarchy and in the v2 / unified tree), puts a child that sleeps briefly
 and spins in them, and measures once idle and once while extra spinning processes
-(outside the cgroup) compete for the CPUs. Everything it starts it kills by pid;
-the cgroups are removed afterwards.
+(outside the cgroup) compete with it. Everything it starts it kills by pid; the
+cgroups are removed afterwards.
+
+Robust on a busy host by construction: the child and the hogs are pinned to one CPU
+(an affinity mask, the cpuset the kernel schedules them in) and their cgroups weighted
+above everything else there: the test's parent cgroup has the most ``cpu.shares``
+(256x a default group: what the host runs beside the test barely delays the child,
+the idle window stays idle); inside it the hogs' group has 10x the child's (the busy
+window's waits are theirs).
 
 tracefs is needed for the eBPF source; scripts/setup-host.sh (run by CI) mounts it where it
 is missing. Without it (or without bcc/headers) the eBPF test skips, naming the reason.
@@ -32,7 +39,7 @@ from runtimeproxy.hookapi import HostRoots
 
 CGROUP = Path("/sys/fs/cgroup")
 WINDOW = 2.0  # seconds per measurement
-HOGS = 3  # spinning processes on top of the child (the CI VM has 2 CPUs)
+HOGS = 3  # spinning processes on the child's CPU
 # Sleep 1 ms, spin ~2 ms, forever: many wakeups (eBPF) and many timeslices (schedstat).
 CHILD = "import time\nwhile True:\n    time.sleep(0.001)\n    end = time.perf_counter() + 0.002\n" \
         "    while time.perf_counter() < end:\n        pass\n"
@@ -44,8 +51,29 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+#: The CPU the child and the hogs share (the last one this process may use).
+CPU = max(os.sched_getaffinity(0))
+PARENT_SHARES = 262144  # the kernel's maximum
+HOG_SHARES = 10240
+
+
 def _start(code: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    # taskset execs in the same pid: pinned from the first instruction.
+    argv = ["taskset", "-c", str(CPU), sys.executable, "-c", code]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _wait_running(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Until every hog has spun a few clock ticks (they compete now, not still starting)."""
+    deadline = time.monotonic() + 30
+    while not all(_cpu_ticks(p.pid) >= 5 for p in procs):
+        assert time.monotonic() < deadline, "the hogs did not start spinning"
+        time.sleep(0.01)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -60,6 +88,9 @@ def container() -> Iterator[m.PodView]:
     dirs = [CGROUP / "unified" / parent / "c1", CGROUP / "cpu" / parent / "c1"]
     for d in dirs:
         d.mkdir(parents=True)
+    (CGROUP / "cpu" / parent / "cpu.shares").write_text(f"{PARENT_SHARES}\n")
+    (CGROUP / "cpu" / parent / "hogs").mkdir()
+    (CGROUP / "cpu" / parent / "hogs" / "cpu.shares").write_text(f"{HOG_SHARES}\n")
     child = _start(CHILD)
     try:
         for d in dirs:
@@ -100,7 +131,9 @@ def measured(container: m.PodView) -> dict[str, Result]:
         idle = {name: _series(c.collect(1, [container]), name) for name, c in collectors.items()}
         hogs = [_start(HOG) for _ in range(HOGS)]
         try:
-            time.sleep(0.3)
+            for hog in hogs:
+                (CGROUP / "cpu" / container.cgroup_dir / "hogs" / "cgroup.procs").write_text(f"{hog.pid}\n")
+            _wait_running(hogs)
             for c in collectors.values():
                 c.collect(2, [container])  # drop the ramp-up
             time.sleep(WINDOW)
@@ -119,7 +152,7 @@ def measured(container: m.PodView) -> dict[str, Result]:
 def _assert_rises(result: Result) -> None:
     assert result.idle is not None and result.busy is not None, result
     assert result.busy > 2 * result.idle, result
-    assert result.busy > 100e-6, result  # three hogs on two CPUs: waits of (fractions of) milliseconds
+    assert result.busy > 100e-6, result  # three heavier hogs on its CPU: waits of milliseconds
 
 
 def test_schedstat_latency_rises_under_contention(measured: dict[str, Result]) -> None:

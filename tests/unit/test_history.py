@@ -4,6 +4,8 @@ stops the proxy."""
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from structlog.testing import capture_logs
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.chain.hookchain import Change
 from runtimeproxy.state.history import FILE_NAME, ChangeHistory
+from tests.tmpfs import fill, small_tmpfs
 
 RT = "/runtime.v1.RuntimeService/"
 
@@ -124,3 +127,65 @@ def test_unusable_state_dir_means_memory_only_never_a_crash(tmp_path: Path, kind
         history.close()
     events = [e["event"] for e in logs if e["log_level"] == "warning"]
     assert "change_history_not_saved" in events and len(events) <= 2, events
+
+
+@pytest.fixture
+def small_fs() -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    with small_tmpfs("256k", "krpt-history-fs-") as point:
+        yield point
+
+
+def _big(i: int) -> Change:
+    """A change of ~4 KiB on disk: a few of them need new pages of a full filesystem."""
+    return Change("h", "PreCreateContainer", "t", str(i), "x" * 4000, "test")
+
+
+def test_a_full_disk_keeps_the_history_in_memory_and_the_file_catches_up_once_space_returns(
+        small_fs: Path) -> None:
+    state = small_fs / "state"
+    history = ChangeHistory(state, per_pod=64, max_pods=8, retry_after=0.0)
+    history.load()
+    history.append("before", (_change(1),))
+    assert history.wait_written(10) and history.not_saved() is None
+    filler = fill(small_fs)
+    try:
+        with capture_logs() as logs:
+            for i in range(8):  # the file's last page fills up: ENOSPC
+                history.append("full", (_big(i),))
+            assert history.wait_written(10) and "No space" in str(history.not_saved())
+            for i in range(8, 12):  # still full: kept in memory, no second warning
+                history.append("full", (_big(i),))
+            assert history.wait_written(10) and history.not_saved() is not None
+            filler.unlink()  # space is back: the next change brings the file up to date, while running
+            history.append("after", (_change(2),))
+            assert history.wait_written(10) and history.not_saved() is None
+            text = (state / FILE_NAME).read_text()
+    finally:
+        history.close()
+    events = [e["event"] for e in logs if e["event"].startswith("change_history")]
+    assert events == ["change_history_not_saved", "change_history_saved"], events
+    assert '"uid":"after"' in text and text.count('"uid":"full"') == 12 and '"uid":"before"' in text
+    assert not (state / (FILE_NAME + ".tmp")).exists()
+    again = ChangeHistory(state, per_pod=64, max_pods=8)
+    loaded = again.load()
+    again.close()
+    assert sorted(loaded) == ["after", "before", "full"], "everything recorded while full is on disk now"
+    assert [c.old for c in loaded["full"]] == [str(i) for i in range(12)]
+
+
+def test_a_history_still_unsaved_at_stop_is_written_then(small_fs: Path) -> None:
+    state = small_fs / "state"
+    history = ChangeHistory(state, per_pod=64, max_pods=8, retry_after=3600.0)  # no retry while running
+    history.load()
+    filler = fill(small_fs)
+    for i in range(8):
+        history.append("full", (_big(i),))
+    assert history.wait_written(10) and history.not_saved() is not None
+    filler.unlink()
+    history.append("after", (_change(2),))
+    assert history.wait_written(10) and history.not_saved() is not None, "back-off: not tried yet"
+    history.close()
+    text = (state / FILE_NAME).read_text()
+    assert '"uid":"after"' in text and text.count('"uid":"full"') == 8

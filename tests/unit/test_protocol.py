@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
+from tests.reference import reference
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-REFERENCE_DIR = Path(__file__).resolve().parents[3] / "shared" / "reference"
 SCHEMAS = {
     "cri-api-v1-schema.md": "criapi.cri_v1_pb2",
     "koordinator-runtimehook-v1alpha1-schema.md": "criapi.hook_v1alpha1_pb2",
@@ -74,9 +75,7 @@ def parse_schema(text: str) -> dict:
 
 
 def load_schema(md_name: str):
-    path = REFERENCE_DIR / md_name
-    if not path.is_file():
-        pytest.skip(f"schema reference {path} not available")
+    path = reference(md_name)
     return parse_schema(path.read_text()), importlib.import_module(SCHEMAS[md_name])
 
 

@@ -4,7 +4,6 @@ built from a real store and the predictor, validated against the shipped CRD sch
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,18 +30,14 @@ from metrics.model import (
 )
 from metrics.report.nodemetric import CollectPolicy, build_status
 from metrics.store.tsdb import TSDB
+from tests.reference import reference
 
 NOW = 1_700_000_000.0
 GIB = 2**30
-CRDS = Path(__file__).resolve().parents[3].parent / "shared" / "reference" / "crds"
 
 
 def crd_status_schema(name: str) -> dict[str, Any]:
-    path = CRDS / name
-    if not path.exists():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CRD schema {path} missing (CI clones the repo next to shared/)")
-        pytest.skip(f"CRD schema {path} not here")
+    path = reference("crds", name)
     crd = yaml.safe_load(path.read_text())
     schema: dict[str, Any] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
     return schema

@@ -49,6 +49,9 @@ def _fill(path: Path) -> None:
         ]
     # A pod the agent has no metadata for (yet): shown by uid.
     samples.append(m.Sample(m.POD_CPU_USAGE, 0.05, _pod("u-orphan"), T0 + 119))
+    # A pod gone 10 s ago: no longer in the agent's record, its samples stop. Not listed.
+    samples += [m.Sample(metric, 0.9, _pod("u-gone"), T0 + t)
+                for t in range(100, 110) for metric in (m.POD_CPU_USAGE, m.POD_MEMORY_USED)]
     with TSDB(path) as db:
         db.write(samples)
         db.put_kv(m.KV_POD_META, META)
