@@ -21,7 +21,22 @@ In one run, against one private containerd with ``--idle-pods`` running pods, it
     from the interception hop (haproxy-bare - direct). With no hooks HAProxy sends Python
     only RunPodSandbox, CreateContainer and StartContainer (runtimeproxy.dataplane.haproxy.STORE_CALLS);
     with the shipped chain also UpdateContainerResources, StopPodSandbox and RemovePodSandbox.
-It prints a Markdown table (docs/benchmarks.md keeps the last one).
+  * a sixth path in the pass-through phase, "haproxy-minimal", the anchor of issue 26's
+    pass-through target: Debian's /usr/sbin/haproxy started by the benchmark itself
+    (``-W -db``, a private dir, unix sockets only) on a minimal config -- ``global``
+    (``--minimal-global matched``, the default: ``nbthread 1``, ``tune.bufsize`` and
+    ``tune.h2.max-concurrent-streams`` as the proxy's; ``none``: HAProxy's defaults),
+    ``defaults`` with ``mode http`` and timeouts, ``bind unix@… proto h2`` →
+    ``server … unix@<containerd> proto h2``. Interleaved with the other paths; a table of
+    haproxy / haproxy-minimal for added p50 and added p99 (added = over direct) per method
+    and summed, and for the CPU per call (its master + worker against the shipped data
+    plane alone and with the Python process). Stopped by pid before the lifecycles.
+The lifecycle phase can be made harder: ``--cni bridge`` gives the pods their own network
+namespace on a private bridge (``krpb<pid>``, bridge + host-local IPAM from /usr/lib/cni,
+10.244.250.0/24, no gateway address, no masquerading: nothing routed on the host; one pod's
+IP is checked first; the bridge is deleted at the end); ``--busy N`` runs N CPU-burning
+shell loops during it (``--busy 2``: both cores of a 2-CPU host busy), killed by pid after.
+It prints Markdown tables (docs/benchmarks.md keeps the last ones).
 """
 
 from __future__ import annotations
@@ -36,7 +51,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +60,7 @@ from benchlib import BenchNode, cpu_seconds, percentile
 
 from criapi import cri_v1_pb2 as cri
 from criapi import cri_v1_pb2_grpc as cri_grpc
+from runtimeproxy.dataplane.haproxy import BUFSIZE, MAX_CONCURRENT_STREAMS
 from runtimeproxy.demo import devpods, embedded, embeddedimage
 from runtimeproxy.demo.scenario import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
 
@@ -103,8 +119,10 @@ STEPS = ("RunPodSandbox", "CreateContainer", "StartContainer", "StopContainer", 
 COUNTING = ("track-sc0", "sc-inc-gpc", "set-var(txn.grpc_status)")
 
 
-def be_pod(prefix: str, logs: Path) -> tuple[str, cri.PodSandboxConfig, cri.ContainerConfig]:
-    """A new BE pod with batch resources (the lifecycle's): its cgroup parent, sandbox and container config."""
+def be_pod(prefix: str, logs: Path, pod_network: bool = False) -> tuple[str, cri.PodSandboxConfig,
+                                                                       cri.ContainerConfig]:
+    """A new BE pod with batch resources (the lifecycle's): its cgroup parent, sandbox and container
+    config. ``pod_network``: in its own network namespace (CNI sets it up), not the host's."""
     uid = str(uuid.uuid4())
     parent = devpods.kube_cgroup_parent(prefix, "besteffort", uid)
     labels = {"koordinator.sh/qosClass": "BE"}
@@ -113,12 +131,15 @@ def be_pod(prefix: str, logs: Path) -> tuple[str, cri.PodSandboxConfig, cri.Cont
                                      cgroup_parent=parent, labels=labels, annotations=annotations)
     config = devpods.container_config(name="c", image=embeddedimage.BUSYBOX_IMAGE, command=["sleep", "60"],
                                       resources=cri.LinuxContainerResources(cpu_shares=256))
+    if pod_network:
+        sandbox.linux.security_context.namespace_options.network = cri.POD
+        config.linux.security_context.namespace_options.network = cri.POD
     return parent, sandbox, config
 
 
-def lifecycle(rt: Any, prefix: str, logs: Path) -> dict[str, float]:
+def lifecycle(rt: Any, prefix: str, logs: Path, pod_network: bool = False) -> dict[str, float]:
     """Seconds per step and in all ("total") for one pod's lifecycle."""
-    parent, sandbox, config = be_pod(prefix, logs)
+    parent, sandbox, config = be_pod(prefix, logs, pod_network)
     out: dict[str, float] = {}
     t = start = time.perf_counter()
 
@@ -148,7 +169,7 @@ def lifecycle(rt: Any, prefix: str, logs: Path) -> dict[str, float]:
 
 
 def lifecycles(stubs: dict[str, Any], pids: dict[str, list[int]], prefix: str, logs: Path, pods: int,
-               settle: float) -> tuple[dict[str, list[dict[str, float]]], dict[str, float]]:
+               settle: float, pod_network: bool = False) -> tuple[dict[str, list[dict[str, float]]], dict[str, float]]:
     """``pods`` lifecycles per path, the path order shuffled every round (seeded). Each
     lifecycle starts ``settle`` seconds after the one before, on any path: the work a
     proxy leaves after its last reply (Post stages of RemovePodSandbox, the store, logs)
@@ -159,7 +180,7 @@ def lifecycles(stubs: dict[str, Any], pids: dict[str, list[int]], prefix: str, l
     names = ("direct", "grpc", "haproxy", "haproxy-bare")
     for name in names:  # warm each path's hooks, executors and caches
         for _ in range(3):
-            lifecycle(stubs[name], prefix, logs)
+            lifecycle(stubs[name], prefix, logs, pod_network)
     order = random.Random(15)
     times: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     cpu = dict.fromkeys(names, 0.0)
@@ -167,7 +188,7 @@ def lifecycles(stubs: dict[str, Any], pids: dict[str, list[int]], prefix: str, l
         for name in order.sample(names, len(names)):
             before = _cpu(pids[name])
             time.sleep(settle)
-            times[name].append(lifecycle(stubs[name], prefix, logs))
+            times[name].append(lifecycle(stubs[name], prefix, logs, pod_network))
             cpu[name] += _cpu(pids[name]) - before
     return times, {name: total / pods * 1000 for name, total in cpu.items()}
 
@@ -187,6 +208,121 @@ def strip_counting(proxy_pid: int, config: Path) -> list[int]:
             return [proxy_pid, *group]
         time.sleep(0.1)
     raise SystemExit(f"haproxy under {proxy_pid} did not reload: {_children(proxy_pid)}")
+
+
+#: The anchor of issue 26's pass-through target: Debian's HAProxy, the binary the proxy runs.
+HAPROXY = "/usr/sbin/haproxy"
+#: The bridge network of ``--cni bridge``: only inside the pods' own network namespaces
+#: (the bridge gets no address, no gateway, no masquerading: nothing is routed on the host).
+BRIDGE_SUBNET = "10.244.250.0/24"
+
+
+def minimal_config(listen: Path, backend: Path, matched: bool) -> str:
+    """A bare HAProxy in front of containerd: h2 in, h2 out, timeouts only. ``matched``:
+    also the proxy's three global settings that change the cost of a call (one thread;
+    the buffer and stream limits of runtimeproxy.dataplane.haproxy) -- HAProxy's defaults
+    are a thread per CPU, 16 KiB buffers and 100 streams."""
+    tuned = ["    nbthread 1", f"    tune.bufsize {BUFSIZE}",
+             f"    tune.h2.max-concurrent-streams {MAX_CONCURRENT_STREAMS}"] if matched else []
+    return "\n".join([
+        "global", *tuned, "",
+        "defaults", "    mode http", "    timeout connect 5s", "    timeout client 1h", "    timeout server 1h", "",
+        "frontend cri", f'    bind "unix@{listen}" proto h2', "    default_backend containerd", "",
+        "backend containerd", f'    server containerd "unix@{backend}" proto h2', ""])
+
+
+def start_minimal(base: Path, backend: Path, matched: bool) -> tuple[subprocess.Popen[bytes], Path, list[int]]:
+    """The bare HAProxy, master-worker in the foreground like the proxy's (``-W -db``), in a
+    private dir: its master, socket, and [master, worker]."""
+    run = base / "hm"
+    run.mkdir(mode=0o700)
+    sock, cfg = run / "hm.sock", run / "haproxy.cfg"
+    cfg.write_text(minimal_config(sock, backend, matched))
+    proc = subprocess.Popen([HAPROXY, "-W", "-db", "-f", str(cfg)], stdin=subprocess.DEVNULL)
+    end = time.monotonic() + 20
+    while time.monotonic() < end and proc.poll() is None:
+        workers = _children(proc.pid)
+        if sock.exists() and len(workers) == 1:
+            return proc, sock, [proc.pid, *workers]
+        time.sleep(0.05)
+    stop_minimal(proc, [])
+    raise SystemExit(f"the bare haproxy did not start (exit {proc.poll()}), config {cfg}")
+
+
+def stop_minimal(proc: subprocess.Popen[bytes], group: list[int]) -> None:
+    """SIGTERM to the master (it stops its worker and waits for it); a worker left behind
+    (the master had to be killed) is killed by pid, if that pid is still our worker."""
+    if proc.poll() is not None:
+        return
+    workers = {pid: _started(pid) for pid in group[1:]}
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for pid, started in workers.items():
+        if started is not None and _started(pid) == started:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _started(pid: int) -> int | None:
+    """A process's start time (field 22 of /proc/<pid>/stat): with the pid, who it is."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def bridge_conflist() -> tuple[dict[str, Any], str]:
+    """A bridge + host-local network (CNI plugins of /usr/lib/cni) on a private bridge, and
+    the bridge's name; host-local's ``dataDir`` (its leases) is the caller's to set."""
+    bridge = f"krpb{os.getpid()}"[:15]
+    if Path(f"/sys/class/net/{bridge}").exists():
+        raise SystemExit(f"a link named {bridge} exists already")
+    return {"cniVersion": "0.4.0", "name": "krp-bench-bridge",
+            "plugins": [{"type": "bridge", "bridge": bridge, "isGateway": False, "isDefaultGateway": False,
+                         "ipMasq": False, "hairpinMode": False,
+                         "ipam": {"type": "host-local", "ranges": [[{"subnet": BRIDGE_SUBNET}]],
+                                  "dataDir": ""}}]}, bridge
+
+
+def remove_bridge(bridge: str) -> None:
+    """Delete the bridge and any interface still attached to it (a pod's veth is gone with its
+    network namespace when the sandbox is removed)."""
+    if not Path(f"/sys/class/net/{bridge}").exists():
+        return
+    for link in Path(f"/sys/class/net/{bridge}/brif").iterdir():
+        subprocess.run(["ip", "link", "del", link.name], check=False)
+    subprocess.run(["ip", "link", "del", bridge], check=True)
+
+
+def check_pod_network(rt: Any, prefix: str, logs: Path) -> str:
+    """Run one pod with its own network and return its IP (it must be from BRIDGE_SUBNET)."""
+    parent, sandbox, _ = be_pod(prefix, logs, pod_network=True)
+    kubelet_creates_pod_cgroup(parent)
+    sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sandbox)).pod_sandbox_id
+    try:
+        ip = rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=sid)).status.network.ip
+    finally:
+        rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sid))
+        rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sid))
+    if not ip.startswith(BRIDGE_SUBNET.rsplit(".", 1)[0] + "."):
+        raise SystemExit(f"a pod with its own network got IP {ip!r}, not one of {BRIDGE_SUBNET}")
+    return str(ip)
+
+
+@contextlib.contextmanager
+def busy(n: int) -> Iterator[list[int]]:
+    """``n`` shell loops burning a CPU each while the block runs; killed by pid after it."""
+    procs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(n)]
+    try:
+        yield [proc.pid for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def at_rate(stub: Any, groups: dict[str, list[int]], cid: str, rate: float, seconds: float) -> dict[str, float]:
@@ -261,79 +397,125 @@ def main() -> int:
     ap.add_argument("--lifecycle-only", action="store_true", help="skip the pass-through, idle and rate phases")
     ap.add_argument("--hooks", type=int, default=-1,
                     help="example hooks in the chain; -1 (default) = the shipped QoS chain of systemd/config.yaml")
+    ap.add_argument("--cni", choices=("loopback", "bridge"), default="loopback",
+                    help="the lifecycle's pods: host network (loopback-only CNI, the default) or their own "
+                         f"network namespace on a private bridge, {BRIDGE_SUBNET} (host-local IPAM)")
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="N CPU-burning shell loops during the lifecycle phase (2 = both cores of this host busy)")
+    ap.add_argument("--minimal-global", choices=("matched", "none"), default="matched",
+                    help="haproxy-minimal's global section: nbthread 1, tune.bufsize and "
+                         "tune.h2.max-concurrent-streams as the proxy's (matched), or HAProxy's defaults (none)")
     args = ap.parse_args()
-    with BenchNode("b") as node:
-        base, prefix = node.base, node.prefix
-        chain = _chain(args.hooks)
-        grpc_proc, grpc_sock, _ = node.proxy("grpc", {**chain, "data_plane": "grpc"})
-        hx_proc, hx_sock, _ = node.proxy("hx", {**chain, "data_plane": "haproxy"})
-        bare_proc, bare_sock, _ = node.proxy("bare", {"data_plane": "haproxy"})
-        relay_sock = base / "relay.sock"
-        relay = subprocess.Popen([sys.executable, str(Path(__file__).with_name("byterelay.py")),
-                                  str(relay_sock), str(node.ctd.socket)])
-        try:
-            while not relay_sock.exists():
-                time.sleep(0.02)
-            pids = {"direct": [], "relay": [relay.pid], "grpc": [grpc_proc.pid],
-                    "haproxy": [hx_proc.pid, *_children(hx_proc.pid)], "haproxy (data plane only)": []}
-            pids["haproxy (data plane only)"] = pids["haproxy"][1:]
-            if len(pids["haproxy"]) != 3:
-                raise SystemExit(f"expected the proxy, haproxy's master and worker: {pids['haproxy']}")
-            bare = strip_counting(bare_proc.pid, bare_sock.parent / f".{bare_sock.name}.dataplane" / "haproxy.cfg")
-            pids["haproxy-bare (data plane only)"] = bare[1:]
-            stubs = {"direct": _Stub(node.ctd.socket), "relay": _Stub(relay_sock), "grpc": _Stub(grpc_sock),
-                     "haproxy": _Stub(hx_sock), "haproxy-bare": _Stub(bare_sock)}
-            direct = stubs["direct"]
-            cid = ""
-            for i in range(args.idle_pods):  # running pods so List* and Status return real data
-                uid = str(uuid.uuid4())
-                sb = devpods.sandbox_config(name=f"idle-{i}", namespace="bench", uid=uid, log_dir=str(base / "logs"),
-                                            cgroup_parent=devpods.kube_cgroup_parent(prefix, "burstable", uid))
-                sid = direct.RunPodSandbox(cri.RunPodSandboxRequest(config=sb)).pod_sandbox_id
-                cc = devpods.container_config(name="c", image=embeddedimage.BUSYBOX_IMAGE, command=["sleep", "3600"])
-                cid = direct.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=cc,
-                                                                        sandbox_config=sb)).container_id
-                direct.StartContainer(cri.StartContainerRequest(container_id=cid))
-            pids["haproxy-bare"] = [bare_proc.pid, *bare[1:]]
-            if args.lifecycle_only:
-                times, lc_cpu = lifecycles(stubs, pids, prefix, base / "logs", args.pods, args.settle)
-                _report_lifecycles(args, times, lc_cpu)
-                return 0
-            idle = {}
-            for name, group in pids.items():
-                idle[name] = (_cpu(group), _rss_mb(group))
-            time.sleep(args.idle_seconds)
-            idle = {name: ((_cpu(group) - idle[name][0]) / args.idle_seconds * 100, _rss_mb(group))
-                    for name, group in pids.items()}
-            before = {name: _cpu(group) for name, group in pids.items()}
-            lat = passthrough(stubs, cid, args.calls)
-            cpu_us = {name: (_cpu(group) - before[name]) / (args.calls * len(CALLS)) * 1e6
-                      for name, group in pids.items()}
-            rated: dict[tuple[str, float], float] = {}
-            for rate in (10.0, 50.0):
-                for name in ("relay", "grpc", "haproxy"):
-                    groups = {name: pids[name]}
-                    if name == "haproxy":
-                        groups["haproxy (data plane only)"] = pids["haproxy (data plane only)"]
-                    for label, pct in at_rate(stubs[name], groups, cid, rate, args.rate_seconds).items():
-                        rated[(label, rate)] = pct
-            times, lc_cpu = lifecycles(stubs, pids, prefix, base / "logs", args.pods, args.settle)
-        finally:
-            relay.terminate()
-            relay.wait(10)
-        _report(args, lat, cpu_us, idle)
-        _report_lifecycles(args, times, lc_cpu)
-        print(f"\n### Measured at a kubelet-like rate ({args.rate_seconds:.0f} s each, the 5 methods in turn)\n")
-        print("| path | % of a core at 10 calls/s | at 50 calls/s |")
-        print("|---|---:|---:|")
-        for name in ("relay", "grpc", "haproxy", "haproxy (data plane only)"):
-            print(f"| {name} | {rated[(name, 10.0)]:.3f} | {rated[(name, 50.0)]:.3f} |")
+    conflist, bridge = None, ""
+    try:
+        if args.cni == "bridge":
+            conflist, bridge = bridge_conflist()
+        node = BenchNode("b", cni_conflist=conflist)
+        if conflist is not None:  # host-local's leases in the node's dir (containerd writes the conflist at start)
+            conflist["plugins"][0]["ipam"]["dataDir"] = str(node.base / "cni-ipam")
+        with node:
+            return _run(args, node, bridge)
+    finally:
+        if bridge:
+            remove_bridge(bridge)
+
+
+def _run(args: argparse.Namespace, node: BenchNode, bridge: str) -> int:
+    """Every phase on one node; ``bridge``: the pods' bridge (--cni bridge), else ""."""
+    base, prefix = node.base, node.prefix
+    chain = _chain(args.hooks)
+    grpc_proc, grpc_sock, _ = node.proxy("grpc", {**chain, "data_plane": "grpc"})
+    hx_proc, hx_sock, _ = node.proxy("hx", {**chain, "data_plane": "haproxy"})
+    bare_proc, bare_sock, _ = node.proxy("bare", {"data_plane": "haproxy"})
+    relay_sock = base / "relay.sock"
+    relay = subprocess.Popen([sys.executable, str(Path(__file__).with_name("byterelay.py")),
+                              str(relay_sock), str(node.ctd.socket)])
+    minimal: subprocess.Popen[bytes] | None = None
+    minimal_group: list[int] = []
+    try:
+        while not relay_sock.exists():
+            time.sleep(0.02)
+        if not args.lifecycle_only:
+            minimal, minimal_sock, minimal_group = start_minimal(base, node.ctd.socket,
+                                                                 args.minimal_global == "matched")
+        pids = {"direct": [], "relay": [relay.pid], "grpc": [grpc_proc.pid],
+                "haproxy": [hx_proc.pid, *_children(hx_proc.pid)], "haproxy (data plane only)": []}
+        pids["haproxy (data plane only)"] = pids["haproxy"][1:]
+        if len(pids["haproxy"]) != 3:
+            raise SystemExit(f"expected the proxy, haproxy's master and worker: {pids['haproxy']}")
+        bare = strip_counting(bare_proc.pid, bare_sock.parent / f".{bare_sock.name}.dataplane" / "haproxy.cfg")
+        pids["haproxy-bare (data plane only)"] = bare[1:]
+        stubs = {"direct": _Stub(node.ctd.socket), "relay": _Stub(relay_sock), "grpc": _Stub(grpc_sock),
+                 "haproxy": _Stub(hx_sock), "haproxy-bare": _Stub(bare_sock)}
+        if minimal is not None:
+            stubs["haproxy-minimal"] = _Stub(minimal_sock)
+            pids["haproxy-minimal"] = minimal_group
+        direct = stubs["direct"]
+        cid = ""
+        for i in range(args.idle_pods):  # running pods so List* and Status return real data
+            uid = str(uuid.uuid4())
+            sb = devpods.sandbox_config(name=f"idle-{i}", namespace="bench", uid=uid, log_dir=str(base / "logs"),
+                                        cgroup_parent=devpods.kube_cgroup_parent(prefix, "burstable", uid))
+            sid = direct.RunPodSandbox(cri.RunPodSandboxRequest(config=sb)).pod_sandbox_id
+            cc = devpods.container_config(name="c", image=embeddedimage.BUSYBOX_IMAGE, command=["sleep", "3600"])
+            cid = direct.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=cc,
+                                                                    sandbox_config=sb)).container_id
+            direct.StartContainer(cri.StartContainerRequest(container_id=cid))
+        pids["haproxy-bare"] = [bare_proc.pid, *bare[1:]]
+        if args.lifecycle_only:
+            times, lc_cpu = _lifecycle_phase(args, stubs, pids, node, bridge)
+            _report_lifecycles(args, times, lc_cpu)
+            return 0
+        idle = {}
+        for name, group in pids.items():
+            idle[name] = (_cpu(group), _rss_mb(group))
+        time.sleep(args.idle_seconds)
+        idle = {name: ((_cpu(group) - idle[name][0]) / args.idle_seconds * 100, _rss_mb(group))
+                for name, group in pids.items()}
+        before = {name: _cpu(group) for name, group in pids.items()}
+        lat = passthrough(stubs, cid, args.calls)
+        cpu_us = {name: (_cpu(group) - before[name]) / (args.calls * len(CALLS)) * 1e6
+                  for name, group in pids.items()}
+        rated: dict[tuple[str, float], float] = {}
+        for rate in (10.0, 50.0):
+            for name in ("relay", "grpc", "haproxy"):
+                groups = {name: pids[name]}
+                if name == "haproxy":
+                    groups["haproxy (data plane only)"] = pids["haproxy (data plane only)"]
+                for label, pct in at_rate(stubs[name], groups, cid, rate, args.rate_seconds).items():
+                    rated[(label, rate)] = pct
+        if minimal is not None:  # not needed for the lifecycles
+            stop_minimal(minimal, minimal_group)
+        times, lc_cpu = _lifecycle_phase(args, stubs, pids, node, bridge)
+    finally:
+        if minimal is not None:
+            stop_minimal(minimal, minimal_group)
+        relay.terminate()
+        relay.wait(10)
+    _report(args, lat, cpu_us, idle)
+    _report_lifecycles(args, times, lc_cpu)
+    print(f"\n### Measured at a kubelet-like rate ({args.rate_seconds:.0f} s each, the 5 methods in turn)\n")
+    print("| path | % of a core at 10 calls/s | at 50 calls/s |")
+    print("|---|---:|---:|")
+    for name in ("relay", "grpc", "haproxy", "haproxy (data plane only)"):
+        print(f"| {name} | {rated[(name, 10.0)]:.3f} | {rated[(name, 50.0)]:.3f} |")
     return 0
+
+
+def _lifecycle_phase(args: argparse.Namespace, stubs: dict[str, Any], pids: dict[str, list[int]], node: BenchNode,
+                     bridge: str) -> tuple[dict[str, list[dict[str, float]]], dict[str, float]]:
+    """The lifecycles, on the bridge network if there is one, with ``--busy`` loops running."""
+    logs = node.base / "logs"
+    if bridge:
+        ip = check_pod_network(stubs["direct"], node.prefix, logs)
+        print(f"pods get their own network on bridge {bridge} (a test pod got {ip})", file=sys.stderr)
+    with busy(args.busy):
+        return lifecycles(stubs, pids, node.prefix, logs, args.pods, args.settle, pod_network=bool(bridge))
 
 
 def _report(args: argparse.Namespace, lat: dict[str, dict[str, list[float]]], cpu_us: dict[str, float],
             idle: dict[str, tuple[float, float]]) -> None:
-    paths = ["relay", "grpc", "haproxy", "haproxy-bare"]
+    paths = ["relay", "grpc", "haproxy", "haproxy-bare", "haproxy-minimal"]
     print(f"\n### Pass-through, {args.calls} calls per method and path, interleaved, {args.idle_pods} pods "
           "(microseconds)\n")
     print("| method | path | p50 | p99 | added p50 | added p99 | added p50 / relay's |")
@@ -350,7 +532,7 @@ def _report(args: argparse.Namespace, lat: dict[str, dict[str, list[float]]], cp
     print("| path | CPU µs per pass-through call | computed % of a core at 10 calls/s | at 50 calls/s "
           "| idle % of a core | RSS MB |")
     print("|---|---:|---:|---:|---:|---:|")
-    for name in [*paths[:3], "haproxy (data plane only)", "haproxy-bare (data plane only)"]:
+    for name in [*paths[:3], "haproxy (data plane only)", "haproxy-bare (data plane only)", "haproxy-minimal"]:
         us = cpu_us[name]
         idle_pct, rss = idle[name]
         print(f"| {name} | {us:.0f} | {us * 10 / 1e4 + idle_pct:.3f} | {us * 50 / 1e4 + idle_pct:.3f} "
@@ -358,6 +540,39 @@ def _report(args: argparse.Namespace, lat: dict[str, dict[str, list[float]]], cp
     counting = cpu_us["haproxy (data plane only)"] - cpu_us["haproxy-bare (data plane only)"]
     print(f"\nHAProxy's per-method counting rules: {counting:+.1f} µs CPU per pass-through call "
           "(haproxy - haproxy-bare, data plane only, same interleaved run)")
+    _report_minimal(args, lat, cpu_us)
+
+
+def _report_minimal(args: argparse.Namespace, lat: dict[str, dict[str, list[float]]], cpu_us: dict[str, float]) -> None:
+    """Issue 26's pass-through target: the shipped plane's added latency and CPU per call
+    over a bare HAProxy's (haproxy-minimal) in the same interleaved run, at most 1.15."""
+    tuned = ("nbthread 1, tune.bufsize, tune.h2.max-concurrent-streams as ours" if args.minimal_global == "matched"
+             else "HAProxy's defaults")
+    print(f"\n### haproxy / haproxy-minimal (issue 26: each ≤ 1.15; haproxy-minimal's global: {tuned}; "
+          "added = over direct)\n")
+    print("| method | added p50 haproxy µs | added p50 haproxy-minimal µs | ratio p50 "
+          "| added p99 haproxy µs | added p99 haproxy-minimal µs | ratio p99 |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    sums = [0.0, 0.0, 0.0, 0.0]
+    for method, per in lat.items():
+        d50, d99 = percentile(per["direct"], 0.5), percentile(per["direct"], 0.99)
+        h50, m50 = percentile(per["haproxy"], 0.5) - d50, percentile(per["haproxy-minimal"], 0.5) - d50
+        h99, m99 = percentile(per["haproxy"], 0.99) - d99, percentile(per["haproxy-minimal"], 0.99) - d99
+        for i, value in enumerate((h50, m50, h99, m99)):
+            sums[i] += value
+        print(f"| {method} | {h50:+.0f} | {m50:+.0f} | {_ratio(h50, m50)} "
+              f"| {h99:+.0f} | {m99:+.0f} | {_ratio(h99, m99)} |")
+    print(f"| all {len(lat)} methods (sum of added) | {sums[0]:+.0f} | {sums[1]:+.0f} | {_ratio(sums[0], sums[1])} "
+          f"| {sums[2]:+.0f} | {sums[3]:+.0f} | {_ratio(sums[2], sums[3])} |")
+    m_cpu = cpu_us["haproxy-minimal"]
+    print(f"\nCPU per pass-through call: haproxy-minimal {m_cpu:.1f} µs (master + worker); "
+          f"haproxy (data plane only) {cpu_us['haproxy (data plane only)']:.1f} µs = "
+          f"{_ratio(cpu_us['haproxy (data plane only)'], m_cpu)} x; haproxy (with the Python process) "
+          f"{cpu_us['haproxy']:.1f} µs = {_ratio(cpu_us['haproxy'], m_cpu)} x")
+
+
+def _ratio(value: float, anchor: float) -> str:
+    return f"{value / anchor:.2f}" if anchor > 0 else "n/a"
 
 
 def _report_lifecycles(args: argparse.Namespace, steps: dict[str, list[dict[str, float]]],
@@ -366,7 +581,9 @@ def _report_lifecycles(args: argparse.Namespace, steps: dict[str, list[dict[str,
     dm = statistics.median(times["direct"])
     print(f"\n### Pod lifecycle (Run, Create, Start, Stop, Remove), {args.pods} pods per path, chain: "
           f"{'shipped QoS chain' if args.hooks < 0 else f'{args.hooks} example hooks'} "
-          f"(haproxy-bare: no hooks), {args.settle:.2f} s apart, path order shuffled per round\n")
+          f"(haproxy-bare: no hooks), {args.settle:.2f} s apart, path order shuffled per round, "
+          f"{'pod network: bridge ' + BRIDGE_SUBNET if args.cni == 'bridge' else 'host network'}, "
+          f"{args.busy} CPU-burning loops\n")
     print("| path | median s | min s | max s | median / direct | 95 % interval of the ratio (bootstrap) "
           "| proxy CPU ms per lifecycle |")
     print("|---|---:|---:|---:|---:|---|---:|")

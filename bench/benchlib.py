@@ -36,11 +36,12 @@ class BenchNode:
     """``with BenchNode("q") as node``: a private containerd with busybox and pause
     imported, a unique cgroup parent, and every proxy started through it stopped
     (SIGTERM, by pid) on the way out, containerd last; then its /tmp dir is removed
-    (kept with ``KRP_BENCH_KEEP=1``)."""
+    (kept with ``KRP_BENCH_KEEP=1``). ``cni_conflist``: containerd's CNI network instead of
+    loopback only (the caller removes what its plugins leave on the host, e.g. a bridge)."""
 
-    def __init__(self, tag: str) -> None:
+    def __init__(self, tag: str, cni_conflist: dict[str, Any] | None = None) -> None:
         self.base = Path(tempfile.mkdtemp(prefix=f"krp{tag}-", dir="/tmp"))  # short: socket paths
-        self.ctd = embedded.EmbeddedContainerd(self.base / "ctd")
+        self.ctd = embedded.EmbeddedContainerd(self.base / "ctd", cni_conflist=cni_conflist)
         self.prefix = embeddedcgroup.unique_test_parent()
         self._procs: list[subprocess.Popen[bytes]] = []
 

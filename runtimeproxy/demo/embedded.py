@@ -14,7 +14,7 @@ Gotchas this module encodes (all found the hard way):
 * The pause image's entrypoint is a busybox ``sleep``; it is PID 1 in its pid
   namespace, so it ignores SIGTERM and must be stopped with SIGKILL (which is
   what containerd's StopPodSandbox does).
-* The CNI config is loopback-only: CRI reports the network as ready and
+* The CNI config is loopback-only by default (``cni_conflist`` gives another): CRI reports the network as ready and
   host-network pods work, but pods in their own network namespace fail
   because no interface gets an IP.  This keeps the shared host free of
   bridges and iptables rules.
@@ -177,7 +177,7 @@ class EmbeddedContainerd:
     """
 
     def __init__(self, base_dir: Path, sandbox_image: str = PAUSE_IMAGE, *, binary: Path | None = None,
-                 nri_socket: Path | None = None) -> None:
+                 nri_socket: Path | None = None, cni_conflist: dict[str, Any] | None = None) -> None:
         self.base_dir = base_dir.resolve()
         self.sandbox_image = sandbox_image
         #: Another containerd (e.g. 1.7.24 from CONTAINERD_17); its directory goes first on PATH so
@@ -185,6 +185,8 @@ class EmbeddedContainerd:
         self.binary = binary
         #: NRI on, its socket here (containerd >= 1.7); None: NRI off.
         self.nri_socket = nri_socket
+        #: The CNI network (a conflist document, plugins from /usr/lib/cni); None: loopback only.
+        self.cni_conflist = cni_conflist
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: io.BufferedWriter | None = None
         if len(str(self.socket)) + len(".ttrpc") > _UNIX_SOCKET_MAX:
@@ -294,11 +296,13 @@ disabled_plugins = [
 """
 
     def _write_cni_config(self) -> None:
-        """Loopback-only network: CRI says NetworkReady without touching the host."""
+        """Loopback-only network: CRI says NetworkReady without touching the host (unless
+        ``cni_conflist`` names another network; its caller cleans up what it creates)."""
         conf_dir = self.base_dir / "cni" / "net.d"
         conf_dir.mkdir(parents=True, exist_ok=True)
         conf = {"cniVersion": "0.4.0", "name": "koord-loopback", "plugins": [{"type": "loopback"}]}
-        (conf_dir / "10-koord-loopback.conflist").write_text(json.dumps(conf, indent=2))
+        conf = self.cni_conflist or conf
+        (conf_dir / f"10-{conf['name']}.conflist").write_text(json.dumps(conf, indent=2))
 
     # -- lifecycle --------------------------------------------------------
 
