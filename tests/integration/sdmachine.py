@@ -143,9 +143,13 @@ class Machine:
             return False
 
         wait(systemd_pid, 30, "systemd started in the container")
-        # Its bus socket appears a moment after it starts: until then systemctl cannot connect.
-        wait(lambda: self.run(["systemctl", "is-system-running"], check=False).stdout.strip() != "", 30,
-              "systemd's bus answering")
+        # Its bus socket appears a moment after it starts: until then systemctl cannot connect
+        # (and `is-system-running` prints "offline", so that is not the test: a property read is).
+        def bus_answers() -> bool:
+            out = self.run(["systemctl", "show", "--property=Version", "--value"], check=False)
+            return out.returncode == 0 and out.stdout.strip() != ""
+
+        wait(bus_answers, 60, "systemd's bus answering")
         # Not `is-system-running --wait`: boot stays "starting" until the proxy is READY, and the
         # first test connects containerd only after it has seen the proxy wait for it.
 
