@@ -1,4 +1,4 @@
-"""The proxy exports the process-wide count of refused host writes by cause."""
+"""The proxy exports its own count of refused host writes by cause (its ``NodeServices``)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ from typing import Any
 
 import pytest
 
-from runtimeproxy.hostwrites import HOST_WRITE_FAILURES
-
 
 @pytest.mark.asyncio
 async def test_host_write_failures_are_on_metrics(fake_runtime: Any, start_proxy: Any) -> None:
     proxy = await start_proxy(fake_runtime)
-    before = HOST_WRITE_FAILURES.counts().get("EXDEV", 0)
-    HOST_WRITE_FAILURES.inc("EXDEV")
+    failures = proxy.app.services.write_failures
+    before = failures.counts().get("EXDEV", 0)
+    failures.inc("EXDEV")
     assert proxy.sample("koord_runtime_proxy_host_write_failures_total", {"cause": "EXDEV"}) == before + 1
