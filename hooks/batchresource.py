@@ -158,7 +158,7 @@ class BatchResource:
             self.layout = CgroupLayout(init.host.cgroup, version, driver)
         except CgroupError as exc:
             raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
-        self.executor = CgroupExecutor(self.layout)
+        self.executor = CgroupExecutor(self.layout, backoff=init.services.write_backoff)
         self.last_writes: list[Write] = []  # the last pod's writes, for debugging and tests
 
     @property

@@ -85,7 +85,7 @@ class Blkio:
         self.dry_run = dry_run_arg(init, args)
         self._host: HostRoots = init.host
         self._rules = LiveRules(init)
-        self.executor = CgroupExecutor(cgroup_layout(init, args))
+        self.executor = CgroupExecutor(cgroup_layout(init, args), backoff=init.services.write_backoff)
         self._lock = threading.Lock()
         self._support: Support | None = None
         #: target cgroup -> devices this hook set limits on (to remove them when a rule drops one).

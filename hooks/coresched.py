@@ -168,7 +168,7 @@ class CoreSched:
         self.dry_run = dry_run_arg(init, args)
         self._rules = LiveRules(init)
         self.layout = cgroup_layout(init, args)
-        self.executor = CgroupExecutor(self.layout)
+        self.executor = CgroupExecutor(self.layout, backoff=init.services.write_backoff)
         self._sys = sys
         self._ops: CookieOps | None = None
         self._support: Support | None = None

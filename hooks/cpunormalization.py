@@ -112,6 +112,7 @@ class CPUNormalization:
         self.ratio: Fraction | None = ratio if ratio is not None and ratio > 1 else None
         driver, version = cgroup_args(init, args)
         self._cgroup: tuple[Path, Version | Literal["auto"], Driver] = (init.host.cgroup, version, driver)
+        self._backoff = init.services.write_backoff
         self._executor: CgroupExecutor | None = None
         self.dry_run = dry_run_arg(init, args)
         self._ledger = DryRunLedger("cpu-normalization")
@@ -156,7 +157,7 @@ class CPUNormalization:
     def _writer(self, ctx: ContainerContext) -> CgroupExecutor:
         if self._executor is None:
             root, version, driver = self._cgroup
-            self._executor = open_executor(root, version, driver, ctx.pod)
+            self._executor = open_executor(root, version, driver, ctx.pod, self._backoff)
         return self._executor
 
     def reconcile_container(self, ctx: ContainerContext) -> ContainerPatch | None:

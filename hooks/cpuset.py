@@ -150,10 +150,12 @@ class CPUSet:
         self.reserved = self._cpu_arg(init, args, "reserved_cpus", allow_empty=True) or frozenset()
         driver, version = cgroup_args(init, args)
         self._cgroup: tuple[Path, Version | Literal["auto"], Driver] = (init.host.cgroup, version, driver)
+        self._backoff = init.services.write_backoff
         self.executor: CgroupExecutor | None = None
         if self.unset_cpu_quota:  # the only host write of the lifecycle stages
             try:
-                self.executor = CgroupExecutor(CgroupLayout(init.host.cgroup, version, driver))
+                self.executor = CgroupExecutor(CgroupLayout(init.host.cgroup, version, driver),
+                                                backoff=init.services.write_backoff)
             except CgroupError as exc:
                 raise HookConfigError(f"{path}.cgroup_version", version, str(exc)) from exc
         self._lock = threading.Lock()
@@ -335,7 +337,7 @@ class CPUSet:
         lifecycle stages then write nothing, so no cgroup tree was required)."""
         if self.executor is None:
             root, version, driver = self._cgroup
-            self.executor = open_executor(root, version, driver, pod)
+            self.executor = open_executor(root, version, driver, pod, self._backoff)
         return self.executor
 
     def reconcile_pod_sandbox(self, ctx: PodContext) -> PodPatch | None:

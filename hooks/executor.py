@@ -27,8 +27,9 @@ Everything that goes wrong with host writes is handled once, here:
   (path, cause): ``host_write_failed`` at warning, then ``repeat=True`` errors
   and at most one ``host_write_still_failing`` reminder per 5 min with
   ``repeats=N``; success logs ``host_write_recovered`` and clears the state.
-  ``WRITE_BACKOFF`` is shared by every executor in the process (hooks, the
-  reconciler, the QoS manager and its fast path).
+  The back-off is the process's ``NodeServices.write_backoff``
+  (``runtimeproxy.services``), handed to every executor through the hook's or
+  task's init object (hooks, the reconciler, the QoS manager and its fast path).
 """
 
 from __future__ import annotations
@@ -36,9 +37,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -59,7 +58,8 @@ from hooks.cgroups import (
     comparable,
 )
 from hooks.cpusets import format_cpu_list, parse_cpu_list
-from runtimeproxy.hostwrites import HOST_WRITE_FAILURES, FailureCounter, check_deadline
+from runtimeproxy.hostwrites import check_deadline
+from runtimeproxy.services import FailureCounter, WriteBackoff
 
 log = structlog.get_logger("hooks.executor")
 
@@ -98,30 +98,34 @@ class _Planned:
 #: Directories confined within one batch, by (controller, cgroup).
 _Confined = dict[tuple[str | None, PurePosixPath], Path]
 
-#: Configured roots (``/sys/fs/cgroup``...) resolved once: they are fixed for the process,
-#: and resolving them again per file was ~15 µs of the ~55 µs a cgroup file's check took.
-_REAL_ROOTS: dict[str, str] = {}
-
-
-def _real_root(root: Path) -> str:
-    key = str(root)
-    real = _REAL_ROOTS.get(key)
-    if real is None:
-        real = _REAL_ROOTS[key] = os.path.realpath(key)
-    return real
-
-
-def confine(root: Path, relative: PurePosixPath, source: str) -> Path:
+def confine(root: Path, relative: PurePosixPath, source: str, real_root: str | None = None) -> Path:
     """``root/relative`` resolved, or PathEscapeError naming ``source`` when it
     leaves the resolved root (``..``, an absolute part, a symlink). The target is
-    resolved every time (a cgroup may be replaced by a symlink at any moment)."""
+    resolved every time (a cgroup may be replaced by a symlink at any moment); the
+    root too unless the caller passes it resolved (``Confinement`` keeps it)."""
     if relative.is_absolute() or ".." in relative.parts:
         raise PathEscapeError(f"{source or relative}: path {str(relative)!r} escapes the cgroup root {root}")
-    real_root = _real_root(root)
+    if real_root is None:
+        real_root = os.path.realpath(root)
     target = _resolve(os.path.join(root, relative))
     if target != real_root and not target.startswith(real_root.rstrip("/") + "/"):
         raise PathEscapeError(f"{source or relative}: resolves to {target}, outside the root {real_root}")
     return Path(target)
+
+
+class Confinement:
+    """``confine`` under one configured root (``/sys/fs/cgroup``...), resolved once by
+    its owner (an executor, a resctrl view): the root is fixed for the owner's life, and
+    resolving it again per file was ~15 µs of the ~55 µs a cgroup file's check took."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._real: str | None = None
+
+    def __call__(self, relative: PurePosixPath, source: str) -> Path:
+        if self._real is None:
+            self._real = os.path.realpath(self.root)
+        return confine(self.root, relative, source, self._real)
 
 
 def _resolve(joined: str) -> str:
@@ -176,116 +180,6 @@ class WriteBackedOffError(CgroupError):
     repeat = True
 
 
-@dataclass(slots=True)
-class _Failing:
-    cause: str
-    value: str
-    failures: int  # consecutive refused writes since the last success
-    delay: float
-    next_try: float
-    warned_at: float
-    tried_at: float
-    unreported: int = 0  # refused writes since the last log line
-    skipped: int = 0  # attempts not made (backed off) since the last log line
-
-
-class WriteBackoff:
-    """Per file: back off a write that keeps failing, warn once per cause.
-
-    Thread-safe (sync hooks write from worker threads). Bounded: at most
-    ``max_entries`` failing files are remembered (the oldest is forgotten)."""
-
-    def __init__(
-        self,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        first: float = 1.0,
-        cap: float = 300.0,
-        reminder: float = 300.0,
-        max_entries: int = 4096,
-        counter: FailureCounter = HOST_WRITE_FAILURES,
-    ) -> None:
-        self._clock = clock
-        self._first, self._cap, self._reminder = first, cap, reminder
-        self._max_entries = max_entries
-        self._counter = counter
-        self._lock = threading.Lock()
-        self._failing: dict[Path, _Failing] = {}
-
-    def before(self, path: Path, value: str, source: str) -> None:
-        """Raise ``WriteBackedOffError`` when writing ``value`` to ``path`` failed and its back-off runs."""
-        with self._lock:
-            state = self._failing.get(path)
-            now = self._clock()
-            if state is None:
-                return
-            # The same value waits out the whole back-off; another one (a changed desired
-            # state, e.g. a tier growing back) only ``first`` seconds after the last try.
-            next_try = state.next_try if state.value == value else state.tried_at + self._first
-            if now >= next_try:
-                return
-            state.skipped += 1
-            wait = next_try - now
-            raise WriteBackedOffError(
-                f"{source}: writing {value!r} to {path} backed off: refused {state.failures} time(s) "
-                f"({state.cause}), next try in {wait:.1f}s")
-
-    def failed(self, path: Path, value: str, exc: CgroupError) -> None:
-        """Record a refused write; the first of a cause is logged at warning, repeats are not
-        (``exc.repeat`` is set) but for a reminder every ``reminder`` seconds."""
-        cause = _cause(exc)
-        self._counter.inc(cause)
-        previous: str | None = None
-        with self._lock:
-            now = self._clock()
-            state = self._failing.get(path)
-            if state is not None and state.cause == cause:
-                state.failures += 1
-                state.unreported += 1
-                state.delay = min(state.delay * 2, self._cap)
-                state.value, state.next_try, state.tried_at = value, now + state.delay, now
-                exc.repeat = True
-                if now - state.warned_at < self._reminder:
-                    return
-                repeats, skipped = state.unreported, state.skipped
-                state.warned_at, state.unreported, state.skipped = now, 0, 0
-                retry = state.delay
-            else:
-                previous = state.cause if state is not None else None
-                self._failing.pop(path, None)
-                while len(self._failing) >= self._max_entries:
-                    self._failing.pop(next(iter(self._failing)))
-                self._failing[path] = _Failing(cause, value, 1, self._first, now + self._first, now, now)
-                repeats = skipped = 0
-                retry = self._first
-        if repeats:
-            log.warning("host_write_still_failing", path=str(path), cause=cause, error=str(exc), repeats=repeats,
-                        skipped=skipped, retry_in_seconds=retry)
-        else:
-            log.warning("host_write_failed", path=str(path), cause=cause, error=str(exc), retry_in_seconds=retry,
-                        previous_cause=previous)
-
-    def succeeded(self, path: Path) -> None:
-        """A write to ``path`` went through: forget its failures."""
-        if path not in self._failing:  # the common case, without the lock
-            return
-        with self._lock:
-            state = self._failing.pop(path, None)
-        if state is not None:
-            log.info("host_write_recovered", path=str(path), cause=state.cause, failures=state.failures)
-
-    def failing(self) -> dict[str, dict[str, object]]:
-        """The files whose last write failed: for explain and tests."""
-        with self._lock:
-            return {str(p): {"cause": s.cause, "value": s.value, "failures": s.failures,
-                             "retry_in_seconds": max(0.0, round(s.next_try - self._clock(), 3))}
-                    for p, s in self._failing.items()}
-
-
-#: The back-off every executor uses unless given its own (tests inject one with a fake clock).
-WRITE_BACKOFF = WriteBackoff()
-
-
 def _os_error(exc: OSError, path: Path, source: str) -> CgroupError:
     if exc.errno == errno.ENOENT:
         if not path.parent.is_dir():
@@ -300,8 +194,11 @@ class CgroupExecutor:
     """Reads and writes cgroup resources under one ``CgroupLayout``."""
 
     def __init__(self, layout: CgroupLayout, *, backoff: WriteBackoff | None = None) -> None:
+        """``backoff``: the process's (``NodeServices.write_backoff``), shared by every
+        executor built from the same services; None: one of this executor's own."""
         self.layout = layout
-        self.backoff = WRITE_BACKOFF if backoff is None else backoff
+        self.backoff = WriteBackoff(counter=FailureCounter()) if backoff is None else backoff
+        self.confine = Confinement(layout.root)
 
     def path(self, cgroup: PurePosixPath, resource: Resource, source: str = "") -> Path:
         """The confined file path of ``resource`` in ``cgroup``."""
@@ -315,7 +212,7 @@ class CgroupExecutor:
         directory = confined.get((controller, cgroup))
         if directory is None:
             relative = PurePosixPath(controller, cgroup) if controller else cgroup
-            directory = confined[(controller, cgroup)] = confine(self.layout.root, relative, source or str(cgroup))
+            directory = confined[(controller, cgroup)] = self.confine(relative, source or str(cgroup))
         target = directory / name
         try:
             link = stat.S_ISLNK(os.lstat(target).st_mode)
@@ -365,11 +262,14 @@ class CgroupExecutor:
             return Write(path, old, new, update.reason, changed=False)
         check_deadline(str(path), new)
         if not children_narrowed:  # else the cause of the last refusal may just have gone
-            self.backoff.before(path, new, source)
+            wait = self.backoff.before(path, new)
+            if wait is not None:
+                raise WriteBackedOffError(f"{source}: {wait}")
         try:
             _write(path, new, source)
         except CgroupError as exc:
-            self.backoff.failed(path, new, exc)
+            if self.backoff.failed(path, new, _cause(exc), str(exc)):
+                exc.repeat = True  # logged once already: whoever catches it logs below warning
             raise
         self.backoff.succeeded(path)
         return Write(path, old, new, update.reason)

@@ -142,7 +142,8 @@ class GroupIdentity:
         driver, version = cgroup_args(init, args)
         self._rules = LiveRules(init)
         try:
-            self.executor = CgroupExecutor(CgroupLayout(init.host.cgroup, version, driver))
+            self.executor = CgroupExecutor(CgroupLayout(init.host.cgroup, version, driver),
+                                           backoff=init.services.write_backoff)
         except CgroupError as exc:
             raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
         self._lock = threading.Lock()

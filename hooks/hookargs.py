@@ -16,6 +16,7 @@ from hooks.cgroups import CgroupError, CgroupLayout, Driver, Version
 from hooks.executor import CgroupExecutor, Write
 from hooks.qos import pod_name
 from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostWrite, PodInfo
+from runtimeproxy.services import WriteBackoff
 
 
 def reject_unknown(init: HookInit, args: Mapping[str, Any], known: frozenset[str]) -> None:
@@ -45,11 +46,12 @@ def cgroup_layout(init: HookInit, args: Mapping[str, Any]) -> CgroupLayout:
         raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
 
 
-def open_executor(root: Path, version: Version | Literal["auto"], driver: Driver, pod: PodInfo) -> CgroupExecutor:
+def open_executor(root: Path, version: Version | Literal["auto"], driver: Driver, pod: PodInfo,
+                  backoff: WriteBackoff) -> CgroupExecutor:
     """An executor built on first use (hooks that may run without a cgroup tree);
     a missing or unusable tree is a HookError naming the pod that needed it."""
     try:
-        return CgroupExecutor(CgroupLayout(root, version, driver))
+        return CgroupExecutor(CgroupLayout(root, version, driver), backoff=backoff)
     except CgroupError as exc:
         raise HookError(f"pod {pod_name(pod)}: {exc}") from exc
 

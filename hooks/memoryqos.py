@@ -158,7 +158,7 @@ class MemoryQoS:
         self._allocatable: int | None = allocatable
         self._meminfo = init.host.proc / "meminfo"
         self._rules = LiveRules(init)
-        self.executor = CgroupExecutor(cgroup_layout(init, args))
+        self.executor = CgroupExecutor(cgroup_layout(init, args), backoff=init.services.write_backoff)
         self._lock = threading.Lock()
         self._support: Support | None = None
         self._pods: dict[str, _PodRecord] = {}

@@ -82,7 +82,7 @@ import structlog
 from hooks.annotations import AnnotationError
 from hooks.cgroups import CgroupError, CgroupLayout, PathEscapeError, container_cgroup_dir
 from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason
-from hooks.executor import confine
+from hooks.executor import Confinement
 from hooks.hookargs import cgroup_args, host_writes, reject_unknown
 from hooks.proctasks import parse_ids, read_nofollow
 from hooks.qos import QoSClass, pod_name
@@ -163,6 +163,7 @@ class Resctrl:
             self.layout = CgroupLayout(init.host.cgroup, version, driver)
         except CgroupError as exc:
             raise HookConfigError(f"{init.key_path}.cgroup_version", version, str(exc)) from exc
+        self._confine = Confinement(self.layout.root)
         self._lock = threading.Lock()
         self._absent_logged = False
         self._check_rules()
@@ -374,7 +375,7 @@ class Resctrl:
         names: tuple[str, ...] = ("cgroup.threads", "cgroup.procs")  # v2: threads, as resctrl wants
         if self.layout.version == 1:
             relative, names = PurePosixPath("cpu", relative), ("tasks",)
-        directory = confine(self.layout.root, relative, source)
+        directory = self._confine(relative, source)
         if not directory.is_dir():
             return None
         for name in names:

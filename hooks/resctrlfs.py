@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Final
 
-from hooks.executor import Write, confine
+from hooks.executor import Confinement, Write
 from runtimeproxy.hookapi import HookError
 from runtimeproxy.hostwrites import check_deadline
 
@@ -86,6 +86,7 @@ class ResctrlFS:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._confine = Confinement(root)
 
     @property
     def present(self) -> bool:
@@ -191,7 +192,7 @@ class ResctrlFS:
         if not _GROUP.fullmatch(name) or name in _RESERVED or ".." in name:
             raise ResctrlError(f"resctrl group name {name!r} is not allowed")
         try:
-            return confine(self.root, PurePosixPath(name), f"resctrl group {name!r}")
+            return self._confine(PurePosixPath(name), f"resctrl group {name!r}")
         except HookError as exc:
             raise ResctrlError(str(exc)) from exc
 

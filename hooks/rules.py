@@ -25,7 +25,7 @@ import structlog
 
 from hooks.blkiorules import BlkioQOS, parse_blkio_qos
 from hooks.qos import QoSClass, pod_qos
-from hooks.rulesparse import SECTION_KEYS, Parser, boolean, choice, int_range, section
+from hooks.rulesparse import Keyed, Parser, boolean, choice, int_range, section
 from runtimeproxy.hookapi import HookConfigError, HookInit, PodInfo
 
 log = structlog.get_logger("hooks.rules")
@@ -240,8 +240,7 @@ _MEMORY_QOS: Final = section(
         "oomKillGroup": ("oom_kill_group", int_range(0, 1)),
     },
 )
-_BLKIO_QOS: Final[Parser] = parse_blkio_qos
-SECTION_KEYS[_BLKIO_QOS] = ("enable", "blocks")
+_BLKIO_QOS: Final = Keyed(parse_blkio_qos, ("enable", "blocks"))
 _CLASS: Final = section(
     ClassQOS,
     {
@@ -412,7 +411,7 @@ _NODESLO_KNOWN: Final[Mapping[str, Any]] = {
 }
 
 
-def _filter(raw: Mapping[str, Any], known: Mapping[str, Any] | Parser) -> dict[str, Any]:
+def _filter(raw: Mapping[str, Any], known: Mapping[str, Any] | Keyed) -> dict[str, Any]:
     if isinstance(known, Mapping):
         out: dict[str, Any] = {}
         for key, sub in known.items():
@@ -422,8 +421,7 @@ def _filter(raw: Mapping[str, Any], known: Mapping[str, Any] | Parser) -> dict[s
             elif value is not None:
                 out[key] = value  # not a mapping: let parse_rules name it
         return out
-    keys = SECTION_KEYS[known]
-    return {k: v for k, v in raw.items() if k in keys}
+    return {k: v for k, v in raw.items() if k in known.keys}
 
 
 def rules_from_nodeslo(spec: Mapping[str, Any] | None) -> Mapping[str, Any] | None:

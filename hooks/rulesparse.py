@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Final, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from runtimeproxy.hookapi import HookConfigError
 
@@ -44,7 +45,19 @@ def choice(*allowed: str) -> Parser:
     return parse
 
 
-def section(cls: type[T], spec: Mapping[str, tuple[str, Parser]]) -> Parser:
+@dataclass(frozen=True, slots=True)
+class Keyed:
+    """A section's parser with the keys it accepts, as data: ``rules_from_nodeslo``
+    keeps a NodeSLO's keys we model by reading ``keys`` (no registry filled at import)."""
+
+    parse: Parser
+    keys: tuple[str, ...]
+
+    def __call__(self, raw: object, path: str, current: Any) -> Any:
+        return self.parse(raw, path, current)
+
+
+def section(cls: type[T], spec: Mapping[str, tuple[str, Parser]]) -> Keyed:
     """A parser for a mapping whose camelCase keys map to dataclass fields; the
     result is ``current`` with the given fields replaced (merge over defaults)."""
 
@@ -61,9 +74,4 @@ def section(cls: type[T], spec: Mapping[str, tuple[str, Parser]]) -> Parser:
             changes[attr] = parser(value, f"{path}.{key}", getattr(current, attr))
         return dataclasses.replace(current, **changes)  # type: ignore[no-any-return]
 
-    SECTION_KEYS[parse] = tuple(spec)
-    return parse
-
-
-#: The keys of every section parser (for ``rules_from_nodeslo``).
-SECTION_KEYS: Final[dict[Parser, tuple[str, ...]]] = {}
+    return Keyed(parse, tuple(spec))

@@ -8,8 +8,9 @@ series (system usage, the best-effort aggregate) are computed right after the po
 collector, in the same job as the node collector, so they never mix samples of
 different seconds.
 
-The agent is also put in ``TaskInit.shared`` so the QoS manager task reads the same
-store and pod views instead of measuring everything a second time.
+The agent is provided (``TaskInit.provide``) to the tasks that declare they need it
+(``needs = ("metrics",)``: the QoS manager, the interference analyser), so they read
+the same store and pod views instead of measuring everything a second time.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ if TYPE_CHECKING:  # the API client: imported only when configured
 
 log = structlog.get_logger("metrics.agent")
 
-SHARED_KEY: Final = "metrics.agent"
 _T = TypeVar("_T")
 
 
@@ -464,12 +464,12 @@ def _kubelet(settings: MetricsSettings) -> KubeletPods | None:
 
 
 def metrics_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
-    """Entry point: validate ``tasks.metrics``, build the agent, share it, return its loop."""
+    """Entry point: validate ``tasks.metrics``, build the agent, provide it to the tasks
+    built on it (``init.provide``; they read it as ``metrics.handles.AgentHandle``),
+    return its loop."""
     settings = parse_metrics(init.args, init.key_path)
-    if SHARED_KEY in init.shared:
-        raise HookConfigError(init.key_path, init.name, "a metrics task is already configured")
     agent = MetricsAgent(init, settings)
-    init.shared[SHARED_KEY] = agent
+    init.provide(agent)
     return agent.run
 
 
@@ -477,11 +477,3 @@ def metrics_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
 metrics_task.validate = validate_metrics  # type: ignore[attr-defined]
 # check-config's plan (runtimeproxy.chain.plugins.plan_tasks): what run would build here.
 metrics_task.plan = checkplan.metrics_plan  # type: ignore[attr-defined]
-
-
-def shared_agent(init: TaskInit) -> MetricsAgent:
-    """The metrics agent for a task that builds on it (it must come first under ``tasks:``)."""
-    agent = init.shared.get(SHARED_KEY)
-    if not isinstance(agent, MetricsAgent):
-        raise HookConfigError(init.key_path, init.name, "needs the metrics task: list `metrics` before it under tasks")
-    return agent

@@ -39,7 +39,6 @@ from metrics.collect.registry import (
     resolved_interval,
 )
 from metrics.collect.topology import TopologyCollector
-from metrics.qos import interference
 from metrics.qos.evict import EvictConfig
 from metrics.qos.manager import ManagerConfig
 from metrics.qos.strategy import StrategyInit, load_strategies
@@ -131,7 +130,7 @@ def metrics_plan(init: TaskInit) -> dict[str, Any]:
 
 def qos_plan(init: TaskInit) -> dict[str, Any]:
     settings = parse_qos(init.args, init.key_path)
-    metrics = validated_metrics(init.shared) or MetricsSettings()
+    metrics = validated_metrics(init)
     try:
         layout = CgroupLayout(init.host.cgroup, "auto", settings.cgroup_driver)
     except CgroupError as exc:
@@ -146,7 +145,7 @@ def qos_plan(init: TaskInit) -> dict[str, Any]:
     )
     base = StrategyInit(name="", args={}, key_path=f"{init.key_path}.strategies", config=config,
                         topology=topology.latest().cpus, executor=CgroupExecutor(layout), host=init.host,
-                        state_dir=None, shared={interference.TASKS: init.shared})
+                        state_dir=None)
     with _quiet() as lines:
         loaded = load_strategies(settings.strategies, base)
     rules = parse_rules(init.rules)

@@ -357,32 +357,33 @@ def parse_qos(raw: Mapping[str, Any], key_path: str) -> QoSSettings:
 # --- validate entry points -----------------------------------------------------------
 # The core calls a task factory's optional ``validate(init)`` (attached in agent.py and
 # qostask.py) from ``plugins.validate_tasks``: one check of ``tasks:`` that ``run``,
-# ``check-config`` and reload share, without building anything. ``init.shared`` is one
-# mapping per validation pass, so cross-task rules (order, kube for evict_mode=api)
-# are checked too.
+# ``check-config`` and reload share, without building anything. The metrics task's
+# validator provides its settings (``init.provide``); the tasks that need it (their
+# ``needs``) read them in ``init.needed``, so cross-task rules (kube for
+# evict_mode=api) are checked too, whatever the order under ``tasks:``.
 
-_VALIDATED_METRICS: Final = "metrics.settings(validated)"
+#: The metrics task's name under ``tasks:`` (its entry point), as the tasks built on it
+#: name it in ``needs`` and find what it provided in ``init.needed``.
+METRICS_TASK: Final = "metrics"
 
 
 def validate_metrics(init: TaskInit) -> MetricsSettings:
     settings = parse_metrics(init.args, init.key_path)
-    if _VALIDATED_METRICS in init.shared:
-        raise HookConfigError(init.key_path, init.name, "a metrics task is already configured")
-    init.shared[_VALIDATED_METRICS] = settings
+    init.provide(settings)
     return settings
 
 
-def validated_metrics(shared: Mapping[str, Any]) -> MetricsSettings | None:
-    """The metrics task's settings as ``validate_metrics`` left them in ``shared``."""
-    found = shared.get(_VALIDATED_METRICS)
-    return found if isinstance(found, MetricsSettings) else None
+def validated_metrics(init: TaskInit) -> MetricsSettings:
+    """In a validate or plan pass, the metrics task's settings (a task that ``needs`` it)."""
+    found = init.needed.get(METRICS_TASK)
+    if not isinstance(found, MetricsSettings):
+        raise HookConfigError(init.key_path, init.name, f"needs the metrics task: enable tasks.{METRICS_TASK}")
+    return found
 
 
 def validate_qos(init: TaskInit) -> QoSSettings:
     settings = parse_qos(init.args, init.key_path)
-    metrics = init.shared.get(_VALIDATED_METRICS)
-    if not isinstance(metrics, MetricsSettings):
-        raise HookConfigError(init.key_path, init.name, "needs the metrics task: list `metrics` before it under tasks")
+    metrics = validated_metrics(init)
     if settings.evict_mode == "api" and not metrics.kube:
         raise HookConfigError(f"{init.key_path}.evict_mode", "api",
                               "needs a cluster connection (tasks.metrics.kube: true)")

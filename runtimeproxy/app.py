@@ -43,6 +43,7 @@ from runtimeproxy.ops.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD
 from runtimeproxy.ops.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.ops.repeats import RepeatFilter
 from runtimeproxy.ops.supervisor import Supervisor
+from runtimeproxy.services import NodeServices
 from runtimeproxy.state import hookpreview, statedir
 from runtimeproxy.state.events import watch_events
 from runtimeproxy.state.history import ChangeHistory
@@ -81,7 +82,10 @@ class App:
         self.registry = prometheus_client.CollectorRegistry()
         self.metrics = ProxyMetrics(self.registry)
         self.metrics.set_build_info(__version__)
-        self.registry.register(FailureCollector())  # host writes refused, from every executor in the process
+        # The process's shared services (host-write back-off and failure counts), made once
+        # here and handed to every hook and task through its init object.
+        self.services = NodeServices.create()
+        self.registry.register(FailureCollector(self.services.write_failures))  # host writes refused
         self._pools = HookPools()  # sync hooks' threads: a bounded pool per hook, kept across reloads
         self._repeats = RepeatFilter()  # hook failures already logged, per object: kept across reloads
         # One source of rules for every hook and task: the YAML, with the NodeSLO merged
@@ -90,7 +94,8 @@ class App:
         self._loop: asyncio.AbstractEventLoop | None = None
         # Built here so a bad plugin or stage fails start-up, before the socket exists.
         self.chain: HookChain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics,
-                                                    current_rules=self.rules.current, repeats=self._repeats)
+                                                    current_rules=self.rules.current, repeats=self._repeats,
+                                                    services=self.services)
         history = (ChangeHistory(Path(settings.state_dir), per_pod=CHANGES_PER_POD, max_pods=HISTORY_PODS)
                    if settings.state_dir else None)
         self.ledger = ObjectLedger(Path(settings.state_dir) / LEDGER_FILE if settings.state_dir else None)
@@ -154,7 +159,7 @@ class App:
             add_exposition=self._add_exposition,
             state_dir=Path(settings.state_dir) if settings.state_dir else None,
             pods_known=lambda: self._pods_known or self.resyncer.succeeded,
-            reconcile_now=self._reconcile_now,
+            reconcile_now=self._reconcile_now, services=self.services,
         )
         for name, task in plugins.build_tasks(settings, base):
             self.supervisor.add(f"task:{name}", task)
@@ -421,7 +426,7 @@ class App:
         # refused now: under Restart=always it would leave the node without a runtime.
         plugins.validate_tasks(settings)
         chain = plugins.build_chain(settings, pools=self._pools, observer=self.metrics,
-                                    current_rules=self.rules.current, repeats=self._repeats)
+                                    current_rules=self.rules.current, repeats=self._repeats, services=self.services)
         return settings, chain
 
     def _fingerprint(self) -> tuple[object, ...]:

@@ -17,10 +17,12 @@ from __future__ import annotations
 import enum
 import threading
 import types
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol, runtime_checkable
+
+from runtimeproxy.services import NodeServices
 
 EMPTY: Final[Mapping[str, str]] = types.MappingProxyType({})
 
@@ -298,6 +300,9 @@ class HookInit:
     #: NodeSLO merged over it); None: ``rules`` is all there is. Validate ``rules`` at
     #: construction, read this one when deciding (see ``hooks.rules.LiveRules``).
     current_rules: Callable[[], Mapping[str, Any]] | None = None
+    #: The process's shared services (the host-write back-off...): build executors with
+    #: ``services.write_backoff`` so every writer of the process shares one.
+    services: NodeServices = field(default_factory=NodeServices.create)
 
 
 def merge_rules(base: Mapping[str, Any], over: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -431,6 +436,14 @@ def _no_reconcile() -> None:
     return None
 
 
+def _no_provide(value: object) -> None:
+    return None
+
+
+def _nothing_needed() -> Mapping[str, object]:
+    return types.MappingProxyType({})
+
+
 @dataclass(frozen=True, slots=True)
 class TaskInit:
     """What a background-task factory (entry-point group ``koord_runtime_proxy.tasks``)
@@ -455,8 +468,16 @@ class TaskInit:
       ``registry`` (a collector whose ``describe`` yields them and ``collect`` nothing)
       so a clash is still refused; same validity as ``add_route``;
     - ``cri``: unary calls to the runtime behind the proxy (not through the hook chain);
-    - ``shared``: one mapping per process, for tasks of one plugin family to share an
-      object (e.g. the metrics store) whatever their order in the YAML;
+    - ``needed``: what the tasks this one builds on handed to ``provide``, by task name.
+      A factory declares them as data: ``factory.needs`` (a tuple of task names that must
+      be enabled, else a config error naming this task) and ``factory.after`` (built
+      first when enabled); the core builds each task after them, whatever the order
+      under ``tasks:``. Fresh per pass: in ``validate`` it holds what the needed
+      tasks' ``validate`` provided (their settings), when built what their factory did;
+    - ``provide(value)``: hand ``value`` to the tasks that build on this one (e.g. the
+      metrics task provides its agent; the consumers turn it into a typed handle);
+    - ``services``: the process's shared services (``NodeServices``: the host-write
+      back-off and failure counts), one per app, passed in rather than global;
     - ``state_dir``: the config's ``state_dir`` (None when empty), for what must survive
       a restart;
     - ``pods_known()``: whether ``snapshot`` is complete, i.e. the store was rebuilt from
@@ -479,7 +500,9 @@ class TaskInit:
     add_explainer: Callable[[str, Explainer], None] = _no_explainer
     add_exposition: Callable[[Exposition], None] = _no_exposition
     cri: CriCall = _no_cri
-    shared: MutableMapping[str, Any] = field(default_factory=dict)
+    needed: Mapping[str, object] = field(default_factory=_nothing_needed)
+    provide: Callable[[object], None] = _no_provide
+    services: NodeServices = field(default_factory=NodeServices.create)
     #: The config's ``state_dir`` (None: empty, keep state in memory only): what a task
     #: must remember across restarts (e.g. sysctl values to restore) goes under it.
     state_dir: Path | None = None

@@ -1,19 +1,18 @@
 """What every host write shares with the core: the calling hook's deadline and
-the failure counter.
+the exporter of the failure counter.
 
 * **Deadline** — a sync hook runs in a worker thread that no timeout can stop.
   The chain puts the call's deadline in ``HOOK_DEADLINE`` (a contextvar, copied
   into the worker thread), and every writer calls ``check_deadline`` right before
   it writes: once the chain has given up on a call (rejected or forwarded the CRI
   request) the hook can no longer change the host behind its back.
-* **Failures** — ``HOST_WRITE_FAILURES`` counts refused writes by cause (errno
-  name) for the whole process; ``FailureCollector`` exposes it as
+* **Failures** — ``NodeServices.write_failures`` (``runtimeproxy.services``) counts
+  refused writes by cause (errno name); ``FailureCollector`` exposes the app's one as
   ``koord_runtime_proxy_host_write_failures_total{cause}``.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -23,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from runtimeproxy.hookapi import HookError
+from runtimeproxy.services import FailureCounter
 
 log = structlog.get_logger("runtimeproxy.hostwrites")
 
@@ -48,29 +48,10 @@ def check_deadline(target: str, value: str = "") -> None:
     raise HookDeadlineError(f"writing {value!r} to {target} refused: the hook call is {late:.3f}s past its deadline")
 
 
-class FailureCounter:
-    """Thread-safe counts of refused host writes, by cause."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: dict[str, int] = {}
-
-    def inc(self, cause: str) -> None:
-        with self._lock:
-            self._counts[cause] = self._counts.get(cause, 0) + 1
-
-    def counts(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
-
-
-HOST_WRITE_FAILURES = FailureCounter()
-
-
 class FailureCollector(Collector):
     """``koord_runtime_proxy_host_write_failures_total{cause}`` from a ``FailureCounter``."""
 
-    def __init__(self, counter: FailureCounter = HOST_WRITE_FAILURES) -> None:
+    def __init__(self, counter: FailureCounter) -> None:
         self._counter = counter
 
     def collect(self) -> Iterator[CounterMetricFamily]:

@@ -6,7 +6,8 @@ agent's store and steps the analyser, in a worker thread (``asyncio.to_thread``)
 loop only waits. A task of its own rather than a step of the QoS manager's round: the
 baselines must be learnt whether or not the QoS manager runs (or runs in dry-run), and
 its verdicts are wanted on ``/metrics`` and in ``explain`` without any acting. The
-``interference`` QoS strategy reads the latest verdicts from it (``from_shared``).
+``interference`` QoS strategy reads the latest verdicts from it (the task provides
+itself to the QoS manager task, which is built after it: ``after = ("interference",)``).
 
 Outputs:
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Final
 
@@ -37,7 +38,6 @@ import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector as PromCollector
 
-from metrics.agent import shared_agent
 from metrics.analysis.interference import (
     RESOURCES,
     SIGNALS,
@@ -49,16 +49,15 @@ from metrics.analysis.interference import (
     Verdict,
 )
 from metrics.analysis.interference_signals import SignalReader
+from metrics.handles import metrics_agent
 from metrics.model import MetricReader, PodView
 from metrics.report.events import WARNING, EventRecorder
-from metrics.settings import _VALIDATED_METRICS
+from metrics.settings import METRICS_TASK, validated_metrics
 from runtimeproxy.config.settings import ConfigError, parse_duration
 from runtimeproxy.hookapi import HookConfigError, PodInfo, TaskInit
 
 log = structlog.get_logger("metrics.analysis.interference")
 
-#: ``TaskInit.shared`` key of the running ``InterferenceTask``.
-SHARED_KEY: Final = "interference.task"
 #: (victim, verdict) -> None: e.g. a Kubernetes Event on the victim pod.
 EventSink = Callable[[PodRef, Verdict], None]
 
@@ -249,11 +248,6 @@ class _Gauges(PromCollector):
         yield cost
 
 
-def from_shared(shared: Mapping[str, Any]) -> InterferenceTask | None:
-    task = shared.get(SHARED_KEY)
-    return task if isinstance(task, InterferenceTask) else None
-
-
 def _verdict_event(events: EventRecorder, pod: PodRef, verdict: Verdict) -> None:
     """A confirmed verdict becomes a Warning Event on the victim pod (deduplicated and
     rate-limited by the recorder; a no-op without a cluster)."""
@@ -267,11 +261,10 @@ def _verdict_event(events: EventRecorder, pod: PodRef, verdict: Verdict) -> None
 
 def interference_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
     settings = parse_interference(init.args, init.key_path)
-    agent = shared_agent(init)
+    agent = metrics_agent(init)
     task = InterferenceTask(settings, agent.tsdb, agent.pods)
     task.set_event_sink(functools.partial(_verdict_event, agent.events))
-    shared: MutableMapping[str, Any] = init.shared
-    shared[SHARED_KEY] = task
+    init.provide(task)  # the interference QoS strategy reads its verdicts
     init.add_explainer("interference", task.explain)
     if init.registry is not None:
         init.registry.register(task.gauges(agent.settings.node_name))
@@ -281,9 +274,9 @@ def interference_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
 
 def validate(init: TaskInit) -> InterferenceSettings:
     settings = parse_interference(init.args, init.key_path)
-    if _VALIDATED_METRICS not in init.shared:
-        raise HookConfigError(init.key_path, init.name, "needs the metrics task: list `metrics` before it under tasks")
+    validated_metrics(init)  # the core refuses a config without it; this names the task when called alone
     return settings
 
 
 interference_task.validate = validate  # type: ignore[attr-defined]
+interference_task.needs = (METRICS_TASK,)  # type: ignore[attr-defined]  # built after it, whatever the YAML order

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import PurePosixPath
-from typing import Any, Final
+from typing import Any
 
 import structlog
 
@@ -29,12 +29,6 @@ from metrics.qos.suppress import BEState, SuppressStrategy, read_be_children, re
 
 log = structlog.get_logger("metrics.qos.builtin")
 
-#: ``StrategyInit.shared`` keys the task (or a test) may fill.
-WRITER: Final = "writer"  # MetricWriter for the koordlet_be_suppress_* series
-RESCTRL: Final = "resctrl"  # a ResctrlSync (else built from host.resctrl when mounted)
-AGENT: Final = "agent"  # the MetricsAgent (its informer: the Node object)
-#: A ``() -> None`` asking for a reconciler pass (``TaskInit.reconcile_now``).
-RECONCILE: Final = "reconcile"
 
 
 def _state_summary(state: BEState) -> dict[str, Any]:
@@ -189,8 +183,7 @@ class Resctrl(Strategy):
 # --- factories (the entry points) ---------------------------------------------------------------
 
 def cpu_suppress(init: StrategyInit) -> CPUSuppress:
-    writer = init.shared.get(WRITER)
-    return CPUSuppress(SuppressStrategy(init.config.suppress, init.topology), writer, init.shared.get(RECONCILE))
+    return CPUSuppress(SuppressStrategy(init.config.suppress, init.topology), init.writer, init.reconcile_now)
 
 
 def cpu_burst(init: StrategyInit) -> CPUBurst:
@@ -198,13 +191,12 @@ def cpu_burst(init: StrategyInit) -> CPUBurst:
 
 
 def be_evict(init: StrategyInit) -> BEEvict:
-    return BEEvict(evict.EvictionStrategy(init.config.evict, shared=evict.shared_eviction(init.shared)))
+    return BEEvict(evict.EvictionStrategy(init.config.evict, shared=init.eviction))
 
 
 def resctrl(init: StrategyInit) -> Resctrl | None:
-    sync = init.shared.get(RESCTRL)
-    if isinstance(sync, ResctrlSync):
-        return Resctrl(sync)
+    if init.resctrl is not None:
+        return Resctrl(init.resctrl)
     # No resctrl mount (VMs, AMD without RDT): the strategy is simply absent.
     if not (init.host.resctrl / "schemata").exists():
         log.info("qos_strategy_unavailable", strategy="resctrl", reason=f"no resctrl at {init.host.resctrl}")
@@ -216,8 +208,8 @@ def resctrl(init: StrategyInit) -> Resctrl | None:
 def defaults(init: StrategyInit) -> list[Strategy]:
     """The built-in CPU strategies in the historic planning order (suppress, burst,
     evictions, resctrl), for a manager given no list; resctrl only with a
-    ``ResctrlSync`` in ``init.shared``."""
+    ``ResctrlSync`` in ``init.resctrl``."""
     out: list[Strategy] = [cpu_suppress(init), cpu_burst(init), be_evict(init)]
-    if isinstance(init.shared.get(RESCTRL), ResctrlSync):
-        out.append(Resctrl(init.shared[RESCTRL]))
+    if init.resctrl is not None:
+        out.append(Resctrl(init.resctrl))
     return out

@@ -26,7 +26,7 @@ containers now; kubelet restarts it", a relief, not an eviction.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -284,13 +284,6 @@ class SharedEviction:
         """Until when ``task``'s evictor cools down (None: it does not)."""
         last = self.last.get(EVICTOR_OF.get(task, task))
         return None if last is None or now - last >= cool_down else last + cool_down
-
-
-def shared_eviction(shared: MutableMapping[str, Any]) -> SharedEviction:
-    """The one ``SharedEviction`` of a manager (``StrategyInit.shared``)."""
-    found = shared.setdefault("evict.shared", SharedEviction())
-    assert isinstance(found, SharedEviction)
-    return found
 
 
 class EvictionStrategy:

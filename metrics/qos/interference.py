@@ -49,9 +49,6 @@ from runtimeproxy.hookapi import HookConfigError
 log = structlog.get_logger("metrics.qos.interference")
 
 NAME: Final = "interference"
-#: ``StrategyInit.shared`` key: the process-wide task mapping (``TaskInit.shared``), where
-#: the interference task registers itself.
-TASKS: Final = "tasks"
 Verdicts = Mapping[str, Mapping[str, Verdict]]
 #: ``args.be_cpus`` when unset: BE confined to ceil(be_cpu_cores) CPUs while capped.
 DEFAULT_BE_CPUS: Final = "auto"
@@ -297,13 +294,10 @@ def interference(init: StrategyInit) -> Interference:
         hold = parse_duration(args.get("hold", 30.0), f"{where}.hold")
     except ConfigError as exc:
         raise HookConfigError(f"{where}.hold", args.get("hold"), "must be a duration such as 30s") from exc
-    tasks = init.shared.get(TASKS)
+    source = init.interference  # the interference task, when enabled (the QoS task is built after it)
 
     def verdicts() -> Verdicts | None:
-        from metrics.analysis.interference_task import from_shared  # the agent's module graph: only when run
-
-        task = from_shared(tasks) if isinstance(tasks, Mapping) else None
-        return task.verdicts if task is not None else None
+        return source.verdicts if source is not None else None
 
     strategy = Interference(verdicts, be_cpu_cores=cap, memory_evict=memory_evict, memory_cool_down=cool,
                             dry_run=init.config.dry_run, suppress=init.config.suppress, hold=hold, be_cpus=be_cpus,

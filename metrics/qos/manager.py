@@ -100,11 +100,8 @@ class QoSManager:
         self._rules = rules
         self._clock = clock
         if strategies is None:
-            shared: dict[str, Any] = {builtin.WRITER: writer}
-            if resctrl is not None:
-                shared[builtin.RESCTRL] = resctrl
             init = StrategyInit(name="", args={}, key_path="strategies", config=config, topology=topology,
-                                executor=executor, shared=shared)
+                                executor=executor, writer=writer, resctrl=resctrl)
             strategies = builtin.defaults(init)
         self.strategies: tuple[Strategy, ...] = tuple(strategies)
         names = [s.name for s in self.strategies]

@@ -39,7 +39,7 @@ from hooks.rules import ResourceThresholdStrategy, Rules
 from metrics import model
 from metrics.model import PodView
 from metrics.qos import evict
-from metrics.qos.builtin import AGENT, record_evictions
+from metrics.qos.builtin import record_evictions
 from metrics.qos.evict import EvictConfig, SharedEviction, allowed, batch_cpu_cores, order_victims, pick
 from metrics.qos.inputs import NodeInputs
 from metrics.qos.plan import Evict, Outcome, Plan, Priority
@@ -262,7 +262,7 @@ class AllocatableEvict(Strategy):
 # --- factories -----------------------------------------------------------------------------------
 
 def cpu_evict(init: StrategyInit) -> CPUEvict:
-    return CPUEvict(init.config.evict, evict.shared_eviction(init.shared))
+    return CPUEvict(init.config.evict, init.eviction)
 
 
 def _number(args: Mapping[str, Any], key: str, key_path: str) -> float | None:
@@ -298,11 +298,11 @@ def allocatable_evict(init: StrategyInit) -> AllocatableEvict:
                               "unknown key (batch_cpu_milli, batch_memory_bytes)")
     cpu = _number(init.args, "batch_cpu_milli", init.key_path)
     memory = _number(init.args, "batch_memory_bytes", init.key_path)
-    agent = init.shared.get(AGENT)
+    agent = init.agent
 
     def source() -> Allocatable:
         found = _node_allocatable(agent) if agent is not None else Allocatable(None, None)
         return Allocatable(cpu if cpu is not None else found.cpu_milli,
                            memory if memory is not None else found.memory_bytes)
 
-    return AllocatableEvict(init.config.evict, evict.shared_eviction(init.shared), source)
+    return AllocatableEvict(init.config.evict, init.eviction, source)

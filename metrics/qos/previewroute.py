@@ -9,20 +9,24 @@ import dataclasses
 import json
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hooks.rules import Rules
-from metrics.qos import builtin, interference, preview
+from metrics.qos import preview
+from metrics.qos.evict import SharedEviction
 from metrics.qos.manager import QoSManager
 from metrics.qos.specs import StrategySpec
 from metrics.qos.strategy import RoundContext, Strategy, StrategyInit, load_strategies
 from runtimeproxy.hookapi import TaskInit
 
+if TYPE_CHECKING:
+    from metrics.handles import AgentHandle
+
 _JSON = "application/json"
 
 
 def add_route(init: TaskInit, manager: QoSManager, base: StrategyInit, specs: Sequence[StrategySpec] | None,
-              agent: Any) -> None:
+              agent: AgentHandle) -> None:
     """Register the route; ``base`` and ``specs`` build fresh strategies as the task did."""
 
     def context(rules: Rules) -> RoundContext:
@@ -30,10 +34,11 @@ def add_route(init: TaskInit, manager: QoSManager, base: StrategyInit, specs: Se
                             executor=base.executor, config=base.config, capacity_cores=manager.capacity)
 
     def strategies() -> Sequence[Strategy]:
-        # No store writer and no state dir: planning only. The agent (the Node's
-        # allocatable) and the tasks' shared objects (interference verdicts) are read.
-        fresh = dataclasses.replace(base, state_dir=None,
-                                    shared={builtin.AGENT: agent, interference.TASKS: init.shared})
+        # No store writer, no state dir, no reconcile, eviction state of their own:
+        # planning only. The agent (the Node's allocatable) and the interference
+        # verdicts are read.
+        fresh = dataclasses.replace(base, state_dir=None, writer=None, reconcile_now=None, resctrl=None,
+                                    eviction=SharedEviction())
         return load_strategies(specs, fresh).enabled
 
     sources = preview.Sources(context=context, strategies=strategies)

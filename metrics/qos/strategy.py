@@ -29,17 +29,20 @@ it, by name). Planning order matters only to strategies sharing per-round state
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 from hooks.executor import CgroupExecutor
 from hooks.rules import Rules
-from metrics.model import MetricReader, PodView
+from metrics.model import MetricReader, MetricWriter, PodView
 from metrics.qos.config import ManagerConfig
+from metrics.qos.evict import SharedEviction
 from metrics.qos.inputs import BECPUWindow, NodeInputs, build_be_cpu_window, build_node_inputs
 from metrics.qos.plan import Action, Outcome, Plan
+from metrics.qos.resctrlsync import ResctrlSync
 from metrics.qos.specs import (
     DEFAULT_ORDER,
     GROUP,
@@ -52,6 +55,10 @@ from metrics.qos.specs import (
 )
 from metrics.qos.suppress import CPULike
 from runtimeproxy.hookapi import HookConfigError, HostRoots
+
+if TYPE_CHECKING:  # types only: the analyser's and the agent's graphs stay out of the strategies'
+    from metrics.analysis.interference import Verdict
+    from metrics.handles import AgentHandle
 
 __all__ = ["BE_CPU_WINDOW", "DEFAULT_ORDER", "GROUP", "NODE", "Input", "Loaded", "RoundContext", "RoundInputs",
            "Strategy", "StrategyInit", "StrategySpec", "check_specs", "load_strategies", "parse_specs", "read_inputs"]
@@ -211,9 +218,27 @@ class StrategyInit:
     host: HostRoots = HostRoots()
     #: Where a strategy keeps what must survive a restart (None: in memory only).
     state_dir: Path | None = None
-    #: One mapping per manager: strategies of one family share objects here
-    #: (e.g. the evictors' ``EvictionTracker``); the task may put host objects in it.
-    shared: MutableMapping[str, Any] = field(default_factory=dict)
+    # What the task hands its strategies: named, typed, each optional (a preview, a test).
+    #: The store writer for the strategies' own series (``koordlet_be_suppress_*``).
+    writer: MetricWriter | None = None
+    #: The metrics agent (its informer: the Node object).
+    agent: AgentHandle | None = None
+    #: The interference analyser, whose latest verdicts the ``interference`` strategy reads.
+    interference: VerdictSource | None = None
+    #: Ask for a reconciler pass (``TaskInit.reconcile_now``).
+    reconcile_now: Callable[[], None] | None = None
+    #: The resctrl view (else the ``resctrl`` strategy builds one when resctrl is mounted).
+    resctrl: ResctrlSync | None = None
+    #: One per manager: the evictors' pending releases and cool-downs, shared by them.
+    eviction: SharedEviction = field(default_factory=SharedEviction)
+
+
+@runtime_checkable
+class VerdictSource(Protocol):
+    """The interference analyser as the ``interference`` strategy reads it."""
+
+    @property
+    def verdicts(self) -> Mapping[str, Mapping[str, Verdict]]: ...
 
 
 @dataclass
@@ -240,9 +265,7 @@ def load_strategies(specs: Sequence[StrategySpec] | None, base: StrategyInit,
         factory = ep.load()
         if not callable(factory):
             raise HookConfigError(spec.key_path, spec.name, "entry point is not a strategy factory")
-        init = StrategyInit(name=spec.name, args=spec.args, key_path=f"{spec.key_path}.args", config=base.config,
-                            topology=base.topology, executor=base.executor, host=base.host,
-                            state_dir=base.state_dir, shared=base.shared)
+        init = dataclasses.replace(base, name=spec.name, args=spec.args, key_path=f"{spec.key_path}.args")
         built = factory(init)
         if built is None:
             out.absent.append(spec.name)

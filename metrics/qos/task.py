@@ -2,7 +2,8 @@
 
 Builds the manager on the metrics agent's store, pod views, topology and rules (so
 nothing is measured twice), adds the fast path and the PSI triggers, and exposes
-the plans through ``explain``. The agent must be listed before it under ``tasks:``.
+the plans through ``explain``. It declares ``needs = ("metrics",)`` and
+``after = ("interference",)``: the core builds it after them, whatever the YAML order.
 """
 
 from __future__ import annotations
@@ -19,20 +20,20 @@ import structlog
 from hooks.cgroups import CgroupError, CgroupLayout
 from hooks.executor import CgroupExecutor
 from metrics import checkplan
-from metrics.agent import MetricsAgent, shared_agent
 from metrics.collect.cgroupfs import CgroupReader
+from metrics.handles import INTERFERENCE, AgentHandle, metrics_agent
 from metrics.informer.kubetypes import EvictionRefused, KubeError
 from metrics.model import PodView
-from metrics.qos import builtin, interference, previewroute
+from metrics.qos import previewroute
 from metrics.qos.evict import CriEvictor, EvictConfig, EvictionError, Evictor
 from metrics.qos.evictevents import RecordingEvictor
 from metrics.qos.fastpath import FastPath, FastPathConfig
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.psitrigger import PsiTriggers
-from metrics.qos.strategy import StrategyInit, load_strategies
+from metrics.qos.strategy import StrategyInit, VerdictSource, load_strategies
 from metrics.qos.suppress import SuppressConfig
 from metrics.report.events import WARNING, EventRecorder
-from metrics.settings import QoSSettings, parse_qos, validate_qos
+from metrics.settings import METRICS_TASK, QoSSettings, parse_qos, validate_qos
 from runtimeproxy.hookapi import HookConfigError, TaskInit
 
 if TYPE_CHECKING:  # the API client: imported only when configured
@@ -56,7 +57,7 @@ class ApiEvictor:
             raise EvictionError(f"pod {pod.key}: eviction API failed: {exc}") from exc
 
 
-def _evictor(init: TaskInit, settings: QoSSettings, agent: MetricsAgent) -> Evictor:
+def _evictor(init: TaskInit, settings: QoSSettings, agent: AgentHandle) -> Evictor:
     mode = settings.evict_mode or ("api" if agent.kube is not None else "cri")
     log.info("evict_mode", mode=mode, configured=settings.evict_mode or "default (api with a cluster, else cri)")
     if mode == "cri":
@@ -71,12 +72,18 @@ def _evictor(init: TaskInit, settings: QoSSettings, agent: MetricsAgent) -> Evic
     return ApiEvictor(agent.kube)
 
 
+def _interference(init: TaskInit) -> VerdictSource | None:
+    """The interference analyser when enabled (``after``: it is built before this task)."""
+    found = init.needed.get(INTERFERENCE)
+    return found if isinstance(found, VerdictSource) else None
+
+
 def _write_failed_event(events: EventRecorder, strategy: str, target: str, cause: str) -> None:
     """A QoS write (mostly the BE suppression's) that cannot be applied: a Node event."""
     events.record(events.node(), WARNING, "QoSWriteFailed", f"{strategy}: cannot write {target}: {cause}")
 
 
-def _reserved(settings: QoSSettings, agent: MetricsAgent) -> float:
+def _reserved(settings: QoSSettings, agent: AgentHandle) -> float:
     if settings.reserved_cpu:
         return settings.reserved_cpu
     from_node = agent.informer.node_reserved_cpu() if agent.informer is not None else None
@@ -98,7 +105,7 @@ FAST_PATH_GROWTH_STEP: Final = 0.05
 
 def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
     settings = parse_qos(init.args, init.key_path)
-    agent = shared_agent(init)
+    agent = metrics_agent(init)
     try:
         layout = CgroupLayout(init.host.cgroup, "auto", settings.cgroup_driver)
     except CgroupError as exc:
@@ -114,11 +121,11 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
                           cpu_cool_down=settings.cpu_evict_cool_down,
                           memory_cool_down=settings.memory_evict_cool_down),
     )
-    executor = CgroupExecutor(layout)
+    executor = CgroupExecutor(layout, backoff=init.services.write_backoff)
     strategy_init = StrategyInit(name="", args={}, key_path=f"{init.key_path}.strategies", config=config,
                                  topology=cpus, executor=executor, host=init.host, state_dir=init.state_dir,
-                                 shared={builtin.WRITER: agent.tsdb, builtin.AGENT: agent,
-                                         interference.TASKS: init.shared, builtin.RECONCILE: init.reconcile_now})
+                                 writer=agent.tsdb, agent=agent, interference=_interference(init),
+                                 reconcile_now=init.reconcile_now)
     loaded = load_strategies(settings.strategies, strategy_init)
     log.info("qos_strategies", enabled=[s.name for s in loaded.enabled], disabled=[s.name for s in loaded.disabled])
     manager = QoSManager(
@@ -162,6 +169,9 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
 # check-config and reload validate ``tasks.qos-manager`` through this, without building anything.
 qos_task.validate = validate_qos  # type: ignore[attr-defined]
 qos_task.plan = checkplan.qos_plan  # type: ignore[attr-defined]
+# What it builds on, as data: the core builds those first, whatever the order under ``tasks:``.
+qos_task.needs = (METRICS_TASK,)  # type: ignore[attr-defined]
+qos_task.after = (INTERFERENCE,)  # type: ignore[attr-defined]
 
 
 def _triggers(proc: Path, settings: QoSSettings) -> PsiTriggers | None:

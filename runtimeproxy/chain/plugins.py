@@ -12,7 +12,9 @@ import dataclasses
 import importlib
 import importlib.metadata
 import inspect
+import types
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, cast
 
@@ -25,6 +27,7 @@ from runtimeproxy.config.filetrust import path_problem
 from runtimeproxy.config.settings import ConfigError, FailurePolicy, HookSettings, Settings
 from runtimeproxy.hookapi import HookConfigError, HookInit, PodSnapshot, Stage, TaskInit
 from runtimeproxy.ops.repeats import RepeatFilter
+from runtimeproxy.services import NodeServices
 
 log = structlog.get_logger("runtimeproxy.plugins")
 
@@ -75,10 +78,11 @@ def _check_methods(impl: object, stages: frozenset[Stage], key_path: str) -> Non
             raise ConfigError(key_path, stage.value, f"{stage.method_name} must take one context argument") from exc
 
 
-def _local_hook(hook: HookSettings, settings: Settings, current_rules: RulesSource | None) -> BoundHook:
+def _local_hook(hook: HookSettings, settings: Settings, current_rules: RulesSource | None,
+                services: NodeServices) -> BoundHook:
     factory = resolve_factory(hook.plugin, f"{hook.key_path}.plugin")
     init = HookInit(name=hook.name, args=hook.args, key_path=f"{hook.key_path}.args",
-                    host=settings.host, rules=settings.rules, current_rules=current_rules)
+                    host=settings.host, rules=settings.rules, current_rules=current_rules, services=services)
     try:
         impl = factory(init)
     except HookConfigError as exc:
@@ -105,7 +109,7 @@ def dry_run_hook(hook: HookSettings, settings: Settings, current_rules: RulesSou
         return "a remote hook has no dry run"
     args = {**hook.args, "dry_run": True}
     try:
-        bound = _local_hook(dataclasses.replace(hook, args=args), settings, current_rules)
+        bound = _local_hook(dataclasses.replace(hook, args=args), settings, current_rules, NodeServices.create())
     except ConfigError as exc:
         return f"no dry run: {exc}"
     if getattr(bound.impl, "dry_run", None) is not True:
@@ -149,12 +153,15 @@ def _check_hookserver_files(settings: Settings) -> None:
         log.warning("insecure_setting_allowed", risk=f"hookserver_dir: {problem}")
 
 
-def build_hooks(settings: Settings, *, current_rules: RulesSource | None = None) -> list[BoundHook]:
+def build_hooks(settings: Settings, *, current_rules: RulesSource | None = None,
+                services: NodeServices | None = None) -> list[BoundHook]:
     """YAML hooks in list order, then hookserver.d registrations in file-name order
     (Koordinator calls only the first registration that matches; we call all).
     ``current_rules``: the process's ``RulesProvider.current`` (hooks validate
-    ``settings.rules`` and decide from the rules in force)."""
-    hooks = [_remote_hook(h) if h.remote else _local_hook(h, settings, current_rules) for h in settings.hooks]
+    ``settings.rules`` and decide from the rules in force); ``services``: the process's
+    (None: fresh ones for these hooks, e.g. check-config's)."""
+    shared = services if services is not None else NodeServices.create()
+    hooks = [_remote_hook(h) if h.remote else _local_hook(h, settings, current_rules, shared) for h in settings.hooks]
     if settings.hookserver_dir:
         _check_hookserver_files(settings)
         registrations, errors = load_registrations(Path(settings.hookserver_dir))
@@ -168,8 +175,10 @@ def build_hooks(settings: Settings, *, current_rules: RulesSource | None = None)
 def build_chain(
     settings: Settings, *, pools: HookPools, observer: HookObserver | None = None,
     current_rules: RulesSource | None = None, repeats: RepeatFilter | None = None,
+    services: NodeServices | None = None,
 ) -> HookChain:
-    return HookChain(build_hooks(settings, current_rules=current_rules), pools=pools, observer=observer,
+    return HookChain(build_hooks(settings, current_rules=current_rules, services=services), pools=pools,
+                     observer=observer,
                      validator=PatchValidator.for_host(settings.host), repeats=repeats)
 
 
@@ -210,21 +219,84 @@ def _no_pods() -> tuple[dict[str, Any], dict[str, Any]]:
     return {}, {}
 
 
-def validate_tasks(settings: Settings) -> list[str]:
-    """The one check of ``tasks:`` that ``run`` (inside ``build_tasks``), ``check-config``
-    and reload share: the mapping, ``enabled``, the entry point, then the factory's
-    optional ``validate(init)``, which checks the args (and rules across tasks, through
-    ``init.shared``, fresh per pass) without building anything. The core cannot know a
-    task's keys; the task's own validator is the one source of that truth. Returns the
-    enabled tasks' names."""
-    shared: dict[str, Any] = {}
+@dataclass(frozen=True, slots=True)
+class _Task:
+    """An enabled task: its entry point and the tasks it builds on (the factory's
+    ``needs``: required; ``after``: built first when enabled), as data."""
+
+    name: str
+    key_path: str
+    args: dict[str, Any]
+    factory: Any
+    needs: tuple[str, ...]
+    after: tuple[str, ...]
+
+
+def _names(factory: object, attr: str, key_path: str, name: str) -> tuple[str, ...]:
+    found = getattr(factory, attr, ())
+    if not isinstance(found, tuple) or not all(isinstance(n, str) for n in found):
+        raise ConfigError(key_path, name, f"task factory's {attr} must be a tuple of task names")
+    return found
+
+
+def _tasks_in_order(settings: Settings) -> list[_Task]:
+    """The enabled tasks, each after the tasks it builds on (else in YAML order), so the
+    order under ``tasks:`` never matters. A needed task that is not enabled, or tasks
+    needing each other, are config errors naming the task."""
+    enabled: dict[str, _Task] = {}
     for name, key_path, args in _enabled_tasks(settings):
         factory = resolve_factory(name, key_path, TASK_GROUP)
-        validate = getattr(factory, "validate", None)
+        enabled[name] = _Task(name, key_path, args, factory, _names(factory, "needs", key_path, name),
+                              _names(factory, "after", key_path, name))
+    out: list[_Task] = []
+    placed: set[str] = set()
+
+    def place(task: _Task, chain: tuple[str, ...]) -> None:
+        if task.name in placed:
+            return
+        for dep in (*task.needs, *task.after):
+            if dep in chain:
+                raise ConfigError(task.key_path, task.name, f"tasks build on each other in a cycle: "
+                                  f"{' -> '.join((*chain, task.name, dep))}")
+            if dep not in enabled:
+                if dep in task.needs:
+                    raise ConfigError(task.key_path, task.name, f"needs the {dep} task: enable tasks.{dep}")
+                continue
+            place(enabled[dep], (*chain, task.name))
+        placed.add(task.name)
+        out.append(task)
+
+    for task in enabled.values():
+        place(task, ())
+    return out
+
+
+def _pass_init(task: _Task, provided: dict[str, object], **fields: Any) -> TaskInit:
+    """The init of ``task`` in one pass (validate, plan or build): what the tasks it
+    builds on provided in this pass, and its own ``provide``. Fresh per pass, never global."""
+    needed = {dep: provided[dep] for dep in (*task.needs, *task.after) if dep in provided}
+
+    def provide(value: object) -> None:
+        provided[task.name] = value
+
+    return TaskInit(name=task.name, args=task.args, key_path=task.key_path, needed=types.MappingProxyType(needed),
+                    provide=provide, **fields)
+
+
+def validate_tasks(settings: Settings) -> list[str]:
+    """The one check of ``tasks:`` that ``run`` (inside ``build_tasks``), ``check-config``
+    and reload share: the mapping, ``enabled``, the entry point, what each task builds
+    on (``needs``), then the factory's optional ``validate(init)``, which checks the args
+    (and rules across tasks: what a needed task's ``validate`` gave ``init.provide``
+    arrives in ``init.needed``) without building anything. The core cannot know a
+    task's keys; the task's own validator is the one source of that truth. Returns the
+    enabled tasks' names (YAML order)."""
+    provided: dict[str, object] = {}
+    for task in _tasks_in_order(settings):
+        validate = getattr(task.factory, "validate", None)
         if validate is None:
             continue
-        init = TaskInit(name=name, args=args, key_path=key_path, snapshot=_no_pods,
-                        host=settings.host, rules=settings.rules, shared=shared)
+        init = _pass_init(task, provided, snapshot=_no_pods, host=settings.host, rules=settings.rules)
         try:
             validate(init)
         except HookConfigError as exc:
@@ -235,25 +307,23 @@ def validate_tasks(settings: Settings) -> list[str]:
 def plan_tasks(settings: Settings) -> dict[str, Mapping[str, Any]]:
     """What each enabled task would run, for ``check-config``: the factory's optional
     ``plan(init)`` (a JSON-able mapping: its collectors, strategies, intervals, what is
-    off on this host and why), called after its ``validate`` with the same ``shared``
-    (so a task can read what an earlier one validated); its ``args`` for a task without one.
-    It must build nothing that lasts and write nothing."""
-    shared: dict[str, Any] = {}
+    off on this host and why), called after its ``validate`` in the same pass (so a task
+    reads in ``init.needed`` what the tasks it builds on validated); its ``args`` for a
+    task without one. It must build nothing that lasts and write nothing."""
+    provided: dict[str, object] = {}
     out: dict[str, Mapping[str, Any]] = {}
-    for name, key_path, args in _enabled_tasks(settings):
-        factory = resolve_factory(name, key_path, TASK_GROUP)
-        init = TaskInit(name=name, args=args, key_path=key_path, snapshot=_no_pods, host=settings.host,
-                        rules=settings.rules, shared=shared,
-                        state_dir=Path(settings.state_dir) if settings.state_dir else None)
+    for task in _tasks_in_order(settings):
+        init = _pass_init(task, provided, snapshot=_no_pods, host=settings.host, rules=settings.rules,
+                          state_dir=Path(settings.state_dir) if settings.state_dir else None)
         try:
-            validate = getattr(factory, "validate", None)
+            validate = getattr(task.factory, "validate", None)
             if validate is not None:
                 validate(init)
-            plan = getattr(factory, "plan", None)
-            out[name] = dict(plan(init)) if plan is not None else {"args": args}
+            plan = getattr(task.factory, "plan", None)
+            out[task.name] = dict(plan(init)) if plan is not None else {"args": task.args}
         except HookConfigError as exc:
             raise _config_error(exc) from exc
-    return out
+    return {name: out[name] for name, _, _ in _enabled_tasks(settings)}
 
 
 def validate(settings: Settings) -> tuple[list[BoundHook], list[str]]:
@@ -265,23 +335,25 @@ def validate(settings: Settings) -> tuple[list[BoundHook], list[str]]:
 
 def build_tasks(settings: Settings, base: TaskInit) -> list[tuple[str, TaskFactory]]:
     """Background tasks named under ``tasks:`` (``{name: {enabled: bool, ...args}}``),
-    found by entry point; the supervisor runs them. ``base`` carries the process's
-    services (snapshot, registry, routes...); each task gets it with its own name and
-    args. Validated first by ``validate_tasks`` (as check-config and reload do), then
+    found by entry point, each built after the tasks it builds on (``needs``/``after``);
+    the supervisor runs them. ``base`` carries the process's services (snapshot,
+    registry, routes, ``NodeServices``...); each task gets it with its own name, args,
+    ``needed`` and ``provide``. Validated first by ``validate_tasks`` (as check-config and reload do), then
     built, so a bad name or bad args exit 2 like any other config error."""
     validate_tasks(settings)
+    provided: dict[str, object] = {}
     out: list[tuple[str, TaskFactory]] = []
-    for name, key_path, args in _enabled_tasks(settings):
-        factory = resolve_factory(name, key_path, TASK_GROUP)
-        init = dataclasses.replace(base, name=name, args=args, key_path=key_path,
-                                   host=settings.host, rules=settings.rules)
+    for task in _tasks_in_order(settings):
+        own = _pass_init(task, provided, snapshot=base.snapshot)
+        init = dataclasses.replace(base, name=task.name, args=task.args, key_path=task.key_path,
+                                   host=settings.host, rules=settings.rules, needed=own.needed, provide=own.provide)
         try:
-            task = factory(init)
+            run = task.factory(init)
         except HookConfigError as exc:
             raise _config_error(exc) from exc
-        if not callable(task):
-            raise ConfigError(key_path, name, "task factory must return a coroutine function")
-        out.append((name, cast(TaskFactory, task)))
+        if not callable(run):
+            raise ConfigError(task.key_path, task.name, "task factory must return a coroutine function")
+        out.append((task.name, cast(TaskFactory, run)))
     return out
 
 

@@ -11,8 +11,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from hooks.cgroups import CPU_CFS_QUOTA, CgroupError, CgroupLayout
-from hooks.executor import CgroupExecutor, Update, WriteBackedOffError, WriteBackoff
-from runtimeproxy.hostwrites import FailureCounter
+from hooks.executor import CgroupExecutor, Update, WriteBackedOffError
+from runtimeproxy.services import FailureCounter, WriteBackoff
 
 ROOT = Path("/sys/fs/cgroup")
 

@@ -31,9 +31,11 @@ def proxy_config(cgroup_prefix: str, db_dir: Path) -> dict[str, Any]:
         "rules": {"resourceUsedThresholdWithBE": {
             "enable": True, "cpuSuppressPolicy": "cfsQuota",
             "memoryEvictThresholdPercent": 1, "memoryEvictLowerPercent": 0}},
+        # The QoS manager listed before the metrics task it builds on: the order under
+        # ``tasks:`` is not a dependency (the core builds ``needs`` first).
         "tasks": {
-            "metrics": {"db": str(db_dir / "m.db"), "schedlat_source": "off", "memlat_source": "off", "cpi": False},
             "qos-manager": {"besteffort_dir": f"{cgroup_prefix.strip('/')}/kubepods/besteffort"},
+            "metrics": {"db": str(db_dir / "m.db"), "schedlat_source": "off", "memlat_source": "off", "cpi": False},
         },
     }
 

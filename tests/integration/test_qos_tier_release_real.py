@@ -25,7 +25,6 @@ from hooks.qos import QoSClass
 from hooks.rules import parse_rules
 from metrics.collect.topology import CPUInfo
 from metrics.model import ContainerView, PodView
-from metrics.qos import builtin
 from metrics.qos.evict import CriEvictor
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.strategy import StrategyInit, load_strategies, parse_specs
@@ -103,7 +102,7 @@ async def test_suppression_off_lifts_the_tier_then_restores_the_be_quota(prefix:
     config = ManagerConfig(suppress=SuppressConfig(besteffort_dir=PurePosixPath(tier.lstrip("/"))))
     topology = [CPUInfo(cpu=i, core=i, socket=0, numa=0) for i in range(2)]
     init = StrategyInit(name="", args={}, key_path="strategies", config=config, topology=topology,
-                        executor=executor, shared={builtin.RECONCILE: lambda: asked.append("pass")})
+                        executor=executor, reconcile_now=lambda: asked.append("pass"))
     loaded = load_strategies(parse_specs(["cpu-suppress"], "strategies"), init)
     view = PodView(uid=UID, namespace="batch", name="job", sandbox_id="sb-job", qos=QoSClass.BE, priority=0,
                    priority_class="", cgroup_dir=pod_dir.lstrip("/"), kube_qos="besteffort",

@@ -16,8 +16,9 @@ from structlog.testing import capture_logs
 
 from hooks import executor as executor_mod
 from hooks.cgroups import CPU_CFS_QUOTA, CPU_SHARES, CgroupError, CgroupLayout
-from hooks.executor import CgroupExecutor, Update, WriteBackedOffError, WriteBackoff
-from runtimeproxy.hostwrites import FailureCollector, FailureCounter
+from hooks.executor import CgroupExecutor, Update, WriteBackedOffError
+from runtimeproxy.hostwrites import FailureCollector
+from runtimeproxy.services import FailureCounter, WriteBackoff
 
 POD = PurePosixPath("kubepods/besteffort/pod1")
 
@@ -162,7 +163,7 @@ def test_failures_are_exported_by_cause() -> None:
 def test_failing_files_are_bounded(tmp_path: Path, kernel: Kernel) -> None:
     backoff = WriteBackoff(clock=Clock(), counter=FailureCounter(), max_entries=3)
     for i in range(10):
-        backoff.failed(tmp_path / str(i), "1", CgroupError("x"))
+        backoff.failed(tmp_path / str(i), "1", "EINVAL", "x")
     assert sorted(backoff.failing()) == [str(tmp_path / str(i)) for i in (7, 8, 9)]
 
 

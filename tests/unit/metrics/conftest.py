@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
+from metrics.agent import MetricsAgent, metrics_task
 from metrics.informer.kubeclient import KubeClient, KubeSettings
 from runtimeproxy.hookapi import HostRoots, TaskInit
 from tests.kubeapi import KubeApiServer
@@ -45,13 +45,15 @@ def host(tmp_path: Path) -> HostRoots:
 
 
 def _make_agent(host: HostRoots, directory: Path, registry: Any = None, **args: Any) -> tuple[MetricsAgent, Any]:
-    init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host, registry=registry,
+    provided: list[object] = []  # what the task hands the tasks built on it: its agent
+    init = TaskInit(name="metrics", key_path="tasks.metrics", provide=provided.append,
+                    snapshot=lambda: ({}, {}), host=host, registry=registry,
                     add_route=lambda _path, _route: None, add_explainer=lambda _name, _explainer: None,
                     add_exposition=lambda _render: None,
                     args={"db": str(directory / "m.db"), "schedlat_source": "off", "cpi": False,
                           "flush_interval": "100ms", **args})
     run = metrics_task(init)
-    agent = init.shared[SHARED_KEY]
+    agent = provided[0]
     assert isinstance(agent, MetricsAgent)
     return agent, run
 

@@ -160,15 +160,17 @@ def test_pod_views_are_complete_only_once_the_store_was_rebuilt(host: Any, tmp_p
     """Issue 28 items 2-3: right after a restart the store snapshot is empty because it is
     not rebuilt yet; views built then are not complete (NodeMetric, NRT and the restored
     prediction wait), and the first refresh after the rebuild makes them so."""
-    from metrics.agent import SHARED_KEY, metrics_task
+    from metrics.agent import metrics_task
     from runtimeproxy.hookapi import TaskInit
 
     known = False
-    init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host,
+    provided: list[object] = []  # what the task hands the tasks built on it: its agent
+    init = TaskInit(name="metrics", key_path="tasks.metrics", provide=provided.append,
+                    snapshot=lambda: ({}, {}), host=host,
                     add_route=lambda _path, _route: None, pods_known=lambda: known,
                     args={"db": str(tmp_path / "m.db"), "schedlat_source": "off", "cpi": False})
     metrics_task(init)
-    agent = init.shared[SHARED_KEY]
+    agent = provided[0]
     try:
         agent.refresh_pods()
         assert not agent.pods_complete()

@@ -7,7 +7,7 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
+from metrics.agent import MetricsAgent, metrics_task
 from metrics.collect.memlat import MemLatencyCollector
 from runtimeproxy.hookapi import HostRoots, TaskInit
 
@@ -17,13 +17,15 @@ def _agent(tmp_path: Path, **extra: Any) -> MetricsAgent:
     (host.cgroup / "memory").mkdir(parents=True)
     host.proc.mkdir()
     (host.proc / "vmstat").write_text("allocstall_normal 3\ncompact_stall 1\npgscan_direct 9\n")
-    init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host,
+    provided: list[object] = []  # what the task hands the tasks built on it: its agent
+    init = TaskInit(name="metrics", key_path="tasks.metrics", provide=provided.append,
+                    snapshot=lambda: ({}, {}), host=host,
                     add_route=lambda _path, _route: None, add_explainer=lambda _name, _explainer: None,
                     args={"db": str(tmp_path / "m.db"), "schedlat_source": "off", "cpi": False, **extra})
     run = metrics_task(init)
     if inspect.iscoroutine(run):
         run.close()
-    agent = init.shared[SHARED_KEY]
+    agent = provided[0]
     assert isinstance(agent, MetricsAgent)
     return agent
 

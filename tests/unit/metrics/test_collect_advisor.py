@@ -20,7 +20,7 @@ from structlog.testing import capture_logs
 
 from hooks.qos import QoSClass
 from metrics import model as m
-from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
+from metrics.agent import MetricsAgent, metrics_task
 from metrics.collect.advisor import AdvisorCollector, AdvisorHealth, AdvisorSpec, parse_advisors
 from metrics.model import ContainerView, PodView, Sample
 from metrics.settings import parse_metrics
@@ -225,12 +225,14 @@ async def test_the_agent_stores_an_advisors_samples_and_explains_it(server: str,
     registry = CollectorRegistry()
     advisors = [{"name": "node-exporter", "url": f"{server}/metrics", "interval": "100ms", "metrics": ["node_load1"]},
                 {"name": "broken", "url": f"{server}/garbage", "interval": "100ms", "metrics": ["node_load1"]}]
-    init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host,
+    provided: list[object] = []  # what the task hands the tasks built on it: its agent
+    init = TaskInit(name="metrics", key_path="tasks.metrics", provide=provided.append,
+                    snapshot=lambda: ({}, {}), host=host,
                     add_route=lambda _p, _h: None, add_explainer=lambda _n, _e: None, registry=registry,
                     args={"db": str(tmp_path / "m.db"), "schedlat_source": "off", "cpi": False,
                           "advisors": advisors})
     run = metrics_task(init)
-    agent = init.shared[SHARED_KEY]
+    agent = provided[0]
     assert isinstance(agent, MetricsAgent)
     task = asyncio.create_task(run())
     try:

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from hooks.qos import QoSClass
-from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
+from metrics.agent import MetricsAgent, metrics_task
 from metrics.collect.resctrlmon import ResctrlMonitorCollector
 from metrics.model import (
     POD_RESCTRL_LLC,
@@ -160,13 +160,15 @@ async def test_the_metrics_task_runs_it_only_where_resctrl_monitoring_exists(tmp
         (host.cgroup / controller).mkdir(parents=True)
     if mounted:
         mon(tree(host.resctrl) / "BE", "0", 6 * MiB, 0, 0)
-    init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host,
+    provided: list[object] = []  # what the task hands the tasks built on it: its agent
+    init = TaskInit(name="metrics", key_path="tasks.metrics", provide=provided.append,
+                    snapshot=lambda: ({}, {}), host=host,
                     add_route=lambda _p, _h: None, add_explainer=lambda _name, _explainer: None,
                     args={"db": str(tmp_path / "m.db"), "schedlat_source": "off", "cpi": False,
                           "intervals": {"node": "100ms", "pods": "100ms", "resctrl": "100ms", "topology": "1h"}})
     with capture_logs() as logs:
         run = metrics_task(init)
-    agent = init.shared[SHARED_KEY]
+    agent = provided[0]
     assert isinstance(agent, MetricsAgent)
     assert ("resctrl-monitor" in agent.ticks) is mounted
     assert ([e for e in logs if e["event"] == "resctrl_monitor_unavailable"] != []) is not mounted

@@ -308,7 +308,7 @@ async def test_the_watched_nodeslo_feeds_hooks_and_tasks_through_one_provider(
     from hooks.batchresource import BatchResource
     from hooks.groupidentity import GroupIdentity
     from hooks.qos import QoSClass
-    from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
+    from metrics.agent import MetricsAgent, metrics_task
     from runtimeproxy.hookapi import HookInit, HostRoots, PodInfo, PodMeta, RulesProvider, TaskInit, frozen_map
 
     host = HostRoots(cgroup=tmp_path / "cgroup", proc=tmp_path / "proc", sys=tmp_path / "sys", resctrl=tmp_path / "r")
@@ -317,13 +317,15 @@ async def test_the_watched_nodeslo_feeds_hooks_and_tasks_through_one_provider(
     provider = RulesProvider(GI_YAML)
     changes: list[int] = []
     provider.subscribe(lambda: changes.append(1))
-    init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host,
+    provided: list[object] = []  # what the task hands the tasks built on it: its agent
+    init = TaskInit(name="metrics", key_path="tasks.metrics", provide=provided.append,
+                    snapshot=lambda: ({}, {}), host=host,
                     rules=GI_YAML, current_rules=provider.current, set_rules_overlay=provider.set_overlay,
                     add_route=lambda _p, _h: None,
                     args={"db": str(tmp_path / "m.db"), "schedlat_source": "off", "cpi": False, "kube": True,
                           "kubeconfig": str(kubeconfig(tmp_path, api.url)), "node_name": NODE})
     metrics_task(init)
-    agent = init.shared[SHARED_KEY]
+    agent = provided[0]
     assert isinstance(agent, MetricsAgent) and agent.informer is not None
     gi = GroupIdentity(HookInit("gi", {}, "hooks[0].args", host, GI_YAML, current_rules=provider.current))
     batch = BatchResource(HookInit("batch", {}, "hooks[1].args", host, GI_YAML, current_rules=provider.current))

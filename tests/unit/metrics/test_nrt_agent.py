@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
+from metrics.agent import MetricsAgent, metrics_task
 from metrics.settings import parse_metrics
 from runtimeproxy.hookapi import HookConfigError, TaskInit
 from tests.unit.metrics.crdschema import validate_nrt
@@ -41,13 +41,15 @@ async def test_the_agent_serves_the_object_on_loopback_without_a_cluster(tmp_pat
     for controller in ("cpu", "cpuacct", "memory", "cpuset"):
         (host.cgroup / controller).mkdir(parents=True)
     routes: dict[str, Any] = {}
-    init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host,
+    provided: list[object] = []  # what the task hands the tasks built on it: its agent
+    init = TaskInit(name="metrics", key_path="tasks.metrics", provide=provided.append,
+                    snapshot=lambda: ({}, {}), host=host,
                     add_route=routes.__setitem__, add_explainer=lambda _name, _explainer: None,
                     args={"db": str(tmp_path / "m.db"), "schedlat_source": "off", "cpi": False,
                           "node_name": "node-a", "kubelet_config": str(tmp_path / "kubelet/config.yaml"),
                           "kubelet_cpu_manager_state": str(tmp_path / "kubelet/cpu_manager_state")})
     metrics_task(init)
-    agent = init.shared[SHARED_KEY]
+    agent = provided[0]
     assert isinstance(agent, MetricsAgent)
     try:
         assert not agent.nrt.connected

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from metrics import model as m
-from metrics.agent import SHARED_KEY, MetricsAgent, metrics_task
+from metrics.agent import MetricsAgent, metrics_task
 from metrics.model import Sample
 from metrics.store.tsdb import TSDB
 from runtimeproxy.hookapi import HostRoots, TaskInit
@@ -98,12 +98,14 @@ async def test_stopping_the_metrics_task_closes_the_store(tmp_path: Path) -> Non
     for controller in ("cpu", "cpuacct", "memory", "cpuset"):
         (host.cgroup / controller).mkdir(parents=True)
     db = tmp_path / "m.db"
-    init = TaskInit(name="metrics", key_path="tasks.metrics", snapshot=lambda: ({}, {}), host=host,
+    provided: list[object] = []  # what the task hands the tasks built on it: its agent
+    init = TaskInit(name="metrics", key_path="tasks.metrics", provide=provided.append,
+                    snapshot=lambda: ({}, {}), host=host,
                     add_route=lambda _path, _route: None, add_explainer=lambda _name, _explainer: None,
                     args={"db": str(db), "schedlat_source": "off", "cpi": False, "flush_interval": "100ms",
                           "intervals": {"node": "100ms", "pods": "100ms", "psi": "300ms", "topology": "1h"}})
     run = metrics_task(init)
-    agent = init.shared[SHARED_KEY]
+    agent = provided[0]
     assert isinstance(agent, MetricsAgent)
     task = asyncio.create_task(run())
     async with asyncio.timeout(20):

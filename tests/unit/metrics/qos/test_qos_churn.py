@@ -97,7 +97,7 @@ async def test_pod_churn_leaves_no_state_behind(tmp_path: Path, store: TSDB) -> 
     executor = CgroupExecutor(CgroupLayout(tree.root))
     config = ManagerConfig(reserved_cores=0.5)
     init = StrategyInit(name="", args={}, key_path="strategies", config=config, topology=TOPOLOGY,
-                        executor=executor, shared={builtin.WRITER: store})
+                        executor=executor, writer=store)
     loaded = load_strategies(parse_specs(["cpu-suppress", "cpu-burst", "be-evict"], "strategies"), init)
     manager = QoSManager(reader=store, pods=lambda: list(pods), topology=TOPOLOGY, executor=executor,
                          evictor=CriEvictor(_no_runtime), rules=lambda: RULES, config=config, clock=lambda: NOW,

@@ -22,7 +22,7 @@ from metrics.analysis.interference import Culprit, Evidence, Level, PodRef, Verd
 from metrics.model import Sample, labels
 from metrics.qos import builtin
 from metrics.qos.evict import CriEvictor
-from metrics.qos.interference import TASKS, Interference, interference
+from metrics.qos.interference import Interference, interference
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.strategy import StrategyInit
 from metrics.store.tsdb import TSDB
@@ -65,7 +65,7 @@ class Env:
         executor = CgroupExecutor(CgroupLayout(self.root))
         config = ManagerConfig(dry_run=dry_run, reserved_cores=0.5, node_name="n1")
         init = StrategyInit(name="interference", args=args or {}, key_path="strategies[4].args", config=config,
-                            topology=TOPOLOGY, executor=executor, shared={TASKS: {}})
+                            topology=TOPOLOGY, executor=executor)
         self.strategy = interference(init)
         self.strategy._verdicts = lambda: env.verdicts  # the task's snapshot, driven by the test
         suppress = builtin.cpu_suppress(init)

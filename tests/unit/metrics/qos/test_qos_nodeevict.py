@@ -195,9 +195,7 @@ async def test_cpu_evict_through_the_manager(tmp_path: Path) -> None:
         store.flush()  # window aggregates read the file, as the agent's flushes make them
         (tmp_path / "cgroup" / "cpu").mkdir(parents=True)
         executor = CgroupExecutor(CgroupLayout(tmp_path / "cgroup", version=1))
-        shared: dict[str, object] = {}
-        init = StrategyInit(name="", args={}, key_path="s", config=ManagerConfig(), topology=[], executor=executor,
-                            shared=shared)
+        init = StrategyInit(name="", args={}, key_path="s", config=ManagerConfig(), topology=[], executor=executor)
         from metrics.qos.builtin import be_evict
         from metrics.qos.nodeevict import cpu_evict
         strategies = [be_evict(init), cpu_evict(init)]
@@ -219,6 +217,6 @@ async def test_cpu_evict_through_the_manager(tmp_path: Path) -> None:
         assert manager.explain()["inputs"]["node_cpu_window"]["samples"] == 5
         await manager.run_once()  # pending + cool-down: no second eviction
         assert runtime.stopped == ["a-c"]
-        assert shared["evict.shared"].cooling("be_cpu_evict", now, 20.0) == now + 20.0  # type: ignore[attr-defined]
+        assert init.eviction.cooling("be_cpu_evict", now, 20.0) == now + 20.0  # the one both evictors share
     finally:
         store.close()
