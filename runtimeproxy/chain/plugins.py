@@ -23,7 +23,7 @@ from runtimeproxy.chain.remote import REMOTE_STAGES, Registration, RemoteHook, l
 from runtimeproxy.chain.validate import PatchValidator
 from runtimeproxy.config.filetrust import path_problem
 from runtimeproxy.config.settings import ConfigError, FailurePolicy, HookSettings, Settings
-from runtimeproxy.hookapi import HookConfigError, HookInit, PodSnapshot, Stage, TaskInit
+from runtimeproxy.hookapi import HookInit, PodSnapshot, Stage, TaskInit
 from runtimeproxy.ops.repeats import RepeatFilter
 
 log = structlog.get_logger("runtimeproxy.plugins")
@@ -61,11 +61,6 @@ def resolve_factory(spec: str, key_path: str, group: str = HOOK_GROUP) -> HookFa
     return factory
 
 
-def _config_error(exc: HookConfigError) -> ConfigError:
-    """A plugin's own validation error, reported like any other config error."""
-    return ConfigError(exc.key_path, exc.value, exc.message)
-
-
 def _check_methods(impl: object, stages: frozenset[Stage], key_path: str) -> None:
     for stage in stages:
         method = getattr(impl, stage.method_name)
@@ -79,10 +74,7 @@ def _local_hook(hook: HookSettings, settings: Settings, current_rules: RulesSour
     factory = resolve_factory(hook.plugin, f"{hook.key_path}.plugin")
     init = HookInit(name=hook.name, args=hook.args, key_path=f"{hook.key_path}.args",
                     host=settings.host, rules=settings.rules, current_rules=current_rules)
-    try:
-        impl = factory(init)
-    except HookConfigError as exc:
-        raise _config_error(exc) from exc
+    impl = factory(init)  # a plugin's HookConfigError is the core's ConfigError: reported as any other
     implemented = implemented_stages(impl)
     if not implemented:
         raise ConfigError(f"{hook.key_path}.plugin", hook.plugin, "the hook implements no stage")
@@ -225,10 +217,7 @@ def validate_tasks(settings: Settings) -> list[str]:
             continue
         init = TaskInit(name=name, args=args, key_path=key_path, snapshot=_no_pods,
                         host=settings.host, rules=settings.rules, shared=shared)
-        try:
-            validate(init)
-        except HookConfigError as exc:
-            raise _config_error(exc) from exc
+        validate(init)
     return [name for name, _, _ in _enabled_tasks(settings)]
 
 
@@ -245,14 +234,11 @@ def plan_tasks(settings: Settings) -> dict[str, Mapping[str, Any]]:
         init = TaskInit(name=name, args=args, key_path=key_path, snapshot=_no_pods, host=settings.host,
                         rules=settings.rules, shared=shared,
                         state_dir=Path(settings.state_dir) if settings.state_dir else None)
-        try:
-            validate = getattr(factory, "validate", None)
-            if validate is not None:
-                validate(init)
-            plan = getattr(factory, "plan", None)
-            out[name] = dict(plan(init)) if plan is not None else {"args": args}
-        except HookConfigError as exc:
-            raise _config_error(exc) from exc
+        validate = getattr(factory, "validate", None)
+        if validate is not None:
+            validate(init)
+        plan = getattr(factory, "plan", None)
+        out[name] = dict(plan(init)) if plan is not None else {"args": args}
     return out
 
 
@@ -275,10 +261,7 @@ def build_tasks(settings: Settings, base: TaskInit) -> list[tuple[str, TaskFacto
         factory = resolve_factory(name, key_path, TASK_GROUP)
         init = dataclasses.replace(base, name=name, args=args, key_path=key_path,
                                    host=settings.host, rules=settings.rules)
-        try:
-            task = factory(init)
-        except HookConfigError as exc:
-            raise _config_error(exc) from exc
+        task = factory(init)
         if not callable(task):
             raise ConfigError(key_path, name, "task factory must return a coroutine function")
         out.append((name, cast(TaskFactory, task)))
