@@ -26,7 +26,8 @@ from typing import Final, TypeVar
 
 from hooks.cpusets import CpuListError, parse_cpu_list
 from hooks.qos import pod_name
-from runtimeproxy.hookapi import HookError, KoordError, PodInfo
+from runtimeproxy.errors import InputError
+from runtimeproxy.hookapi import HookError, PodInfo
 
 T = TypeVar("T")
 
@@ -54,7 +55,7 @@ _DECIMAL: Final = {
 }
 
 
-class AnnotationError(KoordError, ValueError):
+class AnnotationError(InputError, ValueError):
     """A value inside an annotation is wrong; ``where`` is its JSON path."""
 
 

@@ -71,9 +71,10 @@ from hooks.cgroups import (
 )
 from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason, planned_writes
 from hooks.executor import CgroupExecutor, Update, Write
-from hooks.hookargs import cgroup_args, host_writes, reject_unknown
+from hooks.hookargs import cgroup_args, host_writes
 from hooks.qos import QoSClass, pod_name
 from hooks.rules import LiveRules, Rules
+from runtimeproxy.config.configvalues import reject_unknown
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerInfo,
@@ -142,7 +143,7 @@ def pod_limits(spec: ExtendedResourceSpec, suppress_quota: bool) -> BatchLimits:
 
 def _parse_args(init: HookInit) -> tuple[Driver, Version | Literal["auto"], bool]:
     args: dict[str, Any] = dict(init.args)
-    reject_unknown(init, args, _ARGS)
+    reject_unknown(args, _ARGS, f"{init.key_path}.")
     return (*cgroup_args(init, args), dry_run_arg(init, args))
 
 

@@ -63,11 +63,11 @@ from hooks.hookargs import (
     cgroup_layout,
     host_writes,
     kubepods_probe,
-    reject_unknown,
     unknown_until_a_pod,
 )
 from hooks.qos import QoSClass, pod_name
 from hooks.rules import LiveRules, Rules
+from runtimeproxy.config.configvalues import reject_unknown
 from runtimeproxy.hookapi import HookError, HookInit, HostRoots, LivePods, PodContext, PodInfo, PodPatch
 
 _ARGS: Final = frozenset({"cgroup_driver", "cgroup_version", "dry_run"})
@@ -81,7 +81,7 @@ class Blkio:
 
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
-        reject_unknown(init, args, _ARGS)
+        reject_unknown(args, _ARGS, f"{init.key_path}.")
         self.dry_run = dry_run_arg(init, args)
         self._host: HostRoots = init.host
         self._rules = LiveRules(init)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Final
 
 from hooks.cgroups import CgroupError, Resource, Value, Version
+from runtimeproxy.errors import InputError
 
 _DEVNO: Final = re.compile(r"(\d{1,10}):(\d{1,10})")
 _NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
@@ -26,7 +27,7 @@ THROTTLES: Final = ("read_bps", "write_bps", "read_iops", "write_iops")
 IO_MAX_KEYS: Final = {"read_bps": "rbps", "write_bps": "wbps", "read_iops": "riops", "write_iops": "wiops"}
 
 
-class DeviceError(ValueError):
+class DeviceError(InputError, ValueError):
     """A block name that is not a block device of this node."""
 
 

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from runtimeproxy.config.configvalues import reject_unknown
 from runtimeproxy.hookapi import HookConfigError
 
 BLOCK_TYPES: Final = ("device", "volumegroup", "podvolume")
@@ -110,10 +111,7 @@ def _io(raw: object, path: str) -> IOCfg:
 def _block(raw: object, path: str) -> BlkioBlock:
     if not isinstance(raw, Mapping):
         raise HookConfigError(path, raw, "expected a mapping with name, type and ioCfg")
-    unknown = set(raw) - {"name", "type", "ioCfg"}
-    if unknown:
-        key = sorted(unknown)[0]
-        raise HookConfigError(f"{path}.{key}", raw[key], "unknown key (known: name, type, ioCfg)")
+    reject_unknown(raw, {"name", "type", "ioCfg"}, f"{path}.")
     name = raw.get("name")
     if not isinstance(name, str) or not name.strip():
         raise HookConfigError(f"{path}.name", name, "expected a non-empty string")

@@ -60,11 +60,12 @@ from hooks.cgroups import CPU_IDLE, CPU_SHARES, CgroupError, NotSupportedError, 
 from hooks.coreschedsys import DEFAULT_COOKIE, CookieOps, CoreSchedSys, LibcCoreSched, Support, detect
 from hooks.dryrun import DryRunLedger, dry_run_arg, planned_writes
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_layout, host_writes, reject_unknown
+from hooks.hookargs import cgroup_layout, host_writes
 from hooks.idleweight import tier_weight
 from hooks.proctasks import container_procs
 from hooks.qos import QOS_LABEL, KubeQoS, QoSClass, kube_qos_from_cgroup_parent, parse_qos_label, pod_name
 from hooks.rules import CPUQOS, LiveRules, Rules
+from runtimeproxy.config.configvalues import reject_unknown
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
@@ -164,7 +165,7 @@ class CoreSched:
 
     def __init__(self, init: HookInit, *, sys: CoreSchedSys | None = None) -> None:
         args: dict[str, Any] = dict(init.args)
-        reject_unknown(init, args, _ARGS)
+        reject_unknown(args, _ARGS, f"{init.key_path}.")
         self.dry_run = dry_run_arg(init, args)
         self._rules = LiveRules(init)
         self.layout = cgroup_layout(init, args)

@@ -50,9 +50,10 @@ from hooks.annotations import resource_status
 from hooks.cgroups import CPU_CFS_QUOTA, CgroupError, Driver, Version, container_cgroup_dir
 from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason, planned_writes
 from hooks.executor import CgroupExecutor, Update
-from hooks.hookargs import cgroup_args, host_writes, open_executor, reject_unknown
+from hooks.hookargs import cgroup_args, host_writes, open_executor
 from hooks.qos import QoSClass, pod_name
 from hooks.rules import LiveRules, Rules
+from runtimeproxy.config.configvalues import reject_unknown
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
@@ -103,7 +104,7 @@ class CPUNormalization:
     def __init__(self, init: HookInit) -> None:
         self._rules = LiveRules(init)
         args: dict[str, Any] = dict(init.args)
-        reject_unknown(init, args, _ARGS)
+        reject_unknown(args, _ARGS, f"{init.key_path}.")
         try:
             ratio = parse_ratio(args.get("ratio"))
         except ValueError as exc:

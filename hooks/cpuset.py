@@ -80,6 +80,7 @@ from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, open_executor
 from hooks.qos import QoSClass, pod_name
 from hooks.rules import LiveRules, Rules
+from runtimeproxy.config.configvalues import reject_unknown
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
@@ -134,10 +135,7 @@ class CPUSet:
         self._rules = LiveRules(init)
         args: dict[str, Any] = dict(init.args)
         path = init.key_path
-        unknown = set(args) - _ARGS
-        if unknown:
-            key = sorted(unknown)[0]
-            raise HookConfigError(f"{path}.{key}", args[key], f"unknown key (known: {', '.join(sorted(_ARGS))})")
+        reject_unknown(args, _ARGS, f"{path}.")
         self.sys_root: Path = init.host.sys
         unset = args.get("unset_cpu_quota", True)
         if not isinstance(unset, bool):

@@ -74,12 +74,12 @@ from hooks.hookargs import (
     cgroup_args,
     host_writes,
     kubepods_probe,
-    reject_unknown,
     unknown_until_a_pod,
 )
 from hooks.idleweight import derived_weight
 from hooks.qos import QoSClass, pod_name
 from hooks.rules import LiveRules, Rules
+from runtimeproxy.config.configvalues import reject_unknown
 from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostWrite, PodContext, PodInfo, PodPatch
 
 CPU_QOS_ANNOTATION: Final = "koordinator.sh/cpuQOS"
@@ -132,7 +132,7 @@ class GroupIdentity:
 
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
-        reject_unknown(init, args, _ARGS)
+        reject_unknown(args, _ARGS, f"{init.key_path}.")
         fallback = args.get("idle_fallback", True)
         if not isinstance(fallback, bool):
             raise HookConfigError(f"{init.key_path}.idle_fallback", fallback, "expected true or false")

@@ -19,13 +19,6 @@ from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostWrite
 from runtimeproxy.services import WriteBackoff
 
 
-def reject_unknown(init: HookInit, args: Mapping[str, Any], known: frozenset[str]) -> None:
-    unknown = set(args) - known
-    if unknown:
-        key = sorted(unknown)[0]
-        raise HookConfigError(f"{init.key_path}.{key}", args[key], f"unknown key (known: {', '.join(sorted(known))})")
-
-
 def cgroup_args(init: HookInit, args: Mapping[str, Any]) -> tuple[Driver, Version | Literal["auto"]]:
     driver = args.get("cgroup_driver", "cgroupfs")
     if driver not in ("cgroupfs", "systemd"):

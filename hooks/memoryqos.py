@@ -67,7 +67,6 @@ from hooks.hookargs import (
     cgroup_layout,
     host_writes,
     kubepods_probe,
-    reject_unknown,
     unknown_until_a_pod,
 )
 from hooks.memoryqoscalc import (
@@ -87,6 +86,7 @@ from hooks.memoryqoscalc import (
 )
 from hooks.qos import KubeQoS, QoSClass, kube_qos_from_cgroup_parent, pod_name
 from hooks.rules import LiveRules, MemoryQOS, Rules
+from runtimeproxy.config.configvalues import reject_unknown
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerInfo,
@@ -148,7 +148,7 @@ class MemoryQoS:
 
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
-        reject_unknown(init, args, _ARGS)
+        reject_unknown(args, _ARGS, f"{init.key_path}.")
         allocatable = args.get("node_allocatable_memory")
         if allocatable is not None and (isinstance(allocatable, bool) or not isinstance(allocatable, int)
                                         or allocatable <= 0):

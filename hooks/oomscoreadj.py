@@ -43,9 +43,11 @@ import structlog
 
 from hooks.cgroups import CgroupError
 from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason
-from hooks.hookargs import cgroup_layout, reject_unknown
+from hooks.hookargs import cgroup_layout
 from hooks.proctasks import ProcessGoneError, ProcFile, container_procs
 from hooks.qos import pod_name
+from runtimeproxy.config.configvalues import reject_unknown
+from runtimeproxy.errors import InputError
 from runtimeproxy.hookapi import ContainerContext, ContainerPatch, HookError, HookInit, HostWrite, LivePods
 from runtimeproxy.ops.repeats import RepeatFilter
 
@@ -61,7 +63,7 @@ _PER_PROCESS: Final = 4  # more changed processes than this are reported as one 
 log = structlog.get_logger("hooks.oomscoreadj")
 
 
-class OOMAnnotationError(ValueError):
+class OOMAnnotationError(InputError, ValueError):
     """An oom-score-adj annotation is malformed: names the annotation and the value."""
 
     def __init__(self, key: str, raw: str, reason: str) -> None:
@@ -122,7 +124,7 @@ class OOMScoreAdj:
 
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
-        reject_unknown(init, args, _ARGS)
+        reject_unknown(args, _ARGS, f"{init.key_path}.")
         self.dry_run = dry_run_arg(init, args)
         self.layout = cgroup_layout(init, args)
         self.proc = ProcFile(init.host.proc, "oom_score_adj")

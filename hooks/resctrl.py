@@ -83,11 +83,12 @@ from hooks.annotations import AnnotationError
 from hooks.cgroups import CgroupError, CgroupLayout, PathEscapeError, container_cgroup_dir
 from hooks.dryrun import DryRunLedger, dry_run_arg, patch_reason
 from hooks.executor import Confinement
-from hooks.hookargs import cgroup_args, host_writes, reject_unknown
+from hooks.hookargs import cgroup_args, host_writes
 from hooks.proctasks import parse_ids, read_nofollow
 from hooks.qos import QoSClass, pod_name
 from hooks.resctrlfs import ResctrlError, ResctrlFS, ResctrlNotSupported, format_schemata
 from hooks.rules import LiveRules, ResctrlQOS, Rules
+from runtimeproxy.config.configvalues import reject_unknown
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
@@ -150,7 +151,7 @@ class Resctrl:
 
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
-        reject_unknown(init, args, _ARGS)
+        reject_unknown(args, _ARGS, f"{init.key_path}.")
         driver, version = cgroup_args(init, args)
         self.class_group_prefix = self._prefix(init, args, "class_group_prefix", "", allow_empty=True)
         self.pod_group_prefix = self._prefix(init, args, "pod_group_prefix", DEFAULT_POD_GROUP_PREFIX,

@@ -27,7 +27,7 @@ from metrics.store.tsdb import (
     DEFAULT_ROLLUP_STEP,
     tier_problem,
 )
-from runtimeproxy.config.settings import ConfigError, parse_duration
+from runtimeproxy.config.configvalues import parse_duration, reject_unknown
 from runtimeproxy.hookapi import HookConfigError, TaskInit
 
 T = TypeVar("T")
@@ -154,8 +154,7 @@ class _Args:
         return HookConfigError(f"{self.key_path}.{key}", value, message)
 
     def reject_unknown(self, known: frozenset[str]) -> None:
-        for key in sorted(set(self.raw) - known):
-            raise self.fail(key, self.raw[key], f"unknown key (known: {', '.join(sorted(known))})")
+        reject_unknown(self.raw, known, f"{self.key_path}.")
 
     def get(self, key: str, default: T, conv: Callable[[object, str], T]) -> T:
         if key not in self.raw or self.raw[key] is None:
@@ -163,13 +162,7 @@ class _Args:
         return conv(self.raw[key], key)
 
     def duration(self, value: object, key: str) -> float:
-        try:
-            seconds = parse_duration(value, f"{self.key_path}.{key}")
-        except ConfigError as exc:
-            raise self.fail(key, value, "must be a duration such as 1s or 500ms") from exc
-        if seconds <= 0:
-            raise self.fail(key, value, "must be a positive duration")
-        return seconds
+        return parse_duration(value, f"{self.key_path}.{key}")
 
     def boolean(self, value: object, key: str) -> bool:
         if not isinstance(value, bool):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from runtimeproxy.hookapi import KoordError
+from runtimeproxy.errors import PeerError
 
 Metadata = Sequence[tuple[str, str | bytes]]
 
@@ -40,7 +40,7 @@ class Code(enum.IntEnum):
     UNAUTHENTICATED = 16
 
 
-class CallError(KoordError):
+class CallError(PeerError):
     """A call ended with a non-OK status; carries everything needed to relay it."""
 
     def __init__(self, code: Code, details: str, trailing_metadata: Metadata = ()) -> None:

@@ -15,13 +15,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Final
 
+from runtimeproxy.errors import InputError
+
 MAX_CPU_ID: Final = 8191  # the kernel's largest NR_CPUS
 ONLINE_FILE: Final = Path("devices/system/cpu/online")
 NODE_ONLINE_FILE: Final = Path("devices/system/node/online")
 _NUMBER: Final = re.compile(r"[0-9]+")
 
 
-class CpuListError(ValueError):
+class CpuListError(InputError, ValueError):
     """A CPU list is malformed or names CPUs the node does not have."""
 
 

@@ -22,6 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol, runtime_checkable
 
+# Re-exported: plugins raise and catch these through the hook API (docs/hooks.md).
+from runtimeproxy.errors import ConfigError as ConfigError
+from runtimeproxy.errors import HookConfigError as HookConfigError
+from runtimeproxy.errors import HookError as HookError
+from runtimeproxy.errors import KoordError as KoordError
+from runtimeproxy.errors import PeerError
 from runtimeproxy.services import NodeServices
 
 EMPTY: Final[Mapping[str, str]] = types.MappingProxyType({})
@@ -386,15 +392,7 @@ Exposition = Callable[[], bytes]
 CriCall = Callable[[str, bytes, float], Awaitable[bytes]]
 
 
-class KoordError(Exception):
-    """The root of the project's own errors. Its families: configuration (``ConfigError``,
-    ``HookConfigError``), hooks (``HookError``), calls (``CallError``, ``CriCallError``),
-    the cluster (``metrics.informer.kubetypes.KubeError``) and the store
-    (``metrics.store.tsdbquery.TSDBError``). ``except KoordError`` never hides a bug
-    (a TypeError, an AttributeError) the way ``except Exception`` does."""
-
-
-class CriCallError(KoordError):
+class CriCallError(PeerError):
     """The runtime answered a task's CRI call with an error (``code`` is the gRPC status name)."""
 
     def __init__(self, method: str, code: str, message: str) -> None:
@@ -510,27 +508,7 @@ class TaskInit:
     reconcile_now: Callable[[], None] = _no_reconcile
 
 
-class HookError(KoordError):
-    """A hook could not do its job (bad annotation, write refused...). The hook's
-    failure policy decides whether the CRI call fails."""
-
-    #: True when this failure repeats one already logged (a host write failing the
-    #: same way again): whoever catches it logs below warning, so a retry loop
-    #: does not storm the log.
-    repeat: bool = False
-
-
 class TargetGoneError(HookError):
     """What the hook acts on is gone from the host (a pod's or container's cgroup):
     it was torn down while the hook ran. In a reconcile pass that is the object going
     away, not a fault; the next store re-sync drops it."""
-
-
-class HookConfigError(KoordError):
-    """A hook's ``args`` are invalid. ``key_path`` names where, ``value`` what."""
-
-    def __init__(self, key_path: str, value: object, message: str) -> None:
-        super().__init__(f"{key_path}: {message} (got {value!r})")
-        self.key_path = key_path
-        self.value = value
-        self.message = message

@@ -53,7 +53,7 @@ from metrics.handles import metrics_agent
 from metrics.model import MetricReader, PodView
 from metrics.report.events import WARNING, EventRecorder
 from metrics.settings import METRICS_TASK, validated_metrics
-from runtimeproxy.config.settings import ConfigError, parse_duration
+from runtimeproxy.config.configvalues import parse_duration, reject_unknown
 from runtimeproxy.hookapi import HookConfigError, PodInfo, TaskInit
 
 log = structlog.get_logger("metrics.analysis.interference")
@@ -85,15 +85,11 @@ _DURATIONS: Final = frozenset({"interval", "suspect_after", "confirm_after", "cl
 def parse_interference(raw: Mapping[str, Any], key_path: str) -> InterferenceSettings:
     known = {f.name for f in fields(InterferenceSettings)}
     values: dict[str, Any] = {}
+    reject_unknown(raw, known, f"{key_path}.")
     for key, value in raw.items():
         where = f"{key_path}.{key}"
-        if key not in known:
-            raise HookConfigError(where, value, f"unknown key (known: {', '.join(sorted(known))})")
         if key in _DURATIONS:
-            try:
-                values[key] = parse_duration(value, where)
-            except ConfigError as exc:
-                raise HookConfigError(where, value, "must be a duration such as 1s or 500ms") from exc
+            values[key] = parse_duration(value, where)
         elif key == "min_baseline":
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise HookConfigError(where, value, "must be a positive integer")

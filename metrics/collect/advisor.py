@@ -36,8 +36,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector as PromCollector
 
-from metrics.collect.registry import positive_duration
 from metrics.model import CONTAINER_ID, POD_UID, PodView, Sample
+from runtimeproxy.config.configvalues import parse_duration, reject_unknown
+from runtimeproxy.errors import PeerError
 from runtimeproxy.hookapi import HookConfigError
 
 log = structlog.get_logger("metrics.advisor")
@@ -88,16 +89,15 @@ _KEYS: Final = frozenset({"name", "url", "interval", "timeout", "max_bytes", "me
 def _advisor(item: object, where: str) -> AdvisorSpec:
     if not isinstance(item, Mapping):
         raise HookConfigError(where, item, "must be a mapping {name, url, interval, metrics, labels}")
-    for key in sorted(set(item) - _KEYS):
-        raise HookConfigError(f"{where}.{key}", item[key], f"unknown key (known: {', '.join(sorted(_KEYS))})")
+    reject_unknown(item, _KEYS, f"{where}.")
     name = item.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise HookConfigError(f"{where}.name", name, "must be lower-case letters, digits, '-' or '_' (max 63)")
     url = item.get("url")
     if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) < 10:
         raise HookConfigError(f"{where}.url", url, "must be an http:// or https:// URL")
-    interval = positive_duration(item.get("interval", "15s"), f"{where}.interval")
-    timeout = positive_duration(item.get("timeout", f"{min(interval, DEFAULT_TIMEOUT)}s"), f"{where}.timeout")
+    interval = parse_duration(item.get("interval", "15s"), f"{where}.interval")
+    timeout = parse_duration(item.get("timeout", f"{min(interval, DEFAULT_TIMEOUT)}s"), f"{where}.timeout")
     if timeout > interval:
         raise HookConfigError(f"{where}.timeout", item.get("timeout"), f"must not exceed interval ({interval:g}s)")
     max_bytes = item.get("max_bytes", DEFAULT_MAX_BYTES)
@@ -125,7 +125,7 @@ def _advisor(item: object, where: str) -> AdvisorSpec:
     return AdvisorSpec(name, url, frozenset(metrics), interval, timeout, max_bytes, dict(labels))
 
 
-class ScrapeError(Exception):
+class ScrapeError(PeerError):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason  # unreachable | timeout | http_status | too_large | unparsable

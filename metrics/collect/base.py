@@ -19,6 +19,7 @@ from typing import Final, Protocol, TypeVar
 import structlog
 
 from metrics.model import CONTAINER_ID, POD_UID, ContainerView, Labels, PodView, Sample, labels
+from runtimeproxy.errors import HostError
 
 
 class Collector(Protocol):
@@ -33,7 +34,7 @@ class Collector(Protocol):
     def close(self) -> None: ...
 
 
-class ReadError(Exception):
+class ReadError(HostError):
     """A host file could not be read or parsed. ``gone`` is true when the file or its
     directory does not exist (a vanished cgroup or process), which is routine."""
 
@@ -44,7 +45,7 @@ class ReadError(Exception):
         self.gone = gone
 
 
-class SourceUnavailable(Exception):
+class SourceUnavailable(HostError):
     """A measuring mechanism (eBPF, perf counters) cannot work on this host; says why."""
 
     def __init__(self, reason: str) -> None:

@@ -17,6 +17,8 @@ import platform
 from dataclasses import dataclass
 from typing import Final
 
+from runtimeproxy.errors import HostError
+
 #: ``__NR_bpf`` per machine; elsewhere the eBPF source says it is unavailable.
 SYSCALL_NR: Final = {"x86_64": 321, "aarch64": 280, "ppc64le": 361, "s390x": 351}
 
@@ -27,7 +29,7 @@ _MAP_LOOKUP_AND_DELETE_BATCH: Final = 25
 _ENOTSUPP: Final = 524  # the kernel's internal "not supported", seen by user space as is
 
 
-class BpfError(Exception):
+class BpfError(HostError):
     def __init__(self, what: str, err: int) -> None:
         super().__init__(f"{what}: {os.strerror(err)} (errno {err})")
         self.errno = err

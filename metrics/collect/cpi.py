@@ -38,6 +38,7 @@ from metrics.model import (
     PodView,
     Sample,
 )
+from runtimeproxy.errors import HostError
 from runtimeproxy.hookapi import HostRoots
 
 log = structlog.get_logger("metrics.cpi")
@@ -75,7 +76,7 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-class PerfError(OSError):
+class PerfError(HostError, OSError):
     """perf_event_open failed; ``errno`` says why."""
 
 

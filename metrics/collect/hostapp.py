@@ -38,6 +38,7 @@ from metrics.model import (
     Sample,
     labels,
 )
+from runtimeproxy.errors import InputError
 from runtimeproxy.hookapi import HostRoots
 
 log = structlog.get_logger("metrics.hostapp")
@@ -52,7 +53,7 @@ BASES: Final[Mapping[str, Mapping[str, str]]] = {
 }
 
 
-class HostAppError(ValueError):
+class HostAppError(InputError, ValueError):
     """A ``hostApplications`` item is invalid; the message names the field and the value."""
 
 

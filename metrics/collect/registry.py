@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from metrics.collect.base import Collector
-from runtimeproxy.config.settings import ConfigError, parse_duration
+from runtimeproxy.config.configvalues import parse_duration, reject_unknown
 from runtimeproxy.hookapi import HookConfigError, HostRoots
 
 if TYPE_CHECKING:  # settings imports this module for CollectorSpec
@@ -134,31 +134,18 @@ def parse_collectors(raw: object, key_path: str, names: Iterable[str] | None = N
             item = {}
         if not isinstance(item, Mapping):
             raise HookConfigError(where, item, "must be a mapping {enabled, interval, args}")
-        for key in sorted(set(item) - _SPEC_KEYS):
-            raise HookConfigError(f"{where}.{key}", item[key], "unknown key (known: args, enabled, interval)")
+        reject_unknown(item, _SPEC_KEYS, f"{where}.")
         enabled = item.get("enabled")
         if enabled is not None and not isinstance(enabled, bool):
             raise HookConfigError(f"{where}.enabled", enabled, "must be true or false")
         interval = item.get("interval")
         if interval is not None:
-            interval = positive_duration(interval, f"{where}.interval")
+            interval = parse_duration(interval, f"{where}.interval")
         args = item.get("args") or {}
         if not isinstance(args, Mapping):
             raise HookConfigError(f"{where}.args", args, "must be a mapping")
         out.append(CollectorSpec(name, enabled, interval, dict(args), where))
     return tuple(out)
-
-
-def positive_duration(value: object, key_path: str) -> float:
-    """A task argument's duration (``1s``, ``500ms``, seconds), > 0; HookConfigError naming the key.
-    The one such parser of the collectors' and advisors' settings."""
-    try:
-        seconds = parse_duration(value, key_path)
-    except ConfigError as exc:
-        raise HookConfigError(key_path, value, "must be a duration such as 1s or 500ms") from exc
-    if seconds <= 0:
-        raise HookConfigError(key_path, value, "must be a positive duration")
-    return seconds
 
 
 def load_collectors(settings: MetricsSettings, host: HostRoots, reader: MetricReader | None,

@@ -28,7 +28,7 @@ from urllib.parse import quote, urlencode
 import structlog
 import urllib3
 
-from metrics.informer.kubeconfig import ClusterConfig, ConfigError, default_kubeconfig, from_kubeconfig, in_cluster
+from metrics.informer.kubeconfig import ClusterConfig, KubeconfigError, default_kubeconfig, from_kubeconfig, in_cluster
 from metrics.informer.kubetypes import (
     EvictionRefused,
     Kind,
@@ -56,7 +56,7 @@ JSON_TYPE: Final = "application/json"
 WatchHandler = Callable[[str, "dict[str, Any] | None"], None]
 
 
-class _Expired(Exception):
+class _Expired(KubeError):
     """The watch's resourceVersion is too old (410 Gone): list again."""
 
 
@@ -80,7 +80,7 @@ def _load_config(settings: KubeSettings) -> ClusterConfig:
         return from_kubeconfig(settings.kubeconfig)
     try:
         return in_cluster()
-    except ConfigError:
+    except KubeconfigError:
         if settings.in_cluster:
             raise
     return from_kubeconfig(default_kubeconfig())
@@ -156,7 +156,7 @@ class KubeClient:
         """Load the configuration (no request is made). Raises KubeUnavailable."""
         try:
             config = _load_config(settings)
-        except (ConfigError, OSError, ValueError) as exc:
+        except (KubeconfigError, OSError, ValueError) as exc:
             raise KubeUnavailable(f"no Kubernetes configuration: {exc}") from exc
         log.info("kube_configured", host=config.host, node=settings.node_name)
         return cls(config, settings)
@@ -180,7 +180,7 @@ class KubeClient:
         headers = {"Accept": JSON_TYPE, "User-Agent": "koord-runtime-proxy"}
         try:
             auth = self.config.authorization()
-        except ConfigError as exc:
+        except KubeconfigError as exc:
             raise KubeUnavailable(f"{what}: {exc}") from exc
         if auth is not None:
             headers["Authorization"] = auth

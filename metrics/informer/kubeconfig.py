@@ -28,13 +28,14 @@ from typing import Any
 
 import yaml
 
-from runtimeproxy.hookapi import KoordError
+from runtimeproxy.errors import KubeError
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
-class ConfigError(KoordError, ValueError):
-    """The configuration is missing or unusable (names the file and field)."""
+class KubeconfigError(KubeError, ValueError):
+    """The cluster configuration (kubeconfig, service account) is missing or unusable
+    (names the file and field)."""
 
 
 @dataclass
@@ -56,7 +57,7 @@ class ClusterConfig:
             try:
                 return "Bearer " + self.token_file.read_text().strip()
             except OSError as exc:
-                raise ConfigError(f"token file {self.token_file}: {exc}") from exc
+                raise KubeconfigError(f"token file {self.token_file}: {exc}") from exc
         if self.exec_spec is not None:
             return "Bearer " + self._exec_credential()
         return None if self.token is None else "Bearer " + self.token
@@ -74,7 +75,7 @@ class ClusterConfig:
             spec = self.exec_spec or {}
             command = spec.get("command")
             if not isinstance(command, str) or not command:
-                raise ConfigError("user.exec.command is missing")
+                raise KubeconfigError("user.exec.command is missing")
             args = [str(a) for a in spec.get("args") or []]
             env = dict(os.environ)
             # What client-go passes: plugins (kubelogin, cloud auth plugins) read the API version from it.
@@ -90,9 +91,9 @@ class ClusterConfig:
                 status = json.loads(out)["status"]
                 token = status["token"]
             except (OSError, subprocess.SubprocessError, ValueError, KeyError, TypeError) as exc:
-                raise ConfigError(f"user.exec {command!r}: no token: {exc}") from exc
+                raise KubeconfigError(f"user.exec {command!r}: no token: {exc}") from exc
             if not isinstance(token, str):
-                raise ConfigError(f"user.exec {command!r}: status.token is not a string")
+                raise KubeconfigError(f"user.exec {command!r}: status.token is not a string")
             expiry = time.time() + 300
             stamp = status.get("expirationTimestamp")
             if isinstance(stamp, str):
@@ -107,14 +108,14 @@ class ClusterConfig:
 def in_cluster(sa_dir: Path = SA_DIR, environ: Mapping[str, str] = os.environ) -> ClusterConfig:
     host, port = environ.get("KUBERNETES_SERVICE_HOST"), environ.get("KUBERNETES_SERVICE_PORT")
     if not host or not port:
-        raise ConfigError("not in a cluster: KUBERNETES_SERVICE_HOST/KUBERNETES_SERVICE_PORT are not set")
+        raise KubeconfigError("not in a cluster: KUBERNETES_SERVICE_HOST/KUBERNETES_SERVICE_PORT are not set")
     token = sa_dir / "token"
     if not token.is_file():
-        raise ConfigError(f"not in a cluster: {token} does not exist")
+        raise KubeconfigError(f"not in a cluster: {token} does not exist")
     try:
         ctx = ssl.create_default_context(cafile=str(sa_dir / "ca.crt"))
     except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"in-cluster CA {sa_dir / 'ca.crt'}: {exc}") from exc
+        raise KubeconfigError(f"in-cluster CA {sa_dir / 'ca.crt'}: {exc}") from exc
     if ":" in host:
         host = f"[{host}]"
     return ClusterConfig(host=f"https://{host}:{port}", ssl_context=ctx, token_file=token)
@@ -123,14 +124,14 @@ def in_cluster(sa_dir: Path = SA_DIR, environ: Mapping[str, str] = os.environ) -
 def _named(doc: Mapping[str, Any], section: str, name: object, where: str) -> Mapping[str, Any]:
     entries = doc.get(section) or []
     if not isinstance(entries, list):
-        raise ConfigError(f"{where}: {section} is not a list")
+        raise KubeconfigError(f"{where}: {section} is not a list")
     for entry in entries:
         if isinstance(entry, Mapping) and entry.get("name") == name:
             inner = entry.get(section[:-1])
             if not isinstance(inner, Mapping):
-                raise ConfigError(f"{where}: {section}[name={name}].{section[:-1]} is not a mapping")
+                raise KubeconfigError(f"{where}: {section}[name={name}].{section[:-1]} is not a mapping")
             return inner
-    raise ConfigError(f"{where}: no {section[:-1]} named {name!r}")
+    raise KubeconfigError(f"{where}: no {section[:-1]} named {name!r}")
 
 
 def _material(entry: Mapping[str, Any], key: str, base: Path, where: str) -> bytes | None:
@@ -140,14 +141,14 @@ def _material(entry: Mapping[str, Any], key: str, base: Path, where: str) -> byt
         try:
             return base64.b64decode(str(data), validate=True)
         except ValueError as exc:
-            raise ConfigError(f"{where}: {key}-data is not base64: {exc}") from exc
+            raise KubeconfigError(f"{where}: {key}-data is not base64: {exc}") from exc
     path = entry.get(key)
     if path is None:
         return None
     try:
         return (base / str(path)).read_bytes()
     except OSError as exc:
-        raise ConfigError(f"{where}: {key} {path!r}: {exc}") from exc
+        raise KubeconfigError(f"{where}: {key} {path!r}: {exc}") from exc
 
 
 def _ssl_context(cluster: Mapping[str, Any], user: Mapping[str, Any], base: Path, where: str) -> ssl.SSLContext:
@@ -159,7 +160,7 @@ def _ssl_context(cluster: Mapping[str, Any], user: Mapping[str, Any], base: Path
     cert = _material(user, "client-certificate", base, where)
     key = _material(user, "client-key", base, where)
     if (cert is None) != (key is None):
-        raise ConfigError(f"{where}: client-certificate and client-key must be given together")
+        raise KubeconfigError(f"{where}: client-certificate and client-key must be given together")
     if cert is not None and key is not None:
         # ssl loads a chain only from files: a private temporary directory, removed at once.
         with tempfile.TemporaryDirectory(prefix="kubeconfig-") as tmp:
@@ -170,7 +171,7 @@ def _ssl_context(cluster: Mapping[str, Any], user: Mapping[str, Any], base: Path
             try:
                 ctx.load_cert_chain(cert_file, key_file)
             except ssl.SSLError as exc:
-                raise ConfigError(f"{where}: client certificate/key: {exc}") from exc
+                raise KubeconfigError(f"{where}: client certificate/key: {exc}") from exc
     return ctx
 
 
@@ -180,17 +181,17 @@ def from_kubeconfig(path: Path) -> ClusterConfig:
     try:
         doc = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"kubeconfig {where}: {exc}") from exc
+        raise KubeconfigError(f"kubeconfig {where}: {exc}") from exc
     if not isinstance(doc, Mapping):
-        raise ConfigError(f"kubeconfig {where}: not a mapping")
+        raise KubeconfigError(f"kubeconfig {where}: not a mapping")
     context = _named(doc, "contexts", doc.get("current-context"), where)
     cluster = _named(doc, "clusters", context.get("cluster"), where)
     user: Mapping[str, Any] = _named(doc, "users", context.get("user"), where) if context.get("user") else {}
     server = cluster.get("server")
     if not isinstance(server, str) or not server.startswith(("http://", "https://")):
-        raise ConfigError(f"{where}: cluster.server {server!r} is not an http(s) URL")
+        raise KubeconfigError(f"{where}: cluster.server {server!r} is not an http(s) URL")
     if "auth-provider" in user:
-        raise ConfigError(f"{where}: user.auth-provider is not supported (use exec or a token)")
+        raise KubeconfigError(f"{where}: user.auth-provider is not supported (use exec or a token)")
     base = path.parent
     token = user.get("token")
     token_file = user.get("tokenFile")

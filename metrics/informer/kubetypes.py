@@ -10,17 +10,13 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtimeproxy.hookapi import KoordError
+from runtimeproxy.errors import KubeError as KubeError
 
 
 class Kind(enum.Enum):
     NODE = "Node"
     NODESLO = "NodeSLO"
     NODEMETRIC = "NodeMetric"
-
-
-class KubeError(KoordError):
-    """Base of this module's errors."""
 
 
 class KubeUnavailable(KubeError):

@@ -39,6 +39,7 @@ from metrics.model import PodView
 from metrics.qos.inputs import BECPUWindow, NodeInputs
 from metrics.qos.plan import Evict, Plan, Priority
 from metrics.qos.suppress import is_be, suppress_cores
+from runtimeproxy.errors import PeerError
 from runtimeproxy.hookapi import CriCall, CriCallError
 
 log = structlog.get_logger("metrics.qos.evict")
@@ -58,7 +59,7 @@ LIST_CONTAINERS: Final = "/runtime.v1.RuntimeService/ListContainers"
 PENDING_MAX_AGE: Final = 120.0
 
 
-class EvictionError(Exception):
+class EvictionError(PeerError):
     """A pod could not be (fully) evicted."""
 
 

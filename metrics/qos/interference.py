@@ -43,7 +43,7 @@ from metrics.qos.plan import Action, Evict, Plan, Priority, SetCgroup
 from metrics.qos.strategy import Input, RoundContext, RoundInputs, Strategy, StrategyInit
 from metrics.qos.suppress import BEState, CPULike, SuppressConfig, SuppressStrategy, read_be_state
 from metrics.qos.tierquota import ChildClamps
-from runtimeproxy.config.settings import ConfigError, parse_duration
+from runtimeproxy.config.configvalues import parse_duration, reject_unknown
 from runtimeproxy.hookapi import HookConfigError
 
 log = structlog.get_logger("metrics.qos.interference")
@@ -267,9 +267,7 @@ def interference(init: StrategyInit) -> Interference:
     ``memory_cool_down`` (60s)."""
     args, where = init.args, init.key_path
     known = ("be_cpu_cores", "be_cpus", "be_idle", "hold", "memory_evict", "memory_cool_down")
-    unknown = sorted(set(args) - set(known))
-    if unknown:
-        raise HookConfigError(f"{where}.{unknown[0]}", args[unknown[0]], f"unknown key ({', '.join(known)})")
+    reject_unknown(args, set(known), f"{where}.")
     cap = _number(args, "be_cpu_cores", 0.5, where)
     be_cpus = args.get("be_cpus", DEFAULT_BE_CPUS)
     if be_cpus == "auto":
@@ -285,15 +283,8 @@ def interference(init: StrategyInit) -> Interference:
     memory_evict = args.get("memory_evict", True)
     if not isinstance(memory_evict, bool):
         raise HookConfigError(f"{where}.memory_evict", memory_evict, "must be true or false")
-    try:
-        cool = parse_duration(args.get("memory_cool_down", 60.0), f"{where}.memory_cool_down")
-    except ConfigError as exc:
-        raise HookConfigError(f"{where}.memory_cool_down", args.get("memory_cool_down"),
-                              "must be a duration such as 60s") from exc
-    try:
-        hold = parse_duration(args.get("hold", 30.0), f"{where}.hold")
-    except ConfigError as exc:
-        raise HookConfigError(f"{where}.hold", args.get("hold"), "must be a duration such as 30s") from exc
+    cool = parse_duration(args.get("memory_cool_down", 60.0), f"{where}.memory_cool_down")
+    hold = parse_duration(args.get("hold", 30.0), f"{where}.hold")
     source = init.interference  # the interference task, when enabled (the QoS task is built after it)
 
     def verdicts() -> Verdicts | None:

@@ -44,6 +44,7 @@ from metrics.qos.evict import EvictConfig, SharedEviction, allowed, batch_cpu_co
 from metrics.qos.inputs import NodeInputs
 from metrics.qos.plan import Evict, Outcome, Plan, Priority
 from metrics.qos.strategy import NODE, Input, RoundContext, RoundInputs, Strategy, StrategyInit
+from runtimeproxy.config.configvalues import reject_unknown
 from runtimeproxy.hookapi import HookConfigError
 
 CPU_EVICT: Final = "cpu_evict"
@@ -292,10 +293,7 @@ def _node_allocatable(agent: Any) -> Allocatable:
 
 
 def allocatable_evict(init: StrategyInit) -> AllocatableEvict:
-    unknown = sorted(set(init.args) - {"batch_cpu_milli", "batch_memory_bytes"})
-    if unknown:
-        raise HookConfigError(f"{init.key_path}.{unknown[0]}", init.args[unknown[0]],
-                              "unknown key (batch_cpu_milli, batch_memory_bytes)")
+    reject_unknown(init.args, {"batch_cpu_milli", "batch_memory_bytes"}, f"{init.key_path}.")
     cpu = _number(init.args, "batch_cpu_milli", init.key_path)
     memory = _number(init.args, "batch_memory_bytes", init.key_path)
     agent = init.agent

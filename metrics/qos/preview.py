@@ -32,6 +32,7 @@ from hooks.rules import Rules, parse_rules, rules_from_nodeslo
 from metrics.model import PodView
 from metrics.qos.plan import Action, Evict, LeveledWrite, Plan, SetCgroup, arbitrate
 from metrics.qos.strategy import RoundContext, Strategy, read_inputs
+from runtimeproxy.errors import InputError
 from runtimeproxy.hookapi import HookConfigError, merge_rules
 
 #: The route's one query parameter: the NodeSLO document (a NodeSLO object, or its
@@ -40,7 +41,7 @@ QUERY: Final = "nodeslo"
 ROUTE: Final = "/debug/plan"
 
 
-class PreviewError(ValueError):
+class PreviewError(InputError, ValueError):
     """The document is refused; the message names the field as the agent's log would."""
 
 

@@ -33,6 +33,8 @@ from typing import Final
 
 import structlog
 
+from runtimeproxy.errors import InputError
+
 log = structlog.get_logger("metrics.qos.psitrigger")
 
 MIN_WINDOW_US: Final = 500_000
@@ -40,7 +42,7 @@ MAX_WINDOW_US: Final = 10_000_000
 UNPRIVILEGED_STEP_US: Final = 2_000_000
 
 
-class TriggerSpecError(ValueError):
+class TriggerSpecError(InputError, ValueError):
     pass
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+from runtimeproxy.config.configvalues import reject_unknown
 from runtimeproxy.hookapi import HookConfigError
 
 GROUP: Final = "koord_runtime_proxy.qos_strategies"
@@ -60,9 +61,7 @@ def parse_specs(raw: object, key_path: str) -> tuple[StrategySpec, ...] | None:
         if isinstance(item, str):
             spec = StrategySpec(item, key_path=where)
         elif isinstance(item, Mapping):
-            unknown = sorted(set(item) - {"name", "enabled", "args"})
-            if unknown:
-                raise HookConfigError(f"{where}.{unknown[0]}", item[unknown[0]], "unknown key (name, enabled, args)")
+            reject_unknown(item, {"name", "enabled", "args"}, f"{where}.")
             name, enabled, args = item.get("name"), item.get("enabled", True), item.get("args", {})
             if not isinstance(name, str) or not name:
                 raise HookConfigError(f"{where}.name", name, "expected a strategy name")

@@ -57,6 +57,7 @@ from metrics.model import (
     PodView,
     labels,
 )
+from runtimeproxy.errors import InputError
 
 WITHOUT_PAGE_CACHE: Final = "usageWithoutPageCache"
 WITH_PAGE_CACHE: Final = "usageWithPageCache"
@@ -68,7 +69,7 @@ COLD_START_SHARE: Final = 0.5
 DEFAULT_DURATIONS: Final = (300, 600, 1800)
 
 
-class NodeMetricSpecError(ValueError):
+class NodeMetricSpecError(InputError, ValueError):
     """A NodeMetric spec field is invalid; the message names the field and value."""
 
 

@@ -43,7 +43,7 @@ from typing import Final
 import structlog
 
 from metrics.model import Labels
-from runtimeproxy.hookapi import KoordError
+from runtimeproxy.errors import StoreError
 from runtimeproxy.ops.privatefiles import private_file
 
 SCHEMA_VERSION: Final = 3
@@ -130,7 +130,7 @@ _CORRUPT_CODES: Final = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB
 log = structlog.get_logger("metrics.store.tsdbquery")
 
 
-class TSDBError(KoordError):
+class TSDBError(StoreError):
     """The store cannot do what was asked; the message names the file."""
 
     def __init__(self, path: Path, reason: str) -> None:
@@ -142,7 +142,7 @@ class CorruptStore(TSDBError):
     """The file is not a database, is damaged, or holds a schema this version does not know."""
 
 
-class DamagedChunk(ValueError):
+class DamagedChunk(StoreError, ValueError):
     """A chunk's blob does not decode: the file is damaged."""
 
 

@@ -20,13 +20,8 @@ from structlog.testing import capture_logs
 
 from runtimeproxy.chain import plugins
 from runtimeproxy.chain.hookchain import BoundHook
+from runtimeproxy.config.configvalues import format_duration
 from runtimeproxy.config.settings import Settings
-
-
-def _duration(seconds: object) -> str:
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-        return str(seconds)
-    return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
 
 
 def _host(hook: BoundHook) -> dict[str, str]:
@@ -73,7 +68,7 @@ def build(settings: Settings) -> dict[str, Any]:
 def _item(entry: Mapping[str, Any]) -> str:
     parts = [str(entry.get("name", "")), str(entry.get("state", ""))]
     if entry.get("interval") is not None:
-        parts.append(f"every {_duration(entry['interval'])}")
+        parts.append(f"every {format_duration(entry['interval'])}")
     if entry.get("required"):
         parts.append("required")
     line = "  ".join(p for p in parts if p)

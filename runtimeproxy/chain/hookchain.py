@@ -38,6 +38,7 @@ import structlog
 from runtimeproxy.chain.hookbatch import Batch, Step
 from runtimeproxy.chain.validate import PatchValidator
 from runtimeproxy.config.settings import FailurePolicy
+from runtimeproxy.errors import HookError
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
@@ -63,7 +64,7 @@ HOST_TARGET: Final = "host:"
 _RECONCILE_STAGES: Final = frozenset({Stage.RECONCILE_POD_SANDBOX, Stage.RECONCILE_CONTAINER})
 
 
-class HookFailed(Exception):
+class HookFailed(HookError):
     """A Fail-policy hook failed: the CRI call must not be forwarded."""
 
     def __init__(self, hook: str, stage: Stage, reason: str, *, deadline: bool = False) -> None:
@@ -76,7 +77,7 @@ class HookFailed(Exception):
         self.repeat = False
 
 
-class HookBusyError(Exception):
+class HookBusyError(HookError):
     """A hook has too many calls still running past their deadline to take another."""
 
     def __init__(self, hook: str, overdue: int) -> None:

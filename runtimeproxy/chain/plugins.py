@@ -25,7 +25,7 @@ from runtimeproxy.chain.remote import REMOTE_STAGES, Registration, RemoteHook, l
 from runtimeproxy.chain.validate import PatchValidator
 from runtimeproxy.config.filetrust import path_problem
 from runtimeproxy.config.settings import ConfigError, FailurePolicy, HookSettings, Settings
-from runtimeproxy.hookapi import HookConfigError, HookInit, PodSnapshot, Stage, TaskInit
+from runtimeproxy.hookapi import HookInit, PodSnapshot, Stage, TaskInit
 from runtimeproxy.ops.repeats import RepeatFilter
 from runtimeproxy.services import NodeServices
 
@@ -64,11 +64,6 @@ def resolve_factory(spec: str, key_path: str, group: str = HOOK_GROUP) -> HookFa
     return factory
 
 
-def _config_error(exc: HookConfigError) -> ConfigError:
-    """A plugin's own validation error, reported like any other config error."""
-    return ConfigError(exc.key_path, exc.value, exc.message)
-
-
 def _check_methods(impl: object, stages: frozenset[Stage], key_path: str) -> None:
     for stage in stages:
         method = getattr(impl, stage.method_name)
@@ -83,10 +78,7 @@ def _local_hook(hook: HookSettings, settings: Settings, current_rules: RulesSour
     factory = resolve_factory(hook.plugin, f"{hook.key_path}.plugin")
     init = HookInit(name=hook.name, args=hook.args, key_path=f"{hook.key_path}.args",
                     host=settings.host, rules=settings.rules, current_rules=current_rules, services=services)
-    try:
-        impl = factory(init)
-    except HookConfigError as exc:
-        raise _config_error(exc) from exc
+    impl = factory(init)  # a plugin's HookConfigError is the core's ConfigError: reported as any other
     implemented = implemented_stages(impl)
     if not implemented:
         raise ConfigError(f"{hook.key_path}.plugin", hook.plugin, "the hook implements no stage")
@@ -297,10 +289,7 @@ def validate_tasks(settings: Settings) -> list[str]:
         if validate is None:
             continue
         init = _pass_init(task, provided, snapshot=_no_pods, host=settings.host, rules=settings.rules)
-        try:
-            validate(init)
-        except HookConfigError as exc:
-            raise _config_error(exc) from exc
+        validate(init)
     return [name for name, _, _ in _enabled_tasks(settings)]
 
 
@@ -315,14 +304,11 @@ def plan_tasks(settings: Settings) -> dict[str, Mapping[str, Any]]:
     for task in _tasks_in_order(settings):
         init = _pass_init(task, provided, snapshot=_no_pods, host=settings.host, rules=settings.rules,
                           state_dir=Path(settings.state_dir) if settings.state_dir else None)
-        try:
-            validate = getattr(task.factory, "validate", None)
-            if validate is not None:
-                validate(init)
-            plan = getattr(task.factory, "plan", None)
-            out[task.name] = dict(plan(init)) if plan is not None else {"args": task.args}
-        except HookConfigError as exc:
-            raise _config_error(exc) from exc
+        validate = getattr(task.factory, "validate", None)
+        if validate is not None:
+            validate(init)
+        plan = getattr(task.factory, "plan", None)
+        out[task.name] = dict(plan(init)) if plan is not None else {"args": task.args}
     return {name: out[name] for name, _, _ in _enabled_tasks(settings)}
 
 
@@ -347,10 +333,7 @@ def build_tasks(settings: Settings, base: TaskInit) -> list[tuple[str, TaskFacto
         own = _pass_init(task, provided, snapshot=base.snapshot)
         init = dataclasses.replace(base, name=task.name, args=task.args, key_path=task.key_path,
                                    host=settings.host, rules=settings.rules, needed=own.needed, provide=own.provide)
-        try:
-            run = task.factory(init)
-        except HookConfigError as exc:
-            raise _config_error(exc) from exc
+        run = task.factory(init)
         if not callable(run):
             raise ConfigError(task.key_path, task.name, "task factory must return a coroutine function")
         out.append((task.name, cast(TaskFactory, run)))

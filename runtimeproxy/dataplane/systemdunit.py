@@ -16,13 +16,15 @@ from typing import Final
 
 import structlog
 
+from runtimeproxy.errors import PeerError
+
 log = structlog.get_logger("runtimeproxy.dataplane")
 
 #: systemctl waits for a start or reload job; HAProxy (Type=notify) is ready in well under this.
 _TIMEOUT: Final = 90.0
 
 
-class SystemctlError(RuntimeError):
+class SystemctlError(PeerError, RuntimeError):
     pass
 
 

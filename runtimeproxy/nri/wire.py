@@ -31,6 +31,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as PbMessage
 
 from criapi import ttrpc_pb2
+from runtimeproxy.errors import PeerError
 
 log = structlog.get_logger("runtimeproxy.nri.wire")
 
@@ -53,11 +54,11 @@ RESOURCE_EXHAUSTED: Final = 8
 UNIMPLEMENTED: Final = 12
 
 
-class ProtocolError(Exception):
+class ProtocolError(PeerError):
     """The peer broke the framing: the connection cannot go on."""
 
 
-class RpcError(Exception):
+class RpcError(PeerError):
     """A ttRPC error status, ours to send (a handler raises it) or the peer's (a call got it)."""
 
     def __init__(self, code: int, message: str) -> None:

@@ -25,6 +25,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from structlog.typing import FilteringBoundLogger
 
+from runtimeproxy.errors import InputError
 from runtimeproxy.ops import fdlimits
 from runtimeproxy.ops.logsetup import Throttle
 
@@ -68,7 +69,7 @@ MAX_HEAD_BYTES: Final = 8 * 1024
 _TEXT: Final = "text/plain; charset=utf-8"
 
 
-class _BadRequest(Exception):
+class _BadRequest(InputError):
     def __init__(self, status: int) -> None:
         super().__init__(status)
         self.status = status

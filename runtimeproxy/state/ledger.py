@@ -40,6 +40,7 @@ from typing import Any, Final, Literal
 
 import structlog
 
+from runtimeproxy.errors import StoreError
 from runtimeproxy.hookapi import ContainerInfo, ContainerMeta, PodInfo, PodMeta, Resources, frozen_map
 from runtimeproxy.ops.logsetup import Throttle
 
@@ -78,7 +79,7 @@ class Entry:
                 f'"done":{json.dumps(sorted(self.done))},"info":{self.info_json}}}')
 
 
-class LedgerError(ValueError):
+class LedgerError(StoreError, ValueError):
     """A file entry that is not what this module writes; the message names the field."""
 
 

@@ -55,6 +55,7 @@ from criapi import cri_v1_pb2
 from runtimeproxy.backend import CallError, Reply
 from runtimeproxy.config.confignet import check_unix_path
 from runtimeproxy.config.settings import ConfigError
+from runtimeproxy.errors import PeerError
 from runtimeproxy.lifecycle import intercept
 from runtimeproxy.lifecycle.handler import CallInfo, Lifecycle
 from runtimeproxy.ops.promstats import MethodStats, ProxyMetrics
@@ -65,7 +66,7 @@ log = structlog.get_logger("runtimeproxy.grpcserver")
 _STATUS: Final[Mapping[int, grpc.StatusCode]] = {sc.value[0]: sc for sc in grpc.StatusCode}
 
 
-class SocketInUse(Exception):
+class SocketInUse(PeerError):
     """Another live process answers on our socket path."""
 
 

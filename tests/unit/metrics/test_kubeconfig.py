@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from metrics.informer.kubeconfig import ConfigError, default_kubeconfig, from_kubeconfig, in_cluster
+from metrics.informer.kubeconfig import KubeconfigError, default_kubeconfig, from_kubeconfig, in_cluster
 
 
 def write(tmp_path: Path, user: dict[str, Any], cluster: dict[str, Any] | None = None) -> Path:
@@ -49,7 +49,7 @@ def test_exec_plugin_token_is_cached_until_expiry(tmp_path: Path) -> None:
     assert config.authorization() == "Bearer exec-tok"
     assert counter.read_text() == "x\n"
     broken = from_kubeconfig(write(tmp_path, {"exec": {"command": "/bin/false"}}))
-    with pytest.raises(ConfigError, match=r"user\.exec '/bin/false'"):
+    with pytest.raises(KubeconfigError, match=r"user\.exec '/bin/false'"):
         broken.authorization()
 
 
@@ -71,28 +71,28 @@ def test_https_cluster_gets_a_verifying_context_unless_told_not_to(tmp_path: Pat
 ])
 def test_bad_kubeconfig_names_the_field(tmp_path: Path, user: dict[str, Any], cluster: dict[str, Any] | None,
                                         message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(KubeconfigError, match=message):
         from_kubeconfig(write(tmp_path, user, cluster))
 
 
 def test_missing_context_and_garbage_file(tmp_path: Path) -> None:
     path = tmp_path / "kc"
     path.write_text(json.dumps({"current-context": "nope", "contexts": []}))
-    with pytest.raises(ConfigError, match="no context named 'nope'"):
+    with pytest.raises(KubeconfigError, match="no context named 'nope'"):
         from_kubeconfig(path)
     path.write_text("- a list")
-    with pytest.raises(ConfigError, match="not a mapping"):
+    with pytest.raises(KubeconfigError, match="not a mapping"):
         from_kubeconfig(path)
 
 
 def test_in_cluster_reads_the_service_account(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="KUBERNETES_SERVICE_HOST"):
+    with pytest.raises(KubeconfigError, match="KUBERNETES_SERVICE_HOST"):
         in_cluster(tmp_path, {})
     env = {"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"}
-    with pytest.raises(ConfigError, match="token does not exist"):
+    with pytest.raises(KubeconfigError, match="token does not exist"):
         in_cluster(tmp_path, env)
     (tmp_path / "token").write_text("sa-token")
-    with pytest.raises(ConfigError, match=r"in-cluster CA .*ca\.crt"):
+    with pytest.raises(KubeconfigError, match=r"in-cluster CA .*ca\.crt"):
         in_cluster(tmp_path, env)
     ca = Path(ssl.get_default_verify_paths().cafile or "/etc/ssl/certs/ca-certificates.crt")
     (tmp_path / "ca.crt").write_bytes(ca.read_bytes())
