@@ -10,6 +10,7 @@ forwarded, so an untouched request is byte-exact.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextvars
 import time
@@ -42,6 +43,9 @@ from runtimeproxy.state.store import Store, load_container, load_pod
 log = structlog.get_logger("runtimeproxy.lifecycle")
 
 RUNTIME: Final = "/runtime.v1.RuntimeService/"
+#: Owed Post stages (runtimeproxy.lifecycle.owed) running at once: a hook pool's workers
+#: (``HookPools``), so a burst neither queues past its hooks' budgets nor fills the pools.
+OWED_AT_ONCE: Final = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +86,8 @@ class Lifecycle:
         self._in_flight: collections.Counter[str] = collections.Counter()
         #: Post stages run after the reply, in order per pod; a drain waits for them.
         self.posts = PostQueue()
+        #: Owed Post stages in the hooks' hands at once (``run_owed``): the rest wait here.
+        self._owed_slots = asyncio.Semaphore(OWED_AT_ONCE)
         self._handlers: Mapping[str, _Handler] = {
             RUNTIME + "RunPodSandbox": self._run_pod_sandbox,
             RUNTIME + "StopPodSandbox": self._stop_pod_sandbox,
@@ -367,10 +373,14 @@ class Lifecycle:
             return
 
         async def work() -> None:
-            try:
-                await self._post(ctx, deadline)
-            finally:
-                done()  # a hook failure is reported by the chain; the transition is not retried
+            # A burst (thousands owed after a start) waits here, not in the hooks' worker
+            # queues: a sync hook's budget runs from its submit, so queued there it would
+            # time out unrun; and the pools stay free for the calls kubelet waits on.
+            async with self._owed_slots:
+                try:
+                    await self._post(ctx, deadline)
+                finally:
+                    done()  # a hook failure is reported by the chain; the transition is not retried
 
         def queue() -> None:  # in a copy of the context: the pod's log bindings go with this stage only
             _bind_pod(ctx.pod)
