@@ -172,6 +172,8 @@ class Outcome:
     context: Context
     patches: tuple[tuple[str, Patch], ...]
     changes: tuple[Change, ...]
+    #: Hooks that failed or timed out under ``Ignore`` (an owed Post stage runs them again).
+    failed: tuple[str, ...] = ()
 
     @property
     def request_changed(self) -> bool:
@@ -228,28 +230,33 @@ class HookChain:
         the re-sync (runtimeproxy.lifecycle.owed)."""
         return frozenset(s.call for s, hooks in self._by_stage.items() if hooks and s.is_pre and s.call is not None)
 
-    async def run(self, ctx: Context, *, deadline: float | None) -> Outcome:
-        """Run ``ctx.stage``'s hooks. ``deadline`` is a ``time.monotonic()`` value."""
+    async def run(self, ctx: Context, *, deadline: float | None, only: frozenset[str] | None = None) -> Outcome:
+        """Run ``ctx.stage``'s hooks (``only``: those of these names, in order). ``deadline``
+        is a ``time.monotonic()`` value."""
         patches: list[tuple[str, Patch]] = []
         changes: list[Change] = []
+        failed: list[str] = []
         hooks, sync = self._by_stage[ctx.stage], self._sync_by_stage[ctx.stage]
+        if only is not None:
+            keep = [i for i, h in enumerate(hooks) if h.name in only]
+            hooks, sync = tuple(hooks[i] for i in keep), tuple(sync[i] for i in keep)
         i = 0
         while i < len(hooks):
             end = i
             while end < len(hooks) and sync[end]:
                 end += 1
             if end - i >= 2:  # a run of sync hooks: one hand-off to a worker thread (runtimeproxy.chain.hookbatch)
-                ctx = await self._run_batch(hooks[i:end], ctx, deadline, patches, changes)
+                ctx = await self._run_batch(hooks[i:end], ctx, deadline, patches, changes, failed)
                 i = end
                 continue
             hook = hooks[i]
             i += 1
-            ctx = await self._run_alone(hook, ctx, deadline, patches, changes)
-        return Outcome(context=ctx, patches=tuple(patches), changes=tuple(changes))
+            ctx = await self._run_alone(hook, ctx, deadline, patches, changes, failed)
+        return Outcome(context=ctx, patches=tuple(patches), changes=tuple(changes), failed=tuple(failed))
 
     async def _run_alone(self, hook: BoundHook, ctx: Context, deadline: float | None,
-                         patches: list[tuple[str, Patch]], changes: list[Change]) -> Context:
-        patch = await self._run_one(hook, ctx, deadline)
+                         patches: list[tuple[str, Patch]], changes: list[Change], failed: list[str]) -> Context:
+        patch = await self._run_one(hook, ctx, deadline, failed)
         if patch is None:
             return ctx
         new_ctx, new_changes = apply_patch(ctx, patch, hook.name)
@@ -259,7 +266,7 @@ class HookChain:
         return new_ctx
 
     async def _run_batch(self, run: tuple[BoundHook, ...], ctx: Context, deadline: float | None,
-                         patches: list[tuple[str, Patch]], changes: list[Change]) -> Context:
+                         patches: list[tuple[str, Patch]], changes: list[Change], failed: list[str]) -> Context:
         batch = Batch(run, ctx, deadline, self._checked, apply_patch, _stops_chain)
         now = time.monotonic()
         steps: list[Step] = []
@@ -295,8 +302,10 @@ class HookChain:
                     changes.extend(cast(tuple[Change, ...], step.changes))
                 ctx = step.ctx
             elif step.result == "timeout":
+                failed.append(hook.name)
                 self._policy(hook, ctx, f"timed out after {step.budget:.3f}s", deadline=True)
             else:
+                failed.append(hook.name)
                 exc = cast(Exception, step.error)
                 self._policy(hook, ctx, f"{type(exc).__name__}: {exc}", repeat=self._quiet(exc, ctx))
         rest = run[len(steps):]
@@ -304,10 +313,11 @@ class HookChain:
             hook = run[pending]
             budget = batch.budget(pending, now)
             self._observe_seconds(hook.name, ctx.stage.value, "timeout", max(budget, 0.0))
+            failed.append(hook.name)
             self._policy(hook, ctx, f"timed out after {budget:.3f}s", deadline=True)
             rest = run[pending + 1:]
         for hook in rest:  # after a timeout, or when the stage's pool was busy
-            ctx = await self._run_alone(hook, ctx, deadline, patches, changes)
+            ctx = await self._run_alone(hook, ctx, deadline, patches, changes, failed)
         return ctx
 
     def _checked(self, hook: BoundHook, ctx: Context, result: object) -> Patch | None:
@@ -316,7 +326,8 @@ class HookChain:
             self._validator.check(ctx, patch)
         return patch
 
-    async def _run_one(self, hook: BoundHook, ctx: Context, deadline: float | None) -> Patch | None:
+    async def _run_one(self, hook: BoundHook, ctx: Context, deadline: float | None,
+                       failed: list[str]) -> Patch | None:
         budget = hook.timeout
         if deadline is not None:
             budget = min(budget, deadline - time.monotonic())
@@ -338,9 +349,11 @@ class HookChain:
         except asyncio.CancelledError:
             raise
         except TimeoutError:
+            failed.append(hook.name)
             self._failed(hook, ctx, f"timed out after {budget:.3f}s", "timeout", start, deadline=True)
             return None
         except Exception as exc:  # noqa: BLE001 - a plugin may raise anything; its policy decides
+            failed.append(hook.name)
             self._failed(hook, ctx, f"{type(exc).__name__}: {exc}", "error", start, repeat=self._quiet(exc, ctx))
             return None
         self._observe(hook.name, stage, "ok", start)

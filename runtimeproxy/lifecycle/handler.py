@@ -10,6 +10,7 @@ forwarded, so an untouched request is byte-exact.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextvars
 import time
@@ -42,6 +43,9 @@ from runtimeproxy.state.store import Store, load_container, load_pod
 log = structlog.get_logger("runtimeproxy.lifecycle")
 
 RUNTIME: Final = "/runtime.v1.RuntimeService/"
+#: Owed Post stages (runtimeproxy.lifecycle.owed) running at once: a hook pool's workers
+#: (``HookPools``), so a burst neither queues past its hooks' budgets nor fills the pools.
+OWED_AT_ONCE: Final = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +86,8 @@ class Lifecycle:
         self._in_flight: collections.Counter[str] = collections.Counter()
         #: Post stages run after the reply, in order per pod; a drain waits for them.
         self.posts = PostQueue()
+        #: Owed Post stages in the hooks' hands at once (``run_owed``): the rest wait here.
+        self._owed_slots = asyncio.Semaphore(OWED_AT_ONCE)
         self._handlers: Mapping[str, _Handler] = {
             RUNTIME + "RunPodSandbox": self._run_pod_sandbox,
             RUNTIME + "StopPodSandbox": self._stop_pod_sandbox,
@@ -353,24 +359,32 @@ class Lifecycle:
             if not ledger.claim(*owed):
                 log.debug("post_stage_already_run", stage=ctx.stage.value)
                 return
-            self.run_owed(ctx, lambda: ledger.done(*owed), deadline)
+            self.run_owed(ctx, lambda failed: ledger.ran(*owed, failed), deadline)
             return
         if self._skipped(ctx) or not self._chain().for_stage(ctx.stage):
             return
         self.posts.add(ctx.pod.meta.uid, lambda: self._post(ctx, deadline))
 
-    def run_owed(self, ctx: Context, done: Callable[[], None], deadline: float | None = None) -> None:
+    def run_owed(self, ctx: Context, ran: Callable[[frozenset[str]], None], deadline: float | None = None,
+                 hooks: frozenset[str] | None = None) -> None:
         """A Post stage owed after a stop or a removal (runtimeproxy.lifecycle.owed): queued
-        like a call's, ``done`` called once it ran (or at once when no hook has the stage)."""
-        if self._skipped(ctx) or not self._chain().for_stage(ctx.stage):
-            done()
+        like a call's; ``ran(failed)`` is called once it ran (or at once when no hook has the
+        stage) with the hooks that failed or timed out, which the ledger owes again.
+        ``hooks``: only these (the ones that failed last time)."""
+        if self._skipped(ctx) or not any(hooks is None or h.name in hooks for h in self._chain().for_stage(ctx.stage)):
+            ran(frozenset())
             return
 
         async def work() -> None:
+            # A burst (thousands owed after a start) waits here, not in the hooks' worker
+            # queues: a sync hook's budget runs from its submit, so queued there it would
+            # time out unrun; and the pools stay free for the calls kubelet waits on.
+            failed = frozenset(h.name for h in self._chain().for_stage(ctx.stage) if hooks is None or h.name in hooks)
             try:
-                await self._post(ctx, deadline)
+                async with self._owed_slots:
+                    failed = await self._post_owed(ctx, deadline, hooks)
             finally:
-                done()  # a hook failure is reported by the chain; the transition is not retried
+                ran(failed)  # cancelled (a stop): all owed again, at the next start
 
         def queue() -> None:  # in a copy of the context: the pod's log bindings go with this stage only
             _bind_pod(ctx.pod)
@@ -379,6 +393,20 @@ class Lifecycle:
             self.posts.add(ctx.pod.meta.uid, work)
 
         contextvars.copy_context().run(queue)
+
+    async def _post_owed(self, ctx: Context, deadline: float | None, hooks: frozenset[str] | None) -> frozenset[str]:
+        """Run an owed Post stage; returns the hooks that failed or timed out."""
+        if self._skipped(ctx):
+            return frozenset()
+        chain = self._chain()
+        try:
+            outcome = await chain.run(ctx, deadline=deadline, only=hooks)
+        except HookFailed as exc:  # a Fail hook stops the chain: it and the hooks after it did not run
+            log.error("post_hook_failed", hook=exc.hook, stage=exc.stage.value, reason=exc.reason)
+            names = [h.name for h in chain.for_stage(ctx.stage) if hooks is None or h.name in hooks]
+            return frozenset(names[names.index(exc.hook):] if exc.hook in names else names)
+        self._store.record_changes(ctx.pod.meta.uid, outcome.changes)
+        return frozenset(outcome.failed)
 
     def pending_uids(self) -> frozenset[str]:
         """Pods with a RunPodSandbox or CreateContainer call in flight (live for the host sweep)."""

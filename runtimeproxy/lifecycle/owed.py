@@ -14,7 +14,10 @@ after the store's rebuild), against the ledger of what the store knew
 
 Each is claimed in the ledger, queued on the pod's Post queue (containers before their
 pod, in that order: the stages of one pod run one after another) and marked done once it
-ran: exactly once per object and transition, across restarts. When a Stop/Remove call
+ran: exactly once per object and transition, across restarts. A burst (thousands owed
+at a start) is handed to the hooks a few at a time (``Lifecycle.run_owed``), so no hook's
+budget runs out while it waits its turn. A hook that failed or timed out is owed again
+at the next re-sync, that hook alone (``ObjectLedger.ran``), up to ``ATTEMPTS`` runs. When a Stop/Remove call
 does reach Python (the ``grpc`` data plane, or a chain with a Pre hook for it), the
 call's own Post stage claims the same transition, so the re-sync does not run it again
 (and a call arriving after the re-sync ran it does not run it twice).
@@ -55,6 +58,8 @@ class Owed:
     object_id: str
     transition: Transition
     context: Context
+    #: Only these hooks (they failed or timed out last time); None: the stage's all.
+    hooks: frozenset[str] | None = None
 
 
 def transitions(entry: Entry, listed: Mapping[str, int], object_id: str) -> tuple[Transition, ...]:
@@ -83,7 +88,8 @@ def compute(ledger: ObjectLedger, store: Store, result: ResyncResult) -> list[Ow
                             stage=_STAGES[entry.kind, transition].value, effect="not run; marked done")
                 ledger.done(object_id, transition)
                 continue
-            (pods if entry.kind == "pod" else containers).append(Owed(object_id, transition, ctx))
+            owed = Owed(object_id, transition, ctx, ledger.retry_hooks(object_id, transition))
+            (pods if entry.kind == "pod" else containers).append(owed)
     return containers + pods
 
 
@@ -104,12 +110,12 @@ def settle(ledger: ObjectLedger, store: Store, lifecycle: Lifecycle, result: Res
     owed = compute(ledger, store, result)
     for item in owed:
         if ledger.claim(item.object_id, item.transition):
-            lifecycle.run_owed(item.context, _marker(ledger, item))
+            lifecycle.run_owed(item.context, _marker(ledger, item), hooks=item.hooks)
     if owed:
         stages = collections.Counter(o.context.stage.value for o in owed)
         log.info("owed_post_stages", queued=len(owed), stages=dict(stages))
     return len(owed)
 
 
-def _marker(ledger: ObjectLedger, item: Owed) -> collections.abc.Callable[[], None]:
-    return lambda: ledger.done(item.object_id, item.transition)
+def _marker(ledger: ObjectLedger, item: Owed) -> collections.abc.Callable[[frozenset[str]], None]:
+    return lambda failed: ledger.ran(item.object_id, item.transition, failed)

@@ -11,7 +11,9 @@ rename) holding every known pod and container with the context its Post stages n
 
 Exactly once per object and transition: a transition is *claimed* in memory when its
 Post stage is queued (so a re-sync that runs meanwhile, or an intercepted call's own
-Post stage, does not queue it again) and marked *done* once it ran; the file is
+Post stage, does not queue it again) and marked *done* once it ran (if some of its hooks
+failed or timed out, it is released instead and owed again, for those hooks, at the next
+re-sync: up to ``ATTEMPTS`` runs); the file is
 rewritten shortly after (coalesced, ``SAVE_DELAY``). A crash before the stage ran leaves
 no done mark: the next start runs it. A crash in the short window between the stage
 and the rewrite runs it once more at the next start (hooks' Post stages are idempotent:
@@ -54,6 +56,8 @@ MAX_OBJECTS: Final = 20000
 GONE_KEPT: Final = 4096
 #: Done marks within this long share one rewrite.
 SAVE_DELAY: Final = 0.05
+#: Runs of an owed Post stage whose hooks failed or timed out before it is given up (marked done).
+ATTEMPTS: Final = 5
 
 Transition = Literal["stop", "remove"]
 TRANSITIONS: Final[tuple[Transition, ...]] = ("stop", "remove")
@@ -193,6 +197,12 @@ class ObjectLedger:
         self._max = max_objects
         self._entries: dict[str, Entry] = {}
         self._claimed: set[tuple[str, str]] = set()
+        #: (id, transition) -> (the hooks that failed or timed out last time, runs so far):
+        #: owed again at the next re-sync, for those hooks only. In memory: a restart runs
+        #: the whole stage again (as after a crash; Post hooks are idempotent).
+        self._retry: dict[tuple[str, str], tuple[frozenset[str], int]] = {}
+        #: Pod id -> its containers with an entry (a pod's entry goes after theirs).
+        self._containers: collections.Counter[str] = collections.Counter()
         #: Ids whose removal was done lately: a late call's Post stage for them is not run again.
         self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._save_handle: asyncio.TimerHandle | None = None
@@ -227,7 +237,10 @@ class ObjectLedger:
                 entry.info, entry.info_json = info, ""
                 entry.__post_init__()
                 self.save_soon()
-            entry.pod_id = pod_id or entry.pod_id
+            if pod_id and pod_id != entry.pod_id:
+                self._forget(info.id, entry)
+                entry.pod_id = pod_id
+                self._add(info.id, entry)
             return
         if len(self._entries) >= self._max:
             held = self._throttle.allow("full")
@@ -236,7 +249,7 @@ class ObjectLedger:
                             effect="its Post stages after a stop or removal are not owed; the host sweep still "
                                    "removes what it leaves")
             return
-        self._entries[info.id] = Entry(kind, pod_id, info, {"stop"} if stopped else set())
+        self._add(info.id, Entry(kind, pod_id, info, {"stop"} if stopped else set()))
         self.save_soon()
 
     # --- claims and done marks --------------------------------------------------------
@@ -259,10 +272,36 @@ class ObjectLedger:
         self._claimed.add((object_id, transition))
         return True
 
+    def retry_hooks(self, object_id: str, transition: Transition) -> frozenset[str] | None:
+        """The hooks still owed after a run in which they failed or timed out (None: all)."""
+        retry = self._retry.get((object_id, transition))
+        return None if retry is None else retry[0]
+
+    def ran(self, object_id: str, transition: Transition, failed: frozenset[str] = frozenset()) -> None:
+        """Its Post stage ran. Hooks that ``failed`` (or timed out) make it owed again, for
+        them only, at the next re-sync (level-triggered: found again, not lost), up to
+        ``ATTEMPTS`` runs; then it is given up (one warning) and marked done."""
+        key = (object_id, transition)
+        if not failed or object_id not in self._entries:
+            self.done(object_id, transition)
+            return
+        attempts = self._retry.get(key, (failed, 0))[1] + 1
+        if attempts >= ATTEMPTS:
+            log.warning("owed_post_stage_given_up", object_id=object_id, transition=transition,
+                        hooks=sorted(failed), attempts=attempts, effect="marked done; the host sweep may "
+                        "still remove what it left")
+            self.done(object_id, transition)
+            return
+        self._claimed.discard(key)
+        self._retry[key] = (failed, attempts)
+        log.debug("owed_post_stage_failed", object_id=object_id, transition=transition, hooks=sorted(failed),
+                 attempt=attempts, effect="owed again at the next re-sync, for these hooks")
+
     def done(self, object_id: str, transition: Transition) -> None:
         """Its Post stage ran: marked, and saved shortly after. A removed object's entry
         goes (a pod's once none of its containers' entries needs its context)."""
         self._claimed.discard((object_id, transition))
+        self._retry.pop((object_id, transition), None)
         entry = self._entries.get(object_id)
         if entry is None:
             return
@@ -271,10 +310,13 @@ class ObjectLedger:
         self.save_soon()
 
     def _collect(self, object_id: str, entry: Entry) -> None:
-        if "remove" not in entry.done or (entry.kind == "pod" and self.has_containers(object_id)):
-            return
-        del self._entries[object_id]
+        if ("remove" not in entry.done or (object_id, "stop") in self._retry
+                or (entry.kind == "pod" and self.has_containers(object_id))):
+            return  # its context is still needed: a stop to run again, a container's stages
+        self._forget(object_id, entry)
         self._claimed.difference_update({(object_id, t) for t in TRANSITIONS})
+        for t in TRANSITIONS:
+            self._retry.pop((object_id, t), None)
         self._gone[object_id] = None
         while len(self._gone) > GONE_KEPT:
             self._gone.popitem(last=False)
@@ -283,7 +325,19 @@ class ObjectLedger:
             self._collect(entry.pod_id, pod)
 
     def has_containers(self, pod_id: str) -> bool:
-        return any(e.kind == "container" and e.pod_id == pod_id for e in self._entries.values())
+        return self._containers[pod_id] > 0  # counted: a scan per removal is quadratic in a burst
+
+    def _add(self, object_id: str, entry: Entry) -> None:
+        self._entries[object_id] = entry
+        if entry.kind == "container":
+            self._containers[entry.pod_id] += 1
+
+    def _forget(self, object_id: str, entry: Entry) -> None:
+        del self._entries[object_id]
+        if entry.kind == "container":
+            self._containers[entry.pod_id] -= 1
+            if self._containers[entry.pod_id] <= 0:
+                del self._containers[entry.pod_id]
 
     # --- the file ---------------------------------------------------------------------
 
@@ -307,7 +361,7 @@ class ObjectLedger:
         bad: list[str] = []
         for object_id, value in list(objects.items())[: self._max]:
             try:
-                self._entries[object_id] = _decode_entry(object_id, value)
+                self._add(object_id, _decode_entry(object_id, value))
             except LedgerError as exc:
                 bad.append(str(exc))
         if bad:

@@ -366,3 +366,121 @@ async def test_an_nri_stop_event_and_the_resync_run_a_containers_post_stop_once(
         await step()
     assert rec.seen == [("PostStopContainer", "a-c")]
     assert not node.ledger.owes("a-c", "stop")
+
+
+class Slow:
+    """A second sync hook at the pod's Post stages that takes a little time (a resctrl rmdir, a
+    cgroup write on a busy host): with the recorder it makes a batch of two, as a real chain does."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.calls = 0
+
+    def _run(self, ctx: PodContext) -> None:
+        import time
+
+        time.sleep(self.seconds)
+        self.calls += 1
+
+    post_stop_pod_sandbox = _run
+    post_remove_pod_sandbox = _run
+
+
+@pytest.mark.asyncio
+async def test_thousands_of_owed_stages_at_once_all_run_once_within_the_hooks_timeouts(tmp_path: Path) -> None:
+    """kill -9, then 1,500 pods removed, then a start: 3,000 owed Post stages at once. Each
+    hook's budget must run from when the hook is handed its work, not from when the burst was
+    queued (the hand run of issue 26 lost most of them: queued past their 1 s budget, they were
+    reported timed out and marked done without ever running)."""
+    ctrd, rec, slow = Containerd(), Recorder(), Slow(0.002)
+    node = Node(tmp_path, ctrd, rec)
+    chain = HookChain([BoundHook("rec", rec, implemented_stages(rec), FailurePolicy.IGNORE, 0.25),
+                       BoundHook("slow", slow, implemented_stages(slow), FailurePolicy.IGNORE, 0.25)])
+    node.lifecycle = Lifecycle(store=node.store, backend=ctrd, chain=lambda: chain,  # type: ignore[arg-type]
+                               skip_label=lambda: SkipLabel("skip", "true"))
+    sids = [f"p{i}" for i in range(1500)]
+    for sid in sids:
+        ctrd.sandboxes[sid] = cri.SANDBOX_READY
+        node.store.put_pod(_pod(sid), cri.SANDBOX_READY)
+    ctrd.sandboxes.clear()  # all removed while the process was down
+    result = await resync(node.store, ctrd)  # type: ignore[arg-type]
+    assert owed.settle(node.ledger, node.store, node.lifecycle, result) == 3000
+    assert await node.lifecycle.posts.settle(60.0)
+    want = {(stage, sid) for sid in sids for stage in ("PostStopPodSandbox", "PostRemovePodSandbox")}
+    assert len(rec.seen) == 3000 and set(rec.seen) == want
+    assert slow.calls == 3000 and len(node.ledger) == 0
+
+
+class Flaky:
+    """Fails its first ``fails`` calls at every Post stage after a stop or a removal."""
+
+    def __init__(self, fails: int) -> None:
+        self.fails = fails
+        self.calls: list[tuple[str, str]] = []
+
+    def _run(self, ctx: PodContext | ContainerContext) -> None:
+        object_id = ctx.container.id if isinstance(ctx, ContainerContext) else ctx.pod.id
+        self.calls.append((ctx.stage.value, object_id))
+        if len(self.calls) <= self.fails:
+            raise OSError("EBUSY")
+
+    post_stop_pod_sandbox = _run
+    post_remove_pod_sandbox = _run
+    post_stop_container = _run
+    post_remove_container = _run
+
+
+def _flaky_node(tmp_path: Path, ctrd: Containerd, rec: Recorder, flaky: Flaky, policy: FailurePolicy) -> Node:
+    node = Node(tmp_path, ctrd, rec)
+    # flaky first: with the Fail policy its failure stops the chain before the recorder
+    chain = HookChain([BoundHook("flaky", flaky, implemented_stages(flaky), policy, 10.0),
+                       BoundHook("rec", rec, implemented_stages(rec), FailurePolicy.IGNORE, 10.0)])
+    node.lifecycle = Lifecycle(store=node.store, backend=ctrd, chain=lambda: chain,  # type: ignore[arg-type]
+                               skip_label=lambda: SkipLabel("skip", "true"))
+    return node
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", [FailurePolicy.IGNORE, FailurePolicy.FAIL])
+async def test_an_owed_stage_whose_hook_failed_is_found_again_for_that_hook_only(
+    tmp_path: Path, policy: FailurePolicy,
+) -> None:
+    """Level-triggered: a hook that failed (or timed out) at an owed Post stage is owed again
+    at the next re-sync, alone; the hooks that ran are not run twice. Under Fail, the hooks
+    after the failed one had not run: they are owed too."""
+    ctrd, rec, flaky = Containerd(), Recorder(), Flaky(fails=2)
+    node = _flaky_node(tmp_path, ctrd, rec, flaky, policy)
+    _pods(node, ctrd, "a")
+    assert await node.resync() == 0
+    ctrd.sandboxes.pop("a")
+    ctrd.containers.pop("a-c")
+    assert await node.resync() == 4  # the container's stop fails, its removal fails, the pod's two run
+    ignored = policy is FailurePolicy.IGNORE
+    assert len(rec.seen) == (4 if ignored else 2)
+    assert "a-c" in node.ledger and "a" in node.ledger  # their context is still needed
+    assert await node.resync() == 2  # both container stages again, only the hooks still owed
+    assert flaky.calls == [("PostStopContainer", "a-c"), ("PostRemoveContainer", "a-c"),
+                           ("PostStopPodSandbox", "a"), ("PostRemovePodSandbox", "a"),
+                           ("PostStopContainer", "a-c"), ("PostRemoveContainer", "a-c")]
+    assert sorted(rec.seen) == sorted(_removed("a"))  # each exactly once
+    assert await node.resync() == 0 and len(node.ledger) == 0 and len(flaky.calls) == 6
+
+
+@pytest.mark.asyncio
+async def test_an_owed_stage_that_keeps_failing_is_given_up_after_its_attempts(tmp_path: Path) -> None:
+    from runtimeproxy.state.ledger import ATTEMPTS
+
+    ctrd, rec, flaky = Containerd(), Recorder(), Flaky(fails=10**6)
+    node = _flaky_node(tmp_path, ctrd, rec, flaky, FailurePolicy.IGNORE)
+    ctrd.sandboxes["a"] = cri.SANDBOX_READY
+    node.store.put_pod(_pod("a"), cri.SANDBOX_READY)
+    ctrd.sandboxes.pop("a")
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(ATTEMPTS + 2):
+            await node.resync()
+    assert flaky.calls.count(("PostStopPodSandbox", "a")) == ATTEMPTS
+    assert flaky.calls.count(("PostRemovePodSandbox", "a")) == ATTEMPTS
+    assert sorted(rec.seen) == [("PostRemovePodSandbox", "a"), ("PostStopPodSandbox", "a")]
+    given_up = [e for e in logs if e["event"] == "owed_post_stage_given_up"]
+    assert [(e["transition"], e["hooks"]) for e in given_up] == [("stop", ["flaky"]), ("remove", ["flaky"])]
+    assert len(node.ledger) == 0
