@@ -55,6 +55,10 @@ from runtimeproxy.hookapi import (
 from runtimeproxy.hostwrites import HOOK_DEADLINE, is_repeat
 from runtimeproxy.ops.repeats import RepeatFilter, Verdict
 
+#: The hooks that failed in the current ``HookChain.run`` (under Ignore too): a context
+#: variable, as runs of one chain overlap (CRI calls, reconciler passes).
+_FAILED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("hook_chain_failed", default=None)
+
 log = structlog.get_logger("runtimeproxy.chain")
 
 HookResult = Literal["ok", "error", "timeout"]
@@ -171,6 +175,8 @@ class Outcome:
     context: Context
     patches: tuple[tuple[str, Patch], ...]
     changes: tuple[Change, ...]
+    #: Hooks that failed and were ignored (FailurePolicy.IGNORE): the stage did not all take.
+    failed: tuple[str, ...] = ()
 
     @property
     def request_changed(self) -> bool:
@@ -232,6 +238,16 @@ class HookChain:
         patches: list[tuple[str, Patch]] = []
         changes: list[Change] = []
         hooks, sync = self._by_stage[ctx.stage], self._sync_by_stage[ctx.stage]
+        failed: list[str] = []
+        token = _FAILED.set(failed)
+        try:
+            ctx = await self._run_all(hooks, sync, ctx, deadline, patches, changes)
+        finally:
+            _FAILED.reset(token)
+        return Outcome(context=ctx, patches=tuple(patches), changes=tuple(changes), failed=tuple(failed))
+
+    async def _run_all(self, hooks: tuple[BoundHook, ...], sync: tuple[bool, ...], ctx: Context,
+                       deadline: float | None, patches: list[tuple[str, Patch]], changes: list[Change]) -> Context:
         i = 0
         while i < len(hooks):
             end = i
@@ -244,7 +260,7 @@ class HookChain:
             hook = hooks[i]
             i += 1
             ctx = await self._run_alone(hook, ctx, deadline, patches, changes)
-        return Outcome(context=ctx, patches=tuple(patches), changes=tuple(changes))
+        return ctx
 
     async def _run_alone(self, hook: BoundHook, ctx: Context, deadline: float | None,
                          patches: list[tuple[str, Patch]], changes: list[Change]) -> Context:
@@ -373,6 +389,9 @@ class HookChain:
         """A failed hook: counted, then its policy (Fail raises ``HookFailed``, Ignore logs)."""
         if self._observer is not None:
             self._observer.hook_failed(hook.name, ctx.stage.value, hook.policy.value)  # every failure counted
+        seen = _FAILED.get()
+        if seen is not None:
+            seen.append(hook.name)
         # The same object failing the same way again (every reconcile pass) is logged once:
         # a repeat only below warning; a new cause again, with the old one's repeat count.
         verdict = Verdict(log=False, repeats=0)  # a quiet failure (logged elsewhere, or gone): not remembered
