@@ -109,6 +109,11 @@ class BlkioTiers(Strategy):
         return self.support
 
     def _read(self, ctx: RoundContext) -> TierDirs:
+        if (self.support is not None and not self.applied
+                and not any(ctx.rules.for_class(c).blkio_qos.enable for c in _CLASSES)):
+            # Off, nothing of ours to remove: ``plan`` writes nothing, so nothing is read
+            # (issue 29: a disabled strategy costs nothing; ~1 ms a round at 110 pods).
+            return TierDirs(self.support)
         roots = {self.root}
         for pod in ctx.pods:
             found = kubepods_root(PurePosixPath(pod.cgroup_dir.strip("/"))) if pod.cgroup_dir else None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import PurePosixPath
 from typing import Any, Final
 
@@ -41,7 +42,7 @@ from metrics.analysis.interference import CPU, MEMORY, Level, Verdict, confirmed
 from metrics.model import PodView
 from metrics.qos.plan import Action, Evict, Plan, Priority, SetCgroup
 from metrics.qos.strategy import Input, RoundContext, RoundInputs, Strategy, StrategyInit
-from metrics.qos.suppress import BEState, CPULike, SuppressConfig, SuppressStrategy, read_be_state
+from metrics.qos.suppress import BEState, CPULike, SuppressConfig, SuppressStrategy, read_be_children, read_be_state
 from metrics.qos.tierquota import ChildClamps
 from runtimeproxy.config.configvalues import parse_duration, reject_unknown
 from runtimeproxy.hookapi import HookConfigError
@@ -99,7 +100,10 @@ class Interference(Strategy):
         self.last_evict = float("-inf")
         self.verdict_input: Input[Verdicts | None] = Input("interference_verdicts", self._read, _verdict_summary)
         # Same name as cpu-suppress's input: read once per round when both are listed.
-        self.state_input: Input[BEState] = Input("be_state", self._read_state, _state_summary)
+        # The tier's knobs only, under cpu-suppress's input name (read once a round when both
+        # are listed); the hundreds of quotas under the tier are read while planning, and
+        # only in a round that writes (capping or releasing): most rounds have no verdict.
+        self.state_input: Input[BEState] = Input("be_tier", self._read_state, _state_summary)
         self.idle_input: Input[int | None] = Input("be_tier_cpu_idle", self._read_idle, lambda v: v)
         self.reads = (self.verdict_input, self.state_input, self.idle_input)
 
@@ -107,7 +111,10 @@ class Interference(Strategy):
         return self._verdicts()
 
     def _read_state(self, ctx: RoundContext) -> BEState:
-        return read_be_state(ctx.executor, self.cfg, ctx.pods)
+        return read_be_state(ctx.executor, self.cfg, ctx.pods, children=False)
+
+    def _with_children(self, state: BEState, inputs: RoundInputs) -> BEState:
+        return replace(state, children=read_be_children(inputs.ctx.executor, self.cfg, inputs.pods))
 
     def _read_idle(self, ctx: RoundContext) -> int | None:
         """The BE tier's cpu.idle; None without one (kernels before 5.15) or unreadable."""
@@ -127,6 +134,8 @@ class Interference(Strategy):
         actions: list[Action] = []
         reasons: list[str] = []
         state, idle = inputs[self.state_input], inputs[self.idle_input]
+        if cpu or self.capping:
+            state = self._with_children(state, inputs)
         if cpu:
             self.last_confirmed = inputs.now
             actions += self._cap(state, cpu, reasons, info, inputs.pods) + self._idle(idle, cpu, info)

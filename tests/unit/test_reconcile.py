@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ from runtimeproxy.hookapi import (
     Stage,
     frozen_map,
 )
-from runtimeproxy.state.reconcile import Reconciler
+from runtimeproxy.state.reconcile import VERIFY_PASSES, Reconciler
 from runtimeproxy.state.store import Store
 
 SKIP = "runtimeproxy.koordinator.sh/skip-hookserver"
@@ -47,6 +48,17 @@ class FileKeeper:
             return None
         path.write_text(want)
         return ContainerPatch(writes=(HostWrite(str(path), have, want, "keep shares"),))
+
+
+class CountingKeeper(FileKeeper):
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.containers_done = 0
+
+    def reconcile_container(self, ctx: ContainerContext) -> ContainerPatch | None:
+        patch = super().reconcile_container(ctx)
+        self.containers_done += 1
+        return patch
 
 
 class Broken:
@@ -170,3 +182,103 @@ async def test_torn_down_objects_are_left_alone(tmp_path: Path) -> None:
     assert written == ["c-running", "c-web"]
     assert sorted(keeper.pods_seen) == ["created", "exited", "running", "web"]
     assert (result.pods, result.containers) == (4, 2)
+
+
+# --- issue 29: objects found in place are left out of the periodic passes for a while -------
+
+INTERVAL = 10.0
+
+
+def _timed(store: Store, *hooks: BoundHook) -> tuple[Reconciler, list[float]]:
+    chain = HookChain(hooks)
+    now = [1000.0]
+    rec = Reconciler(store=store, chain=lambda: chain, skipped=lambda pod: pod.labels.get(SKIP) == "true",
+                     interval=lambda: INTERVAL, clock=lambda: now[0])
+    return rec, now
+
+
+async def _periodic(rec: Reconciler, now: list[float]) -> Any:
+    now[0] += INTERVAL
+    return await rec.run_once(full=False)
+
+
+@pytest.mark.asyncio
+async def test_drift_on_an_object_found_in_place_is_put_back_within_the_bound(tmp_path: Path) -> None:
+    store = _store()
+    rec, now = _timed(store, _bound("keeper", FileKeeper(tmp_path)))
+    await rec.run_once()  # writes c-web
+    found = await _periodic(rec, now)
+    assert (found.containers, found.writes) == (1, 0)  # found in place: verified from here
+    (tmp_path / "c-web").write_text("2")  # changed behind our back
+    for _ in range(VERIFY_PASSES - 1):
+        left_out = await _periodic(rec, now)
+        assert (left_out.containers, left_out.writes) == (0, 0) and left_out.skipped >= 1
+    assert (tmp_path / "c-web").read_text() == "2"
+    repaired = await _periodic(rec, now)  # VERIFY_PASSES intervals after it was found in place
+    assert (repaired.containers, repaired.writes) == (1, 1)
+    assert (tmp_path / "c-web").read_text() == "512"
+
+
+@pytest.mark.asyncio
+async def test_a_changed_desired_value_is_written_at_the_next_pass(tmp_path: Path) -> None:
+    store = _store()
+    rec, now = _timed(store, _bound("keeper", FileKeeper(tmp_path)))
+    await rec.run_once()
+    await _periodic(rec, now)
+    assert (await _periodic(rec, now)).containers == 0  # verified: left out
+    store.update_container_resources("c-web", Resources(cpu_shares=1024))  # e.g. UpdateContainerResources
+    result = await _periodic(rec, now)
+    assert result.writes == 1 and (tmp_path / "c-web").read_text() == "1024"
+
+
+@pytest.mark.asyncio
+async def test_a_new_chain_or_a_trigger_makes_the_next_pass_visit_everything(tmp_path: Path) -> None:
+    store = _store()
+    first = HookChain([_bound("keeper", FileKeeper(tmp_path))])
+    chain = [first]
+    now = [1000.0]
+    rec = Reconciler(store=store, chain=lambda: chain[0], skipped=lambda pod: pod.labels.get(SKIP) == "true",
+                     interval=lambda: INTERVAL, clock=lambda: now[0])
+    await rec.run_once()
+    now[0] += INTERVAL
+    await rec.run_once(full=False)
+    (tmp_path / "c-web").write_text("2")
+    now[0] += INTERVAL
+    assert (await rec.run_once(full=False)).containers == 0
+    chain[0] = HookChain([_bound("keeper", FileKeeper(tmp_path))])  # a reload: rules may differ
+    now[0] += INTERVAL
+    assert (await rec.run_once(full=False)).writes == 1
+    assert (tmp_path / "c-web").read_text() == "512"
+
+
+@pytest.mark.asyncio
+async def test_trigger_makes_the_periodic_loop_visit_everything(tmp_path: Path) -> None:
+    store = _store()
+    keeper = CountingKeeper(tmp_path)
+    rec = _reconciler(store, _bound("keeper", keeper), interval=3600)
+    task = asyncio.create_task(rec.run_forever())
+    try:
+        async with asyncio.timeout(5):
+            while keeper.containers_done < 1:  # the first pass (it writes c-web)
+                await asyncio.sleep(0.01)
+            rec.trigger()
+            while keeper.containers_done < 2:  # a second one finds c-web in place
+                await asyncio.sleep(0.01)
+            (tmp_path / "c-web").write_text("3")
+            rec.trigger()  # e.g. a task's reconcile_now: the verified c-web is visited too
+            while (tmp_path / "c-web").read_text() != "512":
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.asyncio
+async def test_an_object_whose_hook_failed_under_ignore_is_visited_again(tmp_path: Path) -> None:
+    store = _store("api")
+    rec, now = _timed(store, _bound("broken", Broken(), FailurePolicy.IGNORE), _bound("keeper", FileKeeper(tmp_path)))
+    await rec.run_once()
+    await _periodic(rec, now)  # c-api found in place; c-web's broken hook failed (ignored)
+    again = await _periodic(rec, now)
+    assert again.containers == 1 and again.failures == 0  # c-web only: its stage did not all take

@@ -230,3 +230,23 @@ async def test_tiers_come_from_the_configured_root_never_kubepods_at_the_hierarc
     assert env.read("custom/kubepods/besteffort", "blkio.throttle.read_bps_device") == "253:16 4096"
     assert {p: p.read_text() for p in (env.base / "kubepods").rglob("*") if p.is_file()} == decoy
     assert set(env.explain()["plan"]["inputs"]["tiers"]) == {"custom/kubepods/besteffort", "custom/kubepods/burstable"}
+
+
+@pytest.mark.asyncio
+async def test_while_off_a_round_reads_no_tier_and_turning_it_on_writes_in_the_next(
+        envs: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: a disabled strategy costs nothing (after the one-time support probe)."""
+    from metrics.qos.blkio import BlkioTiers
+
+    probed: list[object] = []
+    exists = BlkioTiers._exists
+    monkeypatch.setattr(BlkioTiers, "_exists", staticmethod(lambda *a: probed.append(a[1]) or exists(*a)))
+    env = envs(version=2, weight="io.weight")
+    await env.manager.run_once()  # detects support
+    probed.clear()
+    await env.manager.run_once()
+    assert probed == []
+    env.rules = parse_rules(blocks("lsClass", readIOPS=500))
+    await env.manager.run_once()
+    assert env.read("kubepods/burstable", "io.max") == "253:16 rbps=max wbps=max riops=500 wiops=max"
+    assert probed

@@ -313,3 +313,22 @@ def test_be_idle_must_be_a_bool() -> None:
                         executor=CgroupExecutor(CgroupLayout(Path("/nonexistent"), version=1)))
     with pytest.raises(HookConfigError, match=r"strategies\[4\]\.args\.be_idle"):
         interference(init)
+
+
+@pytest.mark.asyncio
+async def test_the_quotas_under_the_tier_are_read_only_in_rounds_that_cap_or_release(
+        envs: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: hundreds of files at 110 pods; most rounds have no verdict and write nothing."""
+    from metrics.qos import suppress
+
+    reads: list[int] = []
+    inner = suppress.read_children
+    monkeypatch.setattr(suppress, "read_children", lambda *a: reads.append(1) or inner(*a))
+    env = envs(args={"be_cpus": 0})
+    await env.round()  # suppress moves the tier from unlimited (it reads the children for that)
+    suppressed, reads[:] = env.quota(), []
+    await env.round()
+    assert env.quota() == suppressed and reads == []  # no verdict, the tier kept: its knobs only
+    env.verdicts = verdicts(cpu=Level.CONFIRMED)
+    await env.round()
+    assert env.quota() == "50000" and reads  # the cap clamps the children above it first (v1)
