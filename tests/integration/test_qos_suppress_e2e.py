@@ -74,7 +74,15 @@ def test_ls_load_shrinks_be_quota_and_release_restores_it(proxy: Any, pods: Any,
 
     # LS idle: BE may use 90 % of the 2 CPUs minus what the system (here: the test run
     # itself, containerd, other tests' leftovers) uses.
-    _wait_for("a wide BE quota", lambda: _quota(cgroup_prefix) >= 40_000, timeout=30)
+    # On a host whose own (non-pod) work fills the CPUs the formula rightly keeps BE at the
+    # floor (systemUsed), so say so: that failure is the host's, not the LS load's.
+    try:
+        _wait_for("a wide BE quota", lambda: _quota(cgroup_prefix) >= 40_000, timeout=30)
+    except AssertionError as exc:
+        qos = _explain(proxy)["tasks"].get("qos") or {}
+        plan: dict[str, Any] = next((v for k, v in qos.get("strategies", {}).items() if "suppress" in k), {})
+        raise AssertionError(f"{exc}: LS idle, yet BE quota {_quota(cgroup_prefix)}; formula inputs "
+                             f"{json.dumps(plan.get('plan', {}).get('inputs'), default=str)[:1500]}") from None
     time.sleep(2)  # let it settle (growth is capped at 10 % of capacity a round)
     wide = _quota(cgroup_prefix)
 
