@@ -12,7 +12,9 @@ from the host: the real proxy process in front of the fixture containerd.
   and the re-sync must not run them a second time).
 
 ``KRP_LEVEL_PODS`` sets how many pods the kill -9 test removes (default below: pods with
-no containers, created and removed in parallel; see docs/benchmarks.md for the timing).
+no containers, created and removed in parallel; see docs/benchmarks.md for the timing);
+``KRP_LEVEL_CONTAINERS=1`` gives each a running container, so each pod is 4 Stop/Remove
+calls (``KRP_LEVEL_PODS=750``: issue 26's 3,000 calls with 750 shims, not 1,500).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import pytest
 from criapi import cri_v1_pb2 as cri
 
 PODS: Final = int(os.environ.get("KRP_LEVEL_PODS", "500"))
+WITH_CONTAINERS: Final = os.environ.get("KRP_LEVEL_CONTAINERS", "0") == "1"
 WORKERS: Final = 8
 RESYNC: Final = 1.0
 
@@ -145,20 +148,33 @@ def _explain_status(proxy: Any, name: str) -> int:
         return int(exc.code)
 
 
-def _remove_directly(direct: Any, sid: str) -> None:
+def _remove_directly(direct: Any, sid: str, cid: str | None = None) -> None:
+    if cid is not None:
+        direct.StopContainer(cri.StopContainerRequest(container_id=cid, timeout=0), timeout=60)
+        direct.RemoveContainer(cri.RemoveContainerRequest(container_id=cid), timeout=60)
     direct.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sid), timeout=60)
     direct.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sid), timeout=60)
 
 
-def _removed_stages(uid: str, sid: str) -> set[tuple[str, str, str]]:
-    return {("PostStopPodSandbox", uid, sid), ("PostRemovePodSandbox", uid, sid)}
+def _removed_stages(uid: str, sid: str, cid: str | None = None) -> set[tuple[str, str, str]]:
+    own = {("PostStopContainer", uid, cid), ("PostRemoveContainer", uid, cid)} if cid is not None else set()
+    return {("PostStopPodSandbox", uid, sid), ("PostRemovePodSandbox", uid, sid), *own}
+
+
+def _run_pod(rt: Any, pods: Any, config: Any) -> tuple[str, str | None]:
+    sid = pods.run(rt, config)
+    if not WITH_CONTAINERS:
+        return sid, None
+    cid = pods.create(rt, sid, config, pods.container("app", command=["sleep", "3600"]))
+    pods.start(rt, cid)
+    return sid, cid
 
 
 def test_pods_removed_while_the_proxy_was_killed_get_their_post_stages_once_at_start(
     proxy_factory: Any, level: dict[str, Any], pods: Any, direct_runtime: Any
 ) -> None:
-    """kill -9, then PODS pods (no containers) stopped and removed straight at containerd,
-    plus one pod with a container: at the next start each gets PostStop and PostRemove
+    """kill -9, then PODS pods (no containers unless KRP_LEVEL_CONTAINERS=1) stopped and
+    removed straight at containerd, plus one pod with a container: at the next start each gets PostStop and PostRemove
     exactly once, its resctrl group is gone, explain and containerd agree; a second
     restart (after a kill -9 again) runs none of them again."""
     proxy = _start(proxy_factory, level)
@@ -166,7 +182,7 @@ def test_pods_removed_while_the_proxy_was_killed_get_their_post_stages_once_at_s
     configs = [pods.sandbox(f"lv-{i}") for i in range(PODS)]
     begin = time.monotonic()
     with ThreadPoolExecutor(WORKERS) as pool:
-        sids = list(pool.map(lambda c: pods.run(rt, c), configs))
+        made = list(pool.map(lambda c: _run_pod(rt, pods, c), configs))
     created = time.monotonic() - begin
     uids = [c.metadata.uid for c in configs]
     big = pods.sandbox("lv-big")
@@ -182,7 +198,7 @@ def test_pods_removed_while_the_proxy_was_killed_get_their_post_stages_once_at_s
     assert proxy.wait_exit() == -9
     begin = time.monotonic()
     with ThreadPoolExecutor(WORKERS) as pool:
-        list(pool.map(lambda s: _remove_directly(direct_runtime, s), sids))
+        list(pool.map(lambda m: _remove_directly(direct_runtime, *m), made))
     direct_runtime.StopContainer(cri.StopContainerRequest(container_id=big_cid, timeout=0), timeout=30)
     direct_runtime.RemoveContainer(cri.RemoveContainerRequest(container_id=big_cid), timeout=30)
     _remove_directly(direct_runtime, big_sid)
@@ -192,8 +208,8 @@ def test_pods_removed_while_the_proxy_was_killed_get_their_post_stages_once_at_s
     begin = time.monotonic()
     proxy = _start(proxy_factory, level)
     rebuilt = proxy.wait_event("store_rebuilt", timeout=60)
-    assert rebuilt["owed_post_stages"] == 2 * PODS + 4
-    want = set().union(*(_removed_stages(u, s) for u, s in zip(uids, sids, strict=True)),
+    assert rebuilt["owed_post_stages"] == (4 if WITH_CONTAINERS else 2) * PODS + 4
+    want = set().union(*(_removed_stages(u, *m) for u, m in zip(uids, made, strict=True)),
                        _removed_stages(big.metadata.uid, big_sid),
                        {("PostStopContainer", big.metadata.uid, big_cid),
                         ("PostRemoveContainer", big.metadata.uid, big_cid)})
@@ -208,10 +224,12 @@ def test_pods_removed_while_the_proxy_was_killed_get_their_post_stages_once_at_s
     listed = direct_runtime.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=30).items
     assert _store_pods(proxy) == len(listed)
     assert _explain_status(proxy, "lv-0") == 404 and _explain_status(proxy, "lv-big") == 404
-    print(f"\n{PODS} pods: created through the proxy in {created:.1f}s, removed at containerd in {removed:.1f}s, "
+    calls = (4 if WITH_CONTAINERS else 2) * PODS + 4
+    print(f"\n{PODS} pods ({calls} Stop/Remove calls): created through the proxy in {created:.1f}s, "
+          f"removed at containerd in {removed:.1f}s, "
           f"all Post stages ran {settled:.1f}s after the start")
 
-    gone = {*sids, big_sid, big_cid}
+    gone = {*(i for m in made for i in m if i is not None), big_sid, big_cid}
     _wait(lambda: not gone & set(json.loads(ledger.read_text())["objects"]), "every done mark on disk", 10)
     proxy.send(signal.SIGKILL)
     assert proxy.wait_exit() == -9
