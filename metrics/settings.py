@@ -145,7 +145,7 @@ def parse_metrics(raw: Mapping[str, Any], key_path: str) -> MetricsSettings:
 
 # --- validate entry points -----------------------------------------------------------
 # The core calls a task factory's optional ``validate(init)`` (attached in agent.py and
-# qostask.py) from ``plugins.validate_tasks``: one check of ``tasks:`` that ``run``,
+# qos/task.py) from ``plugins.validate_tasks``: one check of ``tasks:`` that ``run``,
 # ``check-config`` and reload share, without building anything. The metrics task's
 # validator provides its settings (``init.provide``); the tasks that need it (their
 # ``needs``) read them in ``init.needed``, so cross-task rules (kube for
