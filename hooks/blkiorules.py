@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from runtimeproxy.config.configvalues import reject_unknown
+from runtimeproxy.config.configvalues import boolean, choice, reject_unknown
 from runtimeproxy.hookapi import HookConfigError
 
 BLOCK_TYPES: Final = ("device", "volumegroup", "podvolume")
@@ -88,17 +88,13 @@ def _io(raw: object, path: str) -> IOCfg:
         return IOCfg()
     if not isinstance(raw, Mapping):
         raise HookConfigError(path, raw, "expected a mapping")
+    reject_unknown(raw, {"enableUserModel", *_IO_INTS}, f"{path}.")
     values: dict[str, Any] = {}
     for key, value in raw.items():
         where = f"{path}.{key}"
         if key == "enableUserModel":
-            if not isinstance(value, bool):
-                raise HookConfigError(where, value, "expected true or false")
-            values["enable_user_model"] = value
+            values["enable_user_model"] = boolean(value, where)
             continue
-        if key not in _IO_INTS:
-            known = ", ".join(["enableUserModel", *_IO_INTS])
-            raise HookConfigError(where, value, f"unknown key (known: {known})")
         attr, low, high = _IO_INTS[key]
         if isinstance(value, bool) or not isinstance(value, int):
             raise HookConfigError(where, value, f"expected an integer in [{low}, {high}]")
@@ -115,10 +111,8 @@ def _block(raw: object, path: str) -> BlkioBlock:
     name = raw.get("name")
     if not isinstance(name, str) or not name.strip():
         raise HookConfigError(f"{path}.name", name, "expected a non-empty string")
-    kind = raw.get("type", "device")
-    if kind not in BLOCK_TYPES:
-        raise HookConfigError(f"{path}.type", kind, f"must be one of {', '.join(BLOCK_TYPES)}")
-    return BlkioBlock(name.strip(), str(kind), _io(raw.get("ioCfg"), f"{path}.ioCfg"))
+    kind = choice(*BLOCK_TYPES)(raw.get("type", "device"), f"{path}.type")
+    return BlkioBlock(name.strip(), kind, _io(raw.get("ioCfg"), f"{path}.ioCfg"))
 
 
 def parse_blkio_qos(raw: object, path: str, current: BlkioQOS) -> BlkioQOS:
@@ -128,12 +122,11 @@ def parse_blkio_qos(raw: object, path: str, current: BlkioQOS) -> BlkioQOS:
         return current
     if not isinstance(raw, Mapping):
         raise HookConfigError(path, raw, "expected a mapping")
+    reject_unknown(raw, {"enable", "blocks"}, f"{path}.")
     enable, blocks = current.enable, current.blocks
     for key, value in raw.items():
         if key == "enable":
-            if not isinstance(value, bool):
-                raise HookConfigError(f"{path}.enable", value, "expected true or false")
-            enable = value
+            enable = boolean(value, f"{path}.enable")
         elif key == "blocks":
             if value is None:
                 blocks = ()
@@ -141,6 +134,4 @@ def parse_blkio_qos(raw: object, path: str, current: BlkioQOS) -> BlkioQOS:
             if not isinstance(value, list):
                 raise HookConfigError(f"{path}.blocks", value, "expected a list")
             blocks = tuple(_block(item, f"{path}.blocks[{i}]") for i, item in enumerate(value))
-        else:
-            raise HookConfigError(f"{path}.{key}", value, "unknown key (known: enable, blocks)")
     return BlkioQOS(enable, blocks)

@@ -80,7 +80,7 @@ from hooks.executor import CgroupExecutor, Update
 from hooks.hookargs import cgroup_args, host_writes, open_executor
 from hooks.qos import QoSClass, pod_name
 from hooks.rules import LiveRules, Rules
-from runtimeproxy.config.configvalues import reject_unknown
+from runtimeproxy.config.configvalues import boolean, reject_unknown
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
@@ -137,10 +137,7 @@ class CPUSet:
         path = init.key_path
         reject_unknown(args, _ARGS, f"{path}.")
         self.sys_root: Path = init.host.sys
-        unset = args.get("unset_cpu_quota", True)
-        if not isinstance(unset, bool):
-            raise HookConfigError(f"{path}.unset_cpu_quota", unset, "expected true or false")
-        self.unset_cpu_quota = unset
+        self.unset_cpu_quota = boolean(args.get("unset_cpu_quota", True), f"{path}.unset_cpu_quota")
         self.dry_run = dry_run_arg(init, args)
         self._ledger = DryRunLedger("cpuset")
         self.ls_pool = self._cpu_arg(init, args, "ls_pool", allow_empty=False)

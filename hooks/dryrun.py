@@ -26,7 +26,8 @@ import structlog
 
 from hooks.cgroups import comparable
 from hooks.executor import CgroupExecutor, Update
-from runtimeproxy.hookapi import HookConfigError, HookInit, HostWrite
+from runtimeproxy.config.configvalues import boolean
+from runtimeproxy.hookapi import HookInit, HostWrite
 
 DRY_RUN_SUFFIX: Final = " (dry-run, not written)"
 REASON_PREFIX: Final = "dry-run: "
@@ -35,10 +36,7 @@ log = structlog.get_logger("hooks.dryrun")
 
 
 def dry_run_arg(init: HookInit, args: Mapping[str, Any]) -> bool:
-    value = args.get("dry_run", False)
-    if not isinstance(value, bool):
-        raise HookConfigError(f"{init.key_path}.dry_run", value, "expected true or false")
-    return value
+    return boolean(args.get("dry_run", False), f"{init.key_path}.dry_run")
 
 
 def patch_reason(reason: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from runtimeproxy.config.configvalues import reject_unknown
 from runtimeproxy.hookapi import (
     ContainerContext,
     ContainerPatch,
@@ -37,9 +38,7 @@ class ExampleCpuShares:
     """Stages: PreCreateContainer and PreUpdateContainerResources."""
 
     def __init__(self, init: HookInit) -> None:
-        unknown = set(init.args) - {"cpu_shares"}
-        if unknown:
-            raise HookConfigError(f"{init.key_path}.{sorted(unknown)[0]}", sorted(unknown), "unknown key")
+        reject_unknown(init.args, {"cpu_shares"}, f"{init.key_path}.")
         try:
             self.default = _shares(init.args.get("cpu_shares", 1024), "cpu_shares")
         except ValueError as exc:

@@ -79,7 +79,7 @@ from hooks.hookargs import (
 from hooks.idleweight import derived_weight
 from hooks.qos import QoSClass, pod_name
 from hooks.rules import LiveRules, Rules
-from runtimeproxy.config.configvalues import reject_unknown
+from runtimeproxy.config.configvalues import boolean, reject_unknown
 from runtimeproxy.hookapi import HookConfigError, HookError, HookInit, HostWrite, PodContext, PodInfo, PodPatch
 
 CPU_QOS_ANNOTATION: Final = "koordinator.sh/cpuQOS"
@@ -133,10 +133,7 @@ class GroupIdentity:
     def __init__(self, init: HookInit) -> None:
         args: dict[str, Any] = dict(init.args)
         reject_unknown(args, _ARGS, f"{init.key_path}.")
-        fallback = args.get("idle_fallback", True)
-        if not isinstance(fallback, bool):
-            raise HookConfigError(f"{init.key_path}.idle_fallback", fallback, "expected true or false")
-        self.idle_fallback = fallback
+        self.idle_fallback = boolean(args.get("idle_fallback", True), f"{init.key_path}.idle_fallback")
         self.dry_run = dry_run_arg(init, args)
         self._ledger = DryRunLedger("group-identity")
         driver, version = cgroup_args(init, args)

@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from runtimeproxy.config import configvalues
+from runtimeproxy.config.configvalues import reject_unknown
 from runtimeproxy.hookapi import HookConfigError
 
 T = TypeVar("T")
@@ -19,9 +21,7 @@ Parser = Callable[[object, str, Any], Any]  # (raw value, rules.<path>, current 
 
 
 def boolean(raw: object, path: str, _current: Any) -> bool:
-    if not isinstance(raw, bool):
-        raise HookConfigError(path, raw, "expected true or false")
-    return raw
+    return configvalues.boolean(raw, path)
 
 
 def int_range(low: int, high: int) -> Parser:
@@ -36,11 +36,10 @@ def int_range(low: int, high: int) -> Parser:
 
 
 def choice(*allowed: str) -> Parser:
+    one_of = configvalues.choice(*allowed)
+
     def parse(raw: object, path: str, _current: Any) -> str:
-        if raw not in allowed:
-            raise HookConfigError(path, raw, f"must be one of {', '.join(allowed)}")
-        assert isinstance(raw, str)
-        return raw
+        return str(one_of(raw, path))
 
     return parse
 
@@ -66,10 +65,9 @@ def section(cls: type[T], spec: Mapping[str, tuple[str, Parser]]) -> Keyed:
             return current  # type: ignore[no-any-return]
         if not isinstance(raw, Mapping):
             raise HookConfigError(path, raw, "expected a mapping")
+        reject_unknown(raw, set(spec), f"{path}.")
         changes: dict[str, Any] = {}
         for key, value in raw.items():
-            if key not in spec:
-                raise HookConfigError(f"{path}.{key}", value, f"unknown key (known: {', '.join(spec)})")
             attr, parser = spec[key]
             changes[attr] = parser(value, f"{path}.{key}", getattr(current, attr))
         return dataclasses.replace(current, **changes)  # type: ignore[no-any-return]

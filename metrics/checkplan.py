@@ -41,9 +41,10 @@ from metrics.collect.registry import (
 from metrics.collect.topology import TopologyCollector
 from metrics.qos.evict import EvictConfig
 from metrics.qos.manager import ManagerConfig
+from metrics.qos.settings import parse_qos
 from metrics.qos.strategy import StrategyInit, load_strategies
 from metrics.qos.suppress import SuppressConfig
-from metrics.settings import MetricsSettings, parse_metrics, parse_qos, validated_metrics
+from metrics.settings import MetricsSettings, parse_metrics, validated_metrics
 from runtimeproxy.hookapi import HookConfigError, TaskInit
 
 #: Fields of a captured log line that say why (first present wins).

@@ -52,6 +52,7 @@ from metrics.model import (
     PodView,
     labels,
 )
+from runtimeproxy.config.configvalues import Section, boolean, parse_duration, string
 from runtimeproxy.ops.privatefiles import write_private
 
 log = structlog.get_logger("metrics.analysis.prediction")
@@ -90,6 +91,29 @@ class PredictionSettings:
     safety_margin_percent: int = 10
     #: Empty: next to the metrics db (``<db>.prediction.json``).
     checkpoint: str = ""
+
+
+def parse_prediction(raw: object, key_path: str) -> PredictionSettings:
+    """``tasks.metrics.prediction``, parsed next to the predictor it configures."""
+    args = Section.of(raw, key_path)
+    base = PredictionSettings()
+    args.reject_unknown(frozenset(PredictionSettings.__slots__))
+    margin = args.raw.get("safety_margin_percent", base.safety_margin_percent)
+    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= 100:
+        raise args.fail("safety_margin_percent", margin, "must be an integer from 0 to 100")
+    settings = PredictionSettings(
+        enabled=args.get("enabled", base.enabled, boolean),
+        training_interval=args.get("training_interval", base.training_interval, parse_duration),
+        checkpoint_interval=args.get("checkpoint_interval", base.checkpoint_interval, parse_duration),
+        model_ttl=args.get("model_ttl", base.model_ttl, parse_duration),
+        cold_start=args.get("cold_start", base.cold_start, parse_duration),
+        safety_margin_percent=margin,
+        checkpoint=args.get("checkpoint", base.checkpoint, string),
+    )
+    if settings.model_ttl <= settings.training_interval:
+        raise args.fail("model_ttl", args.raw.get("model_ttl", f"{settings.model_ttl:g}s (the default)"),
+                        f"must be longer than training_interval ({settings.training_interval:g}s)")
+    return settings
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from metrics.collect.base import Collector
-from runtimeproxy.config.configvalues import parse_duration, reject_unknown
+from runtimeproxy.config.configvalues import boolean, parse_duration, reject_unknown
 from runtimeproxy.hookapi import HookConfigError, HostRoots
 
 if TYPE_CHECKING:  # settings imports this module for CollectorSpec
@@ -136,8 +136,8 @@ def parse_collectors(raw: object, key_path: str, names: Iterable[str] | None = N
             raise HookConfigError(where, item, "must be a mapping {enabled, interval, args}")
         reject_unknown(item, _SPEC_KEYS, f"{where}.")
         enabled = item.get("enabled")
-        if enabled is not None and not isinstance(enabled, bool):
-            raise HookConfigError(f"{where}.enabled", enabled, "must be true or false")
+        if enabled is not None:
+            boolean(enabled, f"{where}.enabled")
         interval = item.get("interval")
         if interval is not None:
             interval = parse_duration(interval, f"{where}.interval")

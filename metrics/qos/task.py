@@ -30,10 +30,11 @@ from metrics.qos.evictevents import RecordingEvictor
 from metrics.qos.fastpath import FastPath, FastPathConfig
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.psitrigger import PsiTriggers
+from metrics.qos.settings import QoSSettings, parse_qos
 from metrics.qos.strategy import StrategyInit, VerdictSource, load_strategies
 from metrics.qos.suppress import SuppressConfig
 from metrics.report.events import WARNING, EventRecorder
-from metrics.settings import METRICS_TASK, QoSSettings, parse_qos, validate_qos
+from metrics.settings import METRICS_TASK, validate_qos
 from runtimeproxy.hookapi import HookConfigError, TaskInit
 
 if TYPE_CHECKING:  # the API client: imported only when configured

@@ -15,9 +15,20 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Final
 
+from runtimeproxy.config.configvalues import ConfigError, string
+
 #: The settings' default BE tier (cgroupfs names).
 DEFAULT_BESTEFFORT: Final = PurePosixPath("kubepods/besteffort")
 _ROOTS: Final = ("kubepods", "kubepods.slice")
+
+
+def besteffort_dir(value: object, key_path: str) -> str:
+    """The ``besteffort_dir`` setting (``tasks.metrics``, ``tasks.qos-manager``): a cgroup
+    path below the hierarchy's root, never above it."""
+    text = string(value, key_path).strip("/")
+    if not text or any(part in ("", ".", "..") for part in text.split("/")):
+        raise ConfigError(key_path, value, "must be a cgroup path below the root, without '.' or '..'")
+    return text
 
 
 def configured_root(besteffort_dir: PurePosixPath, driver: str) -> PurePosixPath:

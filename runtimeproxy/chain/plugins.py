@@ -23,6 +23,7 @@ import structlog
 from runtimeproxy.chain.hookchain import BoundHook, HookChain, HookObserver, HookPools, implemented_stages
 from runtimeproxy.chain.remote import REMOTE_STAGES, Registration, RemoteHook, load_registrations
 from runtimeproxy.chain.validate import PatchValidator
+from runtimeproxy.config.configvalues import boolean
 from runtimeproxy.config.filetrust import path_problem
 from runtimeproxy.config.settings import ConfigError, FailurePolicy, HookSettings, Settings
 from runtimeproxy.hookapi import HookInit, PodSnapshot, Stage, TaskInit
@@ -199,10 +200,7 @@ def _enabled_tasks(settings: Settings) -> list[tuple[str, str, dict[str, Any]]]:
         if raw is not None and not isinstance(raw, Mapping):
             raise ConfigError(key_path, raw, "must be a mapping of the task's settings")
         args = dict(raw or {})
-        enabled = args.pop("enabled", True)
-        if not isinstance(enabled, bool):
-            raise ConfigError(f"{key_path}.enabled", enabled, "must be true or false")
-        if enabled:
+        if boolean(args.pop("enabled", True), f"{key_path}.enabled"):
             out.append((name, key_path, args))
     return out
 

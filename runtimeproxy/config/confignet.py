@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Mapping
 from typing import Any, Final
 
-from runtimeproxy.config.configvalues import ConfigError, mapping, parse_duration, reject_unknown, string
+from runtimeproxy.config.configvalues import ConfigError, boolean, mapping, parse_duration, reject_unknown, string
 
 #: ``allow_insecure.<key>: true`` accepts one risk that is otherwise refused (exit 2 at
 #: start, a reload rejected); it is then warned about at every start.
@@ -61,10 +61,7 @@ def host_port(value: object, key_path: str) -> str:
 def allow_insecure(value: object) -> frozenset[str]:
     data = mapping(value, "allow_insecure")
     reject_unknown(data, INSECURE_OPT_INS, "allow_insecure.")
-    for key, flag in data.items():
-        if not isinstance(flag, bool):
-            raise ConfigError(f"allow_insecure.{key}", flag, "must be true or false")
-    return frozenset(k for k, flag in data.items() if flag)
+    return frozenset(k for k, flag in data.items() if boolean(flag, f"allow_insecure.{k}"))
 
 
 def _is_loopback(host_port: str) -> bool:

@@ -1,18 +1,23 @@
 """The config-value toolkit: the parsers every settings section shares (durations,
-mappings, strings, integers, unknown keys), used by the core's settings, the hooks'
-``args`` (``hooks.hookargs``) and the tasks' settings (``metrics.settings``,
-``metrics.collect.registry``...). Every error is the one ``ConfigError``
-(``runtimeproxy.errors``), re-exported here and by ``runtimeproxy.config.settings``.
+mappings, strings, integers, booleans, choices, paths, unknown keys) and ``Section``, a
+mapping read key by key with them. Used by the core's settings, the hooks' ``args``
+(``hooks.hookargs``, ``hooks.rulesparse``) and the tasks' settings (each metrics
+subpackage's ``settings`` module, composed by ``metrics.settings``). Every error is the
+one ``ConfigError`` (``runtimeproxy.errors``), re-exported here and by
+``runtimeproxy.config.settings``.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
-from typing import Any, Final
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Final, TypeVar
 
 from runtimeproxy.errors import ConfigError as ConfigError
+
+T = TypeVar("T")
 
 DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
@@ -65,6 +70,65 @@ def positive_int(value: object, key_path: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(key_path, value, f"must be an integer >= {minimum}")
     return value
+
+
+def boolean(value: object, key_path: str) -> bool:
+    if not isinstance(value, bool):  # YAML's "yes" is a string here: refused, not truthy
+        raise ConfigError(key_path, value, "must be true or false")
+    return value
+
+
+def choice(*allowed: str) -> Callable[[object, str], Any]:
+    """A parser of one of ``allowed`` (Any: the caller's field is a Literal of exactly these)."""
+
+    def parse(value: object, key_path: str) -> Any:
+        if value not in allowed:
+            raise ConfigError(key_path, value, f"must be one of {', '.join(allowed)}")
+        return str(value)
+
+    return parse
+
+
+def absolute_path(value: object, key_path: str) -> Path:
+    text = string(value, key_path)
+    if not text.startswith("/") or "\0" in text:
+        raise ConfigError(key_path, value, "must be an absolute path")
+    return Path(text)
+
+
+class Section:
+    """One settings mapping (``tasks.metrics``, ``tasks.metrics.tiers``...) read key by key
+    with the parsers above; every error names ``<key_path>.<key>`` and the value."""
+
+    __slots__ = ("key_path", "raw")
+
+    def __init__(self, raw: Mapping[str, Any], key_path: str) -> None:
+        self.raw = raw
+        self.key_path = key_path
+
+    @classmethod
+    def of(cls, value: object, key_path: str) -> Section:
+        """``value`` checked to be a mapping (absent or null: empty)."""
+        return cls(mapping(value, key_path), key_path)
+
+    def path(self, key: str) -> str:
+        return f"{self.key_path}.{key}"
+
+    def fail(self, key: str, value: object, message: str) -> ConfigError:
+        return ConfigError(self.path(key), value, message)
+
+    def reject_unknown(self, known: frozenset[str] | set[str]) -> None:
+        reject_unknown(self.raw, known, f"{self.key_path}.")
+
+    def get(self, key: str, default: T, parse: Callable[[object, str], T]) -> T:
+        """``parse(value, key path)``, or ``default`` when the key is absent or null."""
+        if self.raw.get(key) is None:
+            return default
+        return parse(self.raw[key], self.path(key))
+
+    def section(self, key: str) -> Section:
+        """The nested mapping under ``key`` (absent or null: empty)."""
+        return Section.of(self.raw.get(key), self.path(key))
 
 
 def format_duration(seconds: object) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from runtimeproxy.config.confignet import check_unix_path
-from runtimeproxy.config.configvalues import ConfigError, mapping, parse_duration, reject_unknown, string
+from runtimeproxy.config.configvalues import ConfigError, choice, mapping, parse_duration, reject_unknown, string
 
 INGRESSES: Final = ("cri-proxy", "nri", "both")
 _NRI_KEYS: Final = frozenset({"socket", "plugin_name", "plugin_index", "request_timeout", "chain_deadline"})
@@ -36,9 +36,7 @@ class NriSettings:
 
 
 def ingress(value: object) -> str:
-    if value not in INGRESSES:
-        raise ConfigError("ingress", value, f"must be one of {', '.join(INGRESSES)}")
-    return str(value)
+    return str(choice(*INGRESSES)(value, "ingress"))
 
 
 def nri_settings(value: object) -> NriSettings:

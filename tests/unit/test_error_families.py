@@ -122,13 +122,18 @@ def test_one_annotation_error() -> None:
     assert hooks.resctrl.AnnotationError is hooks.annotations.AnnotationError
 
 
-@pytest.mark.parametrize("module", ["hooks.hookargs", "metrics.settings", "metrics.collect.registry",
-                                    "metrics.collect.advisor", "runtimeproxy.chain.checkplan"])
+@pytest.mark.parametrize("module", ["hooks.hookargs", "hooks.dryrun", "hooks.blkiorules", "hooks.example",
+                                    "metrics.settings", "metrics.store.settings", "metrics.informer.settings",
+                                    "metrics.collect.settings", "metrics.qos.settings", "metrics.analysis.prediction",
+                                    "metrics.collect.registry", "metrics.collect.advisor",
+                                    "runtimeproxy.chain.checkplan", "runtimeproxy.config.ingress"])
 def test_no_private_copy_of_the_value_helpers(module: str) -> None:
     mod = importlib.import_module(module)
-    for name in ("reject_unknown", "positive_duration", "_duration"):
+    toolkit = (configvalues.reject_unknown, configvalues.parse_duration, configvalues.boolean, configvalues.choice,
+               configvalues.absolute_path, configvalues.Section)
+    for name in ("reject_unknown", "positive_duration", "_duration", "boolean", "choice", "absolute_path", "_Args"):
         found = getattr(mod, name, None)
-        assert found is None or found in (configvalues.reject_unknown, configvalues.parse_duration), (module, name)
+        assert found is None or found in toolkit, (module, name)
 
 
 class TestRejectUnknown:

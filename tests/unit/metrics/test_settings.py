@@ -11,8 +11,11 @@ import yaml
 
 from metrics.analysis.interference_task import InterferenceSettings, parse_interference
 from metrics.collect.registry import installed as installed_collectors
+from metrics.collect.settings import Intervals
+from metrics.qos.settings import QoSSettings, parse_qos
 from metrics.qos.specs import default_specs, installed
-from metrics.settings import Intervals, MetricsSettings, QoSSettings, StoreTiers, parse_metrics, parse_qos
+from metrics.settings import MetricsSettings, parse_metrics
+from metrics.store.settings import StoreTiers
 from runtimeproxy.hookapi import HookConfigError
 
 SHIPPED = Path(__file__).resolve().parents[3] / "systemd" / "config.yaml"
