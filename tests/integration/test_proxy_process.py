@@ -42,7 +42,10 @@ def test_invalid_config_exits_2_naming_key_and_value(
 ) -> None:
     workdir = proxy_factory.mkdtemp()
     doc = {"listen": str(workdir / "proxy.sock"), "backend": {"runtime_endpoint": str(containerd.socket)},
-           "metrics": {"listen": "127.0.0.1:0"}, "hookserver_dir": "", **change}
+           "metrics": {"listen": "127.0.0.1:0"}, "hookserver_dir": "",
+           # A private state_dir: the default one may be locked by another proxy on the host,
+           # and the lock is taken before the hooks (whose errors some cases expect) are built.
+           "state_dir": str(workdir / "state"), **change}
     config = workdir / "config.yaml"
     config.write_text(yaml.safe_dump(doc))
     out = subprocess.run([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(config)],
