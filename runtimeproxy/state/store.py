@@ -229,6 +229,20 @@ async def _call(backend: Backend, method: str, request: Any, response_type: type
     return out
 
 
+async def _status(
+    backend: Backend, method: str, request: Any, response_type: type[Any], timeout: float, *,
+    event: str, **ids: str,
+) -> Any | None:
+    """A status call's reply, or ``None``: NOT_FOUND is the object gone (said by the caller's
+    result), any other failure is logged as ``event`` with the object's id."""
+    try:
+        return await _call(backend, method, request, response_type, timeout)
+    except CallError as exc:
+        if exc.code is not Code.NOT_FOUND:
+            log.warning(event, error=str(exc), **ids)
+        return None
+
+
 def _verbose_info(info: Mapping[str, str]) -> dict[str, Any]:
     try:
         data = json.loads(info.get("info", "{}"))
@@ -267,14 +281,11 @@ def _spec_resources(spec: Mapping[str, Any]) -> Resources:
 
 async def load_pod(backend: Backend, sandbox_id: str, *, timeout: float = 5.0) -> PodInfo | None:
     """One sandbox from PodSandboxStatus(verbose)."""
-    try:
-        resp = await _call(
-            backend, "PodSandboxStatus", cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True),
-            cri.PodSandboxStatusResponse, timeout,
-        )
-    except CallError as exc:
-        if exc.code is not Code.NOT_FOUND:
-            log.warning("store_load_pod_failed", sandbox_id=sandbox_id, error=str(exc))
+    resp = await _status(
+        backend, "PodSandboxStatus", cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True),
+        cri.PodSandboxStatusResponse, timeout, event="store_load_pod_failed", sandbox_id=sandbox_id,
+    )
+    if resp is None:
         return None
     info = _verbose_info(resp.info)
     cfg = cri.PodSandboxConfig()
@@ -292,14 +303,11 @@ async def load_pod(backend: Backend, sandbox_id: str, *, timeout: float = 5.0) -
 
 async def load_container(backend: Backend, container_id: str, *, timeout: float = 5.0) -> ContainerRecord | None:
     """One container from ContainerStatus(verbose)."""
-    try:
-        resp = await _call(
-            backend, "ContainerStatus", cri.ContainerStatusRequest(container_id=container_id, verbose=True),
-            cri.ContainerStatusResponse, timeout,
-        )
-    except CallError as exc:
-        if exc.code is not Code.NOT_FOUND:
-            log.warning("store_load_container_failed", container_id=container_id, error=str(exc))
+    resp = await _status(
+        backend, "ContainerStatus", cri.ContainerStatusRequest(container_id=container_id, verbose=True),
+        cri.ContainerStatusResponse, timeout, event="store_load_container_failed", container_id=container_id,
+    )
+    if resp is None:
         return None
     info = _verbose_info(resp.info)
     cfg = cri.ContainerConfig()
