@@ -154,10 +154,11 @@ class TSDBReads:
         are approximated (``metrics.store.tsdbrollup``)."""
         return r.combine(*self._window(metric, labels, start, end))
 
-    def aggregate_all(self, metric: str, start: float, end: float) -> Mapping[Labels, Aggregate]:
-        """Every series of ``metric`` with flushed samples in ``[start, end]`` (and
-        unflushed ones while degraded)."""
-        lo, hi = q.to_ms(start), q.to_ms(end)
+    def _window_all(
+        self, metric: str, lo: int, hi: int
+    ) -> tuple[dict[str, Columns], dict[str, list[r.Bucket]]]:
+        """Every series of ``metric`` in ``[lo, hi]`` ms, by label text: raw samples (the
+        unflushed ones added while degraded) and the buckets of the older tiers."""
 
         def read() -> tuple[dict[str, Columns], dict[str, list[r.Bucket]]]:
             with self._snapshot() as conn:
@@ -169,6 +170,12 @@ class TSDBReads:
         if pending:
             for text, extra in d.pending_of_metric(pending, metric, lo, hi).items():
                 raw.setdefault(text, Columns()).extend(extra)
+        return raw, buckets
+
+    def aggregate_all(self, metric: str, start: float, end: float) -> Mapping[Labels, Aggregate]:
+        """Every series of ``metric`` with flushed samples in ``[start, end]`` (and
+        unflushed ones while degraded)."""
+        raw, buckets = self._window_all(metric, q.to_ms(start), q.to_ms(end))
         return r.combine_all(raw, buckets)
 
     def aggregate_many(self, series: Iterable[tuple[str, Labels]], start: float, end: float
@@ -278,18 +285,7 @@ class TSDBReads:
         """``metrics.model.NewestView``: by label ``key``, the mean of every series of
         ``metric`` over ``[start, end]`` (as ``aggregate_all``'s ``avg``), without the
         percentiles and label decoding ``aggregate_all`` does for every series."""
-        lo, hi = q.to_ms(start), q.to_ms(end)
-
-        def read() -> tuple[dict[str, Columns], dict[str, list[r.Bucket]]]:
-            with self._snapshot() as conn:
-                return f.raw_window_all(conn, metric, lo, hi), r.buckets_window_all(conn, metric, lo, hi)
-
-        nothing: tuple[dict[str, Columns], dict[str, list[r.Bucket]]] = ({}, {})
-        raw, buckets = self._from_file(read, nothing)
-        pending = self._pending()
-        if pending:
-            for text, extra in d.pending_of_metric(pending, metric, lo, hi).items():
-                raw.setdefault(text, Columns()).extend(extra)
+        raw, buckets = self._window_all(metric, q.to_ms(start), q.to_ms(end))
         names = self._key_labels
         out: dict[str, float] = {}
         for text in raw.keys() | buckets.keys():

@@ -236,9 +236,12 @@ async def test_the_agent_stores_an_advisors_samples_and_explains_it(server: str,
     assert isinstance(agent, MetricsAgent)
     task = asyncio.create_task(run())
     try:
-        for _ in range(300):
+        # Waits on the store and the advisor's state; the bound only ends a hung run (a busy
+        # host may take seconds to run the first scrapes at 100 ms).
+        deadline = time.monotonic() + 60
+        while True:
             last = agent.tsdb.last("node_load1", m.labels(advisor="node-exporter"), max_age=60, now=time.time())
-            if last is not None and agent.advisors[1].state != "pending":
+            if (last is not None and agent.advisors[1].state != "pending") or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.02)
         assert last is not None and last.value == 0.7
