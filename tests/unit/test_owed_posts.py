@@ -392,10 +392,14 @@ async def test_thousands_of_owed_stages_at_once_all_run_once_within_the_hooks_ti
     hook's budget must run from when the hook is handed its work, not from when the burst was
     queued (the hand run of issue 26 lost most of them: queued past their 1 s budget, they were
     reported timed out and marked done without ever running)."""
-    ctrd, rec, slow = Containerd(), Recorder(), Slow(0.002)
+    ctrd, rec, slow = Containerd(), Recorder(), Slow(0.005)
     node = Node(tmp_path, ctrd, rec)
-    chain = HookChain([BoundHook("rec", rec, implemented_stages(rec), FailurePolicy.IGNORE, 0.25),
-                       BoundHook("slow", slow, implemented_stages(slow), FailurePolicy.IGNORE, 0.25)])
+    # Budgets of 1 s (the default): the burst is ~4 s of hook work at 4 at a time, so budgets
+    # that ran from the queueing time most stages out (checked on the code before the fix),
+    # while one that runs from the hand-off leaves a 5 ms hook 200 x its time, enough on a
+    # host whose CPUs are burning (0.25 s budgets were not: one stage timed out there).
+    chain = HookChain([BoundHook("rec", rec, implemented_stages(rec), FailurePolicy.IGNORE, 1.0),
+                       BoundHook("slow", slow, implemented_stages(slow), FailurePolicy.IGNORE, 1.0)])
     node.lifecycle = Lifecycle(store=node.store, backend=ctrd, chain=lambda: chain,  # type: ignore[arg-type]
                                skip_label=lambda: SkipLabel("skip", "true"))
     sids = [f"p{i}" for i in range(1500)]
