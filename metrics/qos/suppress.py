@@ -264,6 +264,9 @@ class SuppressStrategy:
         #: missing inputs, unreadable state, no CPU left).
         self.decision: Decision | None = None
         self._clamps = ChildClamps(cfg.cfs_period_us)
+        #: A clamped child's pod left the pod list: read the children at the next plan
+        #: that can (a tier that stays reads none), so the clamps of gone cgroups go.
+        self._recheck = False
         #: ``inputs.now`` of the last plan that lowered the BE limit (either path):
         #: one decision, shared by the fast path and the loop (see ``_held``).
         self.lowered_at = -math.inf
@@ -285,11 +288,13 @@ class SuppressStrategy:
         return found
 
     def _forget_gone(self, pods: Sequence[PodView]) -> None:
-        """Nothing kept per pod outlives the pod (issue 28 item 10: churn must not grow it)."""
-        if self._warned or self._clamps.clamped:
+        """Nothing kept per pod outlives the pod (issue 28 item 10: churn must not grow it).
+        A clamp goes only when a read of the children finds its cgroup gone (see
+        ``tierquota``): a pod missing from this list asks for that read."""
+        if self._warned or self._clamps.remembered:
             live = {p.uid for p in pods}
             self._warned &= live
-            self._clamps.keep_pods(live)
+            self._recheck = self._recheck or self._clamps.owners_gone(live)
 
     def hold(self, now: float) -> None:
         """Inputs at ``now`` confirmed the BE limit in force (or wanted it lower): growth
@@ -345,7 +350,10 @@ class SuppressStrategy:
     def _quota_write(self, quota: int, reason: str, children: Sequence[ChildQuota] | None = None
                      ) -> SetCgroup | LeveledWrite:
         """The tier quota, with the children it needs clamped or may get back (see
-        ``tierquota``); ``children`` None: unknown (recovery), every original is restored."""
+        ``tierquota``); ``children`` None: unknown (the manager stopping), every original
+        is restored."""
+        if children is not None:
+            self._recheck = False
         return self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, reason), children)
 
     @property
@@ -353,12 +361,18 @@ class SuppressStrategy:
         """Children clamped now: cgroup -> original quota (for explain and tests)."""
         return self._clamps.clamped
 
-    def recover(self, pods: Sequence[PodView], *, cpuset: bool, quota: bool, why: str) -> list[Action]:
+    def recover(self, pods: Sequence[PodView], *, cpuset: bool, quota: bool, why: str,
+                children: Callable[[], tuple[ChildQuota, ...]] | None = None) -> list[Action]:
+        """BE's limits lifted. With ``children`` (a planning round) the clamped children are
+        read and restored, and read again each round until every original is found in
+        place: a restore that did not happen is planned again. Without (the manager
+        stopping), every remembered original is written and forgotten."""
         actions: list[Action] = []
         if cpuset:
             actions.append(self._cpuset_write(pods, self.recovery_cpus(pods), f"recover BE cpuset ({why})"))
         if quota:
-            actions.append(self._quota_write(-1, f"recover BE cfs quota ({why})"))
+            read = children() if children is not None and self._clamps.remembered else None
+            actions.append(self._quota_write(-1, f"recover BE cfs quota ({why})", read))
         return actions
 
     def plan(self, inputs: NodeInputs, threshold: ResourceThresholdStrategy, state: BEState,
@@ -368,8 +382,11 @@ class SuppressStrategy:
         quota that stays needs none (the kernel keeps every child below it)."""
         self.decision = None
         self._forget_gone(inputs.pods)
+        given = state.children
+        reread = children if children is not None else (lambda: given) if given else None
         if not threshold.enable:
-            acts = self.recover(inputs.pods, cpuset=True, quota=True, why="resourceUsedThresholdWithBE disabled")
+            acts = self.recover(inputs.pods, cpuset=True, quota=True, why="resourceUsedThresholdWithBE disabled",
+                                children=reread)
             return Plan(NAME, Priority.SUPPRESS, tuple(acts), {"enable": False}, "disabled: recovering BE limits")
         non_be = [p for p in inputs.pods if not is_be(p)]
         missing = inputs.missing_for(*non_be)
@@ -384,11 +401,11 @@ class SuppressStrategy:
         if threshold.cpu_suppress_policy == "cpuset":
             if children is not None and state.cpuset is not None:
                 state = replace(state, children=self._cpuset_children(inputs, children))
-            return self._plan_cpuset(inputs, formula, state, info)
+            return self._plan_cpuset(inputs, formula, state, info, reread)
         return self._plan_quota(inputs, formula, state, info, children)
 
     def _plan_cpuset(self, inputs: NodeInputs, formula: SuppressFormula, state: BEState,
-                     info: dict[str, Any]) -> Plan:
+                     info: dict[str, Any], children: Callable[[], tuple[ChildQuota, ...]] | None) -> Plan:
         if state.cpuset is None:
             return Plan(NAME, Priority.SUPPRESS, (), info, "no decision: current BE cpuset unreadable")
         lse = bound_cpus(inputs.pods, frozenset({QoSClass.LSE}), self._warned)
@@ -411,7 +428,7 @@ class SuppressStrategy:
         reason = f"BE suppress: {formula.suppress:.2f} cores -> cpuset {format_cpu_list(cpus)}"
         self.decision = Decision("cpuset", float(len(cpus)), formula)
         actions = (self._cpuset_write(inputs.pods, cpus, reason, state.children),
-                   *self.recover(inputs.pods, cpuset=False, quota=True, why="policy cpuset"))
+                   *self.recover(inputs.pods, cpuset=False, quota=True, why="policy cpuset", children=children))
         return Plan(NAME, Priority.SUPPRESS, actions, info, reason)
 
     def _plan_quota(self, inputs: NodeInputs, formula: SuppressFormula, state: BEState,
@@ -429,7 +446,7 @@ class SuppressStrategy:
         # The children matter only when the tier moves: while it stays, the kernel keeps
         # every child at or below it, and a child someone else changed meanwhile is
         # told from its clamp when they are next read (before the tier moves).
-        unread = children is not None and (new is None or new == current)  # at the floor: stays
+        unread = children is not None and (new is None or new == current) and not self._recheck
         if children is not None and not unread:
             state = replace(state, children=children())
         info = {**info, "current_quota": current, "quota": new}

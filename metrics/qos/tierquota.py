@@ -8,6 +8,13 @@ first), remembering their originals; when the tier grows back, or is recovered, 
 originals are restored, tier first. A child someone else changed since (batch-
 resource's reconcile, kubelet) is not restored over: its new value is its own. On v2
 the kernel takes the minimum of parent and child itself: nothing is read or clamped.
+
+What is remembered is dropped only on the host's word (level-triggered): a read that
+finds the child gone, back at its original, or at a value none of our writes put
+there. Planning a write proves nothing (it may fail, back off, or lose to another
+plan), and neither does a pod missing from one round's pod list: before, either made
+the original forgotten while the file kept the clamp, and a container stayed at the
+floor's ratio after suppression was switched off.
 """
 
 from __future__ import annotations
@@ -39,9 +46,13 @@ class ChildQuota:
 @dataclass(frozen=True, slots=True)
 class _Clamp:
     original: int
-    clamped: int
+    #: The values the file may hold because of us: the one a read last found (ours) and
+    #: the one planned since (its write may not have happened). At most two.
+    ours: tuple[int, ...]
     pod_uid: str
     depth: int
+    #: The original was planned back; the entry goes when a read finds it in place.
+    restoring: bool = False
 
 
 #: The v1 file names (this module is v1 only: see the module doc).
@@ -155,23 +166,30 @@ class ChildClamps:
 
     def __init__(self, tier_period: int) -> None:
         self._tier_period = tier_period
-        #: cgroup -> (original quota, the value we clamped it to).
+        #: cgroup -> its original quota and the values we clamped it to.
         self._originals: dict[PurePosixPath, _Clamp] = {}
 
     @property
     def clamped(self) -> dict[str, int]:
         """Children clamped now: cgroup -> original quota (for explain and tests)."""
-        return {str(cg): c.original for cg, c in self._originals.items()}
+        return {str(cg): c.original for cg, c in self._originals.items() if not c.restoring}
 
-    def keep_pods(self, live: set[str]) -> None:
-        """Forget clamps of pods that are gone (their cgroups went with them); clamps of
-        cgroups no pod owns are forgotten when the children are next read."""
-        self._originals = {cg: c for cg, c in self._originals.items() if not c.pod_uid or c.pod_uid in live}
+    @property
+    def remembered(self) -> bool:
+        """Whether a child is clamped or its restore is not yet confirmed by a read."""
+        return bool(self._originals)
+
+    def owners_gone(self, live: set[str]) -> bool:
+        """Whether a remembered child belongs to a pod not in ``live``: its cgroup may be
+        gone, which only a read of the children can tell (a pod missing from one list is
+        not proof: the fast path leaves out pods it has no counter for this tick)."""
+        return any(c.pod_uid and c.pod_uid not in live for c in self._originals.values())
 
     def write(self, tier: SetCgroup, children: Sequence[ChildQuota] | None) -> SetCgroup | LeveledWrite:
         """``tier`` (a quota on the tier) with the children's writes it needs; a plain
-        write when none does. ``children`` None: their values are unknown (recovery),
-        so every remembered original is restored when the tier is lifted."""
+        write when none does. ``children`` None: their values are unknown (the manager
+        stopping), so every remembered original is restored when the tier is lifted and
+        forgotten (nobody reads them after)."""
         quota = int(tier.value)
         if children is None:
             if quota > 0:
@@ -193,19 +211,21 @@ class ChildClamps:
 
     def _child(self, child: ChildQuota, tier_quota: int, reason: str) -> SetCgroup | None:
         """The write one child needs under a tier quota of ``tier_quota``, if any."""
-        remembered = self._originals.get(child.cgroup)
-        if remembered is not None and child.quota != remembered.clamped:
-            remembered = None  # changed by someone else since: that is its own value now
-            del self._originals[child.cgroup]
+        remembered = self._originals.pop(child.cgroup, None)
+        if remembered is not None and child.quota not in remembered.ours:
+            remembered = None  # back at its original, or someone else's value now: its own
         original = remembered.original if remembered is not None else child.quota
         # The kernel compares quota/period: the child may have at most the tier's ratio.
         limit = tier_quota * child.period // self._tier_period if tier_quota > 0 else None
         if limit is not None and original > limit:
-            self._originals[child.cgroup] = _Clamp(original, limit, child.pod_uid, child.depth)
             target, why = limit, f"{reason}: child quota {original} clamped to the tier's"
+            self._originals[child.cgroup] = _Clamp(original, tuple(dict.fromkeys((child.quota, limit))),
+                                                   child.pod_uid, child.depth)
         else:
-            self._originals.pop(child.cgroup, None)
             target, why = original, f"{reason}: child quota {original} restored"
+            if remembered is not None:  # kept until a read finds the original in place
+                self._originals[child.cgroup] = _Clamp(original, (child.quota,), child.pod_uid, child.depth,
+                                                       restoring=True)
         if target == child.quota:
             return None
         return SetCgroup(child.cgroup, CPU_CFS_QUOTA, target, why, child.pod_uid)

@@ -353,9 +353,12 @@ def test_ls_bursts_do_not_flap_the_be_tier_and_suppression_off_releases_it(
             _q(tier), _q(batch_dir), _q(batch_dir / batch_cid), _q(own_ctr)) == (-1, BATCH_QUOTA, BATCH_QUOTA,
                                                                                   OWN_QUOTA), timeout=60)
     except AssertionError as exc:
+        own_rel = str(own_ctr.relative_to(CGROUP / "cpu"))
         now = {"tier": _q(tier), "batch": _q(batch_dir), "batch_ctr": _q(batch_dir / batch_cid),
-               "own": _q(own_ctr), "failed": proxy.events("hook_failed")[-3:]}
-        raise AssertionError(f"{exc}: {json.dumps(now, default=str)[:3000]}") from None
+               "own": _q(own_ctr), "failed": proxy.events("hook_failed")[-3:],
+               "write_failed": proxy.events("qos_write_failed")[-3:],
+               "own_writes": [e for e in proxy.events("qos_write") if own_rel in json.dumps(e)][-6:]}
+        raise AssertionError(f"{exc}: {json.dumps(now, default=str)[:8000]}") from None
     _hold("the full quotas", lambda: (_q(tier), _q(batch_dir / batch_cid), _q(own_ctr)) == (
         -1, BATCH_QUOTA, OWN_QUOTA), seconds=2 * LOOP + 0.5)
     einval = _metric(proxy.metrics_port, "koord_runtime_proxy_host_write_failures_total", cause="EINVAL")

@@ -239,6 +239,88 @@ def test_recovery_restores_the_clamped_children_after_the_tier() -> None:
         SetCgroup(BE_DIR, CPU_CFS_QUOTA, -1, "recover BE cfs quota (again)")]
 
 
+OFF = ResourceThresholdStrategy(enable=False)
+
+
+class Files:
+    """The children's quota files as a dict: a test applies a plan's writes, or does not."""
+
+    def __init__(self, pod_quota: int, ctr_quota: int) -> None:
+        self.quota = {BE_POD: pod_quota, BE_CTR: ctr_quota}
+
+    def read(self) -> tuple[ChildQuota, ...]:
+        return (ChildQuota(BE_POD, self.quota[BE_POD], 100_000, "c", 0),
+                ChildQuota(BE_CTR, self.quota[BE_CTR], 100_000, "c", 1))
+
+    def apply(self, actions: tuple[object, ...] | list[object]) -> None:
+        for action in actions:
+            items = action.items() if isinstance(action, LeveledWrite) else (action,)
+            for item in items:
+                if isinstance(item, SetCgroup) and item.resource is CPU_CFS_QUOTA and item.cgroup in self.quota:
+                    self.quota[item.cgroup] = int(item.value)
+
+
+def restores(actions: tuple[object, ...] | list[object]) -> dict[str, object]:
+    return {str(i.cgroup): i.value for a in actions if isinstance(a, LeveledWrite)
+            for i in a.items() if i.cgroup != BE_DIR and i.resource is CPU_CFS_QUOTA}
+
+
+def test_a_restore_that_did_not_happen_is_planned_again_until_a_read_finds_it() -> None:
+    """Suppression switched off: the restore of a clamped child may fail, back off or be
+    lost; it is planned again while the file still holds our clamp, and forgotten only
+    once a read finds the original in place (before, the first plan forgot it)."""
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    files = Files(300_000, 300_000)
+    files.apply(strategy.plan(inputs(), QUOTA, BEState(ALL, 400_000), files.read).actions)
+    assert files.quota == {BE_POD: 220_000, BE_CTR: 220_000}
+    lost = strategy.plan(inputs(), OFF, BEState(ALL, 220_000), files.read)  # not applied
+    assert restores(lost.actions) == {str(BE_POD): 300_000, str(BE_CTR): 300_000}
+    again = strategy.plan(inputs(), OFF, BEState(ALL, -1), files.read)
+    assert restores(again.actions) == {str(BE_POD): 300_000, str(BE_CTR): 300_000}
+    files.apply(again.actions)
+    confirmed = strategy.plan(inputs(), OFF, BEState(ALL, -1), files.read)
+    assert restores(confirmed.actions) == {} and not strategy._clamps.remembered
+    calls = []
+    strategy.plan(inputs(), OFF, BEState(ALL, -1), lambda: calls.append(1) or files.read())
+    assert calls == []  # nothing remembered: a disabled round reads no children
+
+
+def test_a_clamp_write_that_did_not_happen_keeps_the_original() -> None:
+    """A tier drop planned a lower clamp whose write never landed: the file still holds the
+    previous clamp, which is ours, not the child's own value (before: it became the
+    'original' and suppression off left the child at it)."""
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    files = Files(-1, 300_000)
+    files.apply(strategy.plan(inputs(), QUOTA, BEState(ALL, 400_000), files.read).actions)
+    assert files.quota[BE_CTR] == 220_000
+    busy = inputs(used={"a": 4.0, "b": 1.0, "c": 1.0}, node=6.5)
+    for _ in range(2):  # planned twice (a write backed off), applied neither time
+        lower = strategy.plan(busy, QUOTA, BEState(ALL, 220_000), files.read)
+        assert restores(lower.actions) == {str(BE_CTR): 2_000}  # the floor
+    off = strategy.plan(inputs(), OFF, BEState(ALL, 220_000), files.read)
+    assert restores(off.actions) == {str(BE_CTR): 300_000}
+
+
+def test_a_pod_missing_from_one_list_keeps_its_clamp() -> None:
+    """The fast path plans from the pods it has a counter for this tick: a BE pod left out
+    once must not lose its child's original (before: ``keep_pods`` dropped it). Its
+    cgroup being there (a read) is what keeps it; gone from the host, it goes."""
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    files = Files(-1, 300_000)
+    files.apply(strategy.plan(inputs(), QUOTA, BEState(ALL, 400_000), files.read).actions)
+    without = inputs(pods=(LS_A, LS_B), used={"a": 1.5, "b": 0.5})
+    strategy.plan(without, QUOTA, BEState(ALL, 220_000), files.read)
+    assert strategy.clamped == {str(BE_CTR): 300_000}
+    off = strategy.plan(inputs(), OFF, BEState(ALL, 220_000), files.read)
+    assert restores(off.actions) == {str(BE_CTR): 300_000}
+    # Gone from the host: the read that the missing pod asks for forgets it.
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    files = Files(-1, 300_000)
+    files.apply(strategy.plan(inputs(), QUOTA, BEState(ALL, 400_000), files.read).actions)
+    strategy.plan(without, QUOTA, BEState(ALL, 220_000), lambda: ())
+    assert strategy.clamped == {}
+
+
 def test_read_children_reads_every_cgroup_under_the_tier_on_v1_only(tmp_path: Path) -> None:
     from hooks.cgroups import CgroupLayout
     from hooks.executor import CgroupExecutor
