@@ -183,7 +183,8 @@ class Resctrl(Strategy):
 # --- factories (the entry points) ---------------------------------------------------------------
 
 def cpu_suppress(init: StrategyInit) -> CPUSuppress:
-    return CPUSuppress(SuppressStrategy(init.config.suppress, init.topology), init.writer, init.reconcile_now)
+    return CPUSuppress(SuppressStrategy(init.config.suppress, init.topology, init.tier_clamps), init.writer,
+                       init.reconcile_now)
 
 
 def cpu_burst(init: StrategyInit) -> CPUBurst:

@@ -74,7 +74,7 @@ class Interference(Strategy):
     def __init__(self, verdicts: Callable[[], Verdicts | None], *, be_cpu_cores: float = 0.5,
                  memory_evict: bool = True, memory_cool_down: float = 60.0, dry_run: bool = False,
                  suppress: SuppressConfig = SuppressConfig(), hold: float = 30.0, be_cpus: int = 0,
-                 topology: Sequence[CPULike] = (), be_idle: bool = True) -> None:
+                 topology: Sequence[CPULike] = (), be_idle: bool = True, clamps: ChildClamps | None = None) -> None:
         self._verdicts = verdicts
         self.be_cpu_cores = be_cpu_cores
         self.memory_evict = memory_evict
@@ -93,7 +93,7 @@ class Interference(Strategy):
         self.last_confirmed = float("-inf")
         self.dry_run = dry_run
         self.cfg = suppress
-        self._clamps = ChildClamps(suppress.cfs_period_us)
+        self._clamps = clamps if clamps is not None else ChildClamps()
         #: The BE tier quota found before the cap (None: not capping).
         self.original_quota: int | None = None
         self.capping = False
@@ -188,7 +188,8 @@ class Interference(Strategy):
         why = f"interference on {victims}: BE cfs quota capped at {self.be_cpu_cores:g} cores"
         reasons.append(why)
         info["quota"] = quota
-        return [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, why), state.children)]
+        return [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, why), state.children,
+                                   self.cfg.cfs_period_us)]
 
     def _idle(self, idle: int | None, cpu: list[Verdict], info: dict[str, Any]) -> list[Action]:
         if not self.be_idle:
@@ -209,7 +210,8 @@ class Interference(Strategy):
         self._audit("release_be_cpu", [], quota=original)
         self.capping, self.original_quota = False, None
         reasons.append(why)
-        out: list[Action] = [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, original, why), None)]
+        out: list[Action] = [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, original, why), None,
+                                                self.cfg.cfs_period_us)]
         if self.be_cpus > 0:
             out.append(self._cpuset(pods, self._cpusets.recovery_cpus(pods), why, state))
         if self.original_idle is not None:
@@ -301,6 +303,6 @@ def interference(init: StrategyInit) -> Interference:
 
     strategy = Interference(verdicts, be_cpu_cores=cap, memory_evict=memory_evict, memory_cool_down=cool,
                             dry_run=init.config.dry_run, suppress=init.config.suppress, hold=hold, be_cpus=be_cpus,
-                            topology=init.topology, be_idle=be_idle)
+                            topology=init.topology, be_idle=be_idle, clamps=init.tier_clamps)
     strategy.be_cpus_why = why
     return strategy

@@ -235,6 +235,11 @@ class _Arbiter:
                                           owner[0]))
         return False
 
+    def _holder(self, item: SetCgroup) -> str | None:
+        """The strategy already writing ``item``'s target with another value, if any."""
+        owner = self.owners.get(item.target)
+        return owner[0] if owner is not None and owner[1] != item.value else None
+
     def _set(self, strategy: str, action: SetCgroup) -> bool:
         if action.pod_uid and action.pod_uid in self.evicted:
             winner = self.evicted[action.pod_uid]
@@ -253,6 +258,14 @@ class _Arbiter:
         if isinstance(action, SetCgroup):
             return action if self._set(strategy, action) else None
         if isinstance(action, LeveledWrite):
+            # The levels below depend on the top: a child quota restored or a cpuset
+            # written under a tier that another strategy holds at another value is
+            # refused by the kernel (EINVAL) or runs against that strategy's limit.
+            winner = next((w for w in map(self._holder, action.levels[0] if action.levels else ()) if w), None)
+            if winner is not None:
+                self.rejected.append(Rejected(strategy, action, f"its top level is written by {winner} "
+                                              "with another value", winner))
+                return None
             dropped = [item for item in action.items() if not self._set(strategy, item)]
             kept = action.without(dropped) if dropped else action
             return kept if kept.items() else None

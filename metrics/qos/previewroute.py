@@ -17,6 +17,7 @@ from metrics.qos.evict import SharedEviction
 from metrics.qos.manager import QoSManager
 from metrics.qos.specs import StrategySpec
 from metrics.qos.strategy import RoundContext, Strategy, StrategyInit, load_strategies
+from metrics.qos.tierquota import ChildClamps
 from runtimeproxy.hookapi import TaskInit
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ def add_route(init: TaskInit, manager: QoSManager, base: StrategyInit, specs: Se
         # planning only. The agent (the Node's allocatable) and the interference
         # verdicts are read.
         fresh = dataclasses.replace(base, state_dir=None, writer=None, reconcile_now=None, resctrl=None,
-                                    eviction=SharedEviction())
+                                    eviction=SharedEviction(), tier_clamps=ChildClamps())
         return load_strategies(specs, fresh).enabled
 
     sources = preview.Sources(context=context, strategies=strategies)

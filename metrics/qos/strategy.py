@@ -54,6 +54,7 @@ from metrics.qos.specs import (
     parse_specs,
 )
 from metrics.qos.suppress import CPULike
+from metrics.qos.tierquota import ChildClamps
 from runtimeproxy.hookapi import HookConfigError, HostRoots
 
 if TYPE_CHECKING:  # types only: the analyser's and the agent's graphs stay out of the strategies'
@@ -231,6 +232,9 @@ class StrategyInit:
     resctrl: ResctrlSync | None = None
     #: One per manager: the evictors' pending releases and cool-downs, shared by them.
     eviction: SharedEviction = field(default_factory=SharedEviction)
+    #: One per manager: the BE tier's children clamped under its quota, shared by the
+    #: strategies that write that quota (cpu-suppress, interference).
+    tier_clamps: ChildClamps = field(default_factory=ChildClamps)
 
 
 @runtime_checkable

@@ -256,14 +256,15 @@ class Decision:
 class SuppressStrategy:
     """Plans the BE CPU limit; keeps the warn-once set and the last plan's decision."""
 
-    def __init__(self, cfg: SuppressConfig, topology: Sequence[CPULike]) -> None:
+    def __init__(self, cfg: SuppressConfig, topology: Sequence[CPULike], clamps: ChildClamps | None = None
+                 ) -> None:
         self.cfg = cfg
         self.topology = tuple(sorted(topology, key=lambda c: c.cpu))
         self._warned: set[str] = set()
         #: What the last ``plan`` decided; None when it made no decision (disabled,
         #: missing inputs, unreadable state, no CPU left).
         self.decision: Decision | None = None
-        self._clamps = ChildClamps(cfg.cfs_period_us)
+        self._clamps = clamps if clamps is not None else ChildClamps()
         #: A clamped child's pod left the pod list: read the children at the next plan
         #: that can (a tier that stays reads none), so the clamps of gone cgroups go.
         self._recheck = False
@@ -354,7 +355,8 @@ class SuppressStrategy:
         is restored."""
         if children is not None:
             self._recheck = False
-        return self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, reason), children)
+        return self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, reason), children,
+                                  self.cfg.cfs_period_us)
 
     @property
     def clamped(self) -> dict[str, int]:

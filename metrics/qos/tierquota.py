@@ -161,11 +161,20 @@ def read_children(executor: CgroupExecutor, tier: PurePosixPath, default_period:
     return tuple(out)
 
 
-class ChildClamps:
-    """The children clamped below their own quota, and the writes a tier quota needs."""
+#: How many of our values a child's entry keeps: a planned write that did not land
+#: leaves the one before it in the file, and two strategies (cpu-suppress, interference)
+#: may each plan one in a round. Bounded, so a child clamped for hours keeps a few.
+OURS_KEPT: Final = 4
 
-    def __init__(self, tier_period: int) -> None:
-        self._tier_period = tier_period
+
+class ChildClamps:
+    """The children clamped below their own quota, and the writes a tier quota needs.
+
+    One per tier, shared by every strategy that writes the tier's quota (``StrategyInit.
+    tier_clamps``): an original is one fact, and a strategy with its own memory would take
+    another's clamp for the child's own value."""
+
+    def __init__(self) -> None:
         #: cgroup -> its original quota and the values we clamped it to.
         self._originals: dict[PurePosixPath, _Clamp] = {}
 
@@ -185,7 +194,8 @@ class ChildClamps:
         not proof: the fast path leaves out pods it has no counter for this tick)."""
         return any(c.pod_uid and c.pod_uid not in live for c in self._originals.values())
 
-    def write(self, tier: SetCgroup, children: Sequence[ChildQuota] | None) -> SetCgroup | LeveledWrite:
+    def write(self, tier: SetCgroup, children: Sequence[ChildQuota] | None, tier_period: int
+              ) -> SetCgroup | LeveledWrite:
         """``tier`` (a quota on the tier) with the children's writes it needs; a plain
         write when none does. ``children`` None: their values are unknown (the manager
         stopping), so every remembered original is restored when the tier is lifted and
@@ -202,29 +212,30 @@ class ChildClamps:
         present: set[PurePosixPath] = set()
         for child in children:
             present.add(child.cgroup)
-            item = self._child(child, quota, tier.reason)
+            item = self._child(child, quota, tier_period, tier.reason)
             if item is not None:
                 items.append((item, child.depth))
         for gone in set(self._originals) - present:
             del self._originals[gone]
         return self._levels(tier, items)
 
-    def _child(self, child: ChildQuota, tier_quota: int, reason: str) -> SetCgroup | None:
+    def _child(self, child: ChildQuota, tier_quota: int, tier_period: int, reason: str) -> SetCgroup | None:
         """The write one child needs under a tier quota of ``tier_quota``, if any."""
         remembered = self._originals.pop(child.cgroup, None)
         if remembered is not None and child.quota not in remembered.ours:
             remembered = None  # back at its original, or someone else's value now: its own
         original = remembered.original if remembered is not None else child.quota
         # The kernel compares quota/period: the child may have at most the tier's ratio.
-        limit = tier_quota * child.period // self._tier_period if tier_quota > 0 else None
+        limit = tier_quota * child.period // tier_period if tier_quota > 0 else None
+        # Ours: the value read, when it is one of ours, and the one planned now; never the original.
+        before = (*remembered.ours, child.quota) if remembered is not None else ()
         if limit is not None and original > limit:
             target, why = limit, f"{reason}: child quota {original} clamped to the tier's"
-            self._originals[child.cgroup] = _Clamp(original, tuple(dict.fromkeys((child.quota, limit))),
-                                                   child.pod_uid, child.depth)
+            self._originals[child.cgroup] = _Clamp(original, _ours(before, limit), child.pod_uid, child.depth)
         else:
             target, why = original, f"{reason}: child quota {original} restored"
             if remembered is not None:  # kept until a read finds the original in place
-                self._originals[child.cgroup] = _Clamp(original, (child.quota,), child.pod_uid, child.depth,
+                self._originals[child.cgroup] = _Clamp(original, _ours(before), child.pod_uid, child.depth,
                                                        restoring=True)
         if target == child.quota:
             return None
@@ -238,3 +249,11 @@ class ChildClamps:
         depths = sorted({depth for _, depth in items})
         levels = [tuple(i for i, d in items if d == depth) for depth in depths]
         return LeveledWrite(((tier,), *levels), tier.reason)
+
+
+def _ours(before: tuple[int, ...], *new: int) -> tuple[int, ...]:
+    """The newest ``OURS_KEPT`` of our values (``before`` then ``new``), oldest first,
+    each once (where it came last)."""
+    values = (*before, *new)
+    merged = [v for i, v in enumerate(values) if v not in values[i + 1:]]
+    return tuple(merged[-OURS_KEPT:])

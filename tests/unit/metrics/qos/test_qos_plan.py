@@ -81,3 +81,20 @@ def test_result_does_not_depend_on_input_order() -> None:
     applied, _ = arbitrate(plans)
     # Equal priority: the strategy name breaks the tie ("a" before "b").
     assert {p.strategy: p.actions for p in applied}["a"] == (quota(BE, 1000),)
+
+
+def test_a_leveled_write_whose_top_another_strategy_holds_is_dropped_whole() -> None:
+    """Interference caps the tier at 50000 while cpu-suppress lifts it and restores a
+    child's own 300000: the child's write under the capped tier would be refused
+    (EINVAL) or run over the cap, so the lifted tier's levels go with it. A top written
+    by another strategy with the same value keeps the levels."""
+    restore = LeveledWrite(((quota(BE, -1),), (quota(CTR_A, 300_000, "a"),)), "suppress off")
+    interference = Plan("interference", Priority.SUPPRESS + 5, (quota(BE, 50_000),))
+    applied, rejected = arbitrate([Plan("cpu_suppress", Priority.SUPPRESS, (restore,)), interference])
+    assert {p.strategy: p.actions for p in applied}["cpu_suppress"] == ()
+    assert [(r.strategy, r.winner, r.action) for r in rejected] == [("cpu_suppress", "interference", restore)]
+    same = Plan("interference", Priority.SUPPRESS + 5, (quota(BE, -1),))
+    applied, rejected = arbitrate([Plan("cpu_suppress", Priority.SUPPRESS, (restore,)), same])
+    kept = {p.strategy: p.actions for p in applied}["cpu_suppress"]
+    assert kept == (LeveledWrite(((), (quota(CTR_A, 300_000, "a"),)), "suppress off"),)
+    assert [r.reason.split(":")[0] for r in rejected] == ["duplicate"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path, PurePosixPath
 
@@ -319,6 +320,38 @@ def test_a_pod_missing_from_one_list_keeps_its_clamp() -> None:
     files.apply(strategy.plan(inputs(), QUOTA, BEState(ALL, 400_000), files.read).actions)
     strategy.plan(without, QUOTA, BEState(ALL, 220_000), lambda: ())
     assert strategy.clamped == {}
+
+
+def test_the_strategies_writing_the_tier_quota_share_one_memory_of_its_children(tmp_path: Path) -> None:
+    """cpu-suppress and interference both write the tier's quota: with a memory each, one
+    took the other's clamp for the child's own quota, and the release restored that."""
+    from hooks.cgroups import CgroupLayout
+    from hooks.executor import CgroupExecutor
+    from metrics.qos import builtin
+    from metrics.qos.config import ManagerConfig
+    from metrics.qos.interference import Interference
+    from metrics.qos.strategy import StrategyInit, load_strategies, parse_specs
+
+    (tmp_path / "cpu").mkdir()
+    init = StrategyInit(name="", args={}, key_path="strategies", config=ManagerConfig(), topology=topology(),
+                        executor=CgroupExecutor(CgroupLayout(tmp_path)))
+    suppress, interference = load_strategies(parse_specs(["cpu-suppress", "interference"], "strategies"),
+                                             init).enabled
+    assert isinstance(suppress, builtin.CPUSuppress) and isinstance(interference, Interference)
+    assert suppress.inner._clamps is interference._clamps is init.tier_clamps
+
+    # What sharing keeps: suppress clamps, interference caps lower, suppress plans while
+    # capped (its tier write loses to interference's), interference releases.
+    shared = init.tier_clamps
+    strategy = SuppressStrategy(SuppressConfig(), topology(), shared)
+    files = Files(-1, 300_000)
+    files.apply(strategy.plan(inputs(), QUOTA, BEState(ALL, 400_000), files.read).actions)
+    files.apply([shared.write(SetCgroup(BE_DIR, CPU_CFS_QUOTA, 50_000, "interference cap"), files.read(), 100_000)])
+    assert files.quota[BE_CTR] == 50_000
+    later = dataclasses.replace(inputs(used={"a": 0.0, "b": 0.0, "c": 1.0}, node=1.0), now=1000.0)
+    strategy.plan(later, QUOTA, BEState(ALL, 50_000), files.read)  # not applied: interference holds the tier
+    files.apply([shared.write(SetCgroup(BE_DIR, CPU_CFS_QUOTA, -1, "interference cleared"), None, 100_000)])
+    assert files.quota[BE_CTR] == 300_000
 
 
 def test_read_children_reads_every_cgroup_under_the_tier_on_v1_only(tmp_path: Path) -> None:
