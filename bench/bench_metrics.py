@@ -198,6 +198,11 @@ def _kube(node: BenchNode, args: argparse.Namespace) -> int:
 
     variants = [(name, {"tasks": tasks}, cwd) for name, tasks, cwd in variants]
     variants.append(("everything on, kube: true", everything("d.db"), None))
+    envs: dict[str, dict[str, str]] = {}
+    for spec in args.env:  # the same as everything on, with the unit's environment variable(s)
+        name = f"everything on, kube: true, {spec}"
+        variants.append((name, everything(f"env{len(envs)}.db"), None))
+        envs[name] = dict(kv.split("=", 1) for kv in spec.split(","))
     if args.split:  # where everything-on's CPU goes: without the QoS manager, without its fast path
         no_qos = everything("f.db")
         del no_qos["tasks"]["qos-manager"]
@@ -210,11 +215,13 @@ def _kube(node: BenchNode, args: argparse.Namespace) -> int:
         variants.append((f"metrics, kube: true, code of {old}",
                          {"tasks": {"metrics": {"db": str(node.base / "c.db"), **kube}}}, old))
         variants.append((f"everything on, kube: true, code of {old}", everything("e.db"), old))
+    if args.only:
+        variants = [v for v in variants if args.only in v[0]]
     rows = []
     patch = f"/apis/slo.koordinator.sh/v1alpha1/nodemetrics/{BENCH_NODE}/status"
     for i, (name, tasks, cwd) in enumerate(variants):
         before = len(api.seen("PATCH", patch))
-        proc, _sock, port = node.proxy(f"k{i}", tasks, cwd=cwd)
+        proc, _sock, port = node.proxy(f"k{i}", tasks, cwd=cwd, env=envs.get(name))
         row = _measure(proc, port, args.warmup, args.window)
         row["patches"] = len(api.seen("PATCH", patch)) - before
         rows.append((name, row))
@@ -240,6 +247,10 @@ def main() -> int:
                     help="--steady without the NodeMetric fetch: the shipped default (no cluster, no reporter)")
     ap.add_argument("--kube", action="store_true", help="with kube: true against the test API server")
     ap.add_argument("--kube-baseline", default="", help="--kube: also run this checkout's code (a directory)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE,...",
+                    help="--kube: also everything on with these environment variables (e.g. the unit's "
+                         "MALLOC_ARENA_MAX=2); repeatable")
+    ap.add_argument("--only", default="", help="--kube: only the variants whose name contains this text")
     ap.add_argument("--split", action="store_true",
                     help="--kube: also everything on without the qos-manager, and with its fast path off")
     ap.add_argument("--intervals", action="append", default=[], metavar="NAME=DUR,...",

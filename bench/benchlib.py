@@ -65,11 +65,12 @@ class BenchNode:
         return embedded.runtime_stub(embedded.unix_channel(socket or self.ctd.socket))
 
     def proxy(
-        self, name: str, doc: dict[str, Any], cwd: Path | None = None
+        self, name: str, doc: dict[str, Any], cwd: Path | None = None, env: dict[str, str] | None = None
     ) -> tuple[subprocess.Popen[bytes], Path, int]:
         """Start ``koord-runtime-proxy run`` on ``doc`` (listen, backend, metrics port, no
         hookserver.d and warning logs filled in) and wait until it is healthy. ``cwd``: run
-        the code of another checkout (``python -m`` imports from the working directory first)."""
+        the code of another checkout (``python -m`` imports from the working directory first);
+        ``env``: variables added to this process's environment (e.g. the unit's)."""
         port, sock = free_port(), self.base / f"{name}.sock"
         full = {"listen": str(sock), "backend": {"runtime_endpoint": str(self.ctd.socket)},
                 "metrics": {"listen": f"127.0.0.1:{port}"}, "hookserver_dir": "", "log": {"level": "warning"},
@@ -77,7 +78,8 @@ class BenchNode:
                 **doc}
         cfg = self.base / f"{name}.yaml"
         cfg.write_text(yaml.safe_dump(full, sort_keys=False))
-        proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg)], cwd=cwd)
+        proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg)], cwd=cwd,
+                                env={**os.environ, **env} if env else None)
         self._procs.append(proc)
         wait_healthy(port, proc)
         return proc, sock, port
