@@ -47,7 +47,7 @@ class ChildQuota:
 class _Clamp:
     original: int
     #: The values the file may hold because of us: the one a read last found (ours) and
-    #: the one planned since (its write may not have happened). At most two.
+    #: the ones planned since (a write may not have happened). At most ``OURS_KEPT``.
     ours: tuple[int, ...]
     pod_uid: str
     depth: int
