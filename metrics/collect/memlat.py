@@ -41,7 +41,7 @@ from metrics.collect.cgroupfs import CgroupReader
 from metrics.collect.ebpf import (
     _TRACEFS,
     LOAD_TIMEOUT,
-    cgroup_inode,
+    CgroupIds,
     check_host,
     close_program,
     log2_percentile,
@@ -154,8 +154,8 @@ class EbpfStallSource:
         self._maps: dict[str, BpfMap] = {}
         self._events: list[int] = []
         self._last = 0.0
-        self._ids: dict[str, int] = {}  # container id -> its v2 cgroup's inode
         self._once = OnceLog(log)
+        self._ids = CgroupIds(reader, self._once)
 
     def start(self) -> None:
         if self._maps:
@@ -180,20 +180,13 @@ class EbpfStallSource:
         at = self._clock()
         elapsed, self._last = max(at - self._last, 1e-3), at
         self._once.keep_owners(pod.uid for pod, _ in containers)
-        ids: dict[str, int] = {}
+        ids = self._ids.of(containers)
         out: list[Sample] = []
         for pod, container in containers:
-            cgid = self._ids.get(container.id) or self._cgroup_id(pod.uid, container.cgroup_dir)
+            cgid = ids.get(container.id)
             if cgid is not None:
-                ids[container.id] = cgid
                 out += stall_samples(pod, container, by_cgroup.get(cgid, {}), elapsed, self.name)
-        self._ids = ids
         return out
-
-    def _cgroup_id(self, owner: str, rel: str) -> int | None:
-        """A container's cgroup keeps its inode for the container's life (a container id is
-        never reused), so it is looked up once per container, not per interval."""
-        return cgroup_inode(self._reader, self._once, owner, rel)
 
     def close(self) -> None:
         close_program(self._maps, self._events)

@@ -223,3 +223,27 @@ def test_a_failing_loader_child_is_a_reason_not_a_crash(tmp_path: Path, monkeypa
         ebpf._run_loader(timeout, module=f"fake_loader_{name}")
     assert reason in info.value.reason
     assert time.monotonic() - started < 10  # the hanging child was killed, not waited for
+
+
+def test_cgroup_ids_are_looked_up_once_per_container_and_follow_the_container_list(tmp_path: Path) -> None:
+    from metrics.collect.base import OnceLog
+    from metrics.collect.cgroupfs import CgroupReader
+    from metrics.collect.ebpf import CgroupIds
+
+    host = Host(tmp_path)
+    unified = host.roots.cgroup / "unified" / POD_DIR
+    (unified / "c1").mkdir(parents=True)
+    ids = CgroupIds(CgroupReader(host.roots.cgroup), OnceLog(ebpf.log))
+    p = pod("c1", "c2")
+    first = ids.of([(p, c) for c in p.containers])
+    assert first == {"c1": (unified / "c1").stat().st_ino}  # c2 has no cgroup yet: no id, no crash
+    # c1's id is not looked up again (its directory may even be gone: the id stays the
+    # container's until it leaves the list); c2's is, now that it exists.
+    (unified / "c1").rmdir()
+    (unified / "c2").mkdir()
+    second = ids.of([(p, c) for c in p.containers])
+    assert second == {"c1": first["c1"], "c2": (unified / "c2").stat().st_ino}
+    # A container that left the list is forgotten: back with its cgroup recreated, it is looked up anew.
+    assert ids.of([(p, p.containers[1])]) == {"c2": second["c2"]}
+    (unified / "c1").mkdir()
+    assert ids.of([(p, p.containers[0])]) == {"c1": (unified / "c1").stat().st_ino}
