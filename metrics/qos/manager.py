@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -112,7 +113,8 @@ class QoSManager:
         self._metrics = evict.EvictionMetrics(registry, config.node_name)
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
-        self._explain: dict[str, dict[str, Any]] = {}
+        #: The last round's plan of each strategy, described only when explain asks.
+        self._explain: dict[str, _Explained] = {}
         self._round_info: dict[str, Any] = {}
         #: plan name -> the strategy that made it; strategy name -> its plan names.
         self._owners: dict[str, Strategy] = {s.name: s for s in self.strategies}
@@ -235,8 +237,12 @@ class QoSManager:
     async def _execute(self, plans: list[Plan], inputs: RoundInputs) -> Round:
         applied, rejected = arbitrate(plans)
         result = Round(inputs.now, plans, rejected=rejected)
+        # A plan's description walks every action: built only when a debug line is kept
+        # (structlog evaluates the arguments before its level filter).
+        debug = log.is_enabled_for(logging.DEBUG)
         for plan in applied:
-            log.debug("qos_plan", **plan.describe())
+            if debug:
+                log.debug("qos_plan", **plan.describe())
             if self.cfg.dry_run:
                 result.outcomes[plan.strategy] = [Outcome(a, "dry-run") for a in plan.actions]
                 continue
@@ -249,7 +255,7 @@ class QoSManager:
             owner = self._owners.get(plan.strategy)
             if owner is not None:
                 owner.after(plan, outcomes, inputs)
-        for item in rejected:
+        for item in rejected if debug else ():
             log.debug("qos_action_rejected", **item.describe())
         self._record(result)
         return result
@@ -331,31 +337,47 @@ class QoSManager:
     # --- explain --------------------------------------------------------------------
 
     def _record(self, result: Round) -> None:
+        """Keeps the round's frozen plans and outcomes; ``explain`` describes them."""
         for plan in result.plans:
-            owner = self._owners.get(plan.strategy)
-            self._explain[plan.strategy] = {
-                "owner": owner.name if owner is not None else plan.strategy,
-                "reads": [k.name for k in owner.reads] if owner is not None else [],
-                "ts": result.ts,
-                "dry_run": self.cfg.dry_run,
-                "plan": plan.describe(),
-                "applied": [o.describe() for o in result.outcomes.get(plan.strategy, [])],
-                "rejected": [r.describe() for r in result.rejected if r.strategy == plan.strategy],
-            }
+            self._explain[plan.strategy] = _Explained(self._owners.get(plan.strategy), result, plan,
+                                                      self.cfg.dry_run)
 
     def explain(self, pod: PodInfo | PodView | str | None = None) -> dict[str, Any]:
         """The last plan of every strategy; for a pod, only the strategies and
         actions that concern it."""
+        described = {name: entry.describe() for name, entry in list(self._explain.items())}
         if pod is None:
-            return {"strategies": dict(self._explain), "dry_run": self.cfg.dry_run, **self._round_info}
+            return {"strategies": described, "dry_run": self.cfg.dry_run, **self._round_info}
         uid = pod if isinstance(pod, str) else pod.meta.uid if isinstance(pod, PodInfo) else pod.uid
         out: dict[str, Any] = {}
-        for name, entry in self._explain.items():
+        for name, entry in described.items():
             applied = [a for a in entry["applied"] if _mentions(a, uid)]
             rejected = [r for r in entry["rejected"] if _mentions(r, uid)]
             if applied or rejected:
                 out[name] = {**entry, "applied": applied, "rejected": rejected}
         return {"pod": uid, "strategies": out, "dry_run": self.cfg.dry_run}
+
+
+@dataclass(frozen=True, slots=True)
+class _Explained:
+    """One strategy's last plan as the round left it (all frozen: described on demand)."""
+
+    owner: Strategy | None
+    result: Round
+    plan: Plan
+    dry_run: bool
+
+    def describe(self) -> dict[str, Any]:
+        owner, plan, result = self.owner, self.plan, self.result
+        return {
+            "owner": owner.name if owner is not None else plan.strategy,
+            "reads": [k.name for k in owner.reads] if owner is not None else [],
+            "ts": result.ts,
+            "dry_run": self.dry_run,
+            "plan": plan.describe(),
+            "applied": [o.describe() for o in result.outcomes.get(plan.strategy, [])],
+            "rejected": [r.describe() for r in result.rejected if r.strategy == plan.strategy],
+        }
 
 
 def _targets(action: Action) -> str:
