@@ -38,7 +38,9 @@ client) for a comparison in the same run.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -73,11 +75,52 @@ def _parts(port: int) -> dict[str, float]:
     return {k: float(v) for k, v in parts.items()}
 
 
-def _measure(proc: subprocess.Popen[bytes], port: int, warmup: float, window: float) -> dict[str, Any]:
+def _threads_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of each of the process's threads, by thread id."""
+    out: dict[int, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out[int(task.name)] = cpu_seconds(pid, int(task.name))
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended between the listing and the read
+    return out
+
+
+def _thread_names(profile: Path) -> dict[int, str]:
+    """Thread id -> Python thread name, from py-spy's raw lines ``thread (tid): name;...``."""
+    names: dict[int, str] = {}
+    for line in profile.read_text().splitlines():
+        head = line.split(";", 1)[0]
+        if head.startswith("thread (") and "): " in head:
+            tid, _, name = head[len("thread ("):].partition("): ")
+            names[int(tid)] = name.rsplit(" ", 1)[0] if ";" not in line else name
+    return names
+
+
+def _measure(proc: subprocess.Popen[bytes], port: int, warmup: float, window: float,
+             profile: Path | None = None) -> dict[str, Any]:
     time.sleep(warmup)
     p0, c0, t0 = _parts(port), cpu_seconds(proc.pid), time.monotonic()
+    th0 = _threads_cpu(proc.pid)
+    spy = None
+    if profile is not None:  # collapsed stacks of the whole window (py-spy reads without stopping it)
+        spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking",
+                                "--threads", "--rate", "200", "--format", "raw", "-p", str(proc.pid),
+                                "-d", str(int(window)), "-o", str(profile)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(window)
+    if spy is not None:
+        spy.wait(timeout=60)
     p1, c1, t1 = _parts(port), cpu_seconds(proc.pid), time.monotonic()
+    th1 = _threads_cpu(proc.pid)
+    if profile is not None and profile.exists():  # where the process's CPU went, by thread
+        names = _thread_names(profile)
+        by_name: dict[str, float] = {}
+        for tid, cpu in th1.items():
+            name = names.get(tid, "(not sampled)")
+            by_name[name] = by_name.get(name, 0.0) + 1000.0 * (cpu - th0.get(tid, 0.0)) / (t1 - t0)
+        print(f"CPU by thread, ms per second ({profile.name}): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])), flush=True)
     return {"cpu_pct": 100.0 * (c1 - c0) / (t1 - t0), "rss_mib": _status_kib(proc.pid, "VmRSS") / 1024,
             "hwm_mib": _status_kib(proc.pid, "VmHWM") / 1024,
             "parts": {k: 1000.0 * (p1[k] - p0.get(k, 0.0)) / (t1 - t0) for k in p1}}
@@ -203,6 +246,16 @@ def _kube(node: BenchNode, args: argparse.Namespace) -> int:
         name = f"everything on, kube: true, {spec}"
         variants.append((name, everything(f"env{len(envs)}.db"), None))
         envs[name] = dict(kv.split("=", 1) for kv in spec.split(","))
+    for k, spec in enumerate(args.set):  # everything on with some values changed (where its CPU goes)
+        doc = copy.deepcopy(everything(f"set{k}.db"))  # its sections are shared with the other variants
+        for item in spec.split(","):
+            dotted, _, value = item.partition("=")
+            *path, leaf = dotted.split(".")
+            where = doc
+            for part in path:
+                where = where.setdefault(part, {})
+            where[leaf] = yaml.safe_load(value)
+        variants.append((f"everything on, kube: true, {spec}", doc, None))
     if args.split:  # where everything-on's CPU goes: without the QoS manager, without its fast path
         no_qos = everything("f.db")
         del no_qos["tasks"]["qos-manager"]
@@ -222,7 +275,8 @@ def _kube(node: BenchNode, args: argparse.Namespace) -> int:
     for i, (name, tasks, cwd) in enumerate(variants):
         before = len(api.seen("PATCH", patch))
         proc, _sock, port = node.proxy(f"k{i}", tasks, cwd=cwd, env=envs.get(name))
-        row = _measure(proc, port, args.warmup, args.window)
+        prof = Path(args.py_spy) / f"k{i}.txt" if args.py_spy else None
+        row = _measure(proc, port, args.warmup, args.window, prof)
         row["patches"] = len(api.seen("PATCH", patch)) - before
         rows.append((name, row))
         node.stop(proc)
@@ -250,6 +304,12 @@ def main() -> int:
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE,...",
                     help="--kube: also everything on with these environment variables (e.g. the unit's "
                          "MALLOC_ARENA_MAX=2); repeatable")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY.PATH=YAML,...",
+                    help="--kube: also everything on with these config values (e.g. reconcile_interval=1h or "
+                         "tasks.qos-manager.psi_trigger=false); repeatable")
+    ap.add_argument("--py-spy", default="", metavar="DIR",
+                    help="--kube: py-spy's collapsed stacks of each variant's window into DIR/k<i>.txt "
+                         "(pip install py-spy; it samples without stopping the proxy)")
     ap.add_argument("--only", default="", help="--kube: only the variants whose name contains this text")
     ap.add_argument("--split", action="store_true",
                     help="--kube: also everything on without the qos-manager, and with its fast path off")
@@ -258,6 +318,8 @@ def main() -> int:
                          " --only-intervals: just these, after no tasks and the defaults")
     ap.add_argument("--only-intervals", action="store_true", help="leave out the schedstat variant")
     args = ap.parse_args()
+    # A SIGTERM unwinds like ^C: the node (its containerd, pods, cgroups, dirs) is removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with BenchNode("m") as node:
         rt = node.runtime()
         t = time.monotonic()

@@ -190,6 +190,7 @@ def profile(n: int, rounds: int) -> None:
         QoSManager.run_once = original  # type: ignore[method-assign]
     print(f"\nprofile: all 6 strategies, {n} pods, {rounds + 1} rounds (cProfile adds its own overhead)")
     pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(r"metrics|hooks", 45)
 
 
 def main() -> None:
