@@ -10,6 +10,7 @@ are unchanged). Plan names stay koordlet-like (``cpu_suppress``, ``cpu_burst``,
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -20,12 +21,16 @@ from hooks.resctrlfs import ResctrlFS
 from hooks.rules import Rules
 from metrics.model import MetricWriter, PodView
 from metrics.qos import evict
-from metrics.qos.burst import BurstStrategy, read_quotas
+from metrics.qos.burst import BurstStrategy, burstable, read_quotas
+from metrics.qos.inputs import share_pool_averages
 from metrics.qos.pathcache import PathCache
 from metrics.qos.plan import Action, AddTasks, Evict, LeveledWrite, Outcome, Plan, Priority, SetCgroup, SetSchemata
 from metrics.qos.resctrlsync import ResctrlSync, apply_resctrl
 from metrics.qos.strategy import BE_CPU_WINDOW, NODE, Input, RoundContext, RoundInputs, Strategy, StrategyInit
 from metrics.qos.suppress import BEState, SuppressStrategy, read_be_children, read_be_state
+
+#: The share-pool averages (node, then by pod uid) CPU burst reads.
+SharePool = tuple[float | None, Mapping[str, float]]
 
 log = structlog.get_logger("metrics.qos.builtin")
 
@@ -119,13 +124,26 @@ class CPUBurst(Strategy):
         self.inner = inner if inner is not None else BurstStrategy()
         self.paths = PathCache()
         self.quotas: Input[Mapping[str, int]] = Input("burst_quotas", self._read_quotas, len)
-        self.reads = (NODE, self.quotas)
+        self.share_pool: Input[SharePool | None] = Input("share_pool", self._read_share_pool,
+                                                         lambda pool: pool is not None)
+        self.reads = (NODE, self.share_pool, self.quotas)
 
     def _read_quotas(self, ctx: RoundContext) -> dict[str, int]:
         return read_quotas(ctx.executor, self.inner.quota_dirs(ctx.pods, ctx.rules.cpu_burst_strategy), self.paths)
 
+    def _read_share_pool(self, ctx: RoundContext) -> SharePool | None:
+        """The share-pool averages, read only while some pod's policy bursts its CFS
+        quota (the only use of the pool's state); None otherwise."""
+        node = ctx.rules.cpu_burst_strategy
+        if not any(self.inner.config_of(p, node).cfs_quota_burst_enabled for p in ctx.pods if burstable(p)):
+            return None
+        return share_pool_averages(ctx.reader, now=ctx.now, collect_interval=ctx.config.collect_interval)
+
     def plan(self, inputs: RoundInputs) -> Plan:
-        return self.inner.plan(inputs[NODE], inputs.rules.cpu_burst_strategy, inputs[self.quotas])
+        node, pool = inputs[NODE], inputs[self.share_pool]
+        if pool is not None:
+            node = replace(node, node_cpu_avg=pool[0], pod_cpu_avg=pool[1])
+        return self.inner.plan(node, inputs.rules.cpu_burst_strategy, inputs[self.quotas])
 
 
 class BEEvict(Strategy):

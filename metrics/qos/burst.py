@@ -186,7 +186,10 @@ class BurstStrategy:
         for pod in pods:
             if not burstable(pod):
                 continue
-            ctrs = [c for c in pod.containers if node.cfs_quota_burst_enabled or c.id in self._raised]
+            # The pod's own policy (its annotation overrides the node's): a pod bursting
+            # under a node policy of none needs its quotas too.
+            enabled = self.config_of(pod, node).cfs_quota_burst_enabled
+            ctrs = [c for c in pod.containers if enabled or c.id in self._raised]
             if ctrs:
                 out += [pod.cgroup_dir, *(c.cgroup_dir for c in ctrs)]
         return out

@@ -45,7 +45,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Final
 
@@ -244,16 +244,17 @@ class FastPath:
                 continue  # new or reset counter: no rate this tick
             rates[key] = (ns - before) / NS / dt
         node_used = (tick.node - prev.node) / NS / dt
-        base = NodeInputs(now=self._wall(), capacity_cores=self._manager.capacity,
-                          reserved_cores=self._manager.cfg.reserved_cores, pods=self._pods,
-                          node_cpu_used=node_used, source="fastpath")
+        # One construction per tick, ten a second: no ``replace`` of a first draft.
+        manager = self._manager
         if _PODS in tick.counters:
             if _PODS not in rates or _BE not in rates:
                 return None
-            return replace(base, tiers=TierUsage(rates[_PODS], rates[_BE]))
+            return NodeInputs(self._wall(), manager.capacity, manager.cfg.reserved_cores, self._pods, node_used,
+                              source="fastpath", tiers=TierUsage(rates[_PODS], rates[_BE]))
         live = tuple(p for p in self._pods if p.uid in tick.counters)  # vanished pods use no CPU
         missing = tuple(f"pod_cpu{{{p.key}}}" for p in live if p.uid not in rates)
-        return replace(base, pods=live, pod_cpu_used=rates, missing=missing)
+        return NodeInputs(self._wall(), manager.capacity, manager.cfg.reserved_cores, live, node_used,
+                          pod_cpu_used=rates, missing=missing, source="fastpath")
 
     # --- deciding -----------------------------------------------------------------------
 

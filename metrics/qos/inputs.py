@@ -140,9 +140,11 @@ def build_node_inputs(
     capacity_cores: float,
     reserved_cores: float,
     collect_interval: float = 1.0,
+    share_pool: bool = True,
 ) -> NodeInputs:
     """Inputs at ``now``: last samples within 2 x ``collect_interval``; share-pool
-    averages over min(5 x interval, 10 s), as koordlet's CPU burst."""
+    averages over min(5 x interval, 10 s), as koordlet's CPU burst (``share_pool``
+    False leaves them out: two window queries of the store only CPU burst reads)."""
     max_age = 2 * collect_interval
     missing: list[str] = []
     node_cpu = _last(reader, model.NODE_CPU_USAGE, now, max_age, missing)
@@ -150,8 +152,8 @@ def build_node_inputs(
     mem_total = _last(reader, model.NODE_MEMORY_TOTAL, now, max_age, missing)
     pod_cpu = _fresh_pods(reader, model.POD_CPU_USAGE, pods, now, max_age)
     missing += [f"{model.POD_CPU_USAGE}{{{p.key}}}" for p in pods if p.containers and p.uid not in pod_cpu]
-    window = min(5 * collect_interval, 10.0)
-    node_avg = reader.aggregate(model.NODE_CPU_USAGE, model.NO_LABELS, now - window, now)
+    node_avg, pod_avg = share_pool_averages(reader, now=now, collect_interval=collect_interval) if share_pool \
+        else (None, {})
     return NodeInputs(
         now=now,
         capacity_cores=capacity_cores,
@@ -164,10 +166,20 @@ def build_node_inputs(
         pod_memory_used=_fresh_pods(reader, model.POD_MEMORY_USED, pods, now, max_age),
         container_cpu_used=_fresh_containers(reader, model.CONTAINER_CPU_USAGE, pods, now, max_age),
         container_throttled=_fresh_containers(reader, model.CONTAINER_CPU_THROTTLED, pods, now, max_age),
-        node_cpu_avg=node_avg.avg if node_avg is not None and node_avg.count > 0 else None,
-        pod_cpu_avg=avg_by_label(reader, model.POD_CPU_USAGE, model.POD_UID, now - window, now),
+        node_cpu_avg=node_avg,
+        pod_cpu_avg=pod_avg,
         missing=tuple(missing),
     )
+
+
+def share_pool_averages(reader: MetricReader, *, now: float, collect_interval: float = 1.0
+                        ) -> tuple[float | None, dict[str, float]]:
+    """The node's and each pod's CPU over min(5 x interval, 10 s) (koordlet's CPU burst
+    share-pool window); the node's is None without samples."""
+    window = min(5 * collect_interval, 10.0)
+    node_avg = reader.aggregate(model.NODE_CPU_USAGE, model.NO_LABELS, now - window, now)
+    return (node_avg.avg if node_avg is not None and node_avg.count > 0 else None,
+            avg_by_label(reader, model.POD_CPU_USAGE, model.POD_UID, now - window, now))
 
 
 BE_CPU_SERIES = (model.BE_CPU_USAGE, model.BE_CPU_REQUEST, model.BE_CPU_LIMIT)

@@ -139,8 +139,11 @@ def read_inputs(ctx: RoundContext, keys: Iterable[Input[Any]], given: Mapping[st
 # --- the shared inputs ------------------------------------------------------------------------
 
 def _read_node(ctx: RoundContext) -> NodeInputs:
+    # Without the share-pool averages: CPU burst, their only reader, declares them itself
+    # (``metrics.qos.builtin.CPUBurst``) and reads them only while some pod bursts its quota.
     return build_node_inputs(ctx.reader, ctx.pods, now=ctx.now, capacity_cores=ctx.capacity_cores,
-                             reserved_cores=ctx.config.reserved_cores, collect_interval=ctx.config.collect_interval)
+                             reserved_cores=ctx.config.reserved_cores, collect_interval=ctx.config.collect_interval,
+                             share_pool=False)
 
 
 def _node_summary(node: NodeInputs) -> dict[str, Any]:

@@ -118,6 +118,10 @@ class ProxyMetrics:
         # before it becomes EMFILE.
         ProcessCollector(registry=registry)
         self._methods: dict[tuple[str, str], MethodStats] = {}
+        #: Label children of hook_duration by (hook, stage, result): ``labels()`` costs
+        #: more than the observation, and the reconciler observes every hook of every
+        #: object it visits. Bounded: hooks x stages x results of the loaded chains.
+        self._hook_children: dict[tuple[str, str, str], Histogram] = {}
 
     def method(self, method: str, path: CallPath = "passthrough") -> MethodStats:
         """Cached label children for ``method`` (a method's path never changes
@@ -138,9 +142,11 @@ class ProxyMetrics:
         self, hook: str, stage: str, result: HookResult, seconds: float
     ) -> None:
         """Record one hook invocation's latency and outcome."""
-        self.hook_duration.labels(hook=hook, stage=stage, result=result).observe(
-            seconds
-        )
+        key = (hook, stage, result)
+        child = self._hook_children.get(key)
+        if child is None:
+            child = self._hook_children[key] = self.hook_duration.labels(hook=hook, stage=stage, result=result)
+        child.observe(seconds)
 
     def hook_failed(self, hook: str, stage: str, policy: str) -> None:
         """Count a hook failure handled under ``policy`` (e.g. ``"Ignore"``, ``"Fail"``)."""

@@ -223,8 +223,10 @@ async def test_the_agent_stores_an_advisors_samples_and_explains_it(server: str,
     (host.proc / "stat").write_text("cpu  100 0 50 800 0 0 0 0 0 0\ncpu0 100 0 50 800 0 0 0 0 0 0\n")
     (host.proc / "meminfo").write_text("MemTotal: 8000 kB\nMemFree: 1000 kB\nMemAvailable: 3000 kB\n")
     registry = CollectorRegistry()
-    advisors = [{"name": "node-exporter", "url": f"{server}/metrics", "interval": "100ms", "metrics": ["node_load1"]},
-                {"name": "broken", "url": f"{server}/garbage", "interval": "100ms", "metrics": ["node_load1"]}]
+    # 500 ms (the scrape's timeout too): at 100 ms a scrape on a busy host timed out now
+    # and then, and the state read below was "timeout" instead of "ok".
+    advisors = [{"name": "node-exporter", "url": f"{server}/metrics", "interval": "500ms", "metrics": ["node_load1"]},
+                {"name": "broken", "url": f"{server}/garbage", "interval": "500ms", "metrics": ["node_load1"]}]
     provided: list[object] = []  # what the task hands the tasks built on it: its agent
     init = TaskInit(name="metrics", key_path="tasks.metrics", provide=provided.append,
                     snapshot=lambda: ({}, {}), host=host,

@@ -170,3 +170,9 @@ def test_burst_resource_renders_and_checks() -> None:
     assert CPU_CFS_BURST.parse("5000\n", 1) == 5000
     with pytest.raises(Exception, match="cfs_burst_us"):
         CPU_CFS_BURST.check(-1)
+
+
+def test_a_pod_whose_annotation_bursts_its_quota_has_its_quotas_read_under_a_node_policy_of_none() -> None:
+    annotated = pod("n", QoSClass.LS, (100_000,), {ANNOTATION: json.dumps({"policy": "cfsQuotaBurstOnly"})})
+    dirs = BurstStrategy().quota_dirs((LS, annotated), CPUBurstStrategy())  # node policy: none
+    assert dirs == ["kubepods/burstable/podn", "kubepods/burstable/podn/n0"]  # LS follows the node: nothing

@@ -10,7 +10,7 @@ import pytest
 from hooks.qos import QoSClass
 from metrics import model
 from metrics.model import ContainerView, PodView, Sample, labels
-from metrics.qos.inputs import build_be_cpu_window, build_node_inputs
+from metrics.qos.inputs import NodeInputs, build_be_cpu_window, build_node_inputs
 from metrics.store.tsdb import TSDB
 
 NOW = 1_000.0
@@ -102,3 +102,49 @@ def test_the_in_memory_view_gives_what_the_queries_give(store: TSDB, monkeypatch
     assert viewed.pod_cpu_avg["a"] == pytest.approx(1.25)
     assert viewed.missing == queried.missing
     assert "pod_cpu_usage_cores{ns/c}" in viewed.missing
+
+
+def test_cpu_burst_reads_the_share_pool_only_while_some_pod_bursts_its_quota(
+        store: TSDB, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The share-pool averages (two window queries of the store) are CPU burst's alone:
+    not part of NODE, and read by burst only when a pod's policy (the node's, or its
+    annotation) bursts the CFS quota; then they are the values NODE used to carry."""
+    import json
+
+    from hooks.cgroups import CgroupLayout
+    from hooks.executor import CgroupExecutor
+    from hooks.rules import parse_rules
+    from metrics.qos.builtin import CPUBurst
+    from metrics.qos.config import ManagerConfig
+    from metrics.qos.strategy import NODE, RoundContext, read_inputs
+
+    store.write([Sample(model.NODE_CPU_USAGE, 3.0, ts=NOW - 3), Sample(model.NODE_CPU_USAGE, 4.0, ts=NOW - 1),
+                 Sample(model.POD_CPU_USAGE, 1.0, labels(pod_uid="a"), NOW - 3),
+                 Sample(model.POD_CPU_USAGE, 1.5, labels(pod_uid="a"), NOW - 1)])
+    store.flush()
+    asked: list[str] = []
+    aggregate, average = store.aggregate, store.average_by_label
+    monkeypatch.setattr(store, "aggregate", lambda metric, *a: asked.append(metric) or aggregate(metric, *a))
+    monkeypatch.setattr(store, "average_by_label", lambda metric, *a: asked.append(metric) or average(metric, *a))
+    burst = CPUBurst()
+    (tmp_path / "cgroup" / "cpu").mkdir(parents=True)  # a v1 tree (no quota files: none are read here)
+
+    def inputs(policy: str, *pods: PodView) -> tuple[NodeInputs, object]:
+        rules = parse_rules({"cpuBurstStrategy": {"policy": policy}})
+        ctx = RoundContext(now=NOW, rules=rules, pods=pods, reader=store,
+                           executor=CgroupExecutor(CgroupLayout(tmp_path / "cgroup")), config=ManagerConfig(),
+                           capacity_cores=8)
+        got = read_inputs(ctx, burst.reads)
+        return got[NODE], got[burst.share_pool]
+
+    node, pool = inputs("none", pod("a"))
+    assert pool is None and asked == []  # nobody bursts: no window query at all
+    assert node.node_cpu_avg is None and dict(node.pod_cpu_avg) == {}  # NODE never carries them
+    annotated = PodView(uid="a", namespace="ns", name="a", sandbox_id="a", qos=QoSClass.LS, priority=0,
+                        priority_class="", cgroup_dir="kubepods/poda", containers=pod("a").containers,
+                        annotations={"koordinator.sh/cpuBurst": json.dumps({"policy": "cfsQuotaBurstOnly"})})
+    for policy, who in (("auto", pod("a")), ("none", annotated)):
+        asked.clear()
+        _node, pool = inputs(policy, who)
+        assert asked == [model.NODE_CPU_USAGE, model.POD_CPU_USAGE], policy
+        assert pool == (pytest.approx(3.5), {"a": pytest.approx(1.25)})
