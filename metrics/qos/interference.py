@@ -210,8 +210,13 @@ class Interference(Strategy):
         self._audit("release_be_cpu", [], quota=original)
         self.capping, self.original_quota = False, None
         reasons.append(why)
-        out: list[Action] = [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, original, why), None,
-                                                self.cfg.cfs_period_us)]
+        # The children this round read (a releasing round reads them): a child clamped under
+        # the cap gets its own quota back now when the tier goes back to a positive quota it
+        # fits under, not when cpu-suppress next moves the tier. None (the task stopping):
+        # every remembered original is restored.
+        children = state.children if state is not None else None
+        out: list[Action] = [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, original, why),
+                                                children, self.cfg.cfs_period_us)]
         if self.be_cpus > 0:
             out.append(self._cpuset(pods, self._cpusets.recovery_cpus(pods), why, state))
         if self.original_idle is not None:

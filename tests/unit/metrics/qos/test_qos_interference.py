@@ -332,3 +332,26 @@ async def test_the_quotas_under_the_tier_are_read_only_in_rounds_that_cap_or_rel
     env.verdicts = verdicts(cpu=Level.CONFIRMED)
     await env.round()
     assert env.quota() == "50000" and reads  # the cap clamps the children above it first (v1)
+
+
+@pytest.mark.asyncio
+async def test_releasing_the_cap_to_a_positive_quota_gives_a_clamped_child_its_own_quota_back_at_once(
+        envs: Any) -> None:
+    """The BE container's own quota (1.5 cores) is clamped under the cap (0.5 core); when
+    the cap is released to the suppress quota found before it (above 1.5 cores), the
+    child gets 150000 back in the same round: it used to stay at the cap's value until
+    cpu-suppress next moved the tier."""
+    env = envs(args={"be_cpus": 0})
+    child = env.root / "cpu" / BE.containers[0].cgroup_dir / "cpu.cfs_quota_us"
+    child.write_text("150000\n")
+    await env.round()
+    suppressed = int(env.quota())
+    assert suppressed > 150_000
+    env.verdicts = verdicts(cpu=Level.CONFIRMED)
+    await env.round()
+    assert (env.quota(), child.read_text().strip()) == ("50000", "50000")  # clamped under the cap
+    env.verdicts = verdicts()
+    env.now += 60  # past the hold
+    await env.round()
+    assert int(env.quota()) == suppressed
+    assert child.read_text().strip() == "150000"
