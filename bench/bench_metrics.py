@@ -75,13 +75,17 @@ def _parts(port: int) -> dict[str, float]:
     return {k: float(v) for k, v in parts.items()}
 
 
-def _threads_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds of each of the process's threads, by thread id."""
-    out: dict[int, float] = {}
+def _threads_cpu(pid: int) -> dict[int, tuple[float, int]]:
+    """CPU seconds and wake-ups (voluntary context switches) of each of the process's
+    threads, by thread id."""
+    out: dict[int, tuple[float, int]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            out[int(task.name)] = cpu_seconds(pid, int(task.name))
-        except (OSError, ValueError, IndexError):
+            status = (task / "status").read_text()
+            wakes = next(int(line.split()[1]) for line in status.splitlines()
+                         if line.startswith("voluntary_ctxt_switches:"))
+            out[int(task.name)] = (cpu_seconds(pid, int(task.name)), wakes)
+        except (OSError, ValueError, IndexError, StopIteration):
             continue  # a thread that ended between the listing and the read
     return out
 
@@ -129,12 +133,15 @@ def _measure(proc: subprocess.Popen[bytes], port: int, warmup: float, window: fl
     th1, w1 = _threads_cpu(proc.pid), _wakeups(proc.pid)
     if profile is not None and profile.exists():  # where the process's CPU went, by thread
         names = _thread_names(profile)
-        by_name: dict[str, float] = {}
-        for tid, cpu in th1.items():
+        by_name: dict[str, tuple[float, float]] = {}
+        for tid, (cpu, wakes) in th1.items():
             name = names.get(tid, "(not sampled)")
-            by_name[name] = by_name.get(name, 0.0) + 1000.0 * (cpu - th0.get(tid, 0.0)) / (t1 - t0)
-        print(f"CPU by thread, ms per second ({profile.name}): "
-              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])), flush=True)
+            cpu0, wakes0 = th0.get(tid, (0.0, 0))
+            had = by_name.get(name, (0.0, 0.0))
+            by_name[name] = (had[0] + 1000.0 * (cpu - cpu0) / (t1 - t0), had[1] + (wakes - wakes0) / (t1 - t0))
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+        print(f"CPU by thread, ms per second and wake-ups per second ({profile.name}): "
+              + ", ".join(f"{k} {v[0]:.2f} ms {v[1]:.0f} w" for k, v in ranked), flush=True)
     return {"cpu_pct": 100.0 * (c1 - c0) / (t1 - t0), "wakes": (w1 - w0) / (t1 - t0),
             "rss_mib": _status_kib(proc.pid, "VmRSS") / 1024,
             "hwm_mib": _status_kib(proc.pid, "VmHWM") / 1024,
