@@ -77,7 +77,8 @@ def _parts(port: int) -> dict[str, float]:
 
 def _threads_cpu(pid: int) -> dict[int, tuple[float, int]]:
     """CPU seconds and wake-ups (voluntary context switches) of each of the process's
-    threads, by thread id."""
+    threads, by thread id. A wake-up costs ~0.1-0.3 ms of CPU on a VM, more than most of
+    the work it wakes for."""
     out: dict[int, tuple[float, int]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -88,20 +89,6 @@ def _threads_cpu(pid: int) -> dict[int, tuple[float, int]]:
         except (OSError, ValueError, IndexError, StopIteration):
             continue  # a thread that ended between the listing and the read
     return out
-
-
-def _wakeups(pid: int) -> int:
-    """Voluntary context switches of all the process's threads: each is a wake-up, which
-    costs ~0.1-0.3 ms of CPU on a VM (more than most of the work it wakes for)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            for line in (task / "status").read_text().splitlines():
-                if line.startswith("voluntary_ctxt_switches:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total
 
 
 def _thread_names(profile: Path) -> dict[int, str]:
@@ -119,7 +106,7 @@ def _measure(proc: subprocess.Popen[bytes], port: int, warmup: float, window: fl
              profile: Path | None = None) -> dict[str, Any]:
     time.sleep(warmup)
     p0, c0, t0 = _parts(port), cpu_seconds(proc.pid), time.monotonic()
-    th0, w0 = _threads_cpu(proc.pid), _wakeups(proc.pid)
+    th0 = _threads_cpu(proc.pid)
     spy = None
     if profile is not None:  # collapsed stacks of the whole window (py-spy reads without stopping it)
         spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking",
@@ -130,7 +117,8 @@ def _measure(proc: subprocess.Popen[bytes], port: int, warmup: float, window: fl
     if spy is not None:
         spy.wait(timeout=60)
     p1, c1, t1 = _parts(port), cpu_seconds(proc.pid), time.monotonic()
-    th1, w1 = _threads_cpu(proc.pid), _wakeups(proc.pid)
+    th1 = _threads_cpu(proc.pid)
+    w0, w1 = (sum(wakes for _cpu, wakes in th.values()) for th in (th0, th1))
     if profile is not None and profile.exists():  # where the process's CPU went, by thread
         names = _thread_names(profile)
         by_name: dict[str, tuple[float, float]] = {}

@@ -21,7 +21,7 @@ from hooks.resctrlfs import ResctrlFS
 from hooks.rules import Rules
 from metrics.model import MetricWriter, PodView
 from metrics.qos import evict
-from metrics.qos.burst import BurstStrategy, burstable, read_quotas
+from metrics.qos.burst import BurstStrategy, read_quotas
 from metrics.qos.inputs import share_pool_averages
 from metrics.qos.pathcache import PathCache
 from metrics.qos.plan import Action, AddTasks, Evict, LeveledWrite, Outcome, Plan, Priority, SetCgroup, SetSchemata
@@ -134,8 +134,7 @@ class CPUBurst(Strategy):
     def _read_share_pool(self, ctx: RoundContext) -> SharePool | None:
         """The share-pool averages, read only while some pod's policy bursts its CFS
         quota (the only use of the pool's state); None otherwise."""
-        node = ctx.rules.cpu_burst_strategy
-        if not any(self.inner.config_of(p, node).cfs_quota_burst_enabled for p in ctx.pods if burstable(p)):
+        if not any(self.inner.bursts_quota(p, ctx.rules.cpu_burst_strategy) for p in ctx.pods):
             return None
         return share_pool_averages(ctx.reader, now=ctx.now, collect_interval=ctx.config.collect_interval)
 

@@ -186,13 +186,16 @@ class BurstStrategy:
         for pod in pods:
             if not burstable(pod):
                 continue
-            # The pod's own policy (its annotation overrides the node's): a pod bursting
-            # under a node policy of none needs its quotas too.
-            enabled = self.config_of(pod, node).cfs_quota_burst_enabled
+            enabled = self.bursts_quota(pod, node)
             ctrs = [c for c in pod.containers if enabled or c.id in self._raised]
             if ctrs:
                 out += [pod.cgroup_dir, *(c.cgroup_dir for c in ctrs)]
         return out
+
+    def bursts_quota(self, pod: PodView, node: CPUBurstStrategy) -> bool:
+        """Whether the pod's own policy (its annotation overrides the node's) bursts its
+        CFS quota: a pod bursting under a node policy of none needs its quotas too."""
+        return burstable(pod) and self.config_of(pod, node).cfs_quota_burst_enabled
 
     def config_of(self, pod: PodView, node: CPUBurstStrategy) -> CPUBurstStrategy:
         raw = pod.annotations.get(ANNOTATION)

@@ -246,14 +246,9 @@ class QoSManager:
                 result.outcomes[plan.strategy] = [Outcome(a, "dry-run") for a in plan.actions]
             self._record(result)
             return result
-        start = 0
-        while True:
-            end = start
-            while end < len(applied) and not any(isinstance(a, Evict) for a in applied[end].actions):
-                end += 1
-            group = applied[start:end + 1]  # up to and including the next plan that evicts
-            last = end + 1 >= len(applied)
-            done = await asyncio.to_thread(self._write_plans, group, last)
+        groups = _cut_after_evictions(applied)
+        for k, group in enumerate(groups):
+            done = await asyncio.to_thread(self._write_plans, group, k == len(groups) - 1)
             for plan, outcomes in zip(group, done, strict=True):
                 for action in plan.actions:
                     if isinstance(action, Evict):
@@ -262,9 +257,6 @@ class QoSManager:
                 owner = self._owners.get(plan.strategy)
                 if owner is not None:
                     owner.after(plan, outcomes, inputs)
-            if last:
-                break
-            start = end + 1
         self._record(result)
         return result
 
@@ -397,6 +389,17 @@ class _Explained:
             "applied": [o.describe() for o in result.outcomes.get(plan.strategy, [])],
             "rejected": [r.describe() for r in result.rejected if r.strategy == plan.strategy],
         }
+
+
+def _cut_after_evictions(plans: Sequence[Plan]) -> list[list[Plan]]:
+    """The plans in order, in groups that each end with a plan that evicts (or at the
+    end); never no group, so a round with nothing to write still reads the BE state."""
+    groups: list[list[Plan]] = [[]]
+    for plan in plans:
+        if groups[-1] and any(isinstance(a, Evict) for a in groups[-1][-1].actions):
+            groups.append([])
+        groups[-1].append(plan)
+    return groups
 
 
 def _targets(action: Action) -> str:

@@ -324,3 +324,21 @@ async def test_wakes_do_not_run_rounds_faster_than_the_samples_change(env_factor
     gaps = [b - a for a, b in itertools.pairwise(rounds)]
     assert len(rounds) <= 7, f"{len(rounds)} rounds in 1 s at a 0.2 s collect interval"
     assert min(gaps) >= 0.19, gaps
+
+
+def test_a_rounds_writes_are_cut_into_hand_offs_only_after_a_plan_that_evicts() -> None:
+    from metrics.qos.manager import _cut_after_evictions
+    from metrics.qos.plan import Evict, Plan, Priority
+
+    def plan(name: str, evicts: bool = False) -> Plan:
+        actions = (Evict("u", "ns/p", "test"),) if evicts else ()
+        return Plan(name, Priority.SUPPRESS, actions, {}, "test")
+
+    def names(plans: list[Plan]) -> list[list[str]]:
+        return [[p.strategy for p in group] for group in _cut_after_evictions(plans)]
+
+    assert names([]) == [[]]  # one hand-off all the same: the BE state is read
+    assert names([plan("a"), plan("b")]) == [["a", "b"]]
+    assert names([plan("a", True), plan("b"), plan("c")]) == [["a"], ["b", "c"]]
+    assert names([plan("a"), plan("b", True)]) == [["a", "b"]]
+    assert names([plan("a", True), plan("b", True)]) == [["a"], ["b"]]
