@@ -286,6 +286,8 @@ def _kube(node: BenchNode, args: argparse.Namespace) -> int:
         before = len(api.seen("PATCH", patch))
         proc, _sock, port = node.proxy(f"k{i}", tasks, cwd=cwd, env=envs.get(name))
         prof = Path(args.py_spy) / f"k{i}.txt" if args.py_spy else None
+        if prof is not None:
+            prof.parent.mkdir(parents=True, exist_ok=True)
         row = _measure(proc, port, args.warmup, args.window, prof)
         row["patches"] = len(api.seen("PATCH", patch)) - before
         rows.append((name, row))
