@@ -100,7 +100,7 @@ async def test_a_separate_image_endpoint_is_probed_on_its_own(
 def test_probe_settings_are_validated() -> None:
     settings = config.from_mapping({"backend": {"probe_interval": "500ms", "unhealthy_after": "10s"}})
     assert (settings.backend.probe_interval, settings.backend.unhealthy_after) == (0.5, 10.0)
-    assert (config.Settings().backend.probe_interval, config.Settings().backend.unhealthy_after) == (2.0, 6.0)
+    assert (config.Settings().backend.probe_interval, config.Settings().backend.unhealthy_after) == (5.0, 6.0)
     for key, value in (("probe_interval", "0s"), ("unhealthy_after", "-3s"), ("unhealthy_after", "later")):
         with pytest.raises(ConfigError) as err:
             config.from_mapping({"backend": {key: value}})
