@@ -136,10 +136,12 @@ def _measure(proc: subprocess.Popen[bytes], port: int, warmup: float, window: fl
             "parts": {k: 1000.0 * (p1[k] - p0.get(k, 0.0)) / (t1 - t0) for k in p1}}
 
 
-def _run_pods(rt: Any, prefix: str, logs: Path, n: int) -> None:
+def _run_pods(rt: Any, prefix: str, logs: Path, n: int, no_be: bool = False) -> None:
+    classes: tuple[Literal["besteffort", "burstable", "guaranteed"], ...] = (
+        ("burstable", "guaranteed") if no_be else ("besteffort", "burstable", "guaranteed"))
     for i in range(n):
         uid = str(uuid.uuid4())
-        qos: Literal["besteffort", "burstable", "guaranteed"] = ("besteffort", "burstable", "guaranteed")[i % 3]
+        qos = classes[i % len(classes)]
         sb = devpods.sandbox_config(name=f"p{i:03d}", namespace="bench", uid=uid, log_dir=str(logs),
                                     cgroup_parent=devpods.kube_cgroup_parent(prefix, qos, uid))
         sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sb), timeout=120).pod_sandbox_id
@@ -329,6 +331,8 @@ def main() -> int:
     ap.add_argument("--intervals", action="append", default=[], metavar="NAME=DUR,...",
                     help="also a variant with these collector intervals (e.g. psi=2s,schedlat=1s); repeatable;"
                          " --only-intervals: just these, after no tasks and the defaults")
+    ap.add_argument("--no-be", action="store_true",
+                    help="no BestEffort pod (half burstable, half guaranteed): the QoS fast path idles")
     ap.add_argument("--only-intervals", action="store_true", help="leave out the schedstat variant")
     args = ap.parse_args()
     # A SIGTERM unwinds like ^C: the node (its containerd, pods, cgroups, dirs) is removed.
@@ -336,7 +340,7 @@ def main() -> int:
     with BenchNode("m") as node:
         rt = node.runtime()
         t = time.monotonic()
-        _run_pods(rt, node.prefix, node.base / "logs", args.pods)
+        _run_pods(rt, node.prefix, node.base / "logs", args.pods, args.no_be)
         print(f"{args.pods} pods running after {time.monotonic() - t:.0f} s", file=sys.stderr)
         if args.steady:
             return _steady(node, not args.no_nodemetric)

@@ -162,7 +162,9 @@ def qos_plan(init: TaskInit) -> dict[str, Any]:
     psi = init.host.proc / "pressure" / "cpu"
     return {
         "interval": settings.interval, "dry_run": settings.dry_run, "evict_mode": settings.evict_mode,
-        "fast_path": {"on": settings.fast_path, "interval": settings.fast_interval} if settings.fast_path
+        # idle_interval: its cadence while no BE pod runs or the BE threshold rule is off.
+        "fast_path": {"on": settings.fast_path, "interval": settings.fast_interval,
+                      "idle_interval": settings.interval} if settings.fast_path
         else {"on": False},
         "psi_trigger": {"on": settings.psi_trigger and psi.exists(),
                         "reason": "" if psi.exists() or not settings.psi_trigger else f"no {psi}"},

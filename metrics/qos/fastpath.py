@@ -31,6 +31,13 @@ between re-plans, up to ``max_backoff``; a successful one resets it, so a refuse
 write is neither retried ten times a second nor logged at that rate (the manager
 warns once per target and cause, and says when it recovers).
 
+With nothing to protect against (no BE pod on the node, or the BE threshold rule
+off) a tick could never re-plan, yet each costs ~0.35 ms of CPU on a VM, nearly all of
+it the wake-up (issue 29): the fast path then ticks every ``idle_interval`` (the
+regular round's interval) instead, and is back at ``interval`` within one idle tick
+of a BE pod appearing or the rule turning on; the regular round covers the gap, as it
+does without a fast path. Both are read from state at every tick, not from events.
+
 The mode is re-derived whenever the pod list changes and logged when it does.
 Paths are computed once per pod list; no parsing beyond one int per file. The
 reads stay on the event loop: they are memory-backed kernel files answering in
@@ -72,6 +79,9 @@ class FastPathConfig:
     #: Seconds between ticks: a burst that starts mid-tick is fully seen one tick
     #: later, so the reaction is about two ticks plus the write.
     interval: float = 0.1
+    #: Seconds between ticks while no tick could re-plan (no BE pod, the rule off): the
+    #: regular round's interval. The first tick after such a gap only takes a baseline.
+    idle_interval: float = 1.0
     #: A tick later than this many intervals after the last is a stall: no decision.
     stale_after: float = 3.0
     #: Dead band, as a share of capacity: smaller drops wait for the regular round.
@@ -117,6 +127,8 @@ class FastPath:
         self._wall = wall
         self._prev: _Tick | None = None
         self._pods: tuple[PodView, ...] = ()
+        #: Whether ``_pods`` holds a BE pod (derived with the paths, once per pod list).
+        self._any_be = False
         self._paths: dict[str, Path] = {}
         self._last_trigger = -math.inf
         self._gap = config.min_gap
@@ -136,12 +148,20 @@ class FastPath:
         loop = asyncio.get_running_loop()
         while True:
             self._waiter = waiter = loop.create_future()
-            timer = loop.call_later(self.cfg.interval, _release, waiter)
+            timer = loop.call_later(self.next_wait(), _release, waiter)
             try:
                 await waiter
             finally:
                 timer.cancel()
             await self.tick()
+
+    def next_wait(self) -> float:
+        """Seconds to the next tick: ``interval`` while a tick could re-plan (some BE pod
+        under an enabled BE threshold rule), else ``idle_interval``."""
+        self._refresh_paths()
+        if self._any_be and self._rules().resource_used_threshold_with_be.enable:
+            return self.cfg.interval
+        return max(self.cfg.idle_interval, self.cfg.interval)
 
     async def tick(self) -> bool:
         """One sample; True when it triggered a re-plan."""
@@ -170,6 +190,7 @@ class FastPath:
         if pods is self._pods:
             return
         self._pods = pods
+        self._any_be = any(is_be(p) for p in pods)
         if self._warned:  # warned-once keys of pods that are gone go with them
             self._warned &= {p.uid for p in pods} | {"root", _PODS, _BE}
         tier, reason = self._tier_mode(pods)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -352,3 +353,63 @@ async def test_a_refused_write_backs_off_and_warns_once(host: Host, store: TSDB,
     out = capsys.readouterr().out
     assert "qos_write_recovered" in out and "fastpath_backoff_reset" in out
     assert int((host.cgroup / "cpu" / BE_DIR / "cpu.cfs_quota_us").read_text()) == 2000
+
+
+# --- the idle cadence: nothing to protect, no tick every 100 ms ----------------------------
+
+def _manager(host: Host, store: TSDB, pods: list[PodView], rules: list[Rules]) -> QoSManager:
+    return QoSManager(reader=store, pods=lambda: list(pods), topology=TOPOLOGY,
+                      executor=CgroupExecutor(CgroupLayout(host.cgroup)), evictor=CriEvictor(_no_runtime),
+                      rules=lambda: rules[0], config=ManagerConfig(reserved_cores=0.5), clock=lambda: NOW)
+
+
+@pytest.mark.asyncio
+async def test_nothing_to_protect_waits_the_regular_round_s_interval(host: Host, store: TSDB) -> None:
+    """No BE pod, or the BE threshold rule off: no tick could re-plan, so none every 100 ms."""
+    pods, rules = [LS], [RULES]
+    manager = _manager(host, store, pods, rules)
+    await manager.run_once()
+    fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: rules[0],
+                    config=FastPathConfig(interval=0.1, idle_interval=1.0))
+    assert fast.next_wait() == 1.0  # an LS pod alone
+    pods.append(BE)
+    await manager.run_once()  # the pod list the fast path reads is the round's
+    assert fast.next_wait() == 0.1
+    rules[0] = parse_rules({"resourceUsedThresholdWithBE": {"enable": False}})
+    assert fast.next_wait() == 1.0
+    rules[0] = RULES
+    assert fast.next_wait() == 0.1
+    # An idle interval below the tick interval never makes the fast path faster.
+    assert FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: RULES,
+                    config=FastPathConfig(interval=0.5, idle_interval=0.1)).next_wait() == 0.5
+
+
+@pytest.mark.asyncio
+async def test_run_idles_until_a_be_pod_appears(host: Host, store: TSDB) -> None:
+    pods, rules = [LS], [RULES]
+    manager = _manager(host, store, pods, rules)
+    await manager.run_once()
+    fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: rules[0],
+                    config=FastPathConfig(interval=0.01, idle_interval=3600))
+    ticked, ticks = asyncio.Event(), [0]
+    original = fast.tick
+
+    async def counted() -> bool:
+        ticks[0] += 1
+        ticked.set()
+        return await original()
+
+    fast.tick = counted  # type: ignore[method-assign]
+    task = asyncio.create_task(fast.run())
+    await asyncio.sleep(0.2)  # twenty tick intervals: none is taken while idle
+    assert ticks[0] == 0
+    pods.append(BE)
+    await manager.run_once()
+    fast.wake()  # as a PSI trigger would; else the idle hour runs out first
+    for _ in range(3):  # then ticks at the tick interval
+        ticked.clear()
+        await asyncio.wait_for(ticked.wait(), 10)
+    assert ticks[0] >= 3
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
