@@ -357,20 +357,23 @@ async def test_a_refused_write_backs_off_and_warns_once(host: Host, store: TSDB,
 
 # --- the idle cadence: nothing to protect, no tick every 100 ms ----------------------------
 
-def _manager(host: Host, store: TSDB, pods: list[PodView], rules: list[Rules]) -> QoSManager:
-    return QoSManager(reader=store, pods=lambda: list(pods), topology=TOPOLOGY,
-                      executor=CgroupExecutor(CgroupLayout(host.cgroup)), evictor=CriEvictor(_no_runtime),
-                      rules=lambda: rules[0], config=ManagerConfig(reserved_cores=0.5), clock=lambda: NOW)
+async def _changing(host: Host, store: TSDB, config: FastPathConfig
+                    ) -> tuple[list[PodView], list[Rules], QoSManager, FastPath]:
+    """An LS pod alone, the BE rule on; the test changes the pod list (seen at the next
+    round) and the rules through the returned lists."""
+    pods, rules = [LS], [RULES]
+    manager = QoSManager(reader=store, pods=lambda: list(pods), topology=TOPOLOGY,
+                         executor=CgroupExecutor(CgroupLayout(host.cgroup)), evictor=CriEvictor(_no_runtime),
+                         rules=lambda: rules[0], config=ManagerConfig(reserved_cores=0.5), clock=lambda: NOW)
+    await manager.run_once()
+    return pods, rules, manager, FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: rules[0],
+                                          config=config)
 
 
 @pytest.mark.asyncio
 async def test_nothing_to_protect_waits_the_regular_round_s_interval(host: Host, store: TSDB) -> None:
     """No BE pod, or the BE threshold rule off: no tick could re-plan, so none every 100 ms."""
-    pods, rules = [LS], [RULES]
-    manager = _manager(host, store, pods, rules)
-    await manager.run_once()
-    fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: rules[0],
-                    config=FastPathConfig(interval=0.1, idle_interval=1.0))
+    pods, rules, manager, fast = await _changing(host, store, FastPathConfig(interval=0.1, idle_interval=1.0))
     assert fast.next_wait() == 1.0  # an LS pod alone
     pods.append(BE)
     await manager.run_once()  # the pod list the fast path reads is the round's
@@ -386,11 +389,7 @@ async def test_nothing_to_protect_waits_the_regular_round_s_interval(host: Host,
 
 @pytest.mark.asyncio
 async def test_run_idles_until_a_be_pod_appears(host: Host, store: TSDB) -> None:
-    pods, rules = [LS], [RULES]
-    manager = _manager(host, store, pods, rules)
-    await manager.run_once()
-    fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: rules[0],
-                    config=FastPathConfig(interval=0.01, idle_interval=3600))
+    pods, _rules, manager, fast = await _changing(host, store, FastPathConfig(interval=0.01, idle_interval=3600))
     ticked, ticks = asyncio.Event(), [0]
     original = fast.tick
 
