@@ -144,6 +144,9 @@ def test_ls_load_shrinks_be_quota_and_release_restores_it(proxy: Any, pods: Any,
         return
     time.sleep(2)  # let it settle (growth is capped at 10 % of capacity a round)
     wide = _quota(cgroup_prefix)
+    if wide < WIDE:  # the host's own work took the room meanwhile (a CI run, burners): judged again
+        _busy_host_checks(proxy, rt, pods, ls_sid, ls_pod, cgroup_prefix)
+        return
 
     # Weighted like a latency-sensitive service against batch work, so the LS load
     # really takes the CPUs (and the suppress formula sees it) on a busy CI machine.
