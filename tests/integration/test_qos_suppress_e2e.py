@@ -100,6 +100,16 @@ def _wait_for_regime(proxy: Any, prefix: str, rounds: int = 5) -> bool:
                          f"quota {_quota(prefix)}, formula inputs {json.dumps(_suppress_plan(proxy))[:1500]}")
 
 
+def _settled_wide_quota(proxy: Any, prefix: str) -> int | None:
+    """The BE quota once the host leaves BE room and it has settled, or None on a busy
+    host, including one whose own work (a CI run, burners) took the room while it settled."""
+    if not _wait_for_regime(proxy, prefix):
+        return None
+    time.sleep(2)  # let it settle (growth is capped at 10 % of capacity a round)
+    wide = _quota(prefix)
+    return wide if wide >= WIDE else None
+
+
 def _busy_host_checks(proxy: Any, rt: Any, pods: Any, ls_sid: str, ls_pod: Any, prefix: str) -> None:
     """On a host whose own work leaves BE no room: LS load is seen by the formula (its
     non-BE term rises and falls with it) and BE never gets more than the formula allows."""
@@ -138,13 +148,8 @@ def test_ls_load_shrinks_be_quota_and_release_restores_it(proxy: Any, pods: Any,
     # the CPUs leaves BE nothing by the formula (koordlet's: systemUsed is node - pods,
     # and a busy loop outside the pods takes whatever BE is not given), so there the
     # test checks the formula instead of a wide quota: robust to the host by construction.
-    quiet = _wait_for_regime(proxy, cgroup_prefix)
-    if not quiet:
-        _busy_host_checks(proxy, rt, pods, ls_sid, ls_pod, cgroup_prefix)
-        return
-    time.sleep(2)  # let it settle (growth is capped at 10 % of capacity a round)
-    wide = _quota(cgroup_prefix)
-    if wide < WIDE:  # the host's own work took the room meanwhile (a CI run, burners): judged again
+    wide = _settled_wide_quota(proxy, cgroup_prefix)
+    if wide is None:
         _busy_host_checks(proxy, rt, pods, ls_sid, ls_pod, cgroup_prefix)
         return
 
