@@ -32,18 +32,24 @@ write is neither retried ten times a second nor logged at that rate (the manager
 warns once per target and cause, and says when it recovers).
 
 With nothing to protect against (no BE pod on the node, or the BE threshold rule
-off) a tick could never re-plan, yet each costs ~0.35 ms of CPU on a VM, nearly all of
-it the wake-up (issue 29): the fast path then ticks every ``idle_interval`` (the
+off) a tick could never re-plan, yet each costs ~0.2 ms of CPU on a VM, nearly all of it
+the wake-up (issue 29): the fast path then ticks every ``idle_interval`` (the
 regular round's interval) instead, and is back at ``interval`` within one idle tick
 of a BE pod appearing or the rule turning on; the regular round covers the gap, as it
 does without a fast path. Both are read from state at every tick, not from events.
 
 The mode is re-derived whenever the pod list changes and logged when it does.
-Paths are computed once per pod list; no parsing beyond one int per file. The
-reads stay on the event loop: they are memory-backed kernel files answering in
-microseconds, less than a thread hop. A tick that comes too late (the loop
-stalled) resets the baseline: deltas over an unknown span would be a guess, so
-no decision is made from them.
+Paths are computed once per pod list and the counter files stay open
+(``OpenFiles``: one ``pread`` each a tick; after ``rmdir`` the read fails, ENODEV,
+as a missing file does); no parsing beyond one int per file. The reads stay on the
+event loop: they are memory-backed kernel files answering in microseconds, less than
+a thread hop. A tick that comes too late (the loop stalled) resets the baseline:
+deltas over an unknown span would be a guess, so no decision is made from them.
+
+What a tick costs is mostly coming back from sleep (issue 29: cold caches; measured in
+docs/benchmarks.md), so ``run`` ticks from a plain timer callback (no task, no future
+per tick: one loop callback instead of three) and a task exists only while a re-plan
+runs; opening three cgroup files per tick cost more, cold, than reading them.
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ import structlog
 
 from hooks.rules import Rules
 from metrics.collect.base import ReadError
-from metrics.collect.cgroupfs import CgroupReader, read_cpu_usage_ns
+from metrics.collect.cgroupfs import CgroupReader, parse_cpu_usage_ns
+from metrics.collect.openfiles import OpenFiles
 from metrics.model import PodView
 from metrics.qos.inputs import NodeInputs, TierUsage
 from metrics.qos.manager import QoSManager
@@ -72,6 +79,8 @@ log = structlog.get_logger("metrics.qos.fastpath")
 NS: Final = 1e9
 #: Counter keys in tier mode (pod uids never look like this).
 _PODS, _BE = "tier:kubepods", "tier:besteffort"
+#: Counter files kept open (pod mode reads one per pod; beyond this, opened per read).
+_MAX_OPEN: Final = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +129,10 @@ class FastPath:
     ) -> None:
         self.cfg = config
         self._manager = manager
-        self._root = cgroups.cpuacct_dir("")
         self._cgroups = cgroups
+        self._usage_file = "cpu.stat" if cgroups.version == 2 else "cpuacct.usage"
+        self._root = self._counter(cgroups.cpuacct_dir(""))
+        self._files = OpenFiles(limit=_MAX_OPEN)
         self._rules = rules
         self._clock = clock
         self._wall = wall
@@ -129,31 +140,75 @@ class FastPath:
         self._pods: tuple[PodView, ...] = ()
         #: Whether ``_pods`` holds a BE pod (derived with the paths, once per pod list).
         self._any_be = False
-        self._paths: dict[str, Path] = {}
+        #: Counter file by pod uid, or by tier key in tier mode.
+        self._paths: dict[str, str] = {}
         self._last_trigger = -math.inf
         self._gap = config.min_gap
-        self._waiter: asyncio.Future[None] | None = None
+        #: While ``run`` runs: its loop, the armed timer, the re-plan in flight, and the
+        #: future that carries a tick's exception to ``run``.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._replanning: asyncio.Task[None] | None = None
+        self._failed: asyncio.Future[None] | None = None
         self._warned: set[str] = set()
         self.triggers = 0
         #: "tier" or "pods" (see the module doc); "" before the first tick.
         self.mode = ""
 
     def wake(self) -> None:
-        """Sample now (a PSI trigger fired)."""
-        _release(self._waiter)
+        """Sample now (a PSI trigger fired); nothing while a re-plan runs (the next tick follows it)."""
+        if self._timer is not None and self._loop is not None:
+            self._timer.cancel()
+            self._timer = self._loop.call_later(0, self._on_timer)
 
     async def run(self) -> None:
-        # A future and a timer per tick, not ``wait_for`` (a task per tick): at ten
-        # ticks a second the waiting costs more than the reads.
-        loop = asyncio.get_running_loop()
-        while True:
-            self._waiter = waiter = loop.create_future()
-            timer = loop.call_later(self.next_wait(), _release, waiter)
-            try:
-                await waiter
-            finally:
-                timer.cancel()
-            await self.tick()
+        """Tick until cancelled; raises what a tick raised. Each tick is a timer callback
+        that samples and decides; only a re-plan (rare) runs as a task, and the next
+        tick is armed when it ends, so ticks never overlap."""
+        loop = self._loop = asyncio.get_running_loop()
+        self._failed = failed = loop.create_future()
+        self._arm()
+        try:
+            await failed
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._loop = self._failed = None
+            replan, self._replanning = self._replanning, None
+            if replan is not None and not replan.done():
+                replan.cancel()
+            self._files.close()
+
+    def _arm(self) -> None:
+        if self._loop is not None:
+            self._timer = self._loop.call_later(self.next_wait(), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        try:
+            inputs = self.sample()
+            why = None if inputs is None else self.decide(inputs)
+        except Exception as exc:  # noqa: BLE001 - handed to run(), which raises it to its supervisor
+            self._fail(exc)
+            return
+        if inputs is None or why is None:
+            self._arm()
+            return
+        assert self._loop is not None
+        self._replanning = self._loop.create_task(self._replan_then_arm(inputs, why), name="qos:fastpath-replan")
+
+    async def _replan_then_arm(self, inputs: NodeInputs, why: str) -> None:
+        try:
+            await self._replan(inputs, why)
+        except Exception as exc:  # noqa: BLE001 - handed to run(), as a tick's
+            self._fail(exc)
+            return
+        self._replanning = None
+        self._arm()
+
+    def _fail(self, exc: Exception) -> None:
+        if self._failed is not None and not self._failed.done():
+            self._failed.set_exception(exc)
 
     def next_wait(self) -> float:
         """Seconds to the next tick: ``interval`` while a tick could re-plan (some BE pod
@@ -164,13 +219,17 @@ class FastPath:
         return max(self.cfg.idle_interval, self.cfg.interval)
 
     async def tick(self) -> bool:
-        """One sample; True when it triggered a re-plan."""
+        """One sample; True when it triggered a re-plan (``run`` does the same from its timer)."""
         inputs = self.sample()
         if inputs is None:
             return False
         why = self.decide(inputs)
         if why is None:
             return False
+        await self._replan(inputs, why)
+        return True
+
+    async def _replan(self, inputs: NodeInputs, why: str) -> None:
         self._last_trigger = self._clock()
         self.triggers += 1
         result = await self._manager.replan_suppress(inputs, why)
@@ -181,7 +240,6 @@ class FastPath:
         elif not failed and self._gap > self.cfg.min_gap:
             log.info("fastpath_backoff_reset", reason="suppress write succeeded")
         self._gap = gap
-        return True
 
     # --- sampling -----------------------------------------------------------------------
 
@@ -198,15 +256,19 @@ class FastPath:
         if mode != self.mode:
             log.info("fastpath_mode", mode=mode, reason=reason, pods=len(pods))
             self.mode = mode
+        dirs = self._cgroups.cpuacct_dir
         if tier:
             be_dir = self._manager.cfg.suppress.besteffort_dir
-            self._paths = {_PODS: self._cgroups.cpuacct_dir(str(be_dir.parent)),
-                           _BE: self._cgroups.cpuacct_dir(str(be_dir))}
-            return
-        # The list is rebuilt whenever any container comes or goes (e.g. the very LS
-        # container whose burst we must see): pods that stay keep their baseline, so
-        # only new pods lack a rate for one tick.
-        self._paths = {p.uid: self._cgroups.cpuacct_dir(p.cgroup_dir) for p in pods}
+            self._paths = {_PODS: self._counter(dirs(str(be_dir.parent))), _BE: self._counter(dirs(str(be_dir)))}
+        else:
+            # The list is rebuilt whenever any container comes or goes (e.g. the very LS
+            # container whose burst we must see): pods that stay keep their baseline, so
+            # only new pods lack a rate for one tick.
+            self._paths = {p.uid: self._counter(dirs(p.cgroup_dir)) for p in pods}
+        self._files.retain([self._root, *self._paths.values()])
+
+    def _counter(self, cgroup_dir: Path) -> str:
+        return f"{cgroup_dir}/{self._usage_file}"
 
     def _tier_mode(self, pods: tuple[PodView, ...]) -> tuple[bool, str]:
         """Whether the two tier counters give Σ pods and Σ BE exactly, and why not."""
@@ -224,16 +286,16 @@ class FastPath:
         return True, f"all pods under {kube_dir}, BE exactly under {be_dir}"
 
     def _read(self) -> _Tick | None:
-        version = self._cgroups.version
+        version, read = self._cgroups.version, self._files.read
         try:
-            node = read_cpu_usage_ns(self._root, version)
+            node = parse_cpu_usage_ns(read(self._root), self._root, version)
         except ReadError as exc:
             self._warn("root", "fastpath_sample_failed", str(exc))
             return None
         counters: dict[str, int] = {}
         for key, path in self._paths.items():
             try:
-                counters[key] = read_cpu_usage_ns(path, version)
+                counters[key] = parse_cpu_usage_ns(read(path), path, version)
             except ReadError as exc:
                 # A vanished pod simply drops out; a tier must be there, and anything
                 # else is unknown.
@@ -315,6 +377,3 @@ class FastPath:
         return None
 
 
-def _release(waiter: asyncio.Future[None] | None) -> None:
-    if waiter is not None and not waiter.done():
-        waiter.set_result(None)

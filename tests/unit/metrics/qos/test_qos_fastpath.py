@@ -202,10 +202,12 @@ async def test_pod_mode_when_a_tier_mixes_be_and_ls(host: Host, store: TSDB,
 @pytest.mark.asyncio
 async def test_missing_tier_counter_is_no_decision(host: Host, store: TSDB,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The fast path keeps its counters open; a removed cgroup's descriptor then reads
+    ENODEV (``test_openfiles``), the same "gone" as a file that is not there, which a
+    plain directory can only show by the file missing before the first read."""
     _, fast, clock = await setup(host, store)
-    await fast.tick()
     (host.cgroup / "cpuacct" / BE_DIR / "cpuacct.usage").unlink()
-    for i in range(1, 4):
+    for i in range(4):
         host.advance(0.2, node=7.0, ls=6.0, be=0.5)
         (host.cgroup / "cpuacct" / BE_DIR / "cpuacct.usage").unlink()
         clock[0] = 0.2 * i
@@ -391,14 +393,14 @@ async def test_nothing_to_protect_waits_the_regular_round_s_interval(host: Host,
 async def test_run_idles_until_a_be_pod_appears(host: Host, store: TSDB) -> None:
     pods, _rules, manager, fast = await _changing(host, store, FastPathConfig(interval=0.01, idle_interval=3600))
     ticked, ticks = asyncio.Event(), [0]
-    original = fast.tick
+    original = fast.sample
 
-    async def counted() -> bool:
+    def counted() -> NodeInputs | None:
         ticks[0] += 1
         ticked.set()
-        return await original()
+        return original()
 
-    fast.tick = counted  # type: ignore[method-assign]
+    fast.sample = counted  # type: ignore[method-assign]
     task = asyncio.create_task(fast.run())
     await asyncio.sleep(0.2)  # twenty tick intervals: none is taken while idle
     assert ticks[0] == 0
@@ -412,3 +414,48 @@ async def test_run_idles_until_a_be_pod_appears(host: Host, store: TSDB) -> None
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+# --- run(): ticks from a timer callback, a task only while a re-plan runs ------------------
+
+@pytest.mark.asyncio
+async def test_run_replans_from_its_timer_and_ticks_on_after_it(host: Host, store: TSDB) -> None:
+    manager, _, clock = await setup(host, store)
+    fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: RULES,
+                    config=FastPathConfig(interval=0.01, min_gap=0.01), clock=lambda: clock[0], wall=lambda: NOW)
+    original, samples, overlapped = fast.sample, [0], []
+    enough = asyncio.Event()
+
+    def burst() -> NodeInputs | None:  # each tick sees one interval of an LS burst (manual clock)
+        overlapped.append(fast._replanning is not None and not fast._replanning.done())
+        host.advance(0.01, node=7.0, ls=6.0, be=0.5)
+        clock[0] += 0.01
+        samples[0] += 1
+        if samples[0] >= 5:
+            enough.set()
+        return original()
+
+    fast.sample = burst  # type: ignore[method-assign]
+    task = asyncio.create_task(fast.run())
+    await asyncio.wait_for(enough.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # The second tick re-planned (2 CPUs for BE); the ones after it found the limit in force.
+    assert fast.triggers == 1
+    assert (host.cgroup / "cpuset" / BE_DIR / "cpuset.cpus").read_text().strip() == "0,4"
+    assert not any(overlapped)  # no tick while the re-plan ran
+
+
+@pytest.mark.asyncio
+async def test_a_tick_that_raises_ends_run_with_its_error(host: Host, store: TSDB) -> None:
+    """run() is supervised: what a tick raises (in its timer callback) must reach it."""
+    _, fast, _ = await setup(host, store)
+    fast.cfg = FastPathConfig(interval=0.01)
+
+    def broken() -> NodeInputs | None:
+        raise RuntimeError("sampler broke")
+
+    fast.sample = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="sampler broke"):
+        await asyncio.wait_for(fast.run(), 10)
