@@ -185,26 +185,27 @@ class FastPath:
 
     def _on_timer(self) -> None:
         self._timer = None
+        loop = self._loop
+        if loop is None:  # run() has ended
+            return
         try:
             inputs = self.sample()
             why = None if inputs is None else self.decide(inputs)
+            if inputs is None or why is None:
+                self._arm()
+                return
         except Exception as exc:  # noqa: BLE001 - handed to run(), which raises it to its supervisor
             self._fail(exc)
             return
-        if inputs is None or why is None:
-            self._arm()
-            return
-        assert self._loop is not None
-        self._replanning = self._loop.create_task(self._replan_then_arm(inputs, why), name="qos:fastpath-replan")
+        self._replanning = loop.create_task(self._replan_then_arm(inputs, why), name="qos:fastpath-replan")
 
     async def _replan_then_arm(self, inputs: NodeInputs, why: str) -> None:
         try:
             await self._replan(inputs, why)
+            self._replanning = None
+            self._arm()
         except Exception as exc:  # noqa: BLE001 - handed to run(), as a tick's
             self._fail(exc)
-            return
-        self._replanning = None
-        self._arm()
 
     def _fail(self, exc: Exception) -> None:
         if self._failed is not None and not self._failed.done():

@@ -459,3 +459,22 @@ async def test_a_tick_that_raises_ends_run_with_its_error(host: Host, store: TSD
     fast.sample = broken  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="sampler broke"):
         await asyncio.wait_for(fast.run(), 10)
+
+
+@pytest.mark.asyncio
+async def test_a_rules_lookup_that_raises_after_a_tick_ends_run(host: Host, store: TSDB) -> None:
+    """The next tick is armed from the timer callback (its wait reads the rules): a
+    failure there must reach run() too, not stop the ticks silently."""
+    manager, _, clock = await setup(host, store)
+    calls = [0]
+
+    def rules() -> Rules:
+        calls[0] += 1
+        if calls[0] > 3:
+            raise RuntimeError("rules broke")
+        return RULES
+
+    fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=rules,
+                    config=FastPathConfig(interval=0.01), clock=lambda: clock[0], wall=lambda: NOW)
+    with pytest.raises(RuntimeError, match="rules broke"):
+        await asyncio.wait_for(fast.run(), 10)
