@@ -61,7 +61,7 @@ class BEAggregate:
         # Every tick reads these four files: paths built once, descriptors kept open.
         v1 = self.reader.version == 1
         self._files = OpenFiles()
-        self._usage = self.reader.cpuacct_dir(besteffort_dir) / ("cpuacct.usage" if v1 else "cpu.stat")
+        self._usage = self.reader.cpu_usage_file(besteffort_dir)
         self._cpuset = self.reader.cpuset_dir(besteffort_dir) / ("cpuset.cpus" if v1 else "cpuset.cpus.effective")
         cpu_dir = self.reader.cpu_dir(besteffort_dir)
         self._quota: tuple[Path, ...] = ((cpu_dir / "cpu.cfs_quota_us", cpu_dir / "cpu.cfs_period_us") if v1
@@ -106,7 +106,7 @@ class BEAggregate:
     def _tier_usage(self) -> float | None:
         before = self._clock()
         try:
-            usage = parse_cpu_usage_ns(self._files.read(str(self._usage)), str(self._usage), self.reader.version)
+            usage = parse_cpu_usage_ns(self._files.read(self._usage), self._usage, self.reader.version)
         except ReadError as exc:
             self._prev = None
             if not exc.gone:  # no tier dir is normal (no BE pods yet); garbage is not

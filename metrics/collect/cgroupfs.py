@@ -190,6 +190,11 @@ class CgroupReader:
     def cpu_usage_ns(self, rel: str) -> int:
         return read_cpu_usage_ns(self.cpuacct_dir(rel), self.version)
 
+    def cpu_usage_file(self, rel: str) -> str:
+        """The cumulative CPU counter's file: v1 ``cpuacct.usage``, v2 ``cpu.stat``
+        (parse with ``parse_cpu_usage_ns``). For readers that keep it open."""
+        return f"{self.cpuacct_dir(rel)}/{'cpu.stat' if self.version == 2 else 'cpuacct.usage'}"
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryUsage:
@@ -396,9 +401,8 @@ class PodCollector:
     def _target(self, key: tuple[str, str, str], lbl: Labels, names: _Names) -> _Target:
         uid, cid, rel = key
         reader = self.reader
-        usage_file = "cpu.stat" if reader.version == 2 else "cpuacct.usage"
         return _Target((uid, cid), uid, rel, lbl, names,
-                       f"{reader.cpuacct_dir(rel)}/{usage_file}",
+                       reader.cpu_usage_file(rel),
                        reader.memory_file(rel),
                        f"{reader.cpu_dir(rel)}/cpu.stat",
                        f"{reader.cpu_dir(rel)}/cpu.cfs_quota_us")

@@ -59,7 +59,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Final
 
 import structlog
@@ -67,7 +67,7 @@ import structlog
 from hooks.rules import Rules
 from metrics.collect.base import ReadError
 from metrics.collect.cgroupfs import CgroupReader, parse_cpu_usage_ns
-from metrics.collect.openfiles import OpenFiles
+from metrics.collect.openfiles import OpenFiles, default_limit
 from metrics.model import PodView
 from metrics.qos.inputs import NodeInputs, TierUsage
 from metrics.qos.manager import QoSManager
@@ -79,7 +79,8 @@ log = structlog.get_logger("metrics.qos.fastpath")
 NS: Final = 1e9
 #: Counter keys in tier mode (pod uids never look like this).
 _PODS, _BE = "tier:kubepods", "tier:besteffort"
-#: Counter files kept open (pod mode reads one per pod; beyond this, opened per read).
+#: Counter files kept open (pod mode reads one per pod; beyond this, or a quarter of the
+#: descriptor limit, opened per read), as ``pathcache.MAX_OPEN``.
 _MAX_OPEN: Final = 512
 
 
@@ -130,9 +131,8 @@ class FastPath:
         self.cfg = config
         self._manager = manager
         self._cgroups = cgroups
-        self._usage_file = "cpu.stat" if cgroups.version == 2 else "cpuacct.usage"
-        self._root = self._counter(cgroups.cpuacct_dir(""))
-        self._files = OpenFiles(limit=_MAX_OPEN)
+        self._root = cgroups.cpu_usage_file("")
+        self._files = OpenFiles(limit=min(_MAX_OPEN, default_limit() // 4))
         self._rules = rules
         self._clock = clock
         self._wall = wall
@@ -202,7 +202,6 @@ class FastPath:
     async def _replan_then_arm(self, inputs: NodeInputs, why: str) -> None:
         try:
             await self._replan(inputs, why)
-            self._replanning = None
             self._arm()
         except Exception as exc:  # noqa: BLE001 - handed to run(), as a tick's
             self._fail(exc)
@@ -257,19 +256,16 @@ class FastPath:
         if mode != self.mode:
             log.info("fastpath_mode", mode=mode, reason=reason, pods=len(pods))
             self.mode = mode
-        dirs = self._cgroups.cpuacct_dir
+        counter = self._cgroups.cpu_usage_file
         if tier:
             be_dir = self._manager.cfg.suppress.besteffort_dir
-            self._paths = {_PODS: self._counter(dirs(str(be_dir.parent))), _BE: self._counter(dirs(str(be_dir)))}
+            self._paths = {_PODS: counter(str(be_dir.parent)), _BE: counter(str(be_dir))}
         else:
             # The list is rebuilt whenever any container comes or goes (e.g. the very LS
             # container whose burst we must see): pods that stay keep their baseline, so
             # only new pods lack a rate for one tick.
-            self._paths = {p.uid: self._counter(dirs(p.cgroup_dir)) for p in pods}
+            self._paths = {p.uid: counter(p.cgroup_dir) for p in pods}
         self._files.retain([self._root, *self._paths.values()])
-
-    def _counter(self, cgroup_dir: Path) -> str:
-        return f"{cgroup_dir}/{self._usage_file}"
 
     def _tier_mode(self, pods: tuple[PodView, ...]) -> tuple[bool, str]:
         """Whether the two tier counters give Σ pods and Σ BE exactly, and why not."""
