@@ -179,6 +179,17 @@ class BurstStrategy:
         self._raised: set[str] = set()  # container ids whose quota we raised
         self._bursted: set[str] = set()  # container ids with a cfs_burst_us of ours
         self._warned: set[str] = set()
+        #: Cgroup dir -> its path, kept for the pods of the last round: every burstable
+        #: container's knobs are planned every second, and building a path is most of
+        #: what planning an unchanged one costs.
+        self._dirs: dict[str, PurePosixPath] = {}
+        self._dirs_before: dict[str, PurePosixPath] = {}
+
+    def _dir(self, rel: str) -> PurePosixPath:
+        found = self._dirs.get(rel)
+        if found is None:
+            found = self._dirs[rel] = self._dirs_before.get(rel) or PurePosixPath(rel)
+        return found
 
     def quota_dirs(self, pods: Iterable[PodView], node: CPUBurstStrategy) -> list[str]:
         """Cgroups whose current quota the next ``plan`` needs."""
@@ -214,6 +225,7 @@ class BurstStrategy:
         actions: list[Action] = []
         per_pod: dict[str, Any] = {}
         live: set[str] = set()
+        self._dirs_before, self._dirs = self._dirs, {}
         for pod in inputs.pods:
             if not burstable(pod):
                 continue
@@ -246,14 +258,13 @@ class BurstStrategy:
             actions.append(self._leveled(pod, writes, quotas.get(pod.cgroup_dir), delta))
         return _Decision(tuple(actions), info)
 
-    @staticmethod
-    def _leveled(pod: PodView, writes: list[SetCgroup], pod_quota: int | None, delta: int) -> LeveledWrite:
+    def _leveled(self, pod: PodView, writes: list[SetCgroup], pod_quota: int | None, delta: int) -> LeveledWrite:
         """Container quotas, with the pod quota moved by the same total (when it has one):
         the executor widens the pod first and narrows it last, as the kernel needs."""
         reason = f"cfs quota burst: {len(writes)} container(s), pod quota {delta:+d}"
         if pod_quota is None or pod_quota <= 0:
             return LeveledWrite((tuple(writes),), reason)
-        pod_write = SetCgroup(PurePosixPath(pod.cgroup_dir), CPU_CFS_QUOTA, max(pod_quota + delta, 1000),
+        pod_write = SetCgroup(self._dir(pod.cgroup_dir), CPU_CFS_QUOTA, max(pod_quota + delta, 1000),
                               "cfs quota burst: pod quota follows its containers", pod.uid)
         return LeveledWrite(((pod_write,), tuple(writes)), reason)
 
@@ -273,10 +284,10 @@ class BurstStrategy:
                 continue
             total += value
             reason = f"cpu burst {cfg.cpu_burst_percent}% (policy {cfg.policy})"
-            out.append(SetCgroup(PurePosixPath(ctr.cgroup_dir), CPU_CFS_BURST, value, reason, pod.uid))
+            out.append(SetCgroup(self._dir(ctr.cgroup_dir), CPU_CFS_BURST, value, reason, pod.uid))
         if out:
             info["cfs_burst_us"] = total
-            out.append(SetCgroup(PurePosixPath(pod.cgroup_dir), CPU_CFS_BURST, total, "cpu burst: sum of containers",
+            out.append(SetCgroup(self._dir(pod.cgroup_dir), CPU_CFS_BURST, total, "cpu burst: sum of containers",
                                  pod.uid))
         return out
 
@@ -322,4 +333,4 @@ class BurstStrategy:
         if new == current:
             return None
         reason = f"cfs quota burst {op.value}: {current} -> {new} (base {ctr.cpu_quota})"
-        return SetCgroup(PurePosixPath(ctr.cgroup_dir), CPU_CFS_QUOTA, new, reason, pod.uid)
+        return SetCgroup(self._dir(ctr.cgroup_dir), CPU_CFS_QUOTA, new, reason, pod.uid)
