@@ -9,14 +9,15 @@ and kind). BE pods: CPU and memory usage. Values are the newest sample not
 older than ``max_age``.
 
 Which series exist (their label sets: schedule latency carries a ``source`` label,
-reclaim latency whatever its collector chose) is looked up with one ``aggregate_all``
-per metric every ``index_every`` seconds, so absent signals (no CPI counters, no reclaim
-collector) cost nothing per step. Each step then reads only those series' newest
-samples from the store's in-memory latest-value view (``LatestView``: a dict lookup by a
-handle made once per series; no label encoding, no query), so every signal can be read
-at every step of a 1 s analyser at 110 pods. A reader without that view (not the
-agent's store) gets ``last`` per series. Throttling is read only for pods with a CPU
-limit.
+reclaim latency whatever its collector chose) is looked up per metric every
+``index_every`` seconds, so absent signals (no CPI counters, no reclaim collector) cost
+nothing per step: from the store's in-memory record of what it was written
+(``series_since``: the series a step can read), else with ``aggregate_all``. Each step
+then reads only those series' newest samples from the store's in-memory latest-value
+view (``LatestView``: a dict lookup by a handle made once per series; no label
+encoding, no query), so every signal can be read at every step of a 1 s analyser at
+110 pods. A reader without that view (not the agent's store) gets ``last`` per
+series. Throttling is read only for pods with a CPU limit.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class LatestView(Protocol):
     def series_handle(self, metric: str, labels: Labels) -> str: ...
 
     def newest(self, handle: str) -> tuple[float, float] | None: ...
+
+    def series_since(self, metric: str, start: float) -> list[Labels] | None: ...
 
 
 def _psi_labels(resource: str, **extra: str) -> Labels:
@@ -122,8 +125,10 @@ class SignalReader:
 
     def _index(self, now: float) -> None:
         series: dict[tuple[str, str], list[tuple[str, Labels]]] = {}
+        start = now - self.max_age - self.index_every
         for src in _CONTAINER_SOURCES:
-            for lbls in self._reader.aggregate_all(src.metric, now - self.max_age - self.index_every, now):
+            found = self._view.series_since(src.metric, start) if self._view is not None else None
+            for lbls in found if found is not None else self._reader.aggregate_all(src.metric, start, now):
                 uid = _get(lbls, model.POD_UID)
                 if uid:
                     series.setdefault((src.signal, uid), []).append((src.metric, lbls))

@@ -281,6 +281,28 @@ class TSDBReads:
                         break
         return out
 
+    def series_since(self, metric: str, start: float) -> list[Labels] | None:
+        """The canonical labels, sorted, of every series of ``metric`` this writer wrote a
+        sample of at or after ``start``: the series ``newest`` can read, from the
+        in-memory record alone (finding them with ``aggregate_all`` read every sample of
+        the window from the file: ~10 ms at 110 pods). None on a read-only store."""
+        if self.readonly:
+            return None
+        lo = q.to_ms(start)
+        by_labels = self._keys.get(metric)
+        if not by_labels:
+            return []
+        keys = set(by_labels.copy().values())
+        names = self._key_labels
+        out: list[Labels] = []
+        with self._batch_lock:
+            latest = self._latest
+            recent = [key for key in keys if (found := latest.get(key)) is not None and found[0] >= lo]
+        for key in recent:
+            named = names.get(key)
+            out.append(named[1] if named is not None else q.decode_labels(key.split("\n", 1)[1]))
+        return sorted(out)
+
     def average_by_label(self, metric: str, key: str, start: float, end: float) -> dict[str, float] | None:
         """``metrics.model.NewestView``: by label ``key``, the mean of every series of
         ``metric`` over ``[start, end]`` (as ``aggregate_all``'s ``avg``), without the

@@ -288,3 +288,42 @@ def test_a_new_pod_is_judged_against_the_floors_while_its_baseline_is_learnt() -
             break
     assert level is Level.CONFIRMED and t - 60 <= 20, t
     assert analyser._pods[LS.uid].baselines["cpu_psi"].values() == [2.0] * 6
+
+
+def test_signal_reader_finds_container_series_in_the_stores_memory(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which container series exist is looked up in the store's record of what it was
+    written (``series_since``), not with a window query of every sample in the file
+    (~10 ms every ``index_every`` at 110 pods); the observation is the one a reader
+    without that record gets from the file, and a series silent since before the index
+    window is not a signal."""
+    now = 1000.0
+    db = TSDB(tmp_path / "metrics.db", clock=lambda: now)
+    ebpf = model.labels(pod_uid="ls", container_id="c-ls", source="ebpf")
+    db.write([Sample(model.CONTAINER_SCHED_LATENCY_P99, 0.004, ebpf, now - 1),
+              Sample(model.CONTAINER_SCHED_LATENCY_P99, 0.009, model.labels(pod_uid="ls", container_id="gone",
+                                                                             source="ebpf"), now - 60),
+              Sample(model.CONTAINER_MEMORY_ALLOC_STALL, 0.5, model.labels(pod_uid="ls", container_id="c-ls",
+                                                                            kind="direct_reclaim"), now - 1)])
+    db.flush()
+
+    class Plain:  # a MetricReader without the latest-value view: the file
+        def last(self, metric: str, labels: model.Labels, max_age: float, at: float) -> Sample | None:
+            return db.last(metric, labels, max_age, at)
+
+        def aggregate_all(self, metric: str, start: float, end: float) -> object:
+            return db.aggregate_all(metric, start, end)
+
+    pods = [_view("ls", QoSClass.LS, quota=0)]
+    from_file = SignalReader(Plain(), max_age=60.0).observe(pods, now)  # type: ignore[arg-type]
+
+    def query(*_: object) -> None:
+        raise AssertionError("a window query of the file")
+
+    monkeypatch.setattr(db, "aggregate_all", query)
+    seen = SignalReader(db, max_age=20.0, index_every=10.0).observe(pods, now)
+    assert seen.signals["ls"] == {"sched_latency_p99": 0.004, "alloc_stall": 0.5}
+    assert seen.containers["ls"]["sched_latency_p99"] == ("c-ls", "main")
+    assert from_file.signals["ls"]["sched_latency_p99"] == 0.009, "the file's window has the stale series"
+    assert SignalReader(db, max_age=60.0).observe(pods, now).signals["ls"] == from_file.signals["ls"]
+    db.close()

@@ -422,6 +422,29 @@ def test_newest_by_handle_is_the_latest_value_view(path: Path) -> None:
         assert db.newest(a) is None
 
 
+def test_series_since_lists_the_series_written_at_or_after_a_time(path: Path) -> None:
+    """The series ``newest`` can read: canonical labels, each once whatever the label
+    order written, sorted; a series whose newest sample is older than ``start`` is left
+    out; forgotten at GC with the latest-value view; None on a read-only store."""
+    from metrics.store.tsdb import LATEST_KEEP
+
+    both = labels(pod_uid="a", container_id="c")
+    with TSDB(path, clock=Clock()) as db:
+        assert db.series_since(CPU, T0) == []
+        db.write([Sample(CPU, 1.0, B, T0), Sample(CPU, 1.0, both, T0 + 5), Sample(MEM, 1.0, A, T0 + 5)])
+        db.flush()
+        db.write([Sample(CPU, 2.0, tuple(reversed(both)), T0 + 6)])
+        assert db.series_since(CPU, T0) == sorted([canonical(B), canonical(both)])
+        assert db.series_since(CPU, T0 + 1) == [canonical(both)]
+        assert db.series_since(CPU, T0 + 7) == []
+        assert db.series_since(MEM, T0) == [A]
+        db.flush()
+        db.gc(now=T0 + 5 + LATEST_KEEP + 1)
+        assert db.series_since(CPU, T0) == [canonical(both)], "B silent past LATEST_KEEP: forgotten"
+    with TSDB(path, readonly=True) as ro:
+        assert ro.series_since(CPU, T0) is None
+
+
 def test_gc_forgets_the_label_sets_of_series_silent_past_latest_keep(path: Path) -> None:
     """Pod churn: the label-set index of series whose pods are gone (silent past
     ``LATEST_KEEP``) is dropped at GC, not kept until 100 000 label sets pile up
