@@ -72,8 +72,13 @@ def _parts(port: int) -> dict[str, float]:
     """The metrics agent's CPU seconds per part (empty without the metrics task)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/debug/explain", timeout=10) as resp:
         doc = json.load(resp)
-    parts = doc.get("tasks", {}).get("metrics", {}).get("cpu_seconds", {})
-    return {k: float(v) for k, v in parts.items()}
+    tasks = doc.get("tasks", {})
+    parts = {k: float(v) for k, v in tasks.get("metrics", {}).get("cpu_seconds", {}).items()}
+    # The control loop's own accounting (its worker threads' CPU), where those tasks run.
+    for name, part in (("qos", "qos rounds (worker)"), ("interference", "analyser steps")):
+        if "cpu_seconds" in tasks.get(name, {}):
+            parts[part] = float(tasks[name]["cpu_seconds"])
+    return parts
 
 
 def _threads_cpu(pid: int) -> dict[int, tuple[float, int]]:
@@ -386,12 +391,13 @@ def _print_parts(rows: list[tuple[str, dict[str, Any]]]) -> None:
     measured = [(name, r["parts"]) for name, r in rows if r["parts"]]
     if not measured:
         return
-    names = list(measured[0][1])
+    names = list(dict.fromkeys(part for _, parts in measured for part in parts))  # older code: fewer parts
     print("\n### Where the agent's CPU went (ms of CPU per second, its own accounting)\n")
     print("| part | " + " | ".join(name for name, _ in measured) + " |")
     print("|---|" + "---:|" * len(measured))
     for part in names:
-        print(f"| {part} | " + " | ".join(f"{parts.get(part, 0.0):.2f}" for _, parts in measured) + " |")
+        print(f"| {part} | " + " | ".join(f"{parts[part]:.2f}" if part in parts else "n/a"
+                                          for _, parts in measured) + " |")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,10 @@ class QoSManager:
         #: The pods as of the last round (read by the fast path).
         self.pods: tuple[PodView, ...] = ()
         self._verified = VerifiedWrites(config.verified_for)
+        #: CPU of the rounds' worker-thread work (reading inputs, planning, writing), the
+        #: fast path's re-plans included: what ``explain`` and the cost bench report.
+        self.cpu_seconds = 0.0
+        self.rounds = 0
 
     @property
     def suppress(self) -> SuppressStrategy | None:
@@ -201,6 +205,14 @@ class QoSManager:
                     ) -> _Planned:
         """Read every declared input once, then plan (worker thread). ``node``: the
         fast path's own node inputs, used instead of the store's."""
+        started = time.thread_time()
+        try:
+            return self._plan(rules, strategies, node)
+        finally:
+            self.cpu_seconds += time.thread_time() - started
+            self.rounds += 1
+
+    def _plan(self, rules: Rules, strategies: Sequence[Strategy], node: NodeInputs | None) -> _Planned:
         pods = node.pods if node is not None else tuple(self._pods())
         if node is None and pods == self.pods:
             pods = self.pods  # unchanged: the same object, so views derived from it are reused
@@ -264,6 +276,13 @@ class QoSManager:
         """Worker thread: each plan's cgroup writes in order; then, when asked, the BE
         limit as written, so the fast path compares against what is in force (the tier's
         knobs only: the fast path never looks at the quotas under it)."""
+        started = time.thread_time()
+        try:
+            return self._write_plans_now(plans, read_be_state)
+        finally:
+            self.cpu_seconds += time.thread_time() - started
+
+    def _write_plans_now(self, plans: Sequence[Plan], read_be_state: bool) -> list[list[Outcome]]:
         done = [self._write_all(plan.strategy, [a for a in plan.actions if not isinstance(a, Evict)])
                 for plan in plans]
         chosen = self.suppress_strategy
@@ -358,7 +377,8 @@ class QoSManager:
         actions that concern it."""
         described = {name: entry.describe() for name, entry in list(self._explain.items())}
         if pod is None:
-            return {"strategies": described, "dry_run": self.cfg.dry_run, **self._round_info}
+            return {"strategies": described, "dry_run": self.cfg.dry_run, **self._round_info,
+                    "rounds": self.rounds, "cpu_seconds": round(self.cpu_seconds, 4)}
         uid = pod if isinstance(pod, str) else pod.meta.uid if isinstance(pod, PodInfo) else pod.uid
         out: dict[str, Any] = {}
         for name, entry in described.items():

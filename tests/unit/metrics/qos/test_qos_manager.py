@@ -165,6 +165,21 @@ async def test_dry_run_writes_nothing_but_explains(env_factory: Any) -> None:
 
 
 @pytest.mark.asyncio
+async def test_explain_counts_the_rounds_and_their_worker_cpu(env_factory: Any) -> None:
+    """What the control loop costs is in explain (and the cost bench reads it): rounds
+    planned and the CPU of their worker-thread work, growing with each round."""
+    env = env_factory(ON)
+    env.usage()
+    assert env.manager.explain()["rounds"] == 0 and env.manager.explain()["cpu_seconds"] == 0
+    await env.manager.run_once()
+    first = env.manager.explain()
+    await env.manager.run_once()
+    second = env.manager.explain()
+    assert (first["rounds"], second["rounds"]) == (1, 2)
+    assert 0 < first["cpu_seconds"] < second["cpu_seconds"]
+
+
+@pytest.mark.asyncio
 async def test_policy_switch_and_disable_recover_the_other_knob(env_factory: Any) -> None:
     env = env_factory({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"}})
     env.usage()
