@@ -28,12 +28,13 @@ shared test API server (``tests/kubeapi.py``, in this process): the Node, NodeSL
 NodeMetric (report interval 30 s, Koordinator's minimum; ``--report-interval 60`` for its
 default) are served and watched, each status PATCH validated against the CRD. Variants: no
 tasks, metrics without a cluster, metrics with ``kube: true``,
-everything on (shipped hooks and rules, metrics with ``kube: true``, the QoS manager with
-``evict_mode: api``);
-``--split`` adds everything on without the QoS manager and with its fast path off (where
-the everything-on CPU goes); ``--kube-baseline DIR`` adds the same ``kube: true`` runs with the code of another checkout
-(e.g. ``git archive <commit> | tar -x -C DIR`` of a commit still on the ``kubernetes``
-client) for a comparison in the same run.
+everything on (shipped hooks and rules, metrics with ``kube: true``, the interference
+analyser at its shipped settings, the QoS manager with ``evict_mode: api``);
+``--split`` adds everything on without the QoS manager, with its fast path off, and
+without the analyser (where the everything-on CPU goes); ``--kube-baseline DIR`` adds the
+same ``kube: true`` runs with the code of another checkout (e.g. ``git archive <commit> |
+tar -x -C DIR`` of a commit still on the ``kubernetes`` client) for a comparison in the
+same run.
 """
 
 from __future__ import annotations
@@ -254,8 +255,11 @@ def _kube(node: BenchNode, args: argparse.Namespace) -> int:
     qos = {"besteffort_dir": f"{node.prefix.strip('/')}/kubepods/besteffort", "evict_mode": "api"}
 
     def everything(db: str) -> dict[str, Any]:
+        # The analyser at its shipped settings too (before 2026-11-29's fifth session it
+        # was left out here and measured alone by bench_interference).
         return {"hooks": shipped["hooks"], "rules": shipped["rules"],
-                "tasks": {"metrics": {"db": str(node.base / db), **kube}, "qos-manager": qos}}
+                "tasks": {"metrics": {"db": str(node.base / db), **kube},
+                          "interference": shipped["tasks"]["interference"], "qos-manager": qos}}
 
     variants = [(name, {"tasks": tasks}, cwd) for name, tasks, cwd in variants]
     variants.append(("everything on, kube: true", everything("d.db"), None))
@@ -281,6 +285,9 @@ def _kube(node: BenchNode, args: argparse.Namespace) -> int:
         no_fast = everything("g.db")
         no_fast["tasks"]["qos-manager"] = {**qos, "fast_path": False, "psi_trigger": False}
         variants.append(("everything on, fast path off", no_fast, None))
+        no_analyser = everything("h.db")
+        del no_analyser["tasks"]["interference"]
+        variants.append(("everything on, no interference analyser", no_analyser, None))
     if args.kube_baseline:
         old = Path(args.kube_baseline)
         variants.append((f"metrics, kube: true, code of {old}",
@@ -334,7 +341,8 @@ def main() -> int:
                          "(pip install py-spy; it samples without stopping the proxy)")
     ap.add_argument("--only", default="", help="--kube: only the variants whose name contains this text")
     ap.add_argument("--split", action="store_true",
-                    help="--kube: also everything on without the qos-manager, and with its fast path off")
+                    help="--kube: also everything on without the qos-manager, with its fast path off, "
+                         "and without the interference analyser")
     ap.add_argument("--intervals", action="append", default=[], metavar="NAME=DUR,...",
                     help="also a variant with these collector intervals (e.g. psi=2s,schedlat=1s); repeatable;"
                          " --only-intervals: just these, after no tasks and the defaults")
