@@ -362,6 +362,30 @@ def synthetic(steps: int, psi_every: int = 1, step_every: int = 1, sched_every: 
     return 1000 * full / steps / step_every, 1000 * reads / steps / step_every
 
 
+def baseline_memory(pods: int = 80, signals: int = 5) -> float:
+    """MiB the analyser's baselines hold once full (``baseline_samples`` values for each
+    of ``signals`` signals of ``pods`` LS pods: 20 min at the shipped 2 s step for the
+    1 s signals), measured with tracemalloc."""
+    import random
+    import tracemalloc
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from metrics.analysis.interference import AnalyserConfig, Baseline
+
+    size = AnalyserConfig().baseline_samples
+    rng = random.Random(1)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = [Baseline(size) for _ in range(pods * signals)]
+        for base in kept:
+            for _ in range(size + 10):
+                base.add(rng.random() * 1e-3)
+        return (tracemalloc.get_traced_memory()[0] - before) / 2**20
+    finally:
+        tracemalloc.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--idle", type=float, default=120.0,
@@ -393,6 +417,7 @@ def main() -> int:
         for psi_every, sched_every, step in ((1, 1, 1), (10, 1, 1), (10, 1, 2), (10, 10, 1), (10, 10, 2)):
             full, reads = synthetic(args.synthetic, psi_every, step, sched_every)
             print(f"| {psi_every} s | {sched_every} s | {step} s | {reads:.3f} | {full:.3f} | {full / 10:.3f} |")
+        print(f"\nThe baselines once full (80 LS pods x 5 signals x 600 values): {baseline_memory():.1f} MiB")
     if args.skip_live:
         return 0
     results: dict[str, dict[str, Any]] = {}

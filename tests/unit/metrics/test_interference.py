@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -327,3 +328,23 @@ def test_signal_reader_finds_container_series_in_the_stores_memory(tmp_path: Pat
     assert from_file.signals["ls"]["sched_latency_p99"] == 0.009, "the file's window has the stale series"
     assert SignalReader(db, max_age=60.0).observe(pods, now).signals["ls"] == from_file.signals["ls"]
     db.close()
+
+
+def test_a_baseline_keeps_its_newest_values_and_their_statistics() -> None:
+    """The ring of doubles holds the newest ``size`` values, oldest first, and its
+    median and MAD are those of exactly those values."""
+    from metrics.analysis.interference import Baseline
+
+    rng = random.Random(7)
+    values = [rng.random() for _ in range(1000)]
+    base = Baseline(600)
+    for k, v in enumerate(values, start=1):
+        base.add(v)
+        if k in (1, 599, 600, 601, 1000):
+            kept = values[max(0, k - 600):k]
+            assert len(base) == len(kept) and base.values() == kept
+    kept = sorted(values[-600:])
+    median = kept[300]
+    assert base.stats(600) == (median, statistics.median(abs(v - median) for v in kept))
+    assert Baseline(10).stats(1) == (0.0, 0.0)
+
