@@ -22,15 +22,19 @@ to the full compaction before each GC, instead of packing every series whenever 
 table holds enough samples.
 
 Readers decode frames per query: the positions of the wanted series are looked up
-once per layout, then each frame is indexed at those positions.
+once per layout, then each frame is indexed at those positions. A query fetches only
+the frames of layouts holding a wanted series (one frame's ids tell, since ``layout``
+is a 62-bit hash of the id array: ``layout_of``); a NodeMetric report's 7 window queries
+read every frame of every collector otherwise. Layouts below ``HASHED_LAYOUT`` are CRC-32s
+written before (two id arrays can share one): their frames are always fetched.
 """
 
 from __future__ import annotations
 
 import array
+import hashlib
 import operator
 import sqlite3
-import zlib
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Final, NamedTuple
 
@@ -44,6 +48,10 @@ OLDEST_OF_LAYOUT: Final = "SELECT id, lo, hi, n, ids, vals, ts FROM frames WHERE
 DELETE_FRAME: Final = "DELETE FROM frames WHERE id = ?"
 # ?1 first ms, ?2 last ms. Few rows (a couple of minutes of writes): no index needed.
 FRAMES_WINDOW: Final = "SELECT id, lo, hi, n, ids, vals, ts FROM frames WHERE hi >= ?1 AND lo <= ?2 ORDER BY id"
+LAYOUTS_WINDOW: Final = "SELECT layout, min(id) FROM frames WHERE hi >= ?1 AND lo <= ?2 GROUP BY layout"
+FRAME_IDS: Final = "SELECT ids FROM frames WHERE id = ?"
+#: Layouts at or above this are ``layout_of`` hashes (bit 62 set); below, older CRC-32s.
+HASHED_LAYOUT: Final = 1 << 62
 DELETE_FRAMES: Final = "DELETE FROM frames"
 SERIES_IDS_OF: Final = "SELECT id, labels FROM series WHERE metric = ?"
 
@@ -84,7 +92,15 @@ def frame_row(ids: Sequence[int], ts: Sequence[int], values: Sequence[float]) ->
     lo, hi = min(ts), max(ts)
     times = None if lo == hi else q.le_bytes(array.array("q", ts))
     layout = q.le_bytes(array.array("q", ids))
-    return zlib.crc32(layout), lo, hi, len(ids), layout, q.le_bytes(array.array("d", values)), times
+    return layout_of(layout), lo, hi, len(ids), layout, q.le_bytes(array.array("d", values)), times
+
+
+def layout_of(ids: bytes) -> int:
+    """The ``layout`` of a frame's id array: 62 bits of its BLAKE2b digest, bit 62 set.
+    Two arrays sharing one is as likely as a 62-bit hash collision, so readers take one
+    frame's ids for its whole layout's (a CRC-32 could not be trusted so)."""
+    digest = int.from_bytes(hashlib.blake2b(ids, digest_size=8).digest(), "little")
+    return HASHED_LAYOUT | (digest & (HASHED_LAYOUT - 1))
 
 
 def _decode(frame: Frame) -> tuple[array.array[float], array.array[int] | None]:
@@ -115,8 +131,23 @@ class _Layouts:
         return found
 
 
-def _frames_in(conn: sqlite3.Connection, start: int, end: int) -> list[Frame]:
-    return [Frame(*row) for row in conn.execute(FRAMES_WINDOW, (start, end))]
+def _frames_in(conn: sqlite3.Connection, start: int, end: int, wanted: Collection[int]) -> list[Frame]:
+    """The frames overlapping ``[start, end]`` that may hold a ``wanted`` series, by id."""
+    wanted_set = wanted if isinstance(wanted, (set, frozenset)) else set(wanted)
+    layouts = conn.execute(LAYOUTS_WINDOW, (start, end)).fetchall()
+    kept: list[int] = []
+    for layout, first in layouts:
+        if layout >= HASHED_LAYOUT:
+            row = conn.execute(FRAME_IDS, (first,)).fetchone()
+            if row is not None and wanted_set.isdisjoint(_ints(row[0])):
+                continue  # no wanted series in this layout
+        kept.append(layout)
+    if len(kept) == len(layouts):
+        return [Frame(*row) for row in conn.execute(FRAMES_WINDOW, (start, end))]
+    if not kept:
+        return []
+    query = FRAMES_WINDOW.replace(" ORDER BY", f" AND layout IN ({','.join('?' * len(kept))}) ORDER BY")
+    return [Frame(*row) for row in conn.execute(query, (start, end, *kept))]
 
 
 def _points(frames: Iterable[Frame], wanted: Collection[int] | None, start: int, end: int,
@@ -152,20 +183,20 @@ def _columns(out: dict[int, Columns], sid: int) -> Columns:
 def raw_window(conn: sqlite3.Connection, series_id: int, start: int, end: int) -> Columns:
     """One series' raw samples in ``[start, end]`` (ms): chunks, then frames."""
     out = {series_id: chunks_columns(conn, series_id, start, end)}
-    return _points(_frames_in(conn, start, end), (series_id,), start, end, out)[series_id]
+    return _points(_frames_in(conn, start, end, (series_id,)), (series_id,), start, end, out)[series_id]
 
 
 def raw_window_many(conn: sqlite3.Connection, ids: Sequence[int], start: int, end: int) -> dict[int, Columns]:
     """Raw samples in ``[start, end]`` of several series by id (each frame decoded once)."""
     out = {i: chunks_columns(conn, i, start, end) for i in ids}
-    return _points(_frames_in(conn, start, end), set(ids), start, end, out)
+    return _points(_frames_in(conn, start, end, set(ids)), set(ids), start, end, out)
 
 
 def raw_window_all(conn: sqlite3.Connection, metric: str, start: int, end: int) -> dict[str, Columns]:
     """Raw samples in ``[start, end]`` of every series of ``metric``, by labels JSON."""
     out = chunks_columns_all(conn, metric, start, end)
     labels = {int(i): str(text) for i, text in conn.execute(SERIES_IDS_OF, (metric,))}
-    for sid, cols in _points(_frames_in(conn, start, end), labels, start, end).items():
+    for sid, cols in _points(_frames_in(conn, start, end, labels.keys()), labels, start, end).items():
         into = out.get(labels[sid])
         if into is None:
             out[labels[sid]] = cols
@@ -177,7 +208,7 @@ def raw_window_all(conn: sqlite3.Connection, metric: str, start: int, end: int) 
 def raw_last(conn: sqlite3.Connection, series_id: int, lo: int, hi: int) -> list[q.Point]:
     """Candidates for the newest raw sample in ``[lo, hi]``: at most one per tier part."""
     out = q.chunk_last(conn, series_id, lo, hi)
-    found = _points(_frames_in(conn, lo, hi), (series_id,), lo, hi).get(series_id)
+    found = _points(_frames_in(conn, lo, hi, (series_id,)), (series_id,), lo, hi).get(series_id)
     if found:
         out.append(max(zip(found.ts, found.vals, strict=True)))
     return out
@@ -186,7 +217,7 @@ def raw_last(conn: sqlite3.Connection, series_id: int, lo: int, hi: int) -> list
 def latest_ms(conn: sqlite3.Connection, metric: str) -> int | None:
     """Time of the newest sample of ``metric`` in the frames."""
     ids = {int(i) for i, _ in conn.execute(SERIES_IDS_OF, (metric,))}
-    found = _points(_frames_in(conn, -(2**63), 2**63 - 1), ids, -(2**63), 2**63 - 1)
+    found = _points(_frames_in(conn, -(2**63), 2**63 - 1, ids), ids, -(2**63), 2**63 - 1)
     return max((max(cols.ts) for cols in found.values()), default=None)
 
 

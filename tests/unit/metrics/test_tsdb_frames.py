@@ -197,3 +197,42 @@ def test_a_layout_is_packed_once_it_fills_chunks_and_slower_ones_wait_for_the_gc
         assert conn.execute("SELECT sum(n) FROM chunks").fetchone()[0] == 2 * 130 + 4 * 13
         for key, points in expected.items():
             assert db.points(*key, T0, T0 + 200) == points
+
+
+def test_a_query_fetches_only_the_frames_of_layouts_holding_its_series(tmp_path: Path) -> None:
+    """Two collectors write frames of two layouts; a window query for one's series
+    fetches only that layout's frames (one frame's ids tell: ``layout`` is a 62-bit hash
+    of the id array), and a frame whose layout is an older CRC-32 is always fetched
+    (two id arrays may share one). Every read still sees every sample."""
+    import zlib
+
+    from metrics.store import tsdbframes as f
+
+    path = tmp_path / "m.db"
+    db = TSDB(path, clock=Clock())
+    node = labels()
+    for t in range(5):
+        db.write([Sample(CPU, float(t), lb, T0 + t) for lb in PODS], T0 + t)
+        db.write([Sample("node_cpu_usage_cores", 10.0 + t, node, T0 + t)], T0 + t)
+    db.flush()
+    conn = sqlite3.connect(path)
+    ids = {str(text): int(i) for i, text in conn.execute("SELECT id, labels FROM series WHERE metric = ?", (CPU,))}
+    pod_ids = set(ids.values())
+    node_id = int(conn.execute("SELECT id FROM series WHERE metric = 'node_cpu_usage_cores'").fetchone()[0])
+    layouts = {int(layout) for (layout,) in conn.execute("SELECT layout FROM frames")}
+    assert len(layouts) == 2 and all(layout >= f.HASHED_LAYOUT for layout in layouts)
+    window = (int(T0 * 1000), int((T0 + 10) * 1000))
+    assert len(f._frames_in(conn, *window, {node_id})) == 5, "the node collector's frames only"
+    assert len(f._frames_in(conn, *window, pod_ids)) == 5
+    assert len(f._frames_in(conn, *window, pod_ids | {node_id})) == 10
+    assert f._frames_in(conn, *window, {max(pod_ids | {node_id}) + 100}) == []
+    # A frame as the code before wrote it: CRC-32 layout, fetched whatever it holds.
+    raw = f.frame_row([node_id], [window[0] + 7000], [99.0])
+    conn.execute(f.INSERT_FRAME, (zlib.crc32(raw[4]), *raw[1:]))
+    conn.commit()
+    assert len(f._frames_in(conn, *window, pod_ids)) == 6
+    conn.close()
+    assert f.layout_of(b"\x01" * 8) == f.layout_of(b"\x01" * 8) != f.layout_of(b"\x02" * 8)
+    assert [v for _, v in db.points("node_cpu_usage_cores", node, T0, T0 + 10)] == [10, 11, 12, 13, 14, 99]
+    assert db.aggregate(CPU, PODS[0], T0, T0 + 10).count == 5  # type: ignore[union-attr]
+    db.close()
