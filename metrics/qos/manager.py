@@ -24,7 +24,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
 from typing import Any
@@ -205,12 +206,9 @@ class QoSManager:
                     ) -> _Planned:
         """Read every declared input once, then plan (worker thread). ``node``: the
         fast path's own node inputs, used instead of the store's."""
-        started = time.thread_time()
-        try:
-            return self._plan(rules, strategies, node)
-        finally:
-            self.cpu_seconds += time.thread_time() - started
+        with self._costed():
             self.rounds += 1
+            return self._plan(rules, strategies, node)
 
     def _plan(self, rules: Rules, strategies: Sequence[Strategy], node: NodeInputs | None) -> _Planned:
         pods = node.pods if node is not None else tuple(self._pods())
@@ -276,11 +274,8 @@ class QoSManager:
         """Worker thread: each plan's cgroup writes in order; then, when asked, the BE
         limit as written, so the fast path compares against what is in force (the tier's
         knobs only: the fast path never looks at the quotas under it)."""
-        started = time.thread_time()
-        try:
+        with self._costed():
             return self._write_plans_now(plans, read_be_state)
-        finally:
-            self.cpu_seconds += time.thread_time() - started
 
     def _write_plans_now(self, plans: Sequence[Plan], read_be_state: bool) -> list[list[Outcome]]:
         done = [self._write_all(plan.strategy, [a for a in plan.actions if not isinstance(a, Evict)])
@@ -289,6 +284,15 @@ class QoSManager:
         if read_be_state and chosen is not None:
             chosen.be_state = suppress.read_be_state(self._executor, chosen.inner.cfg, children=False)
         return done
+
+    @contextmanager
+    def _costed(self) -> Iterator[None]:
+        """The worker thread's CPU of the block, added to ``cpu_seconds``."""
+        started = time.thread_time()
+        try:
+            yield
+        finally:
+            self.cpu_seconds += time.thread_time() - started
 
     def release(self, strategies: Sequence[Strategy] | None = None) -> list[Outcome]:
         """Undo what the strategies hold (``Strategy.release``: suppress gives BE its

@@ -189,7 +189,8 @@ def raw_window(conn: sqlite3.Connection, series_id: int, start: int, end: int) -
 def raw_window_many(conn: sqlite3.Connection, ids: Sequence[int], start: int, end: int) -> dict[int, Columns]:
     """Raw samples in ``[start, end]`` of several series by id (each frame decoded once)."""
     out = {i: chunks_columns(conn, i, start, end) for i in ids}
-    return _points(_frames_in(conn, start, end, set(ids)), set(ids), start, end, out)
+    wanted = set(ids)
+    return _points(_frames_in(conn, start, end, wanted), wanted, start, end, out)
 
 
 def raw_window_all(conn: sqlite3.Connection, metric: str, start: int, end: int) -> dict[str, Columns]:

@@ -299,8 +299,7 @@ class TSDBReads:
             latest = self._latest
             recent = [key for key in keys if (found := latest.get(key)) is not None and found[0] >= lo]
         for key in recent:
-            named = names.get(key)
-            out.append(named[1] if named is not None else q.decode_labels(key.split("\n", 1)[1]))
+            out.append((names.get(key) or self._decoded(key))[1])
         return sorted(out)
 
     def average_by_label(self, metric: str, key: str, start: float, end: float) -> dict[str, float] | None:
@@ -332,12 +331,15 @@ class TSDBReads:
         names = self._key_labels
         out: list[tuple[str, Labels, float]] = []
         for key, (_ms, value) in items:
-            named = names.get(key)
-            if named is None:  # forgotten with the key cache: decode once more
-                metric, encoded = key.split("\n", 1)
-                named = names[key] = (metric, q.decode_labels(encoded))
-            out.append((*named, value))
+            out.append((*(names.get(key) or self._decoded(key)), value))
         return out
+
+    def _decoded(self, key: SeriesKey) -> tuple[str, Labels]:
+        """A series key's metric and labels when the key cache forgot it (GC pruned it,
+        or the writer started over): decoded once more, and cached again."""
+        metric, encoded = key.split("\n", 1)
+        named = self._key_labels[key] = (metric, q.decode_labels(encoded))
+        return named
 
     def series(self, metric: str) -> list[Labels]:
         """Label sets of the flushed series of ``metric``, sorted."""
