@@ -256,9 +256,15 @@ async def test_chain_stays_inside_the_callers_deadline(
     proxy = await start_proxy(fake_runtime, hooks=hooks)
 
     start = time.monotonic()
-    err = await expect_error(proxy, RUN, run_request(), timeout=0.3)
-
-    assert err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    try:
+        await proxy.call(RUN, run_request(), timeout=0.3)
+    except grpc.aio.AioRpcError as err:
+        assert err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    else:
+        # Ignore goes on to the runtime once the hook is stopped at the deadline; on a
+        # busy host the client's own deadline timer can fire after that reply arrived,
+        # so the call may succeed. Fail must never reach the runtime.
+        assert policy == "Ignore"
     assert time.monotonic() - start < 4.0
     # The proxy itself stopped the hook at the caller's deadline (its own budget or
     # grpc's cancellation of the expired call, whichever fires first), not after the
