@@ -51,7 +51,7 @@ async def _skeleton(layers: set[str]) -> None:
         handler = grpc.method_handlers_generic_handler(
             "floor.Probe", {"Version": grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"")})
         server.add_generic_rpc_handlers((handler,))
-        sock = f"unix:///tmp/krp-floor-{os.getpid()}.sock"
+        sock = f"unix-abstract:krp-floor-{os.getpid()}"  # nothing on disk to leave behind
         server.add_insecure_port(sock)
         await server.start()
         channel = grpc.aio.insecure_channel(sock)
@@ -115,7 +115,6 @@ def _measure(layers: tuple[str, ...], warmup: float, window: float) -> tuple[flo
     finally:
         child.terminate()
         child.wait()
-        Path(f"/tmp/krp-floor-{child.pid}.sock").unlink(missing_ok=True)
 
 
 def main() -> None:

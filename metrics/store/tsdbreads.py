@@ -294,13 +294,10 @@ class TSDBReads:
             return []
         keys = set(by_labels.copy().values())
         names = self._key_labels
-        out: list[Labels] = []
         with self._batch_lock:
             latest = self._latest
             recent = [key for key in keys if (found := latest.get(key)) is not None and found[0] >= lo]
-        for key in recent:
-            out.append((names.get(key) or self._decoded(key))[1])
-        return sorted(out)
+        return sorted((names.get(key) or self._decoded(key))[1] for key in recent)
 
     def average_by_label(self, metric: str, key: str, start: float, end: float) -> dict[str, float] | None:
         """``metrics.model.NewestView``: by label ``key``, the mean of every series of

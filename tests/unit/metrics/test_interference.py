@@ -14,6 +14,7 @@ from metrics import model
 from metrics.analysis.interference import (
     CPU,
     MEMORY,
+    Baseline,
     BEUsage,
     InterferenceAnalyser,
     Level,
@@ -333,8 +334,6 @@ def test_signal_reader_finds_container_series_in_the_stores_memory(tmp_path: Pat
 def test_a_baseline_keeps_its_newest_values_and_their_statistics() -> None:
     """The ring of doubles holds the newest ``size`` values, oldest first, and its
     median and MAD are those of exactly those values."""
-    from metrics.analysis.interference import Baseline
-
     rng = random.Random(7)
     values = [rng.random() for _ in range(1000)]
     base = Baseline(600)
@@ -347,4 +346,3 @@ def test_a_baseline_keeps_its_newest_values_and_their_statistics() -> None:
     median = kept[300]
     assert base.stats(600) == (median, statistics.median(abs(v - median) for v in kept))
     assert Baseline(10).stats(1) == (0.0, 0.0)
-
