@@ -35,7 +35,7 @@ from typing import Any, Final, Literal, Protocol, cast
 
 import structlog
 
-from runtimeproxy.chain.hookbatch import Batch, Step
+from runtimeproxy.chain.hookbatch import Batch, Expired, Fields, Step, Sweep
 from runtimeproxy.chain.validate import PatchValidator
 from runtimeproxy.config.settings import FailurePolicy
 from runtimeproxy.errors import HookError
@@ -96,17 +96,20 @@ class HookPools:
         self._workers, self._max_overdue, self._prefix = workers, max_overdue, thread_name_prefix
         self._lock = threading.Lock()
         self._pools: dict[str, ThreadPoolExecutor] = {}
-        self._running: dict[str, dict[int, float]] = {}  # hook -> {call: deadline}
+        self._running: dict[str, dict[int, float | Callable[[], bool]]] = {}  # hook -> {call: deadline}
         self._ids = itertools.count()
         self._closed = False
 
-    def submit(self, hook: str, deadline: float, call: Callable[[], object]) -> Future[object]:
+    def submit(self, hook: str, deadline: float, call: Callable[[], object],
+               stuck: Callable[[], bool] | None = None) -> Future[object]:
+        """``stuck``: for a call whose deadline moves as it runs (a ``Sweep``), whether it
+        is past one; it counts as overdue from then, not from ``deadline``."""
         now = time.monotonic()
         with self._lock:
             if self._closed:
                 raise RuntimeError("the hook pools are shut down")
             running = self._running.setdefault(hook, {})
-            overdue = sum(1 for d in running.values() if d <= now)
+            overdue = sum(1 for d in running.values() if _past(d, now))
             if overdue >= self._max_overdue:
                 raise HookBusyError(hook, overdue)
             pool = self._pools.get(hook)
@@ -114,7 +117,7 @@ class HookPools:
                 pool = ThreadPoolExecutor(self._workers + self._max_overdue, f"{self._prefix}-{hook}")
                 self._pools[hook] = pool
             call_id = next(self._ids)
-            running[call_id] = deadline
+            running[call_id] = deadline if stuck is None else stuck
         try:
             future = pool.submit(call)
         except RuntimeError:  # shut down meanwhile
@@ -131,7 +134,7 @@ class HookPools:
         """Calls of ``hook`` still running past their deadline."""
         now = time.monotonic()
         with self._lock:
-            return sum(1 for d in self._running.get(hook, {}).values() if d <= now)
+            return sum(1 for d in self._running.get(hook, {}).values() if _past(d, now))
 
     def shutdown(self) -> None:
         """Drop queued calls; running ones finish on their own (they can no longer write)."""
@@ -140,6 +143,10 @@ class HookPools:
             pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _past(deadline: float | Callable[[], bool], now: float) -> bool:
+    return deadline() if callable(deadline) else deadline <= now
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +299,16 @@ class HookChain:
             if not timed_out:
                 steps, pending = batch.stop()
                 waiting.result()  # only a BaseException of the thread's own (each hook's Exception is a Step)
+        return await self._settle(run, batch, ctx, deadline, (steps, pending, timed_out, now), patches, changes,
+                                  failed)
+
+    async def _settle(self, run: tuple[BoundHook, ...], batch: Batch, ctx: Context, deadline: float | None,
+                      done: tuple[list[Step], int, bool, float], patches: list[tuple[str, Patch]],
+                      changes: list[Change], failed: list[str]) -> Context:
+        """On the loop, in order: each recorded step's observation, policy and patch; the
+        hook the loop stopped waiting for (``done``: steps, pending index, timed out, when
+        the batch was submitted) as timed out; the hooks after it one by one."""
+        steps, pending, timed_out, now = done
         for step in steps:
             hook = run[step.index]
             self._observe_seconds(hook.name, ctx.stage.value, step.result, step.seconds)
@@ -319,6 +336,70 @@ class HookChain:
         for hook in rest:  # after a timeout, or when the stage's pool was busy
             ctx = await self._run_alone(hook, ctx, deadline, patches, changes, failed)
         return ctx
+
+    async def run_each(self, ctxs: Sequence[Context], fields: Fields) -> list[Outcome | HookFailed]:
+        """One stage (the same for all ``ctxs``, no deadline: a reconcile pass) over many
+        objects, each outcome or ``HookFailed`` in order; ``fields``: the log fields of an
+        object, bound around its hooks and its policy's lines. When every hook of the stage
+        is sync, the objects go to one worker thread together (``hookbatch.Sweep``)."""
+        if not ctxs:
+            return []
+        stage = ctxs[0].stage
+        hooks = self._by_stage[stage]
+        if any(c.stage is not stage for c in ctxs):
+            raise ValueError("run_each: every context must be at the same stage")
+        if not hooks or not all(self._sync_by_stage[stage]):
+            return [await self._each_alone(ctx, fields) for ctx in ctxs]
+        sweep = Sweep(lambda ctx: Batch(hooks, ctx, None, self._checked, apply_patch, _stops_chain), ctxs, fields,
+                      hooks[0].timeout)
+        now = time.monotonic()
+        try:
+            future = self._pools.submit(f"stage:{stage.value}", now + sum(h.timeout for h in hooks) * len(ctxs),
+                                        functools.partial(contextvars.copy_context().run, sweep), stuck=sweep.stuck)
+        except HookBusyError:
+            return [await self._each_alone(ctx, fields) for ctx in ctxs]
+        waiting = asyncio.wrap_future(future)
+        expired: Expired | None = None
+        try:
+            while not waiting.done():
+                expired = sweep.overdue()
+                if expired is not None:
+                    break
+                await asyncio.wait({waiting}, timeout=max(sweep.wait_for(), 0.001))
+        except asyncio.CancelledError:
+            sweep.finish()
+            raise
+        settled = sweep.finish()
+        if expired is None:
+            waiting.result()  # only a BaseException of the thread's own
+        results: list[Outcome | HookFailed] = []
+        for ctx, (batch, steps, pending) in zip(ctxs, settled, strict=False):
+            results.append(await self._each_settled(hooks, batch, ctx, (steps, pending, False, now), fields))
+        if expired is not None:
+            results.append(await self._each_settled(hooks, expired.batch, ctxs[expired.index],
+                                                    (expired.steps, expired.pending, True, now), fields))
+        for ctx in ctxs[len(results):]:  # after a hook past its deadline: one by one
+            results.append(await self._each_alone(ctx, fields))
+        return results
+
+    async def _each_alone(self, ctx: Context, fields: Fields) -> Outcome | HookFailed:
+        with structlog.contextvars.bound_contextvars(**fields(ctx)):
+            try:
+                return await self.run(ctx, deadline=None)
+            except HookFailed as exc:
+                return exc
+
+    async def _each_settled(self, hooks: tuple[BoundHook, ...], batch: Batch, ctx: Context,
+                            done: tuple[list[Step], int, bool, float], fields: Fields) -> Outcome | HookFailed:
+        patches: list[tuple[str, Patch]] = []
+        changes: list[Change] = []
+        failed: list[str] = []
+        with structlog.contextvars.bound_contextvars(**fields(ctx)):
+            try:
+                end = await self._settle(hooks, batch, ctx, None, done, patches, changes, failed)
+            except HookFailed as exc:
+                return exc
+        return Outcome(context=end, patches=tuple(patches), changes=tuple(changes), failed=tuple(failed))
 
     def _checked(self, hook: BoundHook, ctx: Context, result: object) -> Patch | None:
         patch = _check_result(hook, ctx, result)

@@ -35,7 +35,7 @@ from typing import Final
 
 import structlog
 
-from runtimeproxy.chain.hookchain import HOST_TARGET, HookChain, HookFailed
+from runtimeproxy.chain.hookchain import HOST_TARGET, HookChain, HookFailed, Outcome
 from runtimeproxy.hookapi import ContainerContext, Context, PodContext, PodInfo, Stage
 from runtimeproxy.ops import logsetup
 from runtimeproxy.state.store import Store
@@ -116,21 +116,20 @@ class Reconciler:
         live = [pod for pod in pods.values() if not self._skipped(pod)]
         n_pods = 0
         if pod_hooks:
-            for pod in live:
-                if self._store.active_pod(pod.id):  # checked again: earlier hooks of this pass took time
-                    n_pods += await self._visit(chain, PodContext(Stage.RECONCILE_POD_SANDBOX, pod), pod.id,
-                                                verified, now, counts)
+            n_pods = await self._visit(chain, [(pod.id, PodContext(Stage.RECONCILE_POD_SANDBOX, pod))
+                                               for pod in live if self._store.active_pod(pod.id)],
+                                       verified, now, counts)
         n_containers = 0
         if container_hooks:
+            todo: list[tuple[str, Context]] = []
             for pod_id, container in containers.values():
                 owner = pods.get(pod_id)
                 if owner is None or self._skipped(owner):
                     continue
                 if not (self._store.active_pod(pod_id) and self._store.active_container(container.id)):
                     continue
-                n_containers += await self._visit(
-                    chain, ContainerContext(Stage.RECONCILE_CONTAINER, owner, container), container.id,
-                    verified, now, counts)
+                todo.append((container.id, ContainerContext(Stage.RECONCILE_CONTAINER, owner, container)))
+            n_containers = await self._visit(chain, todo, verified, now, counts)
         result = PassResult(n_pods, n_containers, counts[0], counts[1], counts[2])
         # One line per pass; quiet at info when nothing drifted.
         emit = log.info if result.writes or result.failures else log.debug
@@ -145,38 +144,49 @@ class Reconciler:
         span = VERIFY_PASSES * self._interval()
         return {oid: at for oid, at in self._verified.items() if now - at < span}
 
-    async def _visit(self, chain: HookChain, ctx: Context, object_id: str, verified: dict[str, float],
+    async def _visit(self, chain: HookChain, objects: list[tuple[str, Context]], verified: dict[str, float],
                      now: float, counts: list[int]) -> int:
-        """Run the object's stage unless recently found in place; 1 if run, 0 if left out.
-        Only objects of this pass are carried over: nothing outlives its pod."""
-        at = verified.get(object_id)
-        if at is not None:
+        """Run the stage over the objects not recently found in place; how many ran. Only
+        objects of this pass are carried over: nothing outlives its pod. The objects go to
+        the chain together (``HookChain.run_each``: one worker-thread hand-off for a chain
+        of sync hooks); one torn down meanwhile fails quietly (``TargetGoneError``)."""
+        todo: list[tuple[str, Context]] = []
+        for object_id, ctx in objects:
+            at = verified.get(object_id)
+            if at is None:
+                todo.append((object_id, ctx))
+                continue
             self._verified[object_id] = at
             counts[2] += 1
-            return 0
-        if await self._one(chain, ctx, counts):
-            self._verified[object_id] = now
-        return 1
+        results = await chain.run_each([ctx for _, ctx in todo], _log_fields)
+        for (object_id, ctx), result in zip(todo, results, strict=True):
+            with logsetup.scoped(**_log_fields(ctx)):
+                if self._settled(ctx, result, counts):
+                    self._verified[object_id] = now
+        return len(todo)
 
-    async def _one(self, chain: HookChain, ctx: Context, counts: list[int]) -> bool:
-        """Run one object's stage; whether everything was found in place (no write, no failure)."""
-        pod = ctx.pod
-        bound = {"pod_namespace": pod.meta.namespace, "pod_name": pod.meta.name, "pod_uid": pod.meta.uid}
-        if isinstance(ctx, ContainerContext):
-            bound |= {"container_name": ctx.container.meta.name, "container_id": ctx.container.id}
-        with logsetup.scoped(**bound):
-            try:
-                outcome = await chain.run(ctx, deadline=None)
-            except HookFailed as exc:
-                counts[1] += 1
-                # A repeat (or the object torn down meanwhile) was logged once already, or is no fault.
-                emit = log.debug if exc.repeat else log.error
-                emit("reconcile_failed", hook=exc.hook, stage=exc.stage.value, reason=exc.reason)
-                return False
-            writes = [c for c in outcome.changes if c.target.startswith(HOST_TARGET)]
-            counts[0] += len(writes)
-            if writes:
-                self._store.record_changes(pod.meta.uid, tuple(writes))
-                log.info("reconcile_repaired", changes=[f"{c.hook}:{c.target}={c.new}" for c in writes])
-            # A hook failing under Ignore did not take: checked again next pass.
-            return not writes and not outcome.failed
+    def _settled(self, ctx: Context, result: Outcome | HookFailed, counts: list[int]) -> bool:
+        """Count and log one object's outcome; whether everything was found in place (no
+        write, no failure)."""
+        if isinstance(result, HookFailed):
+            counts[1] += 1
+            # A repeat (or the object torn down meanwhile) was logged once already, or is no fault.
+            emit = log.debug if result.repeat else log.error
+            emit("reconcile_failed", hook=result.hook, stage=result.stage.value, reason=result.reason)
+            return False
+        writes = [c for c in result.changes if c.target.startswith(HOST_TARGET)]
+        counts[0] += len(writes)
+        if writes:
+            self._store.record_changes(ctx.pod.meta.uid, tuple(writes))
+            log.info("reconcile_repaired", changes=[f"{c.hook}:{c.target}={c.new}" for c in writes])
+        # A hook failing under Ignore did not take: checked again next pass.
+        return not writes and not result.failed
+
+
+def _log_fields(ctx: Context) -> dict[str, str]:
+    """What an object's log lines carry (its hooks' and this pass's)."""
+    pod = ctx.pod
+    fields = {"pod_namespace": pod.meta.namespace, "pod_name": pod.meta.name, "pod_uid": pod.meta.uid}
+    if isinstance(ctx, ContainerContext):
+        fields |= {"container_name": ctx.container.meta.name, "container_id": ctx.container.id}
+    return fields
