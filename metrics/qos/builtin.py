@@ -57,13 +57,15 @@ class CPUSuppress(Strategy):
         #: first, then the children get their own values in a pass right after.
         self.reconcile = reconcile
         self.be_state: BEState | None = None
+        #: The tier's two knobs, read twice a round (planning, then after the writes).
+        self.tier_paths = PathCache()
         # The tier's knobs only: the quotas under it are read while planning, and only
         # when a write may need them (``SuppressStrategy.plan``): most rounds keep the limit.
         self.state_input: Input[BEState] = Input("be_tier", self._read_state, _state_summary)
         self.reads = (NODE, self.state_input)
 
     def _read_state(self, ctx: RoundContext) -> BEState:
-        return read_be_state(ctx.executor, self.inner.cfg, ctx.pods, children=False)
+        return read_be_state(ctx.executor, self.inner.cfg, ctx.pods, children=False, paths=self.tier_paths)
 
     def off_reason(self, rules: Rules) -> str:
         if rules.resource_used_threshold_with_be.enable:
@@ -134,7 +136,7 @@ class CPUBurst(Strategy):
     def _read_share_pool(self, ctx: RoundContext) -> SharePool | None:
         """The share-pool averages, read only while some pod's policy bursts its CFS
         quota (the only use of the pool's state); None otherwise."""
-        if not any(self.inner.bursts_quota(p, ctx.rules.cpu_burst_strategy) for p in ctx.pods):
+        if not self.inner.any_bursts_quota(ctx.pods, ctx.rules.cpu_burst_strategy):
             return None
         return share_pool_averages(ctx.reader, now=ctx.now, collect_interval=ctx.config.collect_interval)
 

@@ -171,6 +171,45 @@ class _Decision:
     info: Mapping[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """A burstable pod with the policy it follows (its annotation over the node's)."""
+
+    pod: PodView
+    cfg: CPUBurstStrategy
+    #: Its dir and its containers' (the quotas a quota-bursting policy reads); () without containers.
+    dirs: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _PodsView:
+    """What CPU burst derives from one pod list under one node policy: the burstable
+    pods and their policies. ``burstable`` and the annotation's JSON were evaluated 3
+    times per pod and round (quota dirs, share pool, plan); the manager hands the same
+    tuple while the pods do not change, so this is built once per pod list."""
+
+    pods: tuple[PodView, ...]
+    node: CPUBurstStrategy
+    entries: tuple[_Entry, ...]
+    #: Container ids of the burstable pods (what the per-container state is kept for).
+    live: frozenset[str]
+    bursts_quota: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _BurstKnobs:
+    """One pod's ``cfs_burst_us`` actions under one policy: the same every round while
+    the pod and its policy are, so they are built once and handed again (the actions
+    stay in the plan: arbitration, the verified-writes cache and explain see them as
+    before)."""
+
+    pod: PodView
+    cfg: CPUBurstStrategy
+    actions: tuple[SetCgroup, ...]
+    ids: tuple[str, ...]
+    total: int
+
+
 class BurstStrategy:
     """Keeps the token buckets and the knobs it raised between rounds."""
 
@@ -184,6 +223,10 @@ class BurstStrategy:
         #: what planning an unchanged one costs.
         self._dirs: dict[str, PurePosixPath] = {}
         self._dirs_before: dict[str, PurePosixPath] = {}
+        self._view: _PodsView | None = None
+        #: Pod uid -> its burst knobs as last planned (kept for the pods planned last round).
+        self._knobs: dict[str, _BurstKnobs] = {}
+        self._knobs_before: dict[str, _BurstKnobs] = {}
 
     def _dir(self, rel: str) -> PurePosixPath:
         found = self._dirs.get(rel)
@@ -191,17 +234,38 @@ class BurstStrategy:
             found = self._dirs[rel] = self._dirs_before.get(rel) or PurePosixPath(rel)
         return found
 
+    def _pods_view(self, pods: Iterable[PodView], node: CPUBurstStrategy) -> _PodsView:
+        """The view of ``pods`` under ``node``, reused while both are the same. Only a
+        tuple is remembered (by identity: immutable, and kept alive by the view, so a new
+        list cannot take its address); anything else is viewed afresh each call."""
+        view = self._view
+        if view is not None and view.pods is pods and (view.node is node or view.node == node):
+            return view
+        listed = pods if isinstance(pods, tuple) else tuple(pods)
+        entries = tuple(_Entry(p, self.config_of(p, node),
+                               (p.cgroup_dir, *(c.cgroup_dir for c in p.containers)) if p.containers else ())
+                        for p in listed if burstable(p))
+        view = _PodsView(listed, node, entries, frozenset(c.id for e in entries for c in e.pod.containers),
+                         any(e.cfg.cfs_quota_burst_enabled for e in entries))
+        if listed is pods:
+            self._view = view
+        return view
+
     def quota_dirs(self, pods: Iterable[PodView], node: CPUBurstStrategy) -> list[str]:
         """Cgroups whose current quota the next ``plan`` needs."""
         out: list[str] = []
-        for pod in pods:
-            if not burstable(pod):
+        for entry in self._pods_view(pods, node).entries:
+            if entry.cfg.cfs_quota_burst_enabled:
+                out += entry.dirs
                 continue
-            enabled = self.bursts_quota(pod, node)
-            ctrs = [c for c in pod.containers if enabled or c.id in self._raised]
+            ctrs = [c for c in entry.pod.containers if c.id in self._raised]
             if ctrs:
-                out += [pod.cgroup_dir, *(c.cgroup_dir for c in ctrs)]
+                out += [entry.pod.cgroup_dir, *(c.cgroup_dir for c in ctrs)]
         return out
+
+    def any_bursts_quota(self, pods: Iterable[PodView], node: CPUBurstStrategy) -> bool:
+        """Whether some pod's own policy bursts its CFS quota (``bursts_quota`` of any)."""
+        return self._pods_view(pods, node).bursts_quota
 
     def bursts_quota(self, pod: PodView, node: CPUBurstStrategy) -> bool:
         """Whether the pod's own policy (its annotation overrides the node's) bursts its
@@ -224,13 +288,13 @@ class BurstStrategy:
         state, ratio = share_pool_state(inputs, node.share_pool_threshold_percent)
         actions: list[Action] = []
         per_pod: dict[str, Any] = {}
-        live: set[str] = set()
+        view = self._pods_view(inputs.pods, node)
+        live = view.live
         self._dirs_before, self._dirs = self._dirs, {}
-        for pod in inputs.pods:
-            if not burstable(pod):
-                continue
-            live |= {c.id for c in pod.containers}
-            decision = self._plan_pod(pod, self.config_of(pod, node), inputs, state, quotas)
+        self._knobs_before, self._knobs = self._knobs, {}
+        for entry in view.entries:
+            pod = entry.pod
+            decision = self._plan_pod(pod, entry.cfg, inputs, state, quotas)
             actions += decision.actions
             if decision.info:
                 per_pod[pod.key] = decision.info
@@ -269,27 +333,46 @@ class BurstStrategy:
         return LeveledWrite(((pod_write,), tuple(writes)), reason)
 
     def _burst_actions(self, pod: PodView, cfg: CPUBurstStrategy, info: dict[str, Any]) -> list[Action]:
+        if cfg.cpu_burst_enabled:
+            knobs = self._knobs_before.get(pod.uid)
+            if knobs is None or knobs.pod is not pod or not (knobs.cfg is cfg or knobs.cfg == cfg):
+                knobs = self._burst_knobs(pod, cfg)  # a new pod, pod view or policy: planned afresh
+            self._knobs[pod.uid] = knobs
+            self._bursted.update(knobs.ids)
+            if knobs.actions:
+                info["cfs_burst_us"] = knobs.total
+            return list(knobs.actions)
+        # Off: each of our bursts is put back to 0 once (state-dependent, never kept).
         out: list[Action] = []
         total = 0
+        reason = f"cpu burst {cfg.cpu_burst_percent}% (policy {cfg.policy})"
         for ctr in pod.containers:
-            if cfg.cpu_burst_enabled:
-                value = burst_us(ctr, cfg.cpu_burst_percent)
-                if value is None:
-                    continue
-                self._bursted.add(ctr.id)
-            elif ctr.id in self._bursted:
+            if ctr.id in self._bursted:
                 self._bursted.discard(ctr.id)
-                value = 0
-            else:
-                continue
-            total += value
-            reason = f"cpu burst {cfg.cpu_burst_percent}% (policy {cfg.policy})"
-            out.append(SetCgroup(self._dir(ctr.cgroup_dir), CPU_CFS_BURST, value, reason, pod.uid))
+                out.append(SetCgroup(self._dir(ctr.cgroup_dir), CPU_CFS_BURST, 0, reason, pod.uid))
         if out:
             info["cfs_burst_us"] = total
             out.append(SetCgroup(self._dir(pod.cgroup_dir), CPU_CFS_BURST, total, "cpu burst: sum of containers",
                                  pod.uid))
         return out
+
+    def _burst_knobs(self, pod: PodView, cfg: CPUBurstStrategy) -> _BurstKnobs:
+        """The burst of each container with a quota (its limit x percent) and their sum on the pod."""
+        out: list[SetCgroup] = []
+        ids: list[str] = []
+        total = 0
+        reason = f"cpu burst {cfg.cpu_burst_percent}% (policy {cfg.policy})"
+        for ctr in pod.containers:
+            value = burst_us(ctr, cfg.cpu_burst_percent)
+            if value is None:
+                continue
+            ids.append(ctr.id)
+            total += value
+            out.append(SetCgroup(self._dir(ctr.cgroup_dir), CPU_CFS_BURST, value, reason, pod.uid))
+        if out:
+            out.append(SetCgroup(self._dir(pod.cgroup_dir), CPU_CFS_BURST, total, "cpu burst: sum of containers",
+                                 pod.uid))
+        return _BurstKnobs(pod, cfg, tuple(out), tuple(ids), total)
 
     def _container_op(self, ctr: ContainerView, cfg: CPUBurstStrategy, inputs: NodeInputs,
                       state: NodeState) -> Op | None:

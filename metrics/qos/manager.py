@@ -282,7 +282,8 @@ class QoSManager:
                 for plan in plans]
         chosen = self.suppress_strategy
         if read_be_state and chosen is not None:
-            chosen.be_state = suppress.read_be_state(self._executor, chosen.inner.cfg, children=False)
+            chosen.be_state = suppress.read_be_state(self._executor, chosen.inner.cfg, children=False,
+                                                     paths=chosen.tier_paths)
         return done
 
     @contextmanager

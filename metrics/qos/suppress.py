@@ -43,6 +43,7 @@ from metrics.model import (
     labels,
 )
 from metrics.qos.inputs import NodeInputs
+from metrics.qos.pathcache import PathCache
 from metrics.qos.plan import Action, LeveledWrite, Plan, Priority, SetCgroup
 from metrics.qos.tierquota import ChildClamps, ChildQuota, read_children
 
@@ -109,15 +110,19 @@ class BEState:
 
 
 def read_be_state(executor: CgroupExecutor, cfg: SuppressConfig, pods: Sequence[PodView] = (), *,
-                  children: bool = True) -> BEState:
+                  children: bool = True, paths: PathCache | None = None) -> BEState:
     """The tier's knobs; with ``children`` also every quota under it (``tierquota``:
     hundreds of files at 110 pods, so a caller that may not need them passes False
-    and reads them through ``read_be_children`` when it does)."""
+    and reads them through ``read_be_children`` when it does). ``paths``: the tier's
+    files confined once and kept open (the manager reads them twice a round: each
+    confinement was 3 syscalls and a path build, several times the read itself)."""
+    tier = str(cfg.besteffort_dir)
 
     def read(resource: Any) -> str | None:
         try:
-            return executor.read(cfg.besteffort_dir, resource)
-        except CgroupError as exc:
+            return (paths.read(executor, tier, resource) if paths is not None
+                    else executor.read(cfg.besteffort_dir, resource))
+        except (CgroupError, OSError) as exc:  # OSError: a kept file that could not be read (gone)
             log.debug("be_state_unreadable", resource=resource.name, reason=str(exc))
             return None
 

@@ -34,7 +34,7 @@ from typing import Any, Final
 
 import structlog
 
-from hooks.executor import confine
+from hooks.executor import Confinement
 from hooks.rules import Rules, SystemStrategy
 from metrics.model import PodView
 from metrics.qos.plan import Action, Plan, Priority, SetFile
@@ -120,6 +120,10 @@ class SystemConfig(Strategy):
 
     def __init__(self, roots: Mapping[str, Path], state_dir: Path | None, reap_supported: bool) -> None:
         self.roots = dict(roots)
+        #: Root -> its confinement, the root resolved once (as the cgroup executor's): the
+        #: knobs are read every round, and resolving the fixed root again each time was
+        #: most of what confining a knob's path cost. Each knob itself is still resolved.
+        self._confined: dict[Path, Confinement] = {}
         self.state_path = state_dir / STATE_FILE if state_dir is not None else None
         self.reap_supported = reap_supported
         self.knobs = tuple(k for k in KNOBS if k is not REAP or reap_supported)
@@ -159,7 +163,10 @@ class SystemConfig(Strategy):
         base = self.roots.get(root)
         if base is None:
             raise HostFileError(f"{root}:{path}: no host root {root!r}")
-        return confine(base, PurePosixPath(path), f"{root}:{path}")
+        confined = self._confined.get(base)
+        if confined is None:
+            confined = self._confined[base] = Confinement(base)
+        return confined(PurePosixPath(path), f"{root}:{path}")
 
     def _read_knob(self, knob: Knob) -> str | None:
         try:

@@ -31,7 +31,9 @@ _Target = tuple[PurePosixPath, str]
 
 
 def _items(action: Action) -> tuple[SetCgroup, ...] | None:
-    items = (action,) if isinstance(action, SetCgroup) else action.items() if isinstance(action, LeveledWrite) else ()
+    if isinstance(action, SetCgroup):  # most of a round's actions (burst knobs): no generator for one item
+        return (action,) if action.resource.name in REMEMBERED else None
+    items = action.items() if isinstance(action, LeveledWrite) else ()
     if not items or any(i.resource.name not in REMEMBERED for i in items):
         return None
     return items
