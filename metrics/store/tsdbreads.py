@@ -254,6 +254,14 @@ class TSDBReads:
             found = self._latest.get(handle)
         return (found[0] / 1000, found[1]) if found is not None else None
 
+    def newest_many(self, handles: Sequence[SeriesKey]) -> list[tuple[float, float] | None]:
+        """``newest`` of each handle, in order, under one acquisition of the lock: the
+        interference analyser reads ~440 series a step, and taking the lock that
+        collectors' writes contend on once per series cost more than the lookups."""
+        with self._batch_lock:
+            found = list(map(self._latest.get, handles))  # C-level: the lock is held briefly
+        return [(hit[0] / 1000, hit[1]) if hit is not None else None for hit in found]
+
     def newest_by_label(self, metric: str, key: str, start: float, end: float) -> dict[str, float] | None:
         """``metrics.model.NewestView``: by label ``key``, the newest value of every series
         of ``metric`` last written in ``[start, end]``, from the in-memory record alone

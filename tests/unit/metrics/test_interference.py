@@ -270,6 +270,130 @@ def test_signal_reader_without_the_view_queries_last(tmp_path: Path) -> None:
     db.close()
 
 
+class _Counted:
+    """Counts a store method's calls (and refuses ``refuse``'s)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, db: TSDB, *names: str, refuse: str = "") -> None:
+        self.calls = dict.fromkeys(names, 0)
+        for name in names:
+            monkeypatch.setattr(db, name, self._wrap(name, getattr(db, name)))
+        if refuse:
+            def refused(*_: object) -> None:
+                raise AssertionError(f"{refuse} per series")
+
+            monkeypatch.setattr(db, refuse, refused)
+
+    def _wrap(self, name: str, method: Callable[..., object]) -> Callable[..., object]:
+        def counted(*args: object) -> object:
+            self.calls[name] += 1
+            return method(*args)
+
+        return counted
+
+
+def test_signal_reader_reads_a_step_in_one_batched_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: a step reads every series from the store's latest-value view in one
+    ``newest_many`` call (one lock), never series by series, with the semantics of the
+    reads one by one: the newest sample, flushed or not; one stamped after ``now`` (collected
+    while the step started) is the newest; one older than ``max_age`` is no signal; a
+    series the store forgot at GC is none (the node's PSI stands in for the pod's)."""
+    from metrics.store.tsdb import LATEST_KEEP
+
+    now = 1000.0
+    db = TSDB(tmp_path / "metrics.db", clock=lambda: now)
+    psi = {model.KIND: "some", model.WINDOW: "avg10"}
+    ebpf = model.labels(pod_uid="ls", container_id="c-ls", source="ebpf")
+    db.write([Sample(model.POD_PSI, 50.0, model.labels(pod_uid="gone", resource="cpu", **psi), now - LATEST_KEEP - 5)])
+    db.flush()
+    db.gc(now=now)  # "gone"'s PSI leaves the view (the file keeps it)
+    db.write([
+        Sample(model.CONTAINER_SCHED_LATENCY_P99, 0.004, ebpf, now - 1),
+        Sample(model.CONTAINER_SCHED_LATENCY, 0.001, ebpf, now - 1),
+        Sample(model.POD_PSI, 12.0, model.labels(pod_uid="ls", resource="cpu", **psi), now + 0.5),  # future
+        Sample(model.POD_PSI, 9.0, model.labels(pod_uid="ls", resource="memory", **psi), now - 30),  # expired
+        Sample(model.NODE_PSI, 3.0, model.labels(resource="memory", **psi), now - 2),
+        Sample(model.NODE_PSI, 4.0, model.labels(resource="cpu", **psi), now - 2),
+        Sample(model.POD_CPU_THROTTLED, 0.25, model.labels(pod_uid="ls"), now - 1),
+        Sample(model.POD_CPU_USAGE, 2.5, model.labels(pod_uid="be"), now - 1),
+        Sample(model.NODE_MEMORY_TOTAL, 8e9, model.NO_LABELS, now - 1),
+    ])
+    counted = _Counted(monkeypatch, db, "newest_many", "series_handle", refuse="newest")
+    reader = SignalReader(db, max_age=25.0)
+    pods = [_view("ls", QoSClass.LS), _view("gone", QoSClass.LS, quota=0), _view("be", QoSClass.BE),
+            _view("sys", QoSClass.SYSTEM)]
+    seen = reader.observe(pods, now)
+    assert counted.calls["newest_many"] == 1
+    assert seen.signals == {"ls": {"sched_latency_p99": 0.004, "cpu_psi": 12.0, "memory_psi": 3.0,
+                                   "cpu_throttled": 0.25},
+                            "gone": {"cpu_psi": 4.0, "memory_psi": 3.0}}
+    assert seen.stamps["ls"]["cpu_psi"] == now + 0.5 and seen.sources["ls"]["memory_psi"] == "node"
+    assert seen.sources["gone"] == {"cpu_psi": "node", "memory_psi": "node"}
+    assert seen.containers == {"ls": {"sched_latency_p99": ("c-ls", "main")}}
+    assert [(b.pod.uid, b.cpu, b.memory) for b in seen.be] == [("be", 2.5, None)]
+    assert [r.uid for r in seen.pods] == ["ls", "gone", "be", "sys"]
+    assert (seen.node_memory_used, seen.node_memory_total) == (None, 8e9)
+    assert reader.observe(pods, now + 25).signals["ls"] == {"cpu_psi": 12.0}, "the rest older than max_age"
+    assert counted.calls["newest_many"] == 2 and reader.reads == 0
+    db.close()
+
+
+def test_signal_reader_plans_a_step_once_per_pod_list_and_index(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a step reads (handles, refs, container names, CPU limits) is built once per
+    pod list and index: the same views, or views rebuilt alike, make no handle again; a
+    changed pod, a new pod and a new container series (at the next index) are seen."""
+    now = 1000.0
+    db = TSDB(tmp_path / "metrics.db", clock=lambda: now)
+    lbl = model.labels(pod_uid="ls")
+    counted = _Counted(monkeypatch, db, "series_handle")
+    reader = SignalReader(db, max_age=25.0, index_every=10.0)
+    pods = [_view("ls", QoSClass.LS), _view("be", QoSClass.BE)]
+    for t in range(5):
+        db.write([Sample(model.POD_CPU_THROTTLED, 0.5, lbl, now + t)])
+        assert reader.observe(pods, now + t).signals["ls"] == {"cpu_throttled": 0.5}
+    made = counted.calls["series_handle"]
+    assert made > 0
+    reader.observe([_view("ls", QoSClass.LS), _view("be", QoSClass.BE)], now + 5)  # rebuilt alike
+    assert counted.calls["series_handle"] == made
+    unlimited = reader.observe([_view("ls", QoSClass.LS, quota=0), _view("be", QoSClass.BE)], now + 6)
+    assert unlimited.signals["ls"] == {}, "no CPU limit any more: throttling not read"
+    grown = reader.observe([*pods, _view("ls2", QoSClass.LSR)], now + 7)
+    assert set(grown.signals) == {"ls", "ls2"} and counted.calls["series_handle"] > made
+    db.write([Sample(model.CONTAINER_CPI, 1.5, model.labels(pod_uid="ls", container_id="c-ls"), now + 8)])
+    assert "cpi" not in reader.observe(pods, now + 8).signals["ls"], "not indexed yet"
+    assert reader.observe(pods, now + 10).signals["ls"] == {"cpi": 1.5, "cpu_throttled": 0.5}
+    assert reader.observe(pods, now + 10).containers["ls"] == {"cpi": ("c-ls", "main")}
+    db.close()
+
+
+def test_signal_reader_without_the_view_reads_only_what_a_step_uses(tmp_path: Path) -> None:
+    """Without the view each value is a ``last`` query, made only for what the step looks
+    at: the schedstat mean of a pod with an eBPF p99 is not read; one without a p99 is."""
+    now = 1000.0
+    db = TSDB(tmp_path / "metrics.db", clock=lambda: now)
+    asked: list[tuple[str, str]] = []
+
+    class Plain:  # a MetricReader without the latest-value view
+        def last(self, metric: str, labels: model.Labels, max_age: float, at: float) -> Sample | None:
+            asked.append((metric, next((v for k, v in labels if k == model.POD_UID), "")))
+            return db.last(metric, labels, max_age, at)
+
+        def aggregate_all(self, metric: str, start: float, end: float) -> object:
+            return db.aggregate_all(metric, start, end)
+
+    db.write([
+        Sample(model.CONTAINER_SCHED_LATENCY_P99, 0.004, model.labels(pod_uid="a", container_id="c-a"), now - 1),
+        Sample(model.CONTAINER_SCHED_LATENCY, 0.001, model.labels(pod_uid="a", container_id="c-a"), now - 1),
+        Sample(model.CONTAINER_SCHED_LATENCY, 0.002, model.labels(pod_uid="b", container_id="c-b"), now - 1),
+    ])
+    db.flush()
+    reader = SignalReader(Plain())  # type: ignore[arg-type]
+    seen = reader.observe([_view("a", QoSClass.LS, quota=0), _view("b", QoSClass.LS, quota=0)], now)
+    assert seen.signals == {"a": {"sched_latency_p99": 0.004}, "b": {"sched_latency_mean": 0.002}}
+    assert (model.CONTAINER_SCHED_LATENCY, "a") not in asked and (model.CONTAINER_SCHED_LATENCY, "b") in asked
+    assert reader.reads == len(asked) == 10  # 2 node PSI, 2 node memory, a's p99, b's mean, 2 x 2 pod PSI
+    db.close()
+
 def test_a_new_pod_is_judged_against_the_floors_while_its_baseline_is_learnt() -> None:
     """Issue 28 item 11: PSI every 10 s and min_baseline 20 left a new LS pod unjudged for
     ~200 s; an LS pod alone 60 s, then BE hogs, gets a verdict from the floor (cpu PSI 10)

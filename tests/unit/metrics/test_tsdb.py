@@ -422,6 +422,35 @@ def test_newest_by_handle_is_the_latest_value_view(path: Path) -> None:
         assert db.newest(a) is None
 
 
+def test_newest_many_is_newest_of_each_handle_in_order(path: Path) -> None:
+    """One read of many series (one lock): the same as ``newest`` one by one, in the
+    order asked, repeats included: unknown series None, flushed and unflushed samples,
+    an out-of-order sample not replacing the newest, a series forgotten at GC None."""
+    from metrics.store.tsdb import LATEST_KEEP
+
+    with TSDB(path, clock=Clock()) as db:
+        c = labels(pod_uid="c")
+        handles = [db.series_handle(CPU, A), db.series_handle(MEM, A), db.series_handle(CPU, B),
+                   db.series_handle(CPU, c), db.series_handle(CPU, A)]
+
+        def one_by_one() -> list[tuple[float, float] | None]:
+            return [db.newest(h) for h in handles]
+
+        assert db.newest_many([]) == []
+        assert db.newest_many(handles) == one_by_one() == [None] * 5
+        db.write([Sample(CPU, 1.0, A, T0), Sample(MEM, 5.0, A, T0), Sample(CPU, 2.0, B, T0 + 1)])
+        db.flush()
+        db.write([Sample(CPU, 3.0, A, T0 + 3), Sample(CPU, 9.0, A, T0 + 2)])  # unflushed, out of order
+        db.write([Sample(CPU, 4.0, c, T0 + 3 + LATEST_KEEP)])
+        assert db.newest_many(handles) == one_by_one()
+        assert db.newest_many(handles) == [(T0 + 3, 3.0), (T0, 5.0), (T0 + 1, 2.0), (T0 + 3 + LATEST_KEEP, 4.0),
+                                           (T0 + 3, 3.0)]
+        db.flush()
+        db.gc(now=T0 + 3 + LATEST_KEEP + 1)
+        assert db.newest_many(handles) == one_by_one() == [None, None, None, (T0 + 3 + LATEST_KEEP, 4.0), None]
+        db.write([Sample(CPU, 6.0, A, T0 + LATEST_KEEP + 10)])  # a forgotten series written again
+        assert db.newest_many(handles[:1]) == [(T0 + LATEST_KEEP + 10, 6.0)]
+
 def test_series_since_lists_the_series_written_at_or_after_a_time(path: Path) -> None:
     """The series ``newest`` can read: canonical labels, each once whatever the label
     order written, sorted; a series whose newest sample is older than ``start`` is left
