@@ -278,8 +278,11 @@ class SuppressStrategy:
         self.lowered_at = -math.inf
         #: The children read for a cpuset write: (the pod list object, when, children).
         self._children: tuple[Sequence[PodView], float, tuple[ChildQuota, ...]] | None = None
-        #: The last pod-view cpuset write built: (the pod list object, (cpus, reason), write).
-        self._cpuset_writes: tuple[Sequence[PodView], tuple[frozenset[int], str], LeveledWrite] | None = None
+        #: The last cpuset write built: (the pod list or children tuple it was built from,
+        #: (cpus, reason), write).
+        self._cpuset_writes: tuple[object, tuple[frozenset[int], str], LeveledWrite] | None = None
+        #: CPUs bound per QoS class set, for one pod list: (the pod list object, by classes).
+        self._bound: tuple[Sequence[PodView], dict[frozenset[QoSClass], frozenset[int]]] | None = None
 
     def _cpuset_children(self, inputs: NodeInputs, children: Callable[[], tuple[ChildQuota, ...]]
                          ) -> tuple[ChildQuota, ...]:
@@ -323,9 +326,26 @@ class SuppressStrategy:
             return f"growth below the {self.cfg.growth_step:.0%} step"
         return None
 
+    def _bound_cpus(self, pods: Sequence[PodView], qos: QoSClass) -> frozenset[int]:
+        """``bound_cpus`` of one class, parsed once per pod list: the cpuset policy asks
+        for LSE and LSR every round (116 annotation parses a round at 110 pods) and they
+        depend on the pods alone. Only a tuple is remembered (by identity: immutable, and
+        kept alive here, so a new list cannot take its address); a bad annotation is
+        still reported once (``_warned``), at the first parse as before."""
+        classes = frozenset({qos})
+        cached = self._bound
+        if cached is None or cached[0] is not pods:
+            cached = (pods, {})
+            if isinstance(pods, tuple):
+                self._bound = cached
+        found = cached[1].get(classes)
+        if found is None:
+            found = cached[1][classes] = bound_cpus(pods, classes, self._warned)
+        return found
+
     def recovery_cpus(self, pods: Sequence[PodView]) -> frozenset[int]:
         """All CPUs - LSE-bound - reserved (koordlet's calcBECPUSet)."""
-        lse = bound_cpus(pods, frozenset({QoSClass.LSE}), self._warned)
+        lse = self._bound_cpus(pods, QoSClass.LSE)
         return frozenset(c.cpu for c in self.topology) - lse - self.cfg.reserved_cpus
 
     def _cpuset_write(self, pods: Sequence[PodView], cpus: frozenset[int], reason: str,
@@ -334,6 +354,12 @@ class SuppressStrategy:
         the tier as found on the filesystem, v1: ``BEState.children``) those are the levels:
         a v1 cpuset may not drop CPUs a child still has (EBUSY), and a sandbox's pause
         cgroup is in no pod view."""
+        # The same pod list (or children read, kept ``CHILDREN_MAX_AGE`` by ``_cpuset_children``)
+        # and value: the same write, built once per change (one action per BE cgroup each round).
+        source: object = children if children else pods
+        cached = self._cpuset_writes
+        if cached is not None and cached[0] is source and cached[1] == (cpus, reason):
+            return cached[2]
         text = format_cpu_list(cpus)
         top = (SetCgroup(self.cfg.besteffort_dir, CPUSET_CPUS, text, reason),)
         if children:
@@ -341,10 +367,10 @@ class SuppressStrategy:
             for child in children:
                 depths.setdefault(child.depth, []).append(
                     SetCgroup(child.cgroup, CPUSET_CPUS, text, reason, child.pod_uid))
-            return LeveledWrite((top, *(tuple(depths[d]) for d in sorted(depths))), reason)
-        cached = self._cpuset_writes
-        if cached is not None and cached[0] is pods and cached[1] == (cpus, reason):
-            return cached[2]  # the same pod list and value: the same write (built once per change)
+            write = LeveledWrite((top, *(tuple(depths[d]) for d in sorted(depths))), reason)
+            if isinstance(children, tuple):  # immutable: safe to know again by identity
+                self._cpuset_writes = (children, (cpus, reason), write)
+            return write
         be = [p for p in pods if p.qos is QoSClass.BE]
         pod_level = tuple(SetCgroup(PurePosixPath(p.cgroup_dir), CPUSET_CPUS, text, reason, p.uid) for p in be)
         ctr_level = tuple(SetCgroup(PurePosixPath(c.cgroup_dir), CPUSET_CPUS, text, reason, p.uid)
@@ -415,8 +441,8 @@ class SuppressStrategy:
                      info: dict[str, Any], children: Callable[[], tuple[ChildQuota, ...]] | None) -> Plan:
         if state.cpuset is None:
             return Plan(NAME, Priority.SUPPRESS, (), info, "no decision: current BE cpuset unreadable")
-        lse = bound_cpus(inputs.pods, frozenset({QoSClass.LSE}), self._warned)
-        lsr = bound_cpus(inputs.pods, frozenset({QoSClass.LSR}), self._warned)
+        lse = self._bound_cpus(inputs.pods, QoSClass.LSE)
+        lsr = self._bound_cpus(inputs.pods, QoSClass.LSR)
         candidates = [c for c in self.topology if c.cpu not in lse and c.cpu not in self.cfg.reserved_cpus]
         wanted = max(math.ceil(formula.suppress), MIN_CPUSET)
         cap = len(state.cpuset) + math.ceil(GROWTH_RATIO * len(self.topology))
