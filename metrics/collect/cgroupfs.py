@@ -12,6 +12,8 @@ a late tick stretches both numerator and denominator instead of inflating the ra
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import re
 import time
@@ -58,6 +60,8 @@ _V1_CONTROLLERS: Final = ("cpu", "cpuacct", "cpuset", "memory", "perf_event")
 QUOTA_RECHECK: Final = 10.0
 PAGE_SIZE: Final = os.sysconf("SC_PAGE_SIZE")
 _NUMA_KEYS: Final = (b"hierarchical_anon=", b"hierarchical_unevictable=", b"hierarchical_file=")
+#: ``_numa_totals``' search keys, in the kernel's order, each at a line start.
+_NUMA_LINES: Final = (b"\nhierarchical_file=", b"\nhierarchical_anon=", b"\nhierarchical_unevictable=")
 _NUMA_TOTALS: Final = re.compile(rb"^hierarchical_file=(\d+)\b.*?^hierarchical_anon=(\d+)\b.*?"
                                  rb"^hierarchical_unevictable=(\d+)\b", re.M | re.S)
 
@@ -136,9 +140,13 @@ class CgroupReader:
 
     def parse_memory(self, data: bytes, path: str) -> tuple[int, int]:
         """(used, page cache) in bytes from the bytes of ``memory_file``."""
+        return self.parse_memory_function()(data, path)
+
+    def parse_memory_function(self) -> Callable[[bytes, str], tuple[int, int]]:
+        """``parse_memory`` without the per-call choice of parser, for a per-tick loop."""
         if self.numa_stat:
-            return _numa_memory(data, path)
-        return _memory_usage(data, path, self.version)
+            return _numa_memory
+        return functools.partial(_memory_usage, version=self.version)
 
     def _find_mounts(self) -> dict[str, Path]:
         """v1 controller -> its mount; co-mounts (``cpu,cpuacct``) serve each of their controllers."""
@@ -252,12 +260,35 @@ def _numa_memory(data: bytes, path: str) -> tuple[int, int]:
     Used is what ``memory.stat``'s total_{in,}active_anon + total_unevictable give. The
     page cache is the file LRU: unlike ``total_cache`` it leaves out shmem / tmpfs, which
     sit on the anon LRU and so are already in used (``total_cache`` counted them twice)."""
-    found = _NUMA_TOTALS.search(data)  # one C call in the kernel's line order; by key otherwise
-    if found is not None:
+    totals = _numa_totals(data)
+    if totals is not None:
+        file, anon, unevictable = totals
+    elif (found := _NUMA_TOTALS.search(data)) is not None:  # one C call in the kernel's line order
         file, anon, unevictable = int(found[1]), int(found[2]), int(found[3])
     else:
         anon, unevictable, file = (_numa_field(data, key, path) for key in _NUMA_KEYS)
     return (anon + unevictable) * PAGE_SIZE, file * PAGE_SIZE
+
+
+def _numa_totals(data: bytes) -> list[int] | None:
+    """(file, anon, unevictable) pages as the kernel prints them (in that line order,
+    each total followed by its per-node counts), found with ``bytes.find``: half the
+    cost of the regular expression (0.9 against 1.9 µs), for every pod and container
+    every second. None when the text looks any different: then the expression and the
+    by-key parse decide, as before."""
+    out: list[int] = []
+    at = 0
+    for key in _NUMA_LINES:
+        start = data.find(key, at)
+        if start < 0:
+            return None
+        start += len(key)
+        at = data.find(b" ", start)
+        raw = data[start:at]
+        if at < 0 or not raw.isdigit():
+            return None
+        out.append(int(raw))
+    return out
 
 
 def read_throttling(path: Path) -> tuple[int, int]:
@@ -312,6 +343,15 @@ class _Target:
     quota_path: str  # cpu.cfs_quota_us (v1 only)
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """The targets of one pod list (the very view objects it held), kept across ticks."""
+
+    pods: tuple[PodView, ...]
+    targets: list[_Target]
+    uids: frozenset[str]
+
+
 class PodCollector:
     """Per pod and container: CPU cores, memory used / cache, CFS throttling ratio.
 
@@ -331,8 +371,10 @@ class PodCollector:
         self._once = OnceLog(log)
         self._latest = PodUsage({}, {})
         self._targets: dict[tuple[str, str, str], _Target] = {}
+        self._last_plan: _Plan | None = None
         self._files = OpenFiles()
         self._v2 = self.reader.version == 2
+        self._parse_memory = self.reader.parse_memory_function()
         #: Targets whose CFS quota was -1 at the last check (v1), and when that was.
         self._unlimited: set[tuple[str, str]] = set()
         self._quotas_at = -QUOTA_RECHECK
@@ -346,10 +388,36 @@ class PodCollector:
         self._cpu.clear()
         self._throttle.clear()
         self._targets.clear()
+        self._last_plan = None
         self._unlimited.clear()
         self._files.close()
 
     def collect(self, now: float, pods: Sequence[PodView]) -> list[Sample]:
+        plan = self._plan(pods)
+        if not self._v2 and self._clock() - self._quotas_at >= QUOTA_RECHECK:
+            self._check_quotas(plan.targets)
+        out: list[Sample] = []
+        pod_cpu: dict[str, float] = {}
+        pod_mem: dict[str, float] = {}
+        one = self._one
+        for target in plan.targets:
+            cpu, used = one(target, out)
+            if target.names is _POD:
+                if cpu is not None:
+                    pod_cpu[target.owner] = cpu
+                if used is not None:
+                    pod_mem[target.owner] = used
+        uids = plan.uids
+        self._latest = PodUsage(pod_cpu, pod_mem, pod_cpu.keys() == uids, pod_mem.keys() == uids)
+        return out
+
+    def _plan(self, pods: Sequence[PodView]) -> _Plan:
+        """This tick's targets. The pod views are the informer's (frozen, replaced when a
+        pod changes), so the same objects as last tick mean the same targets: nothing
+        to resolve, no per-target state to prune (it only ever gains live keys)."""
+        plan = self._last_plan
+        if plan is not None and len(plan.pods) == len(pods) and all(map(operator.is_, plan.pods, pods)):
+            return plan
         targets = self._resolve(pods)
         live = {t.key for t in targets}
         # State of vanished pods / containers is dropped, so a reused key starts fresh.
@@ -357,26 +425,13 @@ class PodCollector:
             self._cpu = {k: v for k, v in self._cpu.items() if k in live}
         if len(self._throttle) != len(live) or not live.issuperset(self._throttle):
             self._throttle = {k: v for k, v in self._throttle.items() if k in live}
-        uids = {p.uid for p in pods}
+        uids = frozenset(p.uid for p in pods)
         self._once.keep_owners(uids)
-        if not self._v2 and self._clock() - self._quotas_at >= QUOTA_RECHECK:
-            self._check_quotas(targets)
-        out: list[Sample] = []
-        pod_cpu: dict[str, float] = {}
-        pod_mem: dict[str, float] = {}
-        one = self._one
-        for target in targets:
-            cpu, used = one(target, out)
-            if target.names is _POD:
-                if cpu is not None:
-                    pod_cpu[target.owner] = cpu
-                if used is not None:
-                    pod_mem[target.owner] = used
-        self._latest = PodUsage(pod_cpu, pod_mem, set(pod_cpu) == uids, set(pod_mem) == uids)
-        return out
+        self._last_plan = plan = _Plan(tuple(pods), targets, uids)
+        return plan
 
     def _resolve(self, pods: Sequence[PodView]) -> list[_Target]:
-        """This tick's targets; paths and labels come from the cache, which keeps only
+        """The targets of ``pods``; paths and labels come from the cache, which keeps only
         the targets of the current pod list."""
         cache = self._targets
         fresh: dict[tuple[str, str, str], _Target] = {}
@@ -426,6 +481,9 @@ class PodCollector:
         the pod sums. A file that fails costs its own samples only. One function for
         the three files: it runs for every pod and container every second."""
         read, names, lbl = self._files.read, t.names, t.labels
+        # Samples made as the tuples they are: the NamedTuple's ``__new__`` is a Python
+        # function (0.22 against 0.09 µs, for some 700 samples a tick at 110 pods).
+        new = tuple.__new__
         cpu = used = None
         stat: bytes | None = None
         clock = self._clock
@@ -443,15 +501,15 @@ class PodCollector:
         else:
             cpu = self._rate(t, usage, at)
             if cpu is not None:
-                out.append(Sample(names.cpu, cpu, lbl))
+                out.append(new(Sample, (names.cpu, cpu, lbl, 0.0)))
         try:
-            used_bytes, cache = self.reader.parse_memory(read(t.memory_path), t.memory_path)
+            used_bytes, cache = self._parse_memory(read(t.memory_path), t.memory_path)
         except ReadError as exc:
             self._once.skipped(t.owner, exc)
         else:
             used = float(used_bytes)
-            out.append(Sample(names.memory, used, lbl))
-            out.append(Sample(names.cache, float(cache), lbl))
+            out.append(new(Sample, (names.memory, used, lbl, 0.0)))
+            out.append(new(Sample, (names.cache, float(cache), lbl, 0.0)))
         if stat is None and t.key in self._unlimited:
             self._throttle.pop(t.key, None)  # a quota set later starts a fresh baseline
             return cpu, used
@@ -462,7 +520,7 @@ class PodCollector:
         else:
             ratio = self._ratio(t.key, periods, throttled)
             if ratio is not None:
-                out.append(Sample(names.throttled, ratio, lbl))
+                out.append(new(Sample, (names.throttled, ratio, lbl, 0.0)))
         return cpu, used
 
     def _rate(self, t: _Target, usage: int, at: float) -> float | None:

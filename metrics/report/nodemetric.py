@@ -67,6 +67,9 @@ PERCENTILES: Final = ("avg", "p50", "p90", "p95", "p99")
 #: Aggregated windows with samples over less than this share of the window are dropped (cold start).
 COLD_START_SHARE: Final = 0.5
 DEFAULT_DURATIONS: Final = (300, 600, 1800)
+#: The node-wide series of every window (the aggregated ones read only these).
+_NODE_SERIES: Final = tuple((m, NO_LABELS) for m in (NODE_CPU_USAGE, NODE_MEMORY_USED, SYSTEM_CPU_USAGE,
+                                                    SYSTEM_MEMORY_USED))
 
 
 class NodeMetricSpecError(InputError, ValueError):
@@ -243,12 +246,21 @@ def _resource_map(resources: Mapping[str, str]) -> dict[str, Any]:
     return {"resources": dict(resources)}
 
 
-def _aggregated(
-    reader: MetricReader, pods: Sequence[PodView], policy: CollectPolicy, now: float, cpu_metric: str, mem_metric: str,
-) -> list[dict[str, Any]]:
+def _duration_windows(reader: MetricReader, pods: Sequence[PodView], policy: CollectPolicy, now: float,
+                      main: _Window) -> dict[int, _Window]:
+    """A window per aggregated duration, each reading the node and system series in one
+    pass (a read for the node's and another for the system's scanned the store twice).
+    The main window's duration (300 s by default) is the main window itself: it read
+    those series over the same span already, and it keeps the pods' page caches (with
+    ``usageWithPageCache``, an ``aggregate_all`` of every pod's series) for both."""
+    return {duration: main if duration == policy.aggregate_duration
+            else _Window(reader, policy, pods, now, duration, _NODE_SERIES)
+            for duration in policy.durations}
+
+
+def _aggregated(windows: Mapping[int, _Window], cpu_metric: str, mem_metric: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for duration in policy.durations:
-        window = _Window(reader, policy, pods, now, duration, [(cpu_metric, NO_LABELS), (mem_metric, NO_LABELS)])
+    for duration, window in windows.items():
         cpu = window.one(cpu_metric)
         memory = window.node_memory() if mem_metric == NODE_MEMORY_USED else window.one(mem_metric)
         if cpu is None or memory is None or _cold(cpu, duration) or _cold(memory, duration):
@@ -376,18 +388,18 @@ def build_status(reader: MetricReader, pods: Sequence[PodView], policy: CollectP
     """The NodeMetric ``status``: usage averaged over ``aggregate_duration`` (node,
     system, each NUMA node, each host application), the aggregated windows (dropped
     while cold), every pod with samples, and the Prod prediction when there is one."""
-    series = [(m, NO_LABELS) for m in (NODE_CPU_USAGE, NODE_MEMORY_USED, SYSTEM_CPU_USAGE, SYSTEM_MEMORY_USED)]
-    series += [(m, labels(**{POD_UID: p.uid})) for p in pods for m in (POD_CPU_USAGE, POD_MEMORY_USED)]
+    series = [*_NODE_SERIES, *((m, labels(**{POD_UID: p.uid})) for p in pods for m in (POD_CPU_USAGE, POD_MEMORY_USED))]
     window = _Window(reader, policy, pods, now, policy.aggregate_duration, series)
+    windows = _duration_windows(reader, pods, policy, now, window)
     node_usage = _resources(window.one(NODE_CPU_USAGE), window.node_memory(), "avg")
     system_usage = _resources(window.one(SYSTEM_CPU_USAGE), window.one(SYSTEM_MEMORY_USED), "avg")
     pods_metric = [e for e in (_pod_entry(window, p) for p in pods) if e is not None]
     pods_metric.sort(key=lambda e: (e["namespace"], e["name"]))
     node_metric: dict[str, Any] = {
         "nodeUsage": _resource_map(node_usage),
-        "aggregatedNodeUsages": _aggregated(reader, pods, policy, now, NODE_CPU_USAGE, NODE_MEMORY_USED),
+        "aggregatedNodeUsages": _aggregated(windows, NODE_CPU_USAGE, NODE_MEMORY_USED),
         "systemUsage": _resource_map(system_usage),
-        "aggregatedSystemUsages": _aggregated(reader, pods, policy, now, SYSTEM_CPU_USAGE, SYSTEM_MEMORY_USED),
+        "aggregatedSystemUsages": _aggregated(windows, SYSTEM_CPU_USAGE, SYSTEM_MEMORY_USED),
     }
     numa = _numa_usages(window)
     if numa:  # omitempty, as the Go type

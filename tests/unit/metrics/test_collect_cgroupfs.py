@@ -12,11 +12,15 @@ from hooks.qos import QoSClass
 from metrics import model as m
 from metrics.collect.base import ReadError
 from metrics.collect.cgroupfs import (
+    _NUMA_KEYS,
+    _NUMA_TOTALS,
     PAGE_SIZE,
     QUOTA_RECHECK,
     CgroupReader,
     MemoryUsage,
     PodCollector,
+    _numa_field,
+    _numa_memory,
     read_cpu_usage_ns,
     read_memory,
     read_throttling,
@@ -276,6 +280,42 @@ def test_numa_stat_parsing_by_key_and_its_errors(tmp_path: Path) -> None:
         reader.parse_memory(b"hierarchical_file=3 N0=3\nhierarchical_unevictable=0 N0=0\n", path)
 
 
+def _numa_by_expression(data: bytes, path: str) -> tuple[int, int] | str:
+    """memory.numa_stat parsed as before ``bytes.find``: the expression, else by key
+    (the error's text when neither can)."""
+    found = _NUMA_TOTALS.search(data)
+    if found is not None:
+        file, anon, unevictable = int(found[1]), int(found[2]), int(found[3])
+        return (anon + unevictable) * PAGE_SIZE, file * PAGE_SIZE
+    try:
+        anon, unevictable, file = (_numa_field(data, key, path) for key in _NUMA_KEYS)
+    except ReadError as exc:
+        return str(exc)
+    return (anon + unevictable) * PAGE_SIZE, file * PAGE_SIZE
+
+
+@pytest.mark.parametrize("data", [
+    numa_stat(anon=10, unevictable=2, file=30).encode(),
+    numa_stat(anon=10**9, unevictable=0, file=7, nodes=1).encode(),
+    numa_stat(anon=5, unevictable=6, file=7, nodes=4).encode(),
+    b"hierarchical_file=30 N0=30\nhierarchical_anon=10 N0=10\nhierarchical_unevictable=2 N0=2\n",  # first line
+    b"total=1 N0=1\nhierarchical_file=30\nhierarchical_anon=10 N0=10\nhierarchical_unevictable=2 N0=2\n",
+    b"total=1 N0=1\nhierarchical_file=3x N0=3\nhierarchical_anon=1 N0=1\nhierarchical_unevictable=2 N0=2\n",
+    b"total=1 N0=1\nhierarchical_file=+3 N0=3\nhierarchical_anon=1 N0=1\nhierarchical_unevictable=2 N0=2\n",
+    b"total=1\nhierarchical_file=3 N0=3\nhierarchical_anon=1 N0=1\nhierarchical_unevictable=2",  # no space at the end
+    b"total=1\nhierarchical_anon=1 N0=1\nhierarchical_file=3 N0=3\nhierarchical_unevictable=2 N0=2\n",
+    b"total=1\nhierarchical_file=3 N0=3\nhierarchical_anon=\nhierarchical_unevictable=2 N0=2\n",
+    b"total=1\nxhierarchical_file=3 N0=3\nhierarchical_anon=1 N0=1\nhierarchical_unevictable=2 N0=2\n",
+    b"",
+], ids=lambda d: str(len(d)))
+def test_numa_stat_found_by_bytes_find_as_by_the_expression(data: bytes) -> None:
+    try:
+        got: tuple[int, int] | str = _numa_memory(data, "/x/memory.numa_stat")
+    except ReadError as exc:
+        got = str(exc)
+    assert got == _numa_by_expression(data, "/x/memory.numa_stat")
+
+
 def test_v1_memory_falls_back_to_the_non_total_counters(tmp_path: Path) -> None:
     tree = Tree(tmp_path, 1)
     tree.cgroup(POD_DIR, 0)
@@ -417,3 +457,70 @@ def test_memory_and_throttling_parsers_on_both_layouts_and_bad_values(tmp_path: 
     write(tmp_path / "bad/cpu.stat", "nr_periods 4O\nnr_throttled 3\n")
     with pytest.raises(ReadError, match=r"nr_periods: '4O' is not an integer"):
         read_throttling(tmp_path / "bad")
+
+
+# --- samples and their order across ticks (the kept per-pod-list plan) ---------------
+
+
+_POD_NAMES = (m.POD_CPU_USAGE, m.POD_MEMORY_USED, m.POD_MEMORY_CACHE, m.POD_CPU_THROTTLED)
+_CONTAINER_NAMES = (m.CONTAINER_CPU_USAGE, m.CONTAINER_MEMORY_USED, m.CONTAINER_MEMORY_CACHE,
+                    m.CONTAINER_CPU_THROTTLED)
+
+
+def _set_target(tree: Tree, rel: str, k: int, tick: int) -> None:
+    """Target ``k`` at ``tick``: k + 1 cores, k of every 10 CFS periods throttled,
+    (k + 1 + tick) pages used and k + 1 pages of cache."""
+    tree.usage(rel, (k + 1) * 10**9 * tick)
+    tree.throttle(rel, 10 * tick, k * tick)
+    tree.memory(rel, (k + 1 + tick) * PAGE_SIZE, 0, (k + 1) * PAGE_SIZE)
+
+
+def _dirs(p: m.PodView) -> list[str]:
+    return [p.cgroup_dir, *(c.cgroup_dir for c in p.containers)]
+
+
+def _expected(pods: Sequence[m.PodView], index: dict[str, int], tick: int, seen: set[str]) -> list[m.Sample]:
+    """What the collector reports at ``tick``, in order: per pod, the pod then its
+    containers, each cpu, memory used, page cache, throttled (the rates only for
+    targets read at the previous tick, listed in ``seen``)."""
+    out: list[m.Sample] = []
+    for p in pods:
+        targets = [(p.cgroup_dir, m.labels(pod_uid=p.uid), _POD_NAMES)]
+        targets += [(c.cgroup_dir, m.labels(pod_uid=p.uid, container_id=c.id), _CONTAINER_NAMES)
+                    for c in p.containers]
+        for rel, lbl, (cpu, used, cache, throttled) in targets:
+            k = index[rel]
+            rates = rel in seen
+            if rates:
+                out.append(m.Sample(cpu, float(k + 1), lbl))
+            out.append(m.Sample(used, float((k + 1 + tick) * PAGE_SIZE), lbl))
+            out.append(m.Sample(cache, float((k + 1) * PAGE_SIZE), lbl))
+            if rates:
+                out.append(m.Sample(throttled, k / 10, lbl))
+    return out
+
+
+def test_samples_keep_their_values_and_order_across_ticks_and_pod_set_changes(tree: Tree) -> None:
+    clock = Clock()
+    c = collector(tree, clock)
+    a = pod("c1", "c2", uid="a", pod_dir="kubepods/poda")
+    b = pod("c3", uid="b", pod_dir="kubepods/podb")
+    cc = pod("c4", uid="c", pod_dir="kubepods/podc")
+    d = pod("c5", uid="d", pod_dir="kubepods/podd")
+    every = [a, b, cc, d]
+    index = {rel: k for k, rel in enumerate(r for p in every for r in _dirs(p))}
+    pods = [a, b, cc]
+    seen: set[str] = set()
+    for tick, listed in enumerate([pods, pods, list(pods), [cc, d, pod("c1", "c2", uid="a", pod_dir="kubepods/poda")],
+                                   [cc, d]], start=1):
+        clock.t = 100.0 + tick
+        for rel, k in index.items():
+            _set_target(tree, rel, k, tick)
+        samples = c.collect(clock.t, listed)
+        assert samples == _expected(listed, index, tick, seen), tick
+        assert all(type(s) is m.Sample and s.ts == 0.0 for s in samples)
+        latest = c.latest()
+        assert latest.cpu == {p.uid: float(index[p.cgroup_dir] + 1) for p in listed if p.cgroup_dir in seen}
+        assert latest.cpu_complete == all(p.cgroup_dir in seen for p in listed)
+        assert latest.memory_complete
+        seen = {r for p in listed for r in _dirs(p)}
