@@ -14,6 +14,7 @@ from hooks.qos import QoSClass
 from hooks.rules import ResourceThresholdStrategy
 from metrics.collect.topology import CPUInfo
 from metrics.model import ContainerView, PodView
+from metrics.qos import suppress as suppress_module
 from metrics.qos.inputs import NodeInputs
 from metrics.qos.plan import LeveledWrite, SetCgroup
 from metrics.qos.suppress import (
@@ -379,3 +380,52 @@ def test_read_children_reads_every_cgroup_under_the_tier_on_v1_only(tmp_path: Pa
     (tmp_path / "v2").mkdir()
     (tmp_path / "v2" / "cgroup.controllers").write_text("cpu cpuset memory\n")
     assert read_be_state(CgroupExecutor(CgroupLayout(tmp_path / "v2")), SuppressConfig(), [BE_C]).children == ()
+
+
+# --- issue 29: cpuset inputs kept per pod list ----------------------------------------------
+
+
+def lse(uid: str, cpus: str) -> PodView:
+    return pod(uid, QoSClass.LSE, "guaranteed", {RESOURCE_STATUS: json.dumps({"cpuset": cpus})})
+
+
+def test_bound_cpus_are_parsed_once_per_pod_list_and_again_for_a_new_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = suppress_module.bound_cpus
+
+    def counted(*args: object, **kwargs: object) -> frozenset[int]:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(suppress_module, "bound_cpus", counted)
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    pods = (pod("a", QoSClass.LS), pod("c", QoSClass.BE, "besteffort"), lse("e", "2-3"))
+    first = strategy.plan(inputs(pods, {p.uid: 0.1 for p in pods}), ON, BEState(frozenset(range(8)), -1))
+    parses = len(calls)
+    again = strategy.plan(inputs(pods, {p.uid: 0.1 for p in pods}), ON, BEState(frozenset(range(8)), -1))
+    assert len(calls) == parses and again.actions == first.actions
+    moved = (*pods[:2], lse("e", "4-5"))  # a new list: the LSE pod now holds other CPUs
+    plan = strategy.plan(inputs(moved, {p.uid: 0.1 for p in moved}), ON, BEState(frozenset(range(8)), -1))
+    assert len(calls) > parses
+    assert plan.inputs["excluded_lse"] == "4-5" and first.inputs["excluded_lse"] == "2-3"
+
+
+def test_a_list_that_is_not_a_tuple_is_parsed_every_time() -> None:
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    pods = [lse("e", "2-3")]
+    assert strategy.recovery_cpus(pods) == frozenset({0, 1, 4, 5, 6, 7})
+    pods[0] = lse("e", "6-7")  # the same list object, changed: not taken for the one seen
+    assert strategy.recovery_cpus(pods) == frozenset(range(6))
+
+
+def test_the_cpuset_write_over_children_is_built_once_per_children_read_and_value() -> None:
+    strategy = SuppressStrategy(SuppressConfig(), topology())
+    kids = (ChildQuota(PurePosixPath("kubepods/besteffort/podc"), -1, 100_000, "c", 0),)
+    pods = (pod("c", QoSClass.BE, "besteffort"),)
+    first = strategy._cpuset_write(pods, frozenset({0, 1}), "why", kids)
+    assert strategy._cpuset_write(pods, frozenset({0, 1}), "why", kids) is first
+    other = strategy._cpuset_write(pods, frozenset({0, 1, 2}), "why", kids)
+    assert other is not first and isinstance(other, LeveledWrite)
+    found = (*kids, ChildQuota(PurePosixPath("kubepods/besteffort/podc/cc"), -1, 100_000, "c", 1))
+    again = strategy._cpuset_write(pods, frozenset({0, 1, 2}), "why", found)
+    assert again is not other and sum(len(level) for level in again.levels) == 3
