@@ -247,17 +247,14 @@ class TSDBReads:
     def newest(self, handle: SeriesKey) -> tuple[float, float] | None:
         """``(ts, value)`` of the newest sample this writer wrote for the series (None:
         none since start, or forgotten at GC): the in-memory latest-value view the write
-        path keeps anyway. No label encoding, no query: what a reader of every pod's
-        newest signals every second needs (``last`` per series cost the interference
-        analyser twice its own work, most of it encoding labels)."""
-        with self._batch_lock:
-            found = self._latest.get(handle)
-        return (found[0] / 1000, found[1]) if found is not None else None
+        path keeps anyway. No label encoding, no query (``newest_many`` of one handle)."""
+        return self.newest_many((handle,))[0]
 
     def newest_many(self, handles: Sequence[SeriesKey]) -> list[tuple[float, float] | None]:
         """``newest`` of each handle, in order, under one acquisition of the lock: the
         interference analyser reads ~440 series a step, and taking the lock that
-        collectors' writes contend on once per series cost more than the lookups."""
+        collectors' writes contend on once per series cost more than the lookups
+        (``last`` per series had cost it twice its own work, most of it encoding labels)."""
         with self._batch_lock:
             found = list(map(self._latest.get, handles))  # C-level: the lock is held briefly
         return [(hit[0] / 1000, hit[1]) if hit is not None else None for hit in found]

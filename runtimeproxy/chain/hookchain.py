@@ -84,6 +84,10 @@ class HookBusyError(HookError):
         super().__init__(f"{overdue} earlier call(s) of hook {hook!r} still running past their deadline")
 
 
+#: When a pool call is past its deadline: a ``time.monotonic()`` value, or a predicate.
+Deadline = float | Callable[[], bool]
+
+
 class HookPools:
     """Worker threads for sync hooks: one bounded pool per hook name, shared by
     every chain a reload builds (stuck threads outlive the chain that started them).
@@ -96,14 +100,13 @@ class HookPools:
         self._workers, self._max_overdue, self._prefix = workers, max_overdue, thread_name_prefix
         self._lock = threading.Lock()
         self._pools: dict[str, ThreadPoolExecutor] = {}
-        self._running: dict[str, dict[int, float | Callable[[], bool]]] = {}  # hook -> {call: deadline}
+        self._running: dict[str, dict[int, Deadline]] = {}  # hook -> {call: deadline}
         self._ids = itertools.count()
         self._closed = False
 
-    def submit(self, hook: str, deadline: float, call: Callable[[], object],
-               stuck: Callable[[], bool] | None = None) -> Future[object]:
-        """``stuck``: for a call whose deadline moves as it runs (a ``Sweep``), whether it
-        is past one; it counts as overdue from then, not from ``deadline``."""
+    def submit(self, hook: str, deadline: Deadline, call: Callable[[], object]) -> Future[object]:
+        """``deadline``: a ``time.monotonic()`` value, or for a call whose deadline moves
+        as it runs (a ``Sweep``: each object's hooks have their own) whether it is past one."""
         now = time.monotonic()
         with self._lock:
             if self._closed:
@@ -117,7 +120,7 @@ class HookPools:
                 pool = ThreadPoolExecutor(self._workers + self._max_overdue, f"{self._prefix}-{hook}")
                 self._pools[hook] = pool
             call_id = next(self._ids)
-            running[call_id] = deadline if stuck is None else stuck
+            running[call_id] = deadline
         try:
             future = pool.submit(call)
         except RuntimeError:  # shut down meanwhile
@@ -145,7 +148,7 @@ class HookPools:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _past(deadline: float | Callable[[], bool], now: float) -> bool:
+def _past(deadline: Deadline, now: float) -> bool:
     return deadline() if callable(deadline) else deadline <= now
 
 
@@ -354,8 +357,8 @@ class HookChain:
                       hooks[0].timeout)
         now = time.monotonic()
         try:
-            future = self._pools.submit(f"stage:{stage.value}", now + sum(h.timeout for h in hooks) * len(ctxs),
-                                        functools.partial(contextvars.copy_context().run, sweep), stuck=sweep.stuck)
+            future = self._pools.submit(f"stage:{stage.value}", sweep.stuck,
+                                        functools.partial(contextvars.copy_context().run, sweep))
         except HookBusyError:
             return [await self._each_alone(ctx, fields) for ctx in ctxs]
         waiting = asyncio.wrap_future(future)

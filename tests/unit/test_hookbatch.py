@@ -36,21 +36,19 @@ class Counting(HookPools):
         super().__init__(workers=2, thread_name_prefix="test-batch")
         self.keys: list[str] = []
 
-    def submit(self, hook: str, deadline: float, call: Callable[[], object],  # type: ignore[override]
-               stuck: Callable[[], bool] | None = None) -> object:
+    def submit(self, hook: str, deadline: float, call: Callable[[], object]) -> object:  # type: ignore[override]
         self.keys.append(hook)
-        return super().submit(hook, deadline, call, stuck=stuck)
+        return super().submit(hook, deadline, call)
 
 
 class Busy(Counting):
     """Every stage batch is refused, as when too many of them are stuck."""
 
-    def submit(self, hook: str, deadline: float, call: Callable[[], object],  # type: ignore[override]
-               stuck: Callable[[], bool] | None = None) -> object:
+    def submit(self, hook: str, deadline: float, call: Callable[[], object]) -> object:  # type: ignore[override]
         if hook.startswith("stage:"):
             self.keys.append(hook)
             raise HookBusyError(hook, 4)
-        return super().submit(hook, deadline, call, stuck=stuck)
+        return super().submit(hook, deadline, call)
 
 
 @pytest.fixture
