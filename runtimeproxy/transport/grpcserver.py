@@ -391,6 +391,7 @@ class ProxyServer:
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes + receive_slack),
                 ("grpc.so_reuseport", 0),
+                ("grpc.http2.bdp_probe", 0),  # as the backend channels (grpcbackend.channel_options)
             ]
         )
         self._server.add_generic_rpc_handlers((handler,))
