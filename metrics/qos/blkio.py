@@ -51,7 +51,9 @@ from hooks.cgroups import CgroupError
 from hooks.executor import CgroupExecutor, Update
 from hooks.qos import QoSClass
 from hooks.rules import Rules
+from metrics.model import PodView
 from metrics.qos.plan import Outcome, Plan, Priority, SetCgroup
+from metrics.qos.podmemo import PodListMemo
 from metrics.qos.strategy import Input, RoundContext, RoundInputs, Strategy, StrategyInit
 from metrics.qos.tierroot import DEFAULT_BESTEFFORT, configured_root, kubepods_root
 from runtimeproxy.hookapi import HookConfigError
@@ -79,6 +81,15 @@ def tier_of(root: PurePosixPath, qos: QoSClass) -> PurePosixPath:
     return root / names[1 if root.name.endswith(".slice") else 0]
 
 
+def _pod_roots(pods: Sequence[PodView]) -> frozenset[PurePosixPath]:
+    roots: set[PurePosixPath] = set()
+    for pod in pods:
+        found = kubepods_root(PurePosixPath(pod.cgroup_dir.strip("/"))) if pod.cgroup_dir else None
+        if found is not None:
+            roots.add(found)
+    return frozenset(roots)
+
+
 class BlkioTiers(Strategy):
     name = "blkio"
     #: Nobody else writes the tiers' blkio files: between resctrl and memory-qos.
@@ -92,6 +103,9 @@ class BlkioTiers(Strategy):
         self.applied: dict[PurePosixPath, set[str]] = {}
         self._planned: dict[PurePosixPath, set[str]] = {}
         self._once = SaidOnce()
+        #: The kubepods roots above the pods' cgroups, walked once per pod list (every pod's
+        #: path parsed and its parents walked each round cost a third of the strategy's round).
+        self._pod_roots = PodListMemo(_pod_roots)
         self.dirs: Input[TierDirs] = Input("blkio_tiers", self._read, TierDirs.describe)
         self.reads = (self.dirs,)
 
@@ -114,11 +128,7 @@ class BlkioTiers(Strategy):
             # Off, nothing of ours to remove: ``plan`` writes nothing, so nothing is read
             # (issue 29: a disabled strategy costs nothing; ~1 ms a round at 110 pods).
             return TierDirs(self.support)
-        roots = {self.root}
-        for pod in ctx.pods:
-            found = kubepods_root(PurePosixPath(pod.cgroup_dir.strip("/"))) if pod.cgroup_dir else None
-            if found is not None:
-                roots.add(found)
+        roots = {self.root, *self._pod_roots(ctx.pods)}
         support = self.support
         if support is None:
             for root in sorted(roots):

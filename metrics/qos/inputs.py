@@ -78,19 +78,25 @@ def last_by_label(reader: MetricReader, metric: str, key: str, now: float, max_a
     return out
 
 
-def _newest(reader: MetricReader, metric: str, key: str, now: float, max_age: float) -> dict[str, float] | None:
+def _newest(view: NewestView | None, metric: str, key: str, now: float, max_age: float) -> dict[str, float] | None:
     """The store's in-memory newest values (``NewestView``): one pass over the series of
     ``metric``, no query; None when the reader keeps none (then the file is asked)."""
-    if isinstance(reader, NewestView):
-        return reader.newest_by_label(metric, key, now - max_age, now)
+    if view is not None:
+        return view.newest_by_label(metric, key, now - max_age, now)
     return None
 
 
+def _newest_view(reader: MetricReader) -> NewestView | None:
+    # Asked once per round, not per metric: ``isinstance`` against a runtime-checkable
+    # protocol walks its attributes each time (~3 µs, four times a round).
+    return reader if isinstance(reader, NewestView) else None
+
+
 def _fresh_pods(reader: MetricReader, metric: str, pods: Sequence[PodView], now: float,
-                max_age: float) -> dict[str, float]:
+                max_age: float, view: NewestView | None) -> dict[str, float]:
     """Per pod uid, including pods with metrics but no PodView. From the newest view when
     the store keeps one; else known pods through ``last`` plus the flushed others."""
-    newest = _newest(reader, metric, model.POD_UID, now, max_age)
+    newest = _newest(view, metric, model.POD_UID, now, max_age)
     if newest is not None:
         return newest
     out = last_by_label(reader, metric, model.POD_UID, now, max_age)
@@ -102,8 +108,8 @@ def _fresh_pods(reader: MetricReader, metric: str, pods: Sequence[PodView], now:
 
 
 def _fresh_containers(reader: MetricReader, metric: str, pods: Sequence[PodView], now: float,
-                      max_age: float) -> dict[str, float]:
-    newest = _newest(reader, metric, model.CONTAINER_ID, now, max_age)
+                      max_age: float, view: NewestView | None) -> dict[str, float]:
+    newest = _newest(view, metric, model.CONTAINER_ID, now, max_age)
     if newest is not None:
         return {c.id: newest[c.id] for p in pods for c in p.containers if c.id in newest}
     out: dict[str, float] = {}
@@ -150,7 +156,8 @@ def build_node_inputs(
     node_cpu = _last(reader, model.NODE_CPU_USAGE, now, max_age, missing)
     mem_used = _last(reader, model.NODE_MEMORY_USED, now, max_age, missing)
     mem_total = _last(reader, model.NODE_MEMORY_TOTAL, now, max_age, missing)
-    pod_cpu = _fresh_pods(reader, model.POD_CPU_USAGE, pods, now, max_age)
+    view = _newest_view(reader)
+    pod_cpu = _fresh_pods(reader, model.POD_CPU_USAGE, pods, now, max_age, view)
     missing += [f"{model.POD_CPU_USAGE}{{{p.key}}}" for p in pods if p.containers and p.uid not in pod_cpu]
     node_avg, pod_avg = share_pool_averages(reader, now=now, collect_interval=collect_interval) if share_pool \
         else (None, {})
@@ -163,9 +170,9 @@ def build_node_inputs(
         node_memory_used=mem_used,
         node_memory_total=mem_total,
         pod_cpu_used=pod_cpu,
-        pod_memory_used=_fresh_pods(reader, model.POD_MEMORY_USED, pods, now, max_age),
-        container_cpu_used=_fresh_containers(reader, model.CONTAINER_CPU_USAGE, pods, now, max_age),
-        container_throttled=_fresh_containers(reader, model.CONTAINER_CPU_THROTTLED, pods, now, max_age),
+        pod_memory_used=_fresh_pods(reader, model.POD_MEMORY_USED, pods, now, max_age, view),
+        container_cpu_used=_fresh_containers(reader, model.CONTAINER_CPU_USAGE, pods, now, max_age, view),
+        container_throttled=_fresh_containers(reader, model.CONTAINER_CPU_THROTTLED, pods, now, max_age, view),
         node_cpu_avg=node_avg,
         pod_cpu_avg=pod_avg,
         missing=tuple(missing),

@@ -225,7 +225,9 @@ class QoSManager:
             made = chosen.plan(inputs)
             names: set[str] = set()
             for plan in [made] if isinstance(made, Plan) else made:
-                plans.append(replace(plan, priority=chosen.priority))
+                # Stamped only when it differs: built-in strategies plan at their own priority
+                # already (a copy of every plan each round for nothing).
+                plans.append(plan if plan.priority is chosen.priority else replace(plan, priority=chosen.priority))
                 self._owners[plan.strategy] = chosen
                 names.add(plan.strategy)
             self._plan_names[chosen.name] = names

@@ -54,6 +54,7 @@ from hooks.qos import KubeQoS, QoSClass
 from hooks.rules import Rules
 from metrics.model import PodView
 from metrics.qos.plan import LeveledWrite, Plan, Priority, SetCgroup
+from metrics.qos.podmemo import PodListMemo
 from metrics.qos.strategy import Input, RoundContext, RoundInputs, Strategy, StrategyInit
 from metrics.qos.tierroot import DEFAULT_BESTEFFORT, configured_root
 from runtimeproxy.hookapi import HookConfigError
@@ -109,6 +110,39 @@ def sums_with_empty(pods: Sequence[PodMemory], tiers: Sequence[PurePosixPath]
     sums = {t: (0, 0) for t in tiers}
     sums.update(tier_sums(PodProtection(p.cgroup, _KUBE[p.kube], p.min, p.low) for p in pods))
     return sums
+
+
+@dataclass(frozen=True, slots=True)
+class _PodDir:
+    """A pod with a kube-QoS tier: its cgroup and the tier dirs above it (from the pod alone)."""
+
+    pod: PodView
+    key: str
+    cgroup: PurePosixPath
+    #: Its kubepods root, then its burstable/besteffort tier (none for Guaranteed).
+    tiers: tuple[PurePosixPath, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _PodDirs:
+    entries: tuple[_PodDir, ...]
+    #: (pod cgroup, kube QoS) -> its tier dirs: planning sums and counts every pod per
+    #: tier (``tier_dirs``: two path walks a pod).
+    tiers: dict[tuple[PurePosixPath, str], tuple[PurePosixPath, ...]]
+
+
+def _pod_dirs(pods: Sequence[PodView]) -> _PodDirs:
+    out: list[_PodDir] = []
+    # One object per tier: the round's sets and sums then match a tier by identity, not
+    # by comparing paths part by part (five lookups a pod).
+    same: dict[PurePosixPath, PurePosixPath] = {}
+    for pod in pods:
+        if pod.kube_qos not in _KUBE or not pod.cgroup_dir:
+            continue
+        cgroup = PurePosixPath(pod.cgroup_dir.strip("/"))
+        tiers = tuple(same.setdefault(t, t) for t in tiers_of(cgroup, _KUBE[pod.kube_qos]) if t is not None)
+        out.append(_PodDir(pod, pod.key, cgroup, tiers))
+    return _PodDirs(tuple(out), {(d.cgroup, d.pod.kube_qos): d.tiers for d in out})
 
 
 def _wants_memory_qos(pod: PodView) -> bool:
@@ -175,6 +209,9 @@ class MemoryQoSTiers(Strategy):
         #: Tiers seen with pods before: they get 0 when their last pod leaves.
         self.known: set[PurePosixPath] = set()
         self.pairs = _Pairs()
+        #: The pods' cgroups and tiers, parsed once per pod list (every pod, every round).
+        self._dirs = PodListMemo(_pod_dirs)
+        self._last_dirs: _PodDirs | None = None
         self.state: Input[TierState] = Input("memory_qos_tiers", self._read, TierState.describe)
         self.reads = (self.state,)
 
@@ -210,23 +247,42 @@ class MemoryQoSTiers(Strategy):
         why = self._active(ctx.rules, ctx.pods)
         if not why:
             return TierState(True)  # off: no pod file is read
+        dirs = self._last_dirs = self._dirs(ctx.pods)
         pods: list[PodMemory] = []
         skipped: list[str] = []
-        for pod in ctx.pods:
-            if pod.kube_qos not in _KUBE or not pod.cgroup_dir:
-                continue
-            cgroup = PurePosixPath(pod.cgroup_dir.strip("/"))
-            pair = self.pairs.read(ctx.executor, cgroup)
+        tiers: set[PurePosixPath] = set()
+        for entry in dirs.entries:
+            pair = self.pairs.read(ctx.executor, entry.cgroup)
             if pair is None:
-                skipped.append(pod.key)  # gone, not created yet, or unreadable: it counts when it reads
+                skipped.append(entry.key)  # gone, not created yet, or unreadable: it counts when it reads
                 continue
-            pods.append(PodMemory(pod.uid, pod.key, cgroup, pod.kube_qos, pair[0], pair[1]))
-        tiers = {t for t in (*self.defaults, *self.known) if self._exists(ctx.executor, t)}
-        for found in pods:
-            tiers.update(t for t in tier_dirs(found) if t is not None)
+            pods.append(PodMemory(entry.pod.uid, entry.key, entry.cgroup, entry.pod.kube_qos, pair[0], pair[1]))
+            tiers.update(entry.tiers)
+        # Added after the pods' tiers: the set keeps their (shared) objects as its keys.
+        tiers.update(t for t in (*self.defaults, *self.known) if self._exists(ctx.executor, t))
         current = {t: self.pairs.read(ctx.executor, t) for t in sorted(tiers)}
         self.pairs.end_round()
         return TierState(True, tuple(pods), current, tuple(skipped), why)
+
+    def _tiers_of(self, pod: PodMemory) -> tuple[PurePosixPath, ...]:
+        """``tier_dirs`` without its None: as the last read parsed it, for its pods."""
+        found = self._last_dirs.tiers.get((pod.cgroup, pod.kube)) if self._last_dirs is not None else None
+        if found is None:  # a state this strategy did not read (a test's): walked here
+            root, tier = tier_dirs(pod)
+            found = (root,) if tier is None else (root, tier)
+        return found
+
+    def _sums(self, state: TierState) -> tuple[dict[PurePosixPath, tuple[int, int]], dict[PurePosixPath, int]]:
+        """``sums_with_empty`` of the state's pods and tiers, and each tier's pod count, in
+        one pass over the pods (counting per tier walked every pod's tiers once per tier)."""
+        sums = dict.fromkeys(state.current, (0, 0))
+        counts = dict.fromkeys(state.current, 0)
+        for pod in state.pods:
+            for where in self._tiers_of(pod):
+                have = sums.get(where, (0, 0))
+                sums[where] = (have[0] + pod.min, have[1] + pod.low)
+                counts[where] = counts.get(where, 0) + 1
+        return sums, counts
 
     @staticmethod
     def _exists(executor: CgroupExecutor, cgroup: PurePosixPath) -> bool:
@@ -258,9 +314,8 @@ class MemoryQoSTiers(Strategy):
         if not why:
             return Plan(NAME, self.priority, (), info, "memory QoS not enabled by any class rule or pod annotation")
         self.was_active = True
-        sums = sums_with_empty(state.pods, list(state.current))
+        sums, counts = self._sums(state)
         self.known.update(t for t in sums if t != self.root and t in state.current)
-        counts = {t: sum(1 for p in state.pods if t in tier_dirs(p)) for t in sums}
         info.update({"why": why, "skipped": list(state.skipped),
                      "tiers": {str(t): {"pods": counts[t], "min": v[0], "low": v[1],
                                         "current": list(state.current[t] or ()) or None}

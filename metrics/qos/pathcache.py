@@ -27,6 +27,8 @@ class PathCache:
     def __init__(self, limit: int | None = None) -> None:
         self._paths: dict[tuple[str, str], str] = {}
         self._used: set[tuple[str, str]] = set()
+        #: A read failed since the last ``end_round`` (its descriptor may need closing).
+        self._dropped = False
         self._files = OpenFiles(min(MAX_OPEN, default_limit() // 4) if limit is None else limit)
 
     def __len__(self) -> int:
@@ -43,12 +45,19 @@ class PathCache:
             return self._files.read(path).decode("utf-8", "replace").strip()
         except ReadError as exc:
             self._paths.pop(key, None)
+            self._dropped = True
             raise OSError(str(exc)) from exc
 
     def end_round(self) -> None:
         """Forget (and close) what was not asked for since the last call (pods gone)."""
+        if not self._dropped and self._used.issuperset(self._paths):
+            # Every kept file was asked for and none dropped (most rounds): nothing to
+            # close, so neither the paths nor the descriptors are rebuilt.
+            self._used = set()
+            return
         self._paths = {k: v for k, v in self._paths.items() if k in self._used}
         self._used = set()
+        self._dropped = False
         self._files.retain(self._paths.values())
 
     def close(self) -> None:

@@ -241,13 +241,21 @@ class _Arbiter:
         return owner[0] if owner is not None and owner[1] != item.value else None
 
     def _set(self, strategy: str, action: SetCgroup) -> bool:
-        if action.pod_uid and action.pod_uid in self.evicted:
-            winner = self.evicted[action.pod_uid]
-            self.rejected.append(Rejected(strategy, action, "pod is being evicted", winner))
+        uid = action.pod_uid
+        if uid and uid in self.evicted:
+            self.rejected.append(Rejected(strategy, action, "pod is being evicted", self.evicted[uid]))
             return False
-        return self._claim(strategy, action.target, action.value, action)
+        # ``_claim`` inlined for the common case, a target nobody wrote yet (every pod's
+        # knobs, every round: issue 29): the same claim, one call less per action.
+        target = action.target
+        if target not in self.owners:
+            self.owners[target] = (strategy, action.value)
+            return True
+        return self._claim(strategy, target, action.value, action)
 
     def admit(self, strategy: str, action: Action) -> Action | None:
+        if isinstance(action, SetCgroup):  # most of a round's actions: tested first (the kinds are disjoint)
+            return action if self._set(strategy, action) else None
         if isinstance(action, Evict):
             if action.pod_uid in self.evictions:
                 self.rejected.append(Rejected(strategy, action, "duplicate: pod already evicted this round",
@@ -255,8 +263,6 @@ class _Arbiter:
                 return None
             self.evictions.add(action.pod_uid)
             return action
-        if isinstance(action, SetCgroup):
-            return action if self._set(strategy, action) else None
         if isinstance(action, LeveledWrite):
             # The levels below depend on the top: a child quota restored or a cpuset
             # written under a tier that another strategy holds at another value is
@@ -266,9 +272,9 @@ class _Arbiter:
                 self.rejected.append(Rejected(strategy, action, f"its top level is written by {winner} "
                                               "with another value", winner))
                 return None
-            dropped = [item for item in action.items() if not self._set(strategy, item)]
+            dropped = [item for level in action.levels for item in level if not self._set(strategy, item)]
             kept = action.without(dropped) if dropped else action
-            return kept if kept.items() else None
+            return kept if any(kept.levels) else None  # any item left (no tuple of them built)
         if isinstance(action, SetSchemata):
             return action if self._claim(strategy, action.target, action.text, action) else None
         if isinstance(action, SetFile):
@@ -288,6 +294,13 @@ def arbitrate(plans: Sequence[Plan]) -> tuple[list[Plan], list[Rejected]]:
     arbiter = _Arbiter(_evicted(ordered))
     applied: list[Plan] = []
     for plan in ordered:
-        kept = tuple(a for a in (arbiter.admit(plan.strategy, action) for action in plan.actions) if a is not None)
-        applied.append(replace(plan, actions=kept))
+        kept: list[Action] = []
+        whole = True  # every action admitted as it is: the plan itself is what is applied
+        for action in plan.actions:
+            admitted = arbiter.admit(plan.strategy, action)
+            if admitted is not action:
+                whole = False
+            if admitted is not None:
+                kept.append(admitted)
+        applied.append(plan if whole else replace(plan, actions=tuple(kept)))
     return applied, arbiter.rejected

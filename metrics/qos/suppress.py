@@ -19,7 +19,7 @@ is pure (``plan``); reading the current BE state is ``read_be_state``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any, Final, Protocol
@@ -45,6 +45,7 @@ from metrics.model import (
 from metrics.qos.inputs import NodeInputs
 from metrics.qos.pathcache import PathCache
 from metrics.qos.plan import Action, LeveledWrite, Plan, Priority, SetCgroup
+from metrics.qos.podmemo import PodListMemo
 from metrics.qos.tierquota import ChildClamps, ChildQuota, read_children
 
 log = structlog.get_logger("metrics.qos.suppress")
@@ -162,15 +163,18 @@ class SuppressFormula:
                 "floor_cores": self.floor}
 
 
-def suppress_cores(inputs: NodeInputs, threshold: ResourceThresholdStrategy) -> SuppressFormula:
+def suppress_cores(inputs: NodeInputs, threshold: ResourceThresholdStrategy,
+                   be_uids: Collection[str] | None = None) -> SuppressFormula:
     """The formula of §4.1. Pods with metrics but no PodView count as non-BE; with
-    tier sums (fast path), non-BE = all pods minus the besteffort tier."""
+    tier sums (fast path), non-BE = all pods minus the besteffort tier. ``be_uids``:
+    the BE pods' uids among ``inputs.pods`` when the caller has them already."""
     assert inputs.node_cpu_used is not None
     if inputs.tiers is not None:
         pods_used = inputs.tiers.pods
         non_be = max(inputs.tiers.pods - inputs.tiers.be, 0.0)
     else:
-        be_uids = {p.uid for p in inputs.pods if is_be(p)}
+        if be_uids is None:
+            be_uids = {p.uid for p in inputs.pods if is_be(p)}
         pods_used = sum(inputs.pod_cpu_used.values())
         non_be = sum(v for uid, v in inputs.pod_cpu_used.items() if uid not in be_uids)
     system = max(max(inputs.node_cpu_used - pods_used, 0.0), inputs.reserved_cores)
@@ -258,6 +262,18 @@ class Decision:
                 Sample(BE_SUPPRESS_BE_USED_CPU, be_used, NO_LABELS, now)]
 
 
+@dataclass(frozen=True, slots=True)
+class _Classes:
+    """The pods split by ``is_be`` (both asked for every pod, every round)."""
+
+    non_be: tuple[PodView, ...]
+    be_uids: frozenset[str]
+
+
+def _classes(pods: Sequence[PodView]) -> _Classes:
+    return _Classes(tuple(p for p in pods if not is_be(p)), frozenset(p.uid for p in pods if is_be(p)))
+
+
 class SuppressStrategy:
     """Plans the BE CPU limit; keeps the warn-once set and the last plan's decision."""
 
@@ -283,6 +299,8 @@ class SuppressStrategy:
         self._cpuset_writes: tuple[object, tuple[frozenset[int], str], LeveledWrite] | None = None
         #: CPUs bound per QoS class set, for one pod list: (the pod list object, by classes).
         self._bound: tuple[Sequence[PodView], dict[frozenset[QoSClass], frozenset[int]]] | None = None
+        #: The non-BE pods and the BE uids, split once per pod list.
+        self._classes = PodListMemo(_classes)
 
     def _cpuset_children(self, inputs: NodeInputs, children: Callable[[], tuple[ChildQuota, ...]]
                          ) -> tuple[ChildQuota, ...]:
@@ -421,14 +439,14 @@ class SuppressStrategy:
             acts = self.recover(inputs.pods, cpuset=True, quota=True, why="resourceUsedThresholdWithBE disabled",
                                 children=reread)
             return Plan(NAME, Priority.SUPPRESS, tuple(acts), {"enable": False}, "disabled: recovering BE limits")
-        non_be = [p for p in inputs.pods if not is_be(p)]
-        missing = inputs.missing_for(*non_be)
+        classes = self._classes(inputs.pods)
+        missing = inputs.missing_for(*classes.non_be)
         base = {"policy": threshold.cpu_suppress_policy, "source": inputs.source,
                 "threshold_percent": threshold.cpu_suppress_threshold_percent}
         if missing:
             return Plan(NAME, Priority.SUPPRESS, (), {**base, "missing": missing},
                         f"no decision: missing or stale {', '.join(missing)}")
-        formula = suppress_cores(inputs, threshold)
+        formula = suppress_cores(inputs, threshold, classes.be_uids)
         info = {**base, **formula.describe(), "node_used": inputs.node_cpu_used,
                 "capacity_cores": inputs.capacity_cores, "reserved_cores": inputs.reserved_cores}
         if threshold.cpu_suppress_policy == "cpuset":
