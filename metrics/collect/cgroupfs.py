@@ -64,6 +64,10 @@ _NUMA_KEYS: Final = (b"hierarchical_anon=", b"hierarchical_unevictable=", b"hier
 _NUMA_LINES: Final = (b"\nhierarchical_file=", b"\nhierarchical_anon=", b"\nhierarchical_unevictable=")
 _NUMA_TOTALS: Final = re.compile(rb"^hierarchical_file=(\d+)\b.*?^hierarchical_anon=(\d+)\b.*?"
                                  rb"^hierarchical_unevictable=(\d+)\b", re.M | re.S)
+#: ``_numa_totals``' match: the three lines in a row, each total followed by a space
+#: (its per-node counts), as ``_numa_totals_apart`` requires of each.
+_NUMA_RUN: Final = re.compile(rb"hierarchical_file=(\d+) [^\n]*\nhierarchical_anon=(\d+) [^\n]*\n"
+                              rb"hierarchical_unevictable=(\d+) ")
 
 
 def _usage_usec_ns(data: bytes, path: str) -> int:
@@ -271,11 +275,21 @@ def _numa_memory(data: bytes, path: str) -> tuple[int, int]:
 
 
 def _numa_totals(data: bytes) -> list[int] | None:
-    """(file, anon, unevictable) pages as the kernel prints them (in that line order,
-    each total followed by its per-node counts), found with ``bytes.find``: half the
-    cost of the regular expression (0.9 against 1.9 µs), for every pod and container
-    every second. None when the text looks any different: then the expression and the
-    by-key parse decide, as before."""
+    """(file, anon, unevictable) pages as the kernel prints them: three consecutive lines,
+    each total followed by its per-node counts, matched in one C call where the first
+    one starts (0.8 against 1.05 µs for the search key by key, for every pod and
+    container whose file changed). None when the text looks any different: then the
+    expression and the by-key parse decide, as before."""
+    start = data.find(b"\nhierarchical_file=")
+    found = _NUMA_RUN.match(data, start + 1) if start >= 0 else None
+    if found is None:
+        return _numa_totals_apart(data)
+    return [int(found[1]), int(found[2]), int(found[3])]
+
+
+def _numa_totals_apart(data: bytes) -> list[int] | None:
+    """``_numa_totals`` when the three lines are not consecutive: each key searched
+    after the previous one with ``bytes.find``."""
     out: list[int] = []
     at = 0
     for key in _NUMA_LINES:
@@ -368,6 +382,9 @@ class PodCollector:
         self._clock = clock
         self._cpu: dict[tuple[str, str], tuple[int, float]] = {}
         self._throttle: dict[tuple[str, str], tuple[int, int]] = {}
+        #: Each target's last memory file and its (used, cache) bytes: an idle cgroup's
+        #: file reads the same from tick to tick, and comparing it costs a tenth of parsing it.
+        self._memory: dict[tuple[str, str], tuple[bytes, float, float]] = {}
         self._once = OnceLog(log)
         self._latest = PodUsage({}, {})
         self._targets: dict[tuple[str, str, str], _Target] = {}
@@ -387,6 +404,7 @@ class PodCollector:
     def close(self) -> None:
         self._cpu.clear()
         self._throttle.clear()
+        self._memory.clear()
         self._targets.clear()
         self._last_plan = None
         self._unlimited.clear()
@@ -425,6 +443,8 @@ class PodCollector:
             self._cpu = {k: v for k, v in self._cpu.items() if k in live}
         if len(self._throttle) != len(live) or not live.issuperset(self._throttle):
             self._throttle = {k: v for k, v in self._throttle.items() if k in live}
+        if len(self._memory) != len(live) or not live.issuperset(self._memory):
+            self._memory = {k: v for k, v in self._memory.items() if k in live}
         uids = frozenset(p.uid for p in pods)
         self._once.keep_owners(uids)
         self._last_plan = plan = _Plan(tuple(pods), targets, uids)
@@ -503,13 +523,13 @@ class PodCollector:
             if cpu is not None:
                 out.append(new(Sample, (names.cpu, cpu, lbl, 0.0)))
         try:
-            used_bytes, cache = self._parse_memory(read(t.memory_path), t.memory_path)
+            memory = self._memory_of(t, read(t.memory_path))
         except ReadError as exc:
             self._once.skipped(t.owner, exc)
         else:
-            used = float(used_bytes)
+            used = memory[1]
             out.append(new(Sample, (names.memory, used, lbl, 0.0)))
-            out.append(new(Sample, (names.cache, float(cache), lbl, 0.0)))
+            out.append(new(Sample, (names.cache, memory[2], lbl, 0.0)))
         if stat is None and t.key in self._unlimited:
             self._throttle.pop(t.key, None)  # a quota set later starts a fresh baseline
             return cpu, used
@@ -522,6 +542,15 @@ class PodCollector:
             if ratio is not None:
                 out.append(new(Sample, (names.throttled, ratio, lbl, 0.0)))
         return cpu, used
+
+    def _memory_of(self, t: _Target, data: bytes) -> tuple[bytes, float, float]:
+        """(``data``, used, cache) of the target's memory file; parsed only when it differs
+        from the last read (the figures are a function of the bytes alone)."""
+        last = self._memory.get(t.key)
+        if last is None or last[0] != data:
+            used, cache = self._parse_memory(data, t.memory_path)
+            last = self._memory[t.key] = (data, float(used), float(cache))
+        return last
 
     def _rate(self, t: _Target, usage: int, at: float) -> float | None:
         """Cores since the previous read of this target; None on the first read or a reset."""

@@ -30,6 +30,7 @@ from metrics.model import (
     NUMA_CPU_USAGE,
     NUMA_MEMORY_USED,
     NUMA_NODE,
+    Labels,
     PodView,
     Sample,
     labels,
@@ -85,9 +86,11 @@ def parse_stat(text: str, path: Path) -> CpuStat:
     total: Ticks | None = None
     per_cpu: dict[int, Ticks] = {}
     for line in text.splitlines():
-        fields = line.split()
-        if not fields or not fields[0].startswith("cpu"):
+        # Tested before the split: the ``intr`` line has a field per interrupt (hundreds,
+        # thousands on a large host), ``softirq`` a dozen; only cpu lines are wanted.
+        if not line.lstrip().startswith("cpu"):
             continue
+        fields = line.split()
         name = fields[0]
         if name == "cpu":
             total = _ticks(fields[1:], path)
@@ -143,6 +146,9 @@ class NumaNode:
     id: int
     cpus: frozenset[int]
     meminfo: Path
+    #: The node's series labels and ``meminfo`` as a string, made with the node list.
+    labels: Labels = ()
+    meminfo_path: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +169,11 @@ class NodeCollector:
         self.interval = interval
         self._proc = host.proc
         self._sys = host.sys
+        # The files of every tick, joined once: pathlib's joins and formatting were a
+        # tenth of the tick, which runs first after the worker's second of sleep (cold).
+        self._stat = host.proc / "stat"
+        self._meminfo = host.proc / "meminfo"
+        self._stat_path, self._meminfo_path = str(self._stat), str(self._meminfo)
         self._prev: CpuStat | None = None
         self._once = OnceLog(log)
         self._latest = NodeUsage()
@@ -202,18 +213,14 @@ class NodeCollector:
         except CpuListError as exc:
             self._once.skipped(_OWNER, ReadError(self._sys / "devices/system/cpu/online", str(exc)))
             self._online = None
-        self._nodes = [NumaNode(node, cpus, self._sys / NODE_DIR / f"node{node}" / "meminfo")
+        self._nodes = [_numa_node(node, cpus, self._sys / NODE_DIR / f"node{node}" / "meminfo")
                        for node, cpus in numa_nodes(self._sys, self._once, _OWNER).items()]
-        self._files.retain([str(self._proc / "stat"), str(self._proc / "meminfo"),
-                            *(str(n.meminfo) for n in self._nodes)])
-
-    def _read(self, path: Path) -> bytes:
-        return self._files.read(str(path))
+        self._files.retain([self._stat_path, self._meminfo_path, *(n.meminfo_path for n in self._nodes)])
 
     def _read_stat(self) -> CpuStat | None:
-        path = self._proc / "stat"
+        path = self._stat
         try:
-            return parse_stat(self._read(path).decode("ascii", "replace"), path)
+            return parse_stat(self._files.read(self._stat_path).decode("ascii", "replace"), path)
         except ReadError as exc:
             self._once.skipped(_OWNER, exc)
             return None
@@ -235,7 +242,7 @@ class NodeCollector:
         share = _share(prev.total, stat.total)
         if share is None:
             if stat.total[0] < prev.total[0] or stat.total[1] < prev.total[1]:
-                log.info("cpu_counter_reset", path=str(self._proc / "stat"))
+                log.info("cpu_counter_reset", path=self._stat_path)
             return None  # the new counters are the baseline from here on
         # Ticks are summed over the CPUs listed in /proc/stat, so they are the multiplier.
         cpus = len(stat.per_cpu) or capacity
@@ -246,9 +253,10 @@ class NodeCollector:
         return usage
 
     def _memory(self, out: list[Sample]) -> float | None:
-        path = self._proc / "meminfo"
+        path = self._meminfo
         try:
-            total, available = meminfo_fields(self._read(path), (b"MemTotal", b"MemAvailable"), path)
+            total, available = meminfo_fields(self._files.read(self._meminfo_path), (b"MemTotal", b"MemAvailable"),
+                                              path)
         except ReadError as exc:
             self._once.skipped(_OWNER, exc)
             return None
@@ -259,7 +267,7 @@ class NodeCollector:
 
     def _numa(self, prev: CpuStat | None, stat: CpuStat | None, out: list[Sample]) -> None:
         for node in self._nodes:
-            node_labels = labels(**{NUMA_NODE: str(node.id)})
+            node_labels = node.labels
             if prev is not None and stat is not None:
                 cpu = _numa_cpu(node.cpus, prev, stat)
                 if cpu is not None:
@@ -274,11 +282,15 @@ class NodeCollector:
         keys = (b"MemTotal", b"MemFree", b"Active(file)", b"Inactive(file)", b"SReclaimable")
         try:
             total, free, active_file, inactive_file, reclaimable = meminfo_fields(
-                self._read(node.meminfo), keys, node.meminfo)
+                self._files.read(node.meminfo_path), keys, node.meminfo)
         except ReadError as exc:
             self._once.skipped(_OWNER, exc)
             return None
         return float(max(total - (free + active_file + inactive_file + reclaimable), 0))
+
+
+def _numa_node(node: int, cpus: frozenset[int], meminfo: Path) -> NumaNode:
+    return NumaNode(node, cpus, meminfo, labels(**{NUMA_NODE: str(node)}), str(meminfo))
 
 
 def _numa_cpu(cpus: frozenset[int], prev: CpuStat, cur: CpuStat) -> float | None:
