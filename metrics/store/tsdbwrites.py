@@ -12,12 +12,13 @@ The state is set up by ``TSDB.__init__``; this base class only declares it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import sqlite3
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final
+from typing import Final, NamedTuple
 
 import structlog
 
@@ -33,6 +34,21 @@ log = structlog.get_logger("metrics.store.tsdb")
 BUSY_TIMEOUT: Final = 5.0
 CANON_MAX: Final = 100_000
 WAL_LIMIT: Final = 4 * 2**20
+#: Sample sequences ``_Known`` remembers (one per length: each collector loop writes
+#: its own, the same every tick).
+KNOWN_MAX: Final = 8
+
+
+class _Known(NamedTuple):
+    """The series keys of a sequence of (metric, labels) written before, valid while the
+    label-set index it was resolved in (``_keys``) is the one in use: a writer that
+    writes the same series in the same order every tick resolves them once."""
+
+    resolved_in: dict[str, dict[Labels, SeriesKey]]
+    metrics: tuple[str, ...]
+    labels: tuple[Labels, ...]
+    keys: list[SeriesKey]
+    unique: bool  # no series twice: a batch at a newer time replaces every newest value
 
 
 class TSDBWrites(TSDBReads):
@@ -56,6 +72,9 @@ class TSDBWrites(TSDBReads):
     _ids: dict[SeriesKey, int]
     _coarsened: int
     _skipped: set[str]
+    #: No ``_latest`` entry is at or after this time (ms): every write raises it.
+    _latest_ms: int = -(1 << 63)
+    _known: dict[int, _Known] | None = None
 
     def _open_writer(self) -> sqlite3.Connection:
         self._writer, self._frame_samples = q.open_writer(self.path, BUSY_TIMEOUT, WAL_LIMIT)
@@ -80,6 +99,30 @@ class TSDBWrites(TSDBReads):
         default_ms = q.to_ms(self._clock() if now is None else now)
         if self._key_count > CANON_MAX:  # no GC for long (it prunes them): start over
             self._keys, self._key_count, self._key_labels = {}, 0, {}
+        known = self._known_of(samples)
+        columns = None if known is None else _known_columns(known, samples, default_ms)
+        keys, times, values = self._columns(samples, default_ms) if columns is None else columns
+        if not keys:
+            return
+        with self._batch_lock:
+            self._batch.append((keys, times, values))
+            self._batch_len += len(keys)
+            if columns is not None and known is not None and known.unique and default_ms > self._latest_ms:
+                # Newer than every newest value, each series once: all are replaced, in C.
+                stamped = zip(itertools.repeat(default_ms, len(values)), values, strict=True)
+                self._latest.update(zip(keys, stamped, strict=True))
+                self._latest_ms = default_ms
+            else:
+                self._update_latest(keys, times, values)
+            if self._degraded.active and self._batch_len > self._max_pending:
+                self._bound()
+            full = self._batch_len >= self._max_batch
+        if full:
+            self.flush()
+
+    def _columns(self, samples: Sequence[Sample], default_ms: int) -> tuple[list[SeriesKey], list[int], list[float]]:
+        """(keys, times, values) of the finite samples, resolving each series' key; a
+        sequence whose samples all made it is remembered for ``_known_columns``."""
         by_metric = self._keys
         keys: list[SeriesKey] = []
         times: list[int] = []
@@ -99,25 +142,37 @@ class TSDBWrites(TSDBReads):
                 last_ts, last_ms = ts, q.to_ms(ts) if ts else default_ms
             times.append(last_ms)
             values.append(float(value))
-        if not keys:
-            return
-        with self._batch_lock:
-            self._batch.append((keys, times, values))
-            self._batch_len += len(keys)
-            latest = self._latest
-            for key, ms, value in zip(keys, times, values, strict=True):
-                newest = latest.get(key)
-                if newest is None or ms > newest[0]:
+        if keys and len(keys) == len(samples):
+            self._remember(samples, keys, by_metric)
+        return keys, times, values
+
+    def _remember(self, samples: Sequence[Sample], keys: list[SeriesKey],
+                  resolved_in: dict[str, dict[Labels, SeriesKey]]) -> None:
+        """``samples``' keys, as resolved in ``resolved_in`` (the index GC may have
+        replaced meanwhile: then they are resolved again, and indexed, next time)."""
+        known = self._known if self._known is not None and len(self._known) < KNOWN_MAX else {}
+        metrics, _values, lbls, _ts = zip(*samples, strict=True)
+        known[len(keys)] = _Known(resolved_in, metrics, lbls, list(keys), len(set(keys)) == len(keys))
+        self._known = known
+
+    def _known_of(self, samples: Sequence[Sample]) -> _Known | None:
+        """The remembered sequence ``samples`` may repeat, if its index is still in use."""
+        known = None if self._known is None else self._known.get(len(samples))
+        return known if known is not None and known.resolved_in is self._keys else None
+
+    def _update_latest(self, keys: list[SeriesKey], times: list[int], values: list[float]) -> None:
+        """Each series' newest value (under ``_batch_lock``); an older or equal time marks
+        the batch unordered."""
+        latest = self._latest
+        for key, ms, value in zip(keys, times, values, strict=True):
+            newest = latest.get(key)
+            if newest is None or ms > newest[0]:
+                latest[key] = (ms, value)
+            else:
+                self._unordered = True
+                if ms == newest[0]:
                     latest[key] = (ms, value)
-                else:
-                    self._unordered = True
-                    if ms == newest[0]:
-                        latest[key] = (ms, value)
-            if self._degraded.active and self._batch_len > self._max_pending:
-                self._bound()
-            full = self._batch_len >= self._max_batch
-        if full:
-            self.flush()
+        self._latest_ms = max(self._latest_ms, max(times))
 
     def _new_key(self, metric: str, lbl: Labels) -> SeriesKey:
         canonical = q.canonical(lbl)
@@ -355,3 +410,16 @@ class TSDBWrites(TSDBReads):
                     raise wrap(self.path, f"put_kv {key!r} failed", exc) from exc
                 self._pending_kv[key] = (text, now)
                 self._degrade(exc, now)
+
+
+def _known_columns(known: _Known, samples: Sequence[Sample],
+                   default_ms: int) -> tuple[list[SeriesKey], list[int], list[float]] | None:
+    """``TSDBWrites._columns`` in C when ``samples`` are ``known``'s series, in its order,
+    all stamped ``default_ms`` (ts 0) and finite; None for anything else."""
+    metrics, values, lbls, stamps = zip(*samples, strict=True)
+    if metrics != known.metrics or lbls != known.labels or any(stamps):
+        return None
+    floats = list(map(float, values))
+    if not all(map(math.isfinite, floats)):
+        return None
+    return list(known.keys), [default_ms] * len(floats), floats
