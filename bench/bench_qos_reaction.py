@@ -90,6 +90,10 @@ class Pods:
 def _runs(node: Pods, ls: tuple[Any, str], runs: int, min_wide: int) -> tuple[list[float], int, int]:
     """Reaction times, misses, and runs skipped because the tier was not wide to begin with."""
     assert node.wait(lambda q: q < 0 or q >= min_wide, 60) is not None, "BE quota never widened"
+    # The first run waits for the manager's first decision (a quota on the tier): before
+    # it there are no samples to decide from (a run started then measured the start-up,
+    # ~0.5 s, not a reaction). The 1 s loop alone may leave the tier unlimited: 60 s at most.
+    node.wait(lambda q: q > 0, 60)
     out: list[float] = []
     missed = skipped = 0
     for i in range(runs):
