@@ -143,7 +143,8 @@ def _measure(proc: subprocess.Popen[bytes], port: int, warmup: float, window: fl
             "parts": {k: 1000.0 * (p1[k] - p0.get(k, 0.0)) / (t1 - t0) for k in p1}}
 
 
-def _run_pods(rt: Any, prefix: str, logs: Path, n: int, no_be: bool = False) -> None:
+def _run_pods(rt: Any, prefix: str, logs: Path, n: int, no_be: bool = False, busy_be: bool = False) -> None:
+    """``n`` sleeping pods; ``busy_be``: the first (BestEffort) one spins one thread instead."""
     classes: tuple[Literal["besteffort", "burstable", "guaranteed"], ...] = (
         ("burstable", "guaranteed") if no_be else ("besteffort", "burstable", "guaranteed"))
     for i in range(n):
@@ -152,7 +153,9 @@ def _run_pods(rt: Any, prefix: str, logs: Path, n: int, no_be: bool = False) -> 
         sb = devpods.sandbox_config(name=f"p{i:03d}", namespace="bench", uid=uid, log_dir=str(logs),
                                     cgroup_parent=devpods.kube_cgroup_parent(prefix, qos, uid))
         sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sb), timeout=120).pod_sandbox_id
-        cc = devpods.container_config(name="c", image=embeddedimage.BUSYBOX_IMAGE, command=["sleep", "36000"])
+        spin = busy_be and i == 0 and qos == "besteffort"
+        command = ["sh", "-c", "while :; do :; done"] if spin else ["sleep", "36000"]
+        cc = devpods.container_config(name="c", image=embeddedimage.BUSYBOX_IMAGE, command=command)
         cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=cc, sandbox_config=sb),
                                  timeout=120).container_id
         rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=120)
@@ -348,6 +351,9 @@ def main() -> int:
                          " --only-intervals: just these, after no tasks and the defaults")
     ap.add_argument("--no-be", action="store_true",
                     help="no BestEffort pod (half burstable, half guaranteed): the QoS fast path idles")
+    ap.add_argument("--busy-be", action="store_true",
+                    help="one BestEffort pod spins a thread (the others sleep): the QoS fast path has CPU "
+                         "to take back, so it ticks every 100 ms (with sleeping BE pods it idles)")
     ap.add_argument("--only-intervals", action="store_true", help="leave out the schedstat variant")
     ap.add_argument("--report-interval", type=int, default=30, metavar="SECONDS",
                     help="--kube: the NodeMetric's reportIntervalSeconds (default 30, Koordinator's minimum; "
@@ -360,7 +366,7 @@ def main() -> int:
     with BenchNode("m") as node:
         rt = node.runtime()
         t = time.monotonic()
-        _run_pods(rt, node.prefix, node.base / "logs", args.pods, args.no_be)
+        _run_pods(rt, node.prefix, node.base / "logs", args.pods, args.no_be, args.busy_be)
         print(f"{args.pods} pods running after {time.monotonic() - t:.0f} s", file=sys.stderr)
         if args.steady:
             return _steady(node, not args.no_nodemetric)

@@ -32,11 +32,16 @@ write is neither retried ten times a second nor logged at that rate (the manager
 warns once per target and cause, and says when it recovers).
 
 With nothing to protect against (no BE pod on the node, or the BE threshold rule
-off) a tick could never re-plan, yet each costs ~0.2 ms of CPU on a VM, nearly all of it
-the wake-up (issue 29): the fast path then ticks every ``idle_interval`` (the
+off) a tick could never re-plan, yet each costs ~0.1-0.2 ms of CPU on a VM, nearly all of
+it the wake-up (issue 29): the fast path then ticks every ``idle_interval`` (the
 regular round's interval) instead, and is back at ``interval`` within one idle tick
 of a BE pod appearing or the rule turning on; the regular round covers the gap, as it
-does without a fast path. Both are read from state at every tick, not from events.
+does without a fast path. Likewise while the BE pods use less than ``be_active_cores``
+(measured over the last tick, whatever its length) and less than half the limit in
+force: there is no CPU to take back from them at once. The trade-off: BE starting to
+burn during an LS burst competes with it until the next idle tick sees BE busy or the
+regular round lowers its limit (at most about one regular interval, as in koordlet),
+instead of one tick. All of it is read from state at every tick, not from events.
 
 The mode is re-derived whenever the pod list changes and logged when it does.
 Paths are computed once per pod list and the counter files stay open
@@ -98,6 +103,10 @@ class FastPathConfig:
     dead_band: float = 0.01
     #: ... and in cores: a 100 ms sample of an idle node wobbles by this much.
     noise_cores: float = 0.1
+    #: BE using less than this (cores, over the last tick), and less than half its limit,
+    #: has nothing to take back at once: the fast path ticks at ``idle_interval`` until
+    #: it uses more.
+    be_active_cores: float = 0.1
     #: Least time between two fast re-plans: one tick, so a re-plan made from a
     #: partial burst (the load began mid-tick) is completed at the next tick; a
     #: failing write is retried at most at the tick rate.
@@ -140,6 +149,11 @@ class FastPath:
         self._pods: tuple[PodView, ...] = ()
         #: Whether ``_pods`` holds a BE pod (derived with the paths, once per pod list).
         self._any_be = False
+        #: The counter keys whose sum is the BE pods' CPU (the tier, or the BE pods' uids).
+        self._be_keys: tuple[str, ...] = ()
+        #: The BE pods used at least ``be_active_cores`` over the last measured tick (True
+        #: until one is measured: a new fast path ticks at ``interval`` first).
+        self._be_active = True
         #: Counter file by pod uid, or by tier key in tier mode.
         self._paths: dict[str, str] = {}
         self._last_trigger = -math.inf
@@ -214,7 +228,7 @@ class FastPath:
         """Seconds to the next tick: ``interval`` while a tick could re-plan (some BE pod
         under an enabled BE threshold rule), else ``idle_interval``."""
         self._refresh_paths()
-        if self._any_be and self._rules().resource_used_threshold_with_be.enable:
+        if self._any_be and self._be_active and self._rules().resource_used_threshold_with_be.enable:
             return self.cfg.interval
         return max(self.cfg.idle_interval, self.cfg.interval)
 
@@ -260,7 +274,9 @@ class FastPath:
         if tier:
             be_dir = self._manager.cfg.suppress.besteffort_dir
             self._paths = {_PODS: counter(str(be_dir.parent)), _BE: counter(str(be_dir))}
+            self._be_keys = (_BE,)
         else:
+            self._be_keys = tuple(p.uid for p in pods if is_be(p))
             # The list is rebuilt whenever any container comes or goes (e.g. the very LS
             # container whose burst we must see): pods that stay keep their baseline, so
             # only new pods lack a rate for one tick.
@@ -315,6 +331,8 @@ class FastPath:
         if tick is None or prev is None:
             return None
         dt = tick.ts - prev.ts
+        if dt > 0:
+            self._measure_be(prev, tick, dt)
         if dt <= 0 or dt > self.cfg.stale_after * self.cfg.interval or tick.node < prev.node:
             return None
         rates: dict[str, float] = {}
@@ -335,6 +353,34 @@ class FastPath:
         missing = tuple(f"pod_cpu{{{p.key}}}" for p in live if p.uid not in rates)
         return NodeInputs(self._wall(), manager.capacity, manager.cfg.reserved_cores, live, node_used,
                           pod_cpu_used=rates, missing=missing, source="fastpath")
+
+    def _measure_be(self, prev: _Tick, tick: _Tick, dt: float) -> None:
+        """Whether the BE pods used ``be_active_cores`` between the two ticks; over an idle
+        tick's gap too (too long for a decision, enough for this). A counter that went
+        back (reset) or is missing from either tick leaves the last verdict as it was."""
+        used = 0
+        for key in self._be_keys:
+            now, before = tick.counters.get(key), prev.counters.get(key)
+            if now is None or before is None or now < before:
+                return
+            used += now - before
+        cores = used / NS / dt
+        # BE held near a small limit (suppressed to the floor, say) uses little because it
+        # may not use more: it counts as busy from half its limit, so the fast path keeps
+        # holding the loop's growth through LS bursts there (no flap).
+        limit = self._be_limit()
+        active = cores >= (self.cfg.be_active_cores if limit is None else min(self.cfg.be_active_cores, limit / 2))
+        if active != self._be_active:
+            log.debug("fastpath_cadence", be_active=active, be_cores=round(cores, 3), be_limit_cores=limit)
+            self._be_active = active
+
+    def _be_limit(self) -> float | None:
+        """The BE CPU limit in force (cores), None when unknown."""
+        state = self._manager.be_state
+        if state is None:
+            return None
+        return state.limit_cores(self._rules().resource_used_threshold_with_be.cpu_suppress_policy,
+                                 self._manager.capacity, self._manager.cfg.suppress.cfs_period_us)
 
     # --- deciding -----------------------------------------------------------------------
 

@@ -398,6 +398,7 @@ async def test_run_idles_until_a_be_pod_appears(host: Host, store: TSDB) -> None
     def counted() -> NodeInputs | None:
         ticks[0] += 1
         ticked.set()
+        host.advance(0.01, node=2.0, ls=0.5, be=1.0)  # a BE pod that runs: something to protect
         return original()
 
     fast.sample = counted  # type: ignore[method-assign]
@@ -414,6 +415,41 @@ async def test_run_idles_until_a_be_pod_appears(host: Host, store: TSDB) -> None
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+@pytest.mark.asyncio
+async def test_idle_be_pods_wait_the_regular_round_s_interval(host: Host, store: TSDB) -> None:
+    """BE pods that use (next to) nothing have no CPU to take back at once: the fast path
+    ticks at the idle interval, measured over that long tick too, and is back at the tick
+    interval as soon as one tick sees BE busy. A counter going back changes nothing."""
+    manager, fast, clock = await setup(host, store)
+    fast.cfg = FastPathConfig(interval=0.1, idle_interval=1.0)
+    assert fast.next_wait() == 0.1  # not measured yet
+    fast.sample()  # the baseline
+    host.advance(0.1, node=2.5, ls=2.0, be=0.05)
+    clock[0] += 0.1
+    fast.sample()
+    assert fast.next_wait() == 1.0  # BE at 0.05 core
+    host.advance(1.0, node=2.5, ls=2.0, be=0.5)
+    clock[0] += 1.0
+    assert fast.sample() is None  # a second since the last tick: no decision from it...
+    assert fast.next_wait() == 0.1  # ...but BE was busy in it
+    host.ns["c"] -= 10**9  # a reset of the BE counters: no verdict from it
+    host.write()
+    clock[0] += 0.1
+    fast.sample()
+    assert fast.next_wait() == 0.1
+    host.advance(0.1, node=2.5, ls=2.0, be=0.0)
+    clock[0] += 0.1
+    fast.sample()
+    assert fast.next_wait() == 1.0
+    # Held at a small limit, BE using half of it is busy, though below be_active_cores.
+    manager.be_state = BEState(cpuset=frozenset({0}), quota=-1)  # one CPU (cpuset policy)
+    fast.cfg = FastPathConfig(interval=0.1, idle_interval=1.0, be_active_cores=0.6)
+    host.advance(0.1, node=2.5, ls=2.0, be=0.55)
+    clock[0] += 0.1
+    fast.sample()
+    assert fast.next_wait() == 0.1
 
 
 # --- run(): ticks from a timer callback, a task only while a re-plan runs ------------------
