@@ -146,9 +146,9 @@ class NumaNode:
     id: int
     cpus: frozenset[int]
     meminfo: Path
-    #: The node's series labels and ``meminfo`` as a string, made with the node list.
-    labels: Labels = ()
-    meminfo_path: str = ""
+    #: The node's series labels and ``meminfo`` as a string, made with the node list (``_numa_node``).
+    labels: Labels
+    meminfo_path: str
 
 
 @dataclass(frozen=True, slots=True)

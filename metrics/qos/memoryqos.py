@@ -123,26 +123,27 @@ class _PodDir:
     tiers: tuple[PurePosixPath, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class _PodDirs:
-    entries: tuple[_PodDir, ...]
-    #: (pod cgroup, kube QoS) -> its tier dirs: planning sums and counts every pod per
-    #: tier (``tier_dirs``: two path walks a pod).
-    tiers: dict[tuple[PurePosixPath, str], tuple[PurePosixPath, ...]]
-
-
-def _pod_dirs(pods: Sequence[PodView]) -> _PodDirs:
+def _pod_dirs(pods: Sequence[PodView]) -> tuple[_PodDir, ...]:
     out: list[_PodDir] = []
-    # One object per tier: the round's sets and sums then match a tier by identity, not
-    # by comparing paths part by part (five lookups a pod).
-    same: dict[PurePosixPath, PurePosixPath] = {}
     for pod in pods:
         if pod.kube_qos not in _KUBE or not pod.cgroup_dir:
             continue
         cgroup = PurePosixPath(pod.cgroup_dir.strip("/"))
-        tiers = tuple(same.setdefault(t, t) for t in tiers_of(cgroup, _KUBE[pod.kube_qos]) if t is not None)
-        out.append(_PodDir(pod, pod.key, cgroup, tiers))
-    return _PodDirs(tuple(out), {(d.cgroup, d.pod.kube_qos): d.tiers for d in out})
+        out.append(_PodDir(pod, pod.key, cgroup, tuple(t for t in tiers_of(cgroup, _KUBE[pod.kube_qos]) if t)))
+    return tuple(out)
+
+
+def sums_and_counts(pods: Sequence[PodMemory], tiers: Sequence[PurePosixPath]
+                    ) -> tuple[dict[PurePosixPath, tuple[int, int]], dict[PurePosixPath, int]]:
+    """``sums_with_empty`` and each tier's pod count, counted in one pass over the pods
+    (counting per tier walked every pod's tiers once per tier: issue 29)."""
+    sums = sums_with_empty(pods, tiers)
+    counts = dict.fromkeys(sums, 0)
+    for pod in pods:
+        for where in tier_dirs(pod):
+            if where is not None:
+                counts[where] += 1
+    return sums, counts
 
 
 def _wants_memory_qos(pod: PodView) -> bool:
@@ -211,7 +212,6 @@ class MemoryQoSTiers(Strategy):
         self.pairs = _Pairs()
         #: The pods' cgroups and tiers, parsed once per pod list (every pod, every round).
         self._dirs = PodListMemo(_pod_dirs)
-        self._last_dirs: _PodDirs | None = None
         self.state: Input[TierState] = Input("memory_qos_tiers", self._read, TierState.describe)
         self.reads = (self.state,)
 
@@ -247,42 +247,21 @@ class MemoryQoSTiers(Strategy):
         why = self._active(ctx.rules, ctx.pods)
         if not why:
             return TierState(True)  # off: no pod file is read
-        dirs = self._last_dirs = self._dirs(ctx.pods)
+        dirs = self._dirs(ctx.pods)
         pods: list[PodMemory] = []
         skipped: list[str] = []
         tiers: set[PurePosixPath] = set()
-        for entry in dirs.entries:
+        for entry in dirs:
             pair = self.pairs.read(ctx.executor, entry.cgroup)
             if pair is None:
                 skipped.append(entry.key)  # gone, not created yet, or unreadable: it counts when it reads
                 continue
             pods.append(PodMemory(entry.pod.uid, entry.key, entry.cgroup, entry.pod.kube_qos, pair[0], pair[1]))
             tiers.update(entry.tiers)
-        # Added after the pods' tiers: the set keeps their (shared) objects as its keys.
         tiers.update(t for t in (*self.defaults, *self.known) if self._exists(ctx.executor, t))
         current = {t: self.pairs.read(ctx.executor, t) for t in sorted(tiers)}
         self.pairs.end_round()
         return TierState(True, tuple(pods), current, tuple(skipped), why)
-
-    def _tiers_of(self, pod: PodMemory) -> tuple[PurePosixPath, ...]:
-        """``tier_dirs`` without its None: as the last read parsed it, for its pods."""
-        found = self._last_dirs.tiers.get((pod.cgroup, pod.kube)) if self._last_dirs is not None else None
-        if found is None:  # a state this strategy did not read (a test's): walked here
-            root, tier = tier_dirs(pod)
-            found = (root,) if tier is None else (root, tier)
-        return found
-
-    def _sums(self, state: TierState) -> tuple[dict[PurePosixPath, tuple[int, int]], dict[PurePosixPath, int]]:
-        """``sums_with_empty`` of the state's pods and tiers, and each tier's pod count, in
-        one pass over the pods (counting per tier walked every pod's tiers once per tier)."""
-        sums = dict.fromkeys(state.current, (0, 0))
-        counts = dict.fromkeys(state.current, 0)
-        for pod in state.pods:
-            for where in self._tiers_of(pod):
-                have = sums.get(where, (0, 0))
-                sums[where] = (have[0] + pod.min, have[1] + pod.low)
-                counts[where] = counts.get(where, 0) + 1
-        return sums, counts
 
     @staticmethod
     def _exists(executor: CgroupExecutor, cgroup: PurePosixPath) -> bool:
@@ -314,7 +293,7 @@ class MemoryQoSTiers(Strategy):
         if not why:
             return Plan(NAME, self.priority, (), info, "memory QoS not enabled by any class rule or pod annotation")
         self.was_active = True
-        sums, counts = self._sums(state)
+        sums, counts = sums_and_counts(state.pods, list(state.current))
         self.known.update(t for t in sums if t != self.root and t in state.current)
         info.update({"why": why, "skipped": list(state.skipped),
                      "tiers": {str(t): {"pods": counts[t], "min": v[0], "low": v[1],

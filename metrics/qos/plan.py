@@ -245,13 +245,7 @@ class _Arbiter:
         if uid and uid in self.evicted:
             self.rejected.append(Rejected(strategy, action, "pod is being evicted", self.evicted[uid]))
             return False
-        # ``_claim`` inlined for the common case, a target nobody wrote yet (every pod's
-        # knobs, every round: issue 29): the same claim, one call less per action.
-        target = action.target
-        if target not in self.owners:
-            self.owners[target] = (strategy, action.value)
-            return True
-        return self._claim(strategy, target, action.value, action)
+        return self._claim(strategy, action.target, action.value, action)
 
     def admit(self, strategy: str, action: Action) -> Action | None:
         if isinstance(action, SetCgroup):  # most of a round's actions: tested first (the kinds are disjoint)

@@ -60,7 +60,7 @@ from metrics.store import tsdbquery as q
 from metrics.store import tsdbrollup as r
 from metrics.store.tsdbquery import CorruptStore, TSDBError, wrap
 from metrics.store.tsdbreads import Frame, SeriesKey
-from metrics.store.tsdbwrites import BUSY_TIMEOUT, TSDBWrites
+from metrics.store.tsdbwrites import BUSY_TIMEOUT, TSDBWrites, _Known
 
 __all__ = ["TSDB", "CorruptStore", "GCResult", "TSDBError"]
 
@@ -164,6 +164,10 @@ class TSDB(TSDBWrites):
         self._layouts: dict[int, int] = {}
         #: Newest sample written per series (flushed or not), for ``last()``.
         self._latest: dict[SeriesKey, tuple[int, float]] = {}
+        #: No ``_latest`` entry is at or after this time (ms): every write raises it.
+        self._latest_ms = -(1 << 63)
+        #: Sample sequences written before, by length (``tsdbwrites._Known``).
+        self._known: dict[int, _Known] = {}
         #: Metric -> labels as given -> series key: collectors hand the same tuples every
         #: tick, so sorting and encoding each sample's labels again is avoidable work.
         #: Pruned with ``_latest`` at GC (``_forget_keys``): gone pods' label sets go.

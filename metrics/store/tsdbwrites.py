@@ -72,9 +72,8 @@ class TSDBWrites(TSDBReads):
     _ids: dict[SeriesKey, int]
     _coarsened: int
     _skipped: set[str]
-    #: No ``_latest`` entry is at or after this time (ms): every write raises it.
-    _latest_ms: int = -(1 << 63)
-    _known: dict[int, _Known] | None = None
+    _latest_ms: int
+    _known: dict[int, _Known]
 
     def _open_writer(self) -> sqlite3.Connection:
         self._writer, self._frame_samples = q.open_writer(self.path, BUSY_TIMEOUT, WAL_LIMIT)
@@ -150,14 +149,14 @@ class TSDBWrites(TSDBReads):
                   resolved_in: dict[str, dict[Labels, SeriesKey]]) -> None:
         """``samples``' keys, as resolved in ``resolved_in`` (the index GC may have
         replaced meanwhile: then they are resolved again, and indexed, next time)."""
-        known = self._known if self._known is not None and len(self._known) < KNOWN_MAX else {}
+        known = self._known if len(self._known) < KNOWN_MAX else {}
         metrics, _values, lbls, _ts = zip(*samples, strict=True)
         known[len(keys)] = _Known(resolved_in, metrics, lbls, list(keys), len(set(keys)) == len(keys))
         self._known = known
 
     def _known_of(self, samples: Sequence[Sample]) -> _Known | None:
         """The remembered sequence ``samples`` may repeat, if its index is still in use."""
-        known = None if self._known is None else self._known.get(len(samples))
+        known = self._known.get(len(samples))
         return known if known is not None and known.resolved_in is self._keys else None
 
     def _update_latest(self, keys: list[SeriesKey], times: list[int], values: list[float]) -> None:

@@ -10,7 +10,7 @@ from pathlib import PurePosixPath
 from hooks.cgroups import CPUSET_CPUS
 from hooks.qos import QoSClass
 from metrics.model import PodView
-from metrics.qos.memoryqos import MemoryQoSTiers, PodMemory, TierState, sums_with_empty, tier_dirs
+from metrics.qos.memoryqos import PodMemory, sums_and_counts, sums_with_empty, tier_dirs
 from metrics.qos.plan import LeveledWrite, SetCgroup
 from metrics.qos.podmemo import PodListMemo
 from metrics.qos.verified import VerifiedWrites
@@ -41,19 +41,15 @@ def test_a_pod_list_memo_builds_once_per_tuple_and_never_keeps_a_list() -> None:
 
 
 def test_memory_qos_sums_and_counts_are_those_of_every_pods_tiers() -> None:
-    strategy = MemoryQoSTiers("cgroupfs")
     pods = (PodMemory("a", "ns/a", PurePosixPath("kubepods/burstable/poda"), "burstable", 10, 20),
             PodMemory("b", "ns/b", PurePosixPath("kubepods/besteffort/podb"), "besteffort", 1, 2),
             PodMemory("g", "ns/g", PurePosixPath("kubepods/podg"), "guaranteed", 100, 200))
     current = {PurePosixPath("kubepods"): (0, 0), PurePosixPath("kubepods/burstable"): None,
                PurePosixPath("kubepods/gone"): (5, 5)}
-    state = TierState(True, pods, current, (), "on")
-    for _ in range(2):  # a state it did not read, then with its parsed tiers of the same pods
-        sums, counts = strategy._sums(state)
-        assert sums == sums_with_empty(pods, list(current))
-        assert list(sums) == list(sums_with_empty(pods, list(current)))
-        assert counts == {t: sum(1 for p in pods if t in tier_dirs(p)) for t in sums}
-        strategy._dirs((pod("a"), pod("b", "besteffort")))
+    sums, counts = sums_and_counts(pods, list(current))
+    assert sums == sums_with_empty(pods, list(current))
+    assert list(sums) == list(sums_with_empty(pods, list(current)))
+    assert counts == {t: sum(1 for p in pods if t in tier_dirs(p)) for t in sums}
 
 
 def test_a_leveled_write_found_in_place_expires_with_its_oldest_item() -> None:
