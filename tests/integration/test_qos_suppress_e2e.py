@@ -21,6 +21,7 @@ from criapi import cri_v1_pb2 as cri
 from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
 
 CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+CPUACCT_ROOT = Path("/sys/fs/cgroup/cpuacct")
 SPEC = "node.koordinator.sh/extended-resource-spec"
 SPIN2 = ("sh", "-c", "while :; do :; done & while :; do :; done")
 
@@ -60,6 +61,7 @@ def _explain(proxy: Any) -> dict[str, Any]:
 
 PERIOD = 100_000
 FLOOR = 2000
+LS_LOAD_FLOOR = 0.2  # cores: an LS load the formula's sampling can tell from an idle pod's noise
 WIDE = 40_000
 
 
@@ -110,23 +112,59 @@ def _settled_wide_quota(proxy: Any, prefix: str) -> int | None:
     return wide if wide >= WIDE else None
 
 
+class _CpuRate:
+    """The cores a cgroup used (its ``cpuacct.usage``) over the last ``span`` seconds or more."""
+
+    def __init__(self, path: Path, span: float) -> None:
+        self.path, self.span = path, span
+        self.mark = (time.monotonic(), int(path.read_text()))
+        self.rate: float | None = None
+
+    def poll(self) -> float | None:
+        now, used = time.monotonic(), int(self.path.read_text())
+        if now - self.mark[0] >= self.span:
+            self.rate = (used - self.mark[1]) / 1e9 / (now - self.mark[0])
+            self.mark = (now, used)
+        return self.rate
+
+
+def _wait_formula(what: str, proxy: Any, ls: _CpuRate, idle: float,
+                  check: Callable[[float | None, float | None], bool]) -> dict[str, Any]:
+    """Wait until ``check(what the LS pod used, the formula's non-BE term)`` holds; the
+    failure names both."""
+    seen: dict[str, Any] = {}
+
+    def probe() -> bool:
+        seen.update(ls_used=ls.poll(), plan=_suppress_plan(proxy))
+        return check(seen["ls_used"], seen["plan"].get("non_be_used"))
+
+    try:
+        _wait_for(what, probe, timeout=30)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: idle={idle} {json.dumps(seen, default=str)[:1500]}") from None
+    return seen
+
+
 def _busy_host_checks(proxy: Any, rt: Any, pods: Any, ls_sid: str, ls_pod: Any, prefix: str) -> None:
     """On a host whose own work leaves BE no room: LS load is seen by the formula (its
-    non-BE term rises and falls with it) and BE never gets more than the formula allows."""
+    non-BE term rises and falls with it) and BE never gets more than the formula allows.
+    The rise is measured against what the LS pod really used (its own cgroup): on a host
+    this busy, how much CPU the LS burner gets is the host's to decide."""
     _wait_for("a suppress decision", lambda: bool(_suppress_plan(proxy)), timeout=30)
     idle = _suppress_plan(proxy)["non_be_used"]
     burner = pods.create(rt, ls_sid, ls_pod, pods.container(
         "burn", command=SPIN2, resources=cri.LinuxContainerResources(cpu_shares=10240)))
     pods.start(rt, burner)
-    _wait_for("the formula to see the LS load", lambda: (_suppress_plan(proxy).get("non_be_used") or 0) >= idle + 0.5,
-              timeout=30)
-    loaded = _suppress_plan(proxy)
-    assert _quota(prefix) <= max(_allowed(loaded), FLOOR), loaded
+    ls = _CpuRate(CPUACCT_ROOT / ls_pod.linux.cgroup_parent.strip("/") / "cpuacct.usage", span=1.0)
+    loaded = _wait_formula(
+        "the formula to see the LS load", proxy, ls, idle,
+        lambda used, term: used is not None and used >= LS_LOAD_FLOOR and (term or 0) >= idle + 0.5 * used)
+    assert _quota(prefix) <= max(_allowed(loaded["plan"]), FLOOR), loaded
     rt.StopContainer(cri.StopContainerRequest(container_id=burner, timeout=0), timeout=30)
-    _wait_for("the formula to see the LS load gone",
-              lambda: (_suppress_plan(proxy).get("non_be_used") or 9) <= idle + 0.3, timeout=30)
-    print(f"busy host: non_be_used idle={idle} loaded={loaded['non_be_used']} system_used={loaded['system_used']} "
-          f"quota={_quota(prefix)}")
+    _wait_formula("the formula to see the LS load gone", proxy, ls, idle,
+                  lambda used, term: (9 if term is None else term) <= idle + 0.3)
+    print(f"busy host: non_be_used idle={idle} loaded={loaded['plan']['non_be_used']} ls_used={loaded['ls_used']:.2f} "
+          f"system_used={loaded['plan']['system_used']} quota={_quota(prefix)}")
 
 
 def test_ls_load_shrinks_be_quota_and_release_restores_it(proxy: Any, pods: Any, cgroup_prefix: str) -> None:
