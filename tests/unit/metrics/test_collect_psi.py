@@ -102,6 +102,27 @@ def test_v2_pod_and_container_psi(tmp_path: Path) -> None:
     assert samples[(m.CONTAINER_PSI_TOTAL, io_total)] == pytest.approx(2.0)
 
 
+def test_label_tuples_are_canonical_and_share_their_pairs(tmp_path: Path) -> None:
+    """Each series' labels are what ``labels`` makes (sorted, equal), but built of shared
+    (name, value) pairs: one object per pair across a pod's and its containers' series."""
+    host = node_host(tmp_path)
+    write(host.cgroup / "cgroup.controllers", "cpu memory io\n")
+    for rel in (POD_DIR, POD_DIR + "/c1"):
+        for r in ("cpu", "memory", "io"):
+            write(host.cgroup / rel / f"{r}.pressure", pressure((1, 2, 3, 4), (5, 6, 7, 8)))
+    samples = PSICollector(host).collect(0, [pod()])
+    assert len(samples) == 20 + 2 * 3 * 8  # node (no cpu full), then the pod's and the container's 24 series each
+    pairs: dict[tuple[str, str], set[int]] = {}
+    for sample in samples:
+        assert sample.labels == m.labels(**dict(sample.labels)), sample
+        for pair in sample.labels:
+            pairs.setdefault(pair, set()).add(id(pair))
+    # The pod's series and the container's each build their own owner pairs (two objects
+    # at most); every kind, resource and window pair is one object.
+    assert all(len(ids) <= 2 for ids in pairs.values()), {k: len(v) for k, v in pairs.items()}
+    assert all(len(pairs[(name, value)]) == 1 for name, value in pairs if name in ("kind", "resource", "window"))
+
+
 def test_hybrid_reads_the_unified_tree_and_logs_missing_files_once(tmp_path: Path) -> None:
     host = node_host(tmp_path)
     (host.cgroup / "cpu").mkdir(parents=True)
