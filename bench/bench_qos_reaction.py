@@ -35,6 +35,7 @@ import grpc
 from benchlib import BenchNode, cpu_seconds, percentile
 
 from criapi import cri_v1_pb2 as cri
+from metrics.qos.settings import QoSSettings
 from runtimeproxy.demo import devpods, embeddedimage
 from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
 
@@ -135,7 +136,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--idle", type=float, default=30.0, help="seconds of idle CPU measurement per mode")
-    ap.add_argument("--fast-interval", default="100ms")
+    ap.add_argument("--fast-interval", default=f"{QoSSettings().fast_interval * 1000:g}ms",
+                    help="the fast path's interval (default: the agent's)")
     ap.add_argument("--skip-slow", action="store_true", help="only the fast path (no 1 s loop baseline)")
     ap.add_argument("--skip-fast", action="store_true", help="only the 1 s loop (no fast path)")
     ap.add_argument("--min-wide", type=int, default=20_000,

@@ -308,10 +308,10 @@ def _numa_totals_apart(data: bytes) -> list[int] | None:
 def read_throttling(path: Path) -> tuple[int, int]:
     """(nr_periods, nr_throttled) from ``cpu.stat`` of the cgroup dir ``path``."""
     stat_path = str(path) + "/cpu.stat"
-    return _throttling(read_bytes(stat_path), stat_path)
+    return parse_throttling(read_bytes(stat_path), stat_path)
 
 
-def _throttling(data: bytes, path: str) -> tuple[int, int]:
+def parse_throttling(data: bytes, path: str) -> tuple[int, int]:
     periods = bytes_field(data, b"nr_periods ", path)
     throttled = bytes_field(data, b"nr_throttled ", path)
     if periods is None or throttled is None:
@@ -534,7 +534,7 @@ class PodCollector:
             self._throttle.pop(t.key, None)  # a quota set later starts a fresh baseline
             return cpu, used
         try:
-            periods, throttled = _throttling(read(t.cpu_stat_path) if stat is None else stat, t.cpu_stat_path)
+            periods, throttled = parse_throttling(read(t.cpu_stat_path) if stat is None else stat, t.cpu_stat_path)
         except ReadError as exc:
             self._once.skipped(t.owner, exc)
         else:

@@ -23,7 +23,7 @@ class QoSSettings:
     interval: float = 1.0
     dry_run: bool = False
     fast_path: bool = True
-    fast_interval: float = 0.1
+    fast_interval: float = 0.08
     psi_trigger: bool = True
     #: None: ``api`` when the metrics task has a cluster (``kube: true``), else ``cri``
     #: (``metrics.qos.evict``: a CRI stop on a node with a kubelet is not an eviction).

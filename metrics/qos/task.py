@@ -136,8 +136,7 @@ def qos_task(init: TaskInit) -> Callable[[], Awaitable[None]]:
         on_write_failed=functools.partial(_write_failed_event, agent.events),
     )
     fast = FastPath(manager, cgroups=CgroupReader(init.host.cgroup), rules=agent.rules,
-                    config=FastPathConfig(interval=settings.fast_interval, min_gap=settings.fast_interval,
-                                          idle_interval=settings.interval)
+                    config=FastPathConfig(interval=settings.fast_interval, idle_interval=settings.interval)
                     ) if settings.fast_path and manager.suppress_strategy is not None else None
     init.add_explainer("qos", manager.explain)
     previewroute.add_route(init, manager, strategy_init, settings.strategies, agent)  # koord-runtime-proxy plan

@@ -64,7 +64,7 @@ def test_json_plan_has_each_collector_and_strategy_with_state_interval_and_reaso
     assert f"{tmp_path / 'no-resctrl'}/info/L3_MON" in collectors["resctrl-monitor"]["reason"]
 
     qos = plan["tasks"]["qos-manager"]
-    assert qos["interval"] == 1.0 and qos["fast_path"] == {"on": True, "interval": 0.1, "idle_interval": 1.0}
+    assert qos["interval"] == 1.0 and qos["fast_path"] == {"on": True, "interval": 0.08, "idle_interval": 1.0}
     strategies = _by_name(qos["strategies"])
     assert list(strategies) == ["cpu-suppress", "cpu-evict", "cpu-burst", "resctrl"]  # on/idle, off, absent
     assert strategies["cpu-suppress"]["state"] == "on"
