@@ -37,12 +37,17 @@ it the wake-up (issue 29): the fast path then ticks every ``idle_interval`` (the
 regular round's interval) instead, and is back at ``interval`` within one idle tick
 of a BE pod appearing or the rule turning on; the regular round covers the gap, as it
 does without a fast path. Likewise while the BE pods use less than ``be_active_cores``
-(measured over the last tick, whatever its length) and their tier was not throttled
-since the last look (BE held at a small quota uses little because it may not use
-more: that is BE to watch, not idle BE): there is no CPU to take back from them at once. The trade-off: BE starting to
-burn during an LS burst competes with it until the next idle tick sees BE busy or the
-regular round lowers its limit (at most about one regular interval, as in koordlet),
-instead of one tick. All of it is read from state at every tick, not from events.
+(measured over the last tick, whatever its length) and their tier was not throttled in
+a look of at least 1.5 CFS periods (BE held at a small quota uses little because it may
+not use more: that is BE to watch, not idle BE): there is no CPU to take back from them
+at once. The trade-off: BE starting to burn during an LS burst competes with it until
+the next idle tick sees BE busy or the regular round lowers its limit (at most about
+one regular interval, as in koordlet), instead of one tick. All of it is read from
+state at every tick, not from events.
+
+A burst that begins mid-tick is seen in part: a re-plan that went through, or a tick
+whose non-BE use rose by more than the dead band while the headroom stayed within it
+of the limit, is followed by a tick ``followup`` (20 ms) later, which sees it whole.
 
 The mode is re-derived whenever the pod list changes and logged when it does.
 Paths are computed once per pod list and the counter files stay open
