@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Final
 
 import pytest
 
@@ -532,11 +533,15 @@ async def test_a_rules_lookup_that_raises_after_a_tick_ends_run(host: Host, stor
         await asyncio.wait_for(fast.run(), 10)
 
 
-@pytest.mark.asyncio
-async def test_a_burst_begun_mid_tick_is_completed_at_the_follow_up(host: Host, store: TSDB) -> None:
-    """A tick that saw the last half of a burst re-plans from that partial rate; the next
-    tick comes ``followup`` later (not a whole interval), from a window wholly inside the
-    burst, and takes BE the rest of the way down."""
+_Advance = tuple[float, float, float, float]  # seconds, node, LS and BE cores
+
+
+async def _ticks(host: Host, store: TSDB, steps: Sequence[Sequence[_Advance]], woken: int
+                 ) -> tuple[list[int], FastPath]:
+    """Run the fast path (cfsQuota policy, 30 s interval, 10 ms follow-up) through one tick
+    per step, the counters advanced by the step's parts before the tick; the first
+    ``woken`` ticks are woken (the interval would take 30 s), the rest must come by
+    themselves. The BE tier's quota in force as each tick sampled, and the fast path."""
     rules = parse_rules({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"}})
     manager, _, clock = await setup(host, store, rules=rules)
     fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: rules,
@@ -544,34 +549,45 @@ async def test_a_burst_begun_mid_tick_is_completed_at_the_follow_up(host: Host, 
                     clock=lambda: clock[0], wall=lambda: NOW)
     quota = host.cgroup / "cpu" / BE_DIR / "cpu.cfs_quota_us"
     original, seen = fast.sample, []
-    settled = asyncio.Event()
+    done = asyncio.Event()
 
-    def burst() -> NodeInputs | None:
-        seen.append(int(quota.read_text()))  # the quota in force when this tick samples
-        if len(seen) == 2:  # an idle first half, then the burst
-            host.advance(0.05, node=1.0, ls=0.2, be=0.5)
-            host.advance(0.05, node=7.0, ls=6.0, be=0.5)
-            clock[0] += 0.1
-        elif len(seen) > 2:  # the follow-ups: burst only (the manual clock moves a little more)
-            host.advance(0.02, node=7.0, ls=6.0, be=0.5)
-            clock[0] += 0.02
-        if len(seen) == 4:
-            settled.set()
+    def tick() -> NodeInputs | None:
+        seen.append(int(quota.read_text()))
+        for seconds, node, ls, be in steps[min(len(seen), len(steps)) - 1]:
+            host.advance(seconds, node=node, ls=ls, be=be)
+            clock[0] += seconds
+        if len(seen) == len(steps):
+            done.set()
         return original()
 
-    fast.sample = burst  # type: ignore[method-assign]
+    fast.sample = tick  # type: ignore[method-assign]
     task = asyncio.create_task(fast.run())
-    for _ in range(2):  # the baseline tick, then the half-burst one (the interval is 30 s)
+    for _ in range(woken):
         await asyncio.sleep(0)
         fast.wake()
         await asyncio.sleep(0.001)
-    await asyncio.wait_for(settled.wait(), 10)  # well before a second 30 s interval
+    await asyncio.wait_for(done.wait(), 10)  # well before a second 30 s interval
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    seen.append(int(quota.read_text()))
+    return seen, fast
+
+
+BURST: Final = (7.0, 6.0, 0.5)
+
+
+@pytest.mark.asyncio
+async def test_a_burst_begun_mid_tick_is_completed_at_the_follow_up(host: Host, store: TSDB) -> None:
+    """A tick that saw the last half of a burst re-plans from that partial rate; the next
+    tick comes ``followup`` later (not a whole interval), from a window wholly inside the
+    burst, and takes BE the rest of the way down. (The manual clock moves a little more
+    than the follow-up.)"""
+    half = [(0.05, 1.0, 0.2, 0.5), (0.05, *BURST)]
+    seen, fast = await _ticks(host, store, [[], half, [(0.02, *BURST)], [(0.02, *BURST)]], woken=2)
     # in force before, after the partial re-plan (5.2 - 3.1 - 0.5 = 1.6 cores), after the follow-up
     assert seen[1] > 160_000 and 2 * MIN_QUOTA < seen[2] < seen[1], seen
-    assert seen[3] == MIN_QUOTA and int(quota.read_text()) == MIN_QUOTA and fast.triggers == 2, seen
+    assert seen[3] == seen[4] == MIN_QUOTA and fast.triggers == 2, seen
 
 
 @pytest.mark.asyncio
@@ -579,37 +595,9 @@ async def test_a_rise_the_dead_band_kept_is_looked_at_again_at_the_follow_up(hos
     """The non-BE pods' use rose by more than the band but the headroom is still within it
     of the limit (a burst seen in part, near the limit): no re-plan, but the next tick
     comes ``followup`` later, sees the whole burst and re-plans."""
-    rules = parse_rules({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"}})
-    manager, _, clock = await setup(host, store, rules=rules)
-    fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: rules,
-                    config=FastPathConfig(interval=30.0, idle_interval=30.0, followup=0.01, min_gap=0.01),
-                    clock=lambda: clock[0], wall=lambda: NOW)
-    quota = host.cgroup / "cpu" / BE_DIR / "cpu.cfs_quota_us"
-    original, seen = fast.sample, []
-    settled = asyncio.Event()
-    # (seconds, node, ls, be) before each tick: idle, then 5.2 - 2.5 - 0.5 = 2.2 cores of
-    # headroom against 2.2 in force (LS up 2.3 cores), then the whole burst.
-    steps = [(0.0, 0, 0, 0), (0.1, 1.0, 0.2, 0.5), (0.1, 3.5, 2.5, 0.5), (0.02, 7.0, 6.0, 0.5), (0.02, 7.0, 6.0, 0.5)]
-
-    def burst() -> NodeInputs | None:
-        seconds, node, ls, be = steps[min(len(seen), len(steps) - 1)]
-        seen.append(int(quota.read_text()))
-        if seconds:
-            host.advance(seconds, node=node, ls=ls, be=be)
-            clock[0] += seconds
-        if len(seen) == len(steps):
-            settled.set()
-        return original()
-
-    fast.sample = burst  # type: ignore[method-assign]
-    task = asyncio.create_task(fast.run())
-    for _ in range(3):  # the baseline, the idle tick, the partial one (the interval is 30 s)
-        await asyncio.sleep(0)
-        fast.wake()
-        await asyncio.sleep(0.001)
-    await asyncio.wait_for(settled.wait(), 10)  # the follow-up came, well before 30 s
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    # idle, then 5.2 - 2.5 - 0.5 = 2.2 cores of headroom against 2.2 in force (LS up 2.3
+    # cores), then the whole burst
+    steps = [[], [(0.1, 1.0, 0.2, 0.5)], [(0.1, 3.5, 2.5, 0.5)], [(0.02, *BURST)], [(0.02, *BURST)]]
+    seen, fast = await _ticks(host, store, steps, woken=3)
     assert seen[:4] == [220_000] * 4 and fast.triggers == 1, seen  # no re-plan from the partial tick
-    assert int(quota.read_text()) == MIN_QUOTA
+    assert seen[4] == seen[5] == MIN_QUOTA, seen
