@@ -353,7 +353,7 @@ def main() -> int:
                     help="no BestEffort pod (half burstable, half guaranteed): the QoS fast path idles")
     ap.add_argument("--busy-be", action="store_true",
                     help="one BestEffort pod spins a thread (the others sleep): the QoS fast path has CPU "
-                         "to take back, so it ticks every 100 ms (with sleeping BE pods it idles)")
+                         "to take back, so it ticks at its interval (with sleeping BE pods it idles)")
     ap.add_argument("--only-intervals", action="store_true", help="leave out the schedstat variant")
     ap.add_argument("--report-interval", type=int, default=30, metavar="SECONDS",
                     help="--kube: the NodeMetric's reportIntervalSeconds (default 30, Koordinator's minimum; "

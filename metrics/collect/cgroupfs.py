@@ -60,12 +60,8 @@ _V1_CONTROLLERS: Final = ("cpu", "cpuacct", "cpuset", "memory", "perf_event")
 QUOTA_RECHECK: Final = 10.0
 PAGE_SIZE: Final = os.sysconf("SC_PAGE_SIZE")
 _NUMA_KEYS: Final = (b"hierarchical_anon=", b"hierarchical_unevictable=", b"hierarchical_file=")
-#: ``_numa_totals``' search keys, in the kernel's order, each at a line start.
-_NUMA_LINES: Final = (b"\nhierarchical_file=", b"\nhierarchical_anon=", b"\nhierarchical_unevictable=")
-_NUMA_TOTALS: Final = re.compile(rb"^hierarchical_file=(\d+)\b.*?^hierarchical_anon=(\d+)\b.*?"
-                                 rb"^hierarchical_unevictable=(\d+)\b", re.M | re.S)
-#: ``_numa_totals``' match: the three lines in a row, each total followed by a space
-#: (its per-node counts), as ``_numa_totals_apart`` requires of each.
+#: The kernel's memory.numa_stat: the three hierarchical LRU lines in a row, each total
+#: followed by a space (its per-node counts).
 _NUMA_RUN: Final = re.compile(rb"hierarchical_file=(\d+) [^\n]*\nhierarchical_anon=(\d+) [^\n]*\n"
                               rb"hierarchical_unevictable=(\d+) ")
 
@@ -264,45 +260,20 @@ def _numa_memory(data: bytes, path: str) -> tuple[int, int]:
     Used is what ``memory.stat``'s total_{in,}active_anon + total_unevictable give. The
     page cache is the file LRU: unlike ``total_cache`` it leaves out shmem / tmpfs, which
     sit on the anon LRU and so are already in used (``total_cache`` counted them twice)."""
-    totals = _numa_totals(data)
-    if totals is not None:
-        file, anon, unevictable = totals
-    elif (found := _NUMA_TOTALS.search(data)) is not None:  # one C call in the kernel's line order
+    found = _numa_run(data)
+    if found is not None:
         file, anon, unevictable = int(found[1]), int(found[2]), int(found[3])
     else:
         anon, unevictable, file = (_numa_field(data, key, path) for key in _NUMA_KEYS)
     return (anon + unevictable) * PAGE_SIZE, file * PAGE_SIZE
 
 
-def _numa_totals(data: bytes) -> list[int] | None:
-    """(file, anon, unevictable) pages as the kernel prints them: three consecutive lines,
-    each total followed by its per-node counts, matched in one C call where the first
-    one starts (0.8 against 1.05 µs for the search key by key, for every pod and
-    container whose file changed). None when the text looks any different: then the
-    expression and the by-key parse decide, as before."""
+def _numa_run(data: bytes) -> re.Match[bytes] | None:
+    """The kernel's three lines, matched in one C call where the first one starts (for
+    every pod and container whose file changed); None when the text looks any different:
+    then the by-key parse decides."""
     start = data.find(b"\nhierarchical_file=")
-    found = _NUMA_RUN.match(data, start + 1) if start >= 0 else None
-    if found is None:
-        return _numa_totals_apart(data)
-    return [int(found[1]), int(found[2]), int(found[3])]
-
-
-def _numa_totals_apart(data: bytes) -> list[int] | None:
-    """``_numa_totals`` when the three lines are not consecutive: each key searched
-    after the previous one with ``bytes.find``."""
-    out: list[int] = []
-    at = 0
-    for key in _NUMA_LINES:
-        start = data.find(key, at)
-        if start < 0:
-            return None
-        start += len(key)
-        at = data.find(b" ", start)
-        raw = data[start:at]
-        if at < 0 or not raw.isdigit():
-            return None
-        out.append(int(raw))
-    return out
+    return _NUMA_RUN.match(data, start + 1) if start >= 0 else None
 
 
 def read_throttling(path: Path) -> tuple[int, int]:

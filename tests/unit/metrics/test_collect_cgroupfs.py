@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,7 +14,6 @@ from metrics import model as m
 from metrics.collect.base import ReadError
 from metrics.collect.cgroupfs import (
     _NUMA_KEYS,
-    _NUMA_TOTALS,
     PAGE_SIZE,
     QUOTA_RECHECK,
     CgroupReader,
@@ -280,9 +280,14 @@ def test_numa_stat_parsing_by_key_and_its_errors(tmp_path: Path) -> None:
         reader.parse_memory(b"hierarchical_file=3 N0=3\nhierarchical_unevictable=0 N0=0\n", path)
 
 
+#: The three totals in the kernel's line order, other lines between them allowed.
+_NUMA_TOTALS = re.compile(rb"^hierarchical_file=(\d+)\b.*?^hierarchical_anon=(\d+)\b.*?"
+                          rb"^hierarchical_unevictable=(\d+)\b", re.M | re.S)
+
+
 def _numa_by_expression(data: bytes, path: str) -> tuple[int, int] | str:
-    """memory.numa_stat parsed as before ``bytes.find``: the expression, else by key
-    (the error's text when neither can)."""
+    """memory.numa_stat parsed as before the one-call match: an expression searching the
+    kernel's line order, else by key (the error's text when neither can)."""
     found = _NUMA_TOTALS.search(data)
     if found is not None:
         file, anon, unevictable = int(found[1]), int(found[2]), int(found[3])
@@ -306,6 +311,13 @@ def _numa_by_expression(data: bytes, path: str) -> tuple[int, int] | str:
     b"total=1\nhierarchical_anon=1 N0=1\nhierarchical_file=3 N0=3\nhierarchical_unevictable=2 N0=2\n",
     b"total=1\nhierarchical_file=3 N0=3\nhierarchical_anon=\nhierarchical_unevictable=2 N0=2\n",
     b"total=1\nxhierarchical_file=3 N0=3\nhierarchical_anon=1 N0=1\nhierarchical_unevictable=2 N0=2\n",
+    b"total=1\nhierarchical_file=3 N0=1 N1=2\nhierarchical_anon=1 N0=1 N1=0\nhierarchical_unevictable=2 N0=2 N1=0\n",
+    b"total=1\nhierarchical_file=3 N0=3\nhierarchical_total=9 N0=9\nhierarchical_anon=1 N0=1\n"
+    b"hierarchical_unevictable=2 N0=2\n",  # not in a row: by key
+    b"total=1\nhierarchical_file=3 N0=3\nhierarchical_anon=1\nhierarchical_unevictable=2 N0=2\n",
+    b"total=1\nhierarchical_file=3 N0=3\nhierarchical_anon=1 N0=1\nhierarchical_unevictable=2\n",
+    b"total=1\nhierarchical_file=3 N0=3\nhierarchical_file=4 N0=4\nhierarchical_anon=1 N0=1\n"
+    b"hierarchical_unevictable=2 N0=2\n",
     b"",
 ], ids=lambda d: str(len(d)))
 def test_numa_stat_found_by_bytes_find_as_by_the_expression(data: bytes) -> None:

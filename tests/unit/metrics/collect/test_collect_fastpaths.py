@@ -1,5 +1,5 @@
-"""The collectors' one-call parses give what the line-by-line parses give, and the pod
-collector's memory figures follow its file when it changes."""
+"""The collectors' one-call parses give what the line-by-line parses give (memory.numa_stat's:
+test_collect_cgroupfs), and the pod collector's memory figures follow its file when it changes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hooks.qos import QoSClass
 from metrics import model as m
 from metrics.collect.base import ReadError
-from metrics.collect.cgroupfs import PAGE_SIZE, PodCollector, _numa_totals, _numa_totals_apart
+from metrics.collect.cgroupfs import PAGE_SIZE, PodCollector
 from metrics.collect.procfs import _ticks, parse_stat
 from metrics.collect.psi import _parse, _parse_lines
 from runtimeproxy.hookapi import HostRoots
@@ -38,22 +38,6 @@ def outcome(parse: object, data: bytes) -> object:
 ], ids=lambda d: str(len(d)))
 def test_pressure_file_matched_in_one_call_as_line_by_line(data: bytes) -> None:
     assert outcome(_parse, data) == outcome(_parse_lines, data)
-
-
-@pytest.mark.parametrize("data", [
-    b"hierarchical_file=3 N0=3\nhierarchical_anon=1 N0=1\nhierarchical_unevictable=2 N0=2\n",
-    b"total=1\nhierarchical_file=3 N0=1 N1=2\nhierarchical_anon=1 N0=1 N1=0\nhierarchical_unevictable=2 N0=2 N1=0\n",
-    b"total=1\nhierarchical_file=3 N0=3\nhierarchical_total=9 N0=9\nhierarchical_anon=1 N0=1\n"
-    b"hierarchical_unevictable=2 N0=2\n",  # not in a row: found key by key
-    b"total=1\nhierarchical_file=3 N0=3\nhierarchical_anon=1\nhierarchical_unevictable=2 N0=2\n",
-    b"total=1\nhierarchical_file=3 N0=3\nhierarchical_anon=1 N0=1\nhierarchical_unevictable=2",
-    b"total=1\nhierarchical_file=3 N0=3\nhierarchical_anon=1 N0=1\nhierarchical_unevictable=2\n",
-    b"total=1\nhierarchical_file=3 N0=3\nhierarchical_file=4 N0=4\nhierarchical_anon=1 N0=1\n"
-    b"hierarchical_unevictable=2 N0=2\n",
-    b"",
-], ids=lambda d: str(len(d)))
-def test_numa_totals_matched_in_one_call_as_key_by_key(data: bytes) -> None:
-    assert _numa_totals(data) == _numa_totals_apart(data)
 
 
 def numa_stat(anon: int, file: int) -> str:
