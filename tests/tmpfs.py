@@ -6,18 +6,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests import tmpnames
+
 
 @contextlib.contextmanager
-def small_tmpfs(size: str, prefix: str) -> Iterator[Path]:
+def small_tmpfs(size: str, kind: str) -> Iterator[Path]:
     """A tmpfs of ``size`` (mount's syntax: ``2m``, ``256k``), unmounted (and its mount
-    point removed) afterwards."""
-    point = Path(tempfile.mkdtemp(prefix=prefix))
+    point removed) afterwards; the mount point is ``/tmp/krpt<session>-<kind>…``."""
+    point = tmpnames.mkdtemp(kind)
     try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", prefix.strip("-"), str(point)],
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", kind.strip("-"), str(point)],
                        check=True)
         try:
             yield point

@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +33,7 @@ from runtimeproxy.demo.devpods import QoSClass, container_config, kube_cgroup_pa
 from runtimeproxy.demo.embedded import EmbeddedContainerd, runtime_stub, unix_channel
 from runtimeproxy.demo.embeddedcgroup import remove_cgroup_tree, unique_test_parent
 from runtimeproxy.demo.embeddedimage import BUSYBOX_IMAGE, build_busybox_image, build_pause_image
+from tests import tmpnames
 
 _HERE = Path(__file__).parent
 _REQUIRED_BINARIES = ("containerd", "containerd-shim-runc-v2", "runc", "ctr")
@@ -88,24 +88,24 @@ def _skip_text(longrepr: object) -> str:
     return str(longrepr)
 
 
-#: What the tests, the fixtures and the code under test name their dirs in /tmp
-#: (``krp-``, ``krpt-``, ``krp<tag>-``): the run must leave none of them behind.
+#: Every dir the tests and fixtures make in /tmp starts ``krpt<session>-``
+#: (tests/tmpnames.py): the run must leave none of its own behind. Entries without
+#: this session's tag belong to another run sharing the machine (a clone-alone run
+#: beside CI) and are not this run's to count. What the code under test makes there
+#: (the demo's ``krp-`` root) is checked by the test that runs it.
 _TMP = Path("/tmp")
-_OUR_TMP_PREFIX = "krp"
-_TMP_BEFORE_KEY = pytest.StashKey[set[str]]()
 _TMP_LEFT_KEY = pytest.StashKey[list[str]]()
 
 
 def _our_tmp_entries() -> set[str]:
     try:
-        return {name for name in os.listdir(_TMP) if name.startswith(_OUR_TMP_PREFIX)}
+        return {name for name in os.listdir(_TMP) if name.startswith(tmpnames.PREFIX)}
     except OSError:
         return set()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_SKIPS_KEY] = []
-    config.stash[_TMP_BEFORE_KEY] = _our_tmp_entries()
     config.stash[_TMP_LEFT_KEY] = []
 
 
@@ -154,9 +154,9 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Under CI, a skip in this directory that ``ALLOWED_SKIPS`` does not list fails the
-    run, and so does a ``/tmp/krp*`` entry this run made and left (every fixture has
-    torn down by now). Other runs may share /tmp outside CI: there it is only shown."""
-    left = sorted(_our_tmp_entries() - session.config.stash[_TMP_BEFORE_KEY])
+    run, and so does a ``/tmp/krpt<session>-*`` entry this run made and left (every
+    fixture has torn down by now); outside CI it is only shown."""
+    left = sorted(_our_tmp_entries())
     session.config.stash[_TMP_LEFT_KEY] = left
     if _under_ci() and (session.config.stash[_SKIPS_KEY] or left) and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -166,8 +166,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     left = config.stash[_TMP_LEFT_KEY]
     if left:
         terminalreporter.section("left in /tmp", sep="=", red=_under_ci(), bold=True)
-        terminalreporter.line(f"{len(left)} new /tmp/{_OUR_TMP_PREFIX}* entries after the run"
-                              f" ({'the run fails under CI' if _under_ci() else 'or made by another run'}): "
+        terminalreporter.line(f"{len(left)} /tmp/{tmpnames.PREFIX}* entries left after the run"
+                              f"{' (the run fails under CI)' if _under_ci() else ''}: "
                               + ", ".join(left[:20]))
     skipped = config.stash[_SKIPS_KEY]
     if not skipped or not _under_ci():
@@ -212,10 +212,10 @@ def containerd(
 @pytest.fixture(scope="module")
 def db_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
     """A private (0700) directory for the module's metrics store, removed after its last
-    test: ``/tmp/krpt-<module>-<hex>``, made when first asked for (not at import, so a
+    test: ``/tmp/krpt<session>-<module>-<hex>``, made when first asked for (not at import, so a
     module collected but not run leaves nothing behind)."""
     name = request.module.__name__.rpartition(".")[2].removeprefix("test_")
-    path = Path(tempfile.gettempdir(), f"krpt-{name}-{uuid.uuid4().hex}")
+    path = tmpnames.unique(name)
     path.mkdir(mode=0o700)
     yield path
     shutil.rmtree(path, ignore_errors=True)
@@ -454,7 +454,7 @@ class ProxyLauncher:
 
     def mkdtemp(self) -> Path:
         """A short private dir in /tmp (unix socket paths must stay under 108 bytes)."""
-        path = Path(tempfile.mkdtemp(dir="/tmp", prefix="krpt-"))
+        path = tmpnames.mkdtemp()
         self._dirs.append(path)
         return path
 
@@ -655,7 +655,7 @@ def direct_runtime(
 
 def _pod_kit(containerd: EmbeddedContainerd, cgroup_prefix: str, busybox_image: str) -> Iterator[PodKit]:
     channel = unix_channel(containerd.socket)
-    kit = PodKit(runtime_stub(channel), cgroup_prefix, Path(tempfile.mkdtemp(dir="/tmp", prefix="krpt-logs-")),
+    kit = PodKit(runtime_stub(channel), cgroup_prefix, tmpnames.mkdtemp("logs-"),
                  busybox_image)
     try:
         yield kit
@@ -696,7 +696,7 @@ def nri_containerd(tmp_path_factory: pytest.TempPathFactory, cgroup_prefix: str)
             pytest.fail(message)
         pytest.skip(message)
     base = tmp_path_factory.mktemp("containerd17")
-    sockets = Path(tempfile.mkdtemp(dir="/tmp", prefix="krpt-nri-"))
+    sockets = tmpnames.mkdtemp("nri-")
     images = build_busybox_image(base / "images"), build_pause_image(base / "images")
     ctrd = EmbeddedContainerd(base / "run", binary=CONTAINERD_17, nri_socket=sockets / "nri.sock")
     try:

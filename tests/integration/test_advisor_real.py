@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import http.server
 import shutil
-import tempfile
 import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,8 +20,9 @@ import pytest
 from metrics import model
 from metrics.store.tsdb import TSDB
 from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
+from tests import tmpnames
 
-DB_DIR = Path(tempfile.gettempdir(), f"krpt-advisor-{uuid.uuid4().hex}")
+DB_DIR = tmpnames.unique("advisor")
 POD_NAME = f"advised-{uuid.uuid4().hex[:8]}"
 BODY = (f'# TYPE tracer_reclaim_seconds_total counter\n'
         f'tracer_reclaim_seconds_total{{namespace="krp-test",pod="{POD_NAME}",container="app"}} 1.25\n'

@@ -41,7 +41,6 @@ import json
 import os
 import shutil
 import stat
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -53,6 +52,7 @@ import yaml
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.demo.scenario import DEFAULT_CONFIG, kubelet_creates_pod_cgroup
+from tests import tmpnames
 from tests.integration.conftest import http_get
 from tests.kubeapi import KubeApiServer
 from tests.unit.metrics.kubehelpers import kubeconfig
@@ -60,7 +60,7 @@ from tests.unit.metrics.kubehelpers import kubeconfig
 NODE = "krp-colo-node"
 NS = "krp-test"
 SPEC = "node.koordinator.sh/extended-resource-spec"
-WORK = Path(tempfile.gettempdir(), f"krpt-colo-{uuid.uuid4().hex}")
+WORK = tmpnames.unique("colo")
 IDENTITY_OFF = {"resourceQOSStrategy": {"beClass": {"cpuQOS": {"enable": True, "groupIdentity": 0}}}}
 #: The CRD allows each value; the agent refuses a minimum above the threshold.
 BAD = {**IDENTITY_OFF, "resourceUsedThresholdWithBE": {

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from runtimeproxy.demo.embedded import EmbeddedContainerd
+from tests import tmpnames
 from tests.integration.sdmachine import HAPROXY, PROXY, REPO, ROOT_CACHE, Clients, Machine, answers, wait
 
 VERSION = "0.1.0"
@@ -49,7 +49,7 @@ def debs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def node(containerd: EmbeddedContainerd, debs: tuple[Path, Path]) -> Iterator[Machine]:
     """A fresh Debian 12 node: haproxy installed (the package's dependency), no agent."""
-    base = Path(f"/tmp/krpt-deb-{uuid.uuid4().hex[:8]}")
+    base = tmpnames.unique("deb")
     base.mkdir(mode=0o700)
     m = Machine(base, Path(containerd.socket))
     try:

@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
+from tests import tmpnames
 from tests.integration.conftest import ProxyLauncher, http_get
 from tests.kubeapi import KubeApiServer
 from tests.unit.metrics.kubehelpers import kubeconfig
@@ -41,7 +40,7 @@ NRT_PATH = f"/apis/topology.node.k8s.io/v1alpha1/noderesourcetopologies/{NODE}"
 NM_STATUS = f"/apis/slo.koordinator.sh/v1alpha1/nodemetrics/{NODE}/status"
 ALLOCS = "node.koordinator.sh/pod-cpu-allocs"
 #: Made by ``_workdir`` (not at import: a module collected but not run left it behind).
-WORK = Path(tempfile.gettempdir(), f"krpt-kube-e2e-{uuid.uuid4().hex}")
+WORK = tmpnames.unique("kube-e2e")
 
 
 @pytest.fixture(scope="module")

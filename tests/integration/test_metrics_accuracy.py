@@ -19,11 +19,9 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from criapi import cri_v1_pb2 as cri
 from metrics import model
 from metrics.store.tsdb import TSDB
 from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
+from tests import tmpnames
 
 MIB = 1 << 20
 #: The pod and node collectors' sampling interval: every window below is sized from it.
@@ -43,7 +42,7 @@ ROWS = 4
 #: How long to wait for them on a loaded host (the agent's ticks and the reads can both lag).
 PATIENCE = 60.0
 #: Made by ``_remove_db_dir`` (not at import: a module collected but not run left it behind).
-DB_DIR = Path(tempfile.gettempdir(), f"krpt-metrics-{uuid.uuid4().hex}")
+DB_DIR = tmpnames.unique("metrics")
 
 
 @pytest.fixture(scope="module")

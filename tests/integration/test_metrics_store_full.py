@@ -33,7 +33,7 @@ SERIES = 200
 @pytest.fixture
 def small_fs() -> Iterator[Path]:
     """A 2 MiB tmpfs of our own, unmounted (and its mount point removed) afterwards."""
-    with small_tmpfs("2m", "krpt-fullfs-") as point:
+    with small_tmpfs("2m", "fullfs-") as point:
         yield point
 
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ import pytest
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.demo.scenario import kubelet_creates_pod_cgroup
+from tests import tmpnames
 from tests.kubeapi import KubeApiServer
 from tests.unit.metrics.kubehelpers import kubeconfig
 
@@ -42,7 +41,7 @@ CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 SPEC = "node.koordinator.sh/extended-resource-spec"
 NODE = "krp-test-node"
 #: Made by ``_remove_db_dir`` (not at import: a module collected but not run left it behind).
-DB_DIR = Path(tempfile.gettempdir(), f"krpt-nodeslo-{uuid.uuid4().hex}")
+DB_DIR = tmpnames.unique("nodeslo")
 SPIN2 = ("sh", "-c", "while :; do :; done & while :; do :; done")
 OWN_QUOTA = 100_000  # the second BE pod's container: 1 core of its own
 

@@ -15,13 +15,13 @@ import os
 import shutil
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from runtimeproxy.demo.embedded import EmbeddedContainerd
+from tests import tmpnames
 from tests.integration.sdmachine import (
     CALL_TIMEOUT,
     HAPROXY,
@@ -39,7 +39,7 @@ def machine(containerd: EmbeddedContainerd) -> Iterator[Machine]:
     missing = [b for b in ("systemd-nspawn", "nsenter") if shutil.which(b) is None]
     if missing or not (ROOT_CACHE / "lib" / "systemd" / "systemd").exists():
         pytest.skip(f"no bootable root ({ROOT_CACHE}) or {missing}: run scripts/setup-host.sh")
-    base = Path(f"/tmp/krpt-sd-{uuid.uuid4().hex[:8]}")
+    base = tmpnames.unique("sd")
     base.mkdir(mode=0o700)
     m = Machine(base, Path(containerd.socket))
     try:

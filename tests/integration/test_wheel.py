@@ -21,7 +21,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +31,7 @@ import yaml
 
 from criapi import cri_v1_pb2 as cri
 from runtimeproxy.demo.embedded import EmbeddedContainerd
+from tests import tmpnames
 from tests.integration.conftest import ProxyLauncher, ProxyProcess
 
 pytestmark = pytest.mark.integration
@@ -69,7 +69,7 @@ def _run(argv: list[str], *, cwd: Path, timeout: float = PIP_TIMEOUT) -> subproc
 @pytest.fixture(scope="module")
 def wheel_venv() -> Iterator[tuple[Path, Path]]:
     """(the wheel, the venv it is installed in); both removed after the module."""
-    base = Path(tempfile.mkdtemp(prefix="krpt-wheel-"))
+    base = tmpnames.mkdtemp("wheel-")
     try:
         src, dist, venv = base / "src", base / "dist", base / "venv"
         _copy_sources(src)

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -44,6 +43,7 @@ from criapi import hook_v1alpha1_pb2_grpc as hookpb_grpc
 from runtimeproxy.app import App
 from runtimeproxy.config import settings as config
 from runtimeproxy.config.confignet import find_haproxy
+from tests import tmpnames
 
 RT = "/runtime.v1.RuntimeService/"
 IMG = "/runtime.v1.ImageService/"
@@ -276,7 +276,7 @@ def plane(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
     """Unix socket paths are limited to ~107 bytes; tmp_path may be longer."""
-    path = Path(tempfile.mkdtemp(prefix="krp-", dir="/tmp"))
+    path = tmpnames.mkdtemp()
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

@@ -5,6 +5,7 @@ pytest subprocess with and without ``CI=true``."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -117,20 +118,28 @@ def test_a_host_that_cannot_run_the_suite_is_an_error_under_ci(tmp_path: Path) -
 
 @needs_a_runnable_host
 def test_a_dir_left_in_tmp_fails_the_run_under_ci(tmp_path: Path) -> None:
-    leak = ("from pathlib import Path\n\n"
-            f"def test_leaks():\n    Path('{tmp_path}/tmproot/krpt-leak-1').mkdir()\n\n"
-            f"def test_tidy():\n    Path('{tmp_path}/tmproot/krpt-tidy').mkdir()\n"
-            f"    Path('{tmp_path}/tmproot/krpt-tidy').rmdir()\n")
+    """Only this session's ``krpt<session>-`` entries count: another run's, made while
+    this one runs (a clone-alone suite beside CI), is not this run's leftover."""
+    root = tmp_path / "tmproot"
+    leak = ("from pathlib import Path\n\nfrom tests import tmpnames\n\n"
+            f"ROOT = Path('{root}')\n\n"
+            "def test_leaks():\n    (ROOT / (tmpnames.PREFIX + 'leak-1')).mkdir()\n\n"
+            "def test_tidy():\n    (ROOT / (tmpnames.PREFIX + 'tidy')).mkdir()\n"
+            "    (ROOT / (tmpnames.PREFIX + 'tidy')).rmdir()\n\n"
+            "def test_another_run_beside():\n    (ROOT / 'krpt0a0b0c-theirs').mkdir(exist_ok=True)\n")
     _suite(tmp_path, {"test_a.py": leak})
-    (tmp_path / "tmproot" / "krp-before").mkdir()  # there before the run: not its doing
-    (tmp_path / "tmproot" / "other-leak").mkdir()
+    left = re.compile(r"1 /tmp/krpt([0-9a-f]{6})-\* entries left after the run"
+                      r" \(the run fails under CI\): krpt\1-leak-1$", re.MULTILINE)
     out = _pytest(tmp_path, ci=True)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "1 new /tmp/krp* entries after the run (the run fails under CI): krpt-leak-1" in out.stdout
-    (tmp_path / "tmproot" / "krpt-leak-1").rmdir()
+    assert left.search(out.stdout) and "theirs" not in out.stdout, out.stdout
+    for entry in root.glob("krpt*-leak-1"):
+        entry.rmdir()
     local = _pytest(tmp_path, ci=False)
-    assert local.returncode == 0 and "krpt-leak-1" in local.stdout, local.stdout
-    (tmp_path / "tmproot" / "krpt-leak-1").rmdir()
-    (tmp_path / "integration" / "test_a.py").write_text("from pathlib import Path\n\n" + leak.split("\n\n", 2)[2])
+    assert local.returncode == 0 and "-leak-1" in local.stdout and "fails under CI" not in local.stdout, local.stdout
+    for entry in root.glob("krpt*-leak-1"):
+        entry.rmdir()
+    (tmp_path / "integration" / "test_a.py").write_text(leak.replace("def test_leaks():", "def _leaks():"))
     tidy = _pytest(tmp_path, ci=True)
     assert tidy.returncode == 0 and "left in /tmp" not in tidy.stdout, tidy.stdout
+    assert (root / "krpt0a0b0c-theirs").is_dir()

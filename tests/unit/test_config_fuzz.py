@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from runtimeproxy.chain import plugins
 from runtimeproxy.config import settings as config
 from runtimeproxy.config.settings import ConfigError, Settings
+from tests import tmpnames
 
 FUZZ = settings(max_examples=100, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -39,7 +40,7 @@ VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
 
 @pytest.fixture(scope="module")
 def workdir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="krp-fuzz-") as name:
+    with tempfile.TemporaryDirectory(dir=tmpnames.TMP, prefix=tmpnames.PREFIX + "fuzz-") as name:
         yield Path(name)
 
 

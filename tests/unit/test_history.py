@@ -133,7 +133,7 @@ def test_unusable_state_dir_means_memory_only_never_a_crash(tmp_path: Path, kind
 def small_fs() -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    with small_tmpfs("256k", "krpt-history-fs-") as point:
+    with small_tmpfs("256k", "history-fs-") as point:
         yield point
 
 

@@ -8,7 +8,6 @@ import inspect
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -48,6 +47,7 @@ from runtimeproxy.hookapi import (
     ResourcesPatch,
     Stage,
 )
+from tests import tmpnames
 
 GIB = 1 << 30
 NEW_POD_CGROUP = "/kubepods/besteffort/pod-uid-1"
@@ -135,7 +135,7 @@ async def start_server(socket: Path) -> tuple[grpc.aio.Server, FakeHookServer]:
 @pytest.fixture
 def sock_dir() -> Iterator[Path]:
     """A short directory: unix socket paths are limited to ~107 bytes, tmp_path may be longer."""
-    path = Path(tempfile.mkdtemp(prefix="krp-", dir="/tmp"))
+    path = tmpnames.mkdtemp()
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

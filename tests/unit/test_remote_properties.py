@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
-import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -53,6 +52,7 @@ from runtimeproxy.hookapi import (
     Resources,
     Stage,
 )
+from tests import tmpnames
 
 SETTINGS = settings(max_examples=250, derandomize=True, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -310,7 +310,7 @@ class RawServer:
 
 @pytest.fixture(scope="module")
 def wire() -> Iterator[tuple[RawServer, asyncio.AbstractEventLoop, dict[FailurePolicy, HookChain]]]:
-    directory = Path(tempfile.mkdtemp(prefix="krp-", dir="/tmp"))
+    directory = tmpnames.mkdtemp()
     raw = RawServer(directory / "raw.sock")
     loop = asyncio.new_event_loop()
     pools = HookPools()

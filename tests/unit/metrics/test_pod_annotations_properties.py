@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,6 +40,7 @@ from runtimeproxy.hookapi import (
     Resources,
     frozen_map,
 )
+from tests import tmpnames
 from tests.unit.jsonvalues import json_values, scalars
 
 SETTINGS = settings(max_examples=200, derandomize=True, deadline=None,
@@ -120,7 +119,7 @@ def test_eviction_policy_annotation_is_a_yes_or_no(raw: str) -> None:
 
 @pytest.fixture(scope="module")
 def resctrl_hook() -> Iterator[Resctrl]:
-    root = Path(tempfile.mkdtemp(prefix="krp-"))
+    root = tmpnames.mkdtemp()
     (root / "cgroup" / "cpu").mkdir(parents=True)
     (root / "resctrl").mkdir()
     host = HostRoots(cgroup=root / "cgroup", proc=root / "proc", sys=root / "sys", resctrl=root / "resctrl")
