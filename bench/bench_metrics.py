@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -244,7 +246,7 @@ def _api_server(base: Path, report_interval: int) -> tuple[Any, Path]:
     return api, kubeconfig
 
 
-def _kube(node: BenchNode, args: argparse.Namespace) -> int:
+def _kube(node: BenchNode, args: argparse.Namespace, pods: int) -> list[tuple[str, dict[str, Any]]]:
     api, kubeconfig = _api_server(node.base, args.report_interval)
     kube = {"kube": True, "kubeconfig": str(kubeconfig), "node_name": BENCH_NODE}
     variants: list[tuple[str, dict[str, Any], Path | None]] = [  # name, tasks (then the whole doc), code
@@ -298,34 +300,104 @@ def _kube(node: BenchNode, args: argparse.Namespace) -> int:
         variants.append((f"everything on, kube: true, code of {old}", everything("e.db"), old))
     if args.only:
         variants = [v for v in variants if args.only in v[0]]
-    rows = []
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
     patch = f"/apis/slo.koordinator.sh/v1alpha1/nodemetrics/{BENCH_NODE}/status"
-    for i, (name, tasks, cwd) in enumerate(variants):
-        before = len(api.seen("PATCH", patch))
-        proc, _sock, port = node.proxy(f"k{i}", tasks, cwd=cwd, env=envs.get(name))
-        prof = Path(args.py_spy) / f"k{i}.txt" if args.py_spy else None
-        if prof is not None:
-            prof.parent.mkdir(parents=True, exist_ok=True)
-        row = _measure(proc, port, args.warmup, args.window, prof)
-        row["patches"] = len(api.seen("PATCH", patch)) - before
-        rows.append((name, row))
-        node.stop(proc)
+    for r in range(args.repeat):  # repeats interleaved: variant A, B, ..., then A, B, ... again
+        for i, (name, doc, cwd) in enumerate(variants):
+            tag = f"k{i}" if r == 0 else f"k{i}r{r}"
+            before = len(api.seen("PATCH", patch))
+            proc, _sock, port = node.proxy(tag, _fresh_store(doc, r), cwd=cwd, env=envs.get(name))
+            prof = Path(args.py_spy) / f"{tag}.txt" if args.py_spy else None
+            if prof is not None:
+                prof.parent.mkdir(parents=True, exist_ok=True)
+            row = _measure(proc, port, args.warmup, args.window, prof)
+            row["patches"] = len(api.seen("PATCH", patch)) - before
+            runs[name].append(row)
+            node.stop(proc)
     api.close()
-    print(f"\n### Metrics agent with a cluster connection, {args.pods} pods x 1 container, window "
+    rows = [(name, _median_row(measured)) for name, measured in runs.items()]
+    print(f"\n### Metrics agent with a cluster connection, {pods} pods x 1 container, window "
           f"{args.window:.0f} s after {args.warmup:.0f} s warm-up "
-          f"(test API server, NodeMetric every {args.report_interval} s)\n")
+          f"(test API server, NodeMetric every {args.report_interval} s"
+          f"{f'; median of {args.repeat} runs, each run in brackets' if args.repeat > 1 else ''})\n")
     print("| proxy | CPU % of a core | wake-ups /s | RSS MiB | peak RSS MiB | NodeMetric PATCHes |")
     print("|---|---:|---:|---:|---:|---:|")
-    for name, r in rows:
-        print(f"| {name} | {r['cpu_pct']:.2f} | {r['wakes']:.0f} | {r['rss_mib']:.1f} | {r['hwm_mib']:.1f} "
-              f"| {r['patches']} |")
+    for name, row in rows:
+        each = _each(runs[name], "cpu_pct", ".2f")
+        peaks = _each(runs[name], "hwm_mib", ".1f")
+        print(f"| {name} | {row['cpu_pct']:.2f}{each} | {row['wakes']:.0f} | {row['rss_mib']:.1f} "
+              f"| {row['hwm_mib']:.1f}{peaks} | {row['patches']} |")
     _print_parts(rows)
-    return 0
+    return rows
+
+
+def _each(measured: list[dict[str, Any]], key: str, fmt: str) -> str:
+    """`` (a / b / c)``: each repeated run's figure (nothing for a single run)."""
+    return f" ({' / '.join(format(m[key], fmt) for m in measured)})" if len(measured) > 1 else ""
+
+
+def _fresh_store(doc: dict[str, Any], repeat: int) -> dict[str, Any]:
+    """``doc`` with its own metrics store for a repeated run (not the first run's, which
+    would start it from a filled store and a saved checkpoint)."""
+    metrics = doc.get("tasks", {}).get("metrics")
+    if repeat == 0 or not metrics or "db" not in metrics:
+        return doc
+    out = copy.deepcopy(doc)
+    out["tasks"]["metrics"]["db"] = str(Path(metrics["db"]).with_suffix(f".r{repeat}.db"))
+    return out
+
+
+def _median_row(measured: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the repeated runs of one variant (one run: that run)."""
+    if len(measured) == 1:
+        return measured[0]
+    row: dict[str, Any] = {key: statistics.median(m[key] for m in measured)
+                           for key in ("cpu_pct", "wakes", "rss_mib", "hwm_mib", "patches")}
+    parts = dict.fromkeys(part for m in measured for part in m["parts"])
+    row["parts"] = {part: statistics.median(m["parts"].get(part, 0.0) for m in measured) for part in parts}
+    return row
+
+
+def _print_marginal(by_pods: dict[int, list[tuple[str, dict[str, Any]]]]) -> None:
+    """Per variant: the marginal cost per pod between successive pod counts, of the whole
+    process (% of a core per pod) and of each part (µs of CPU per second per pod), and
+    whether it is flat (the last step's per-pod cost not above the first's)."""
+    counts = sorted(by_pods)
+    steps = list(itertools.pairwise(counts))
+    names = [name for name, _ in by_pods[counts[0]]]
+    for name in names:
+        rows = {n: dict(by_pods[n])[name] for n in counts}
+        print(f"\n### Marginal cost per pod, {name}\n")
+        print("| part | " + " | ".join(f"{a} → {b}" for a, b in steps) + " | flat? |")
+        print("|---|" + "---:|" * len(steps) + "---|")
+
+        def line(label: str, values: list[float], fmt: str) -> None:
+            flat = "n/a (one step)" if len(values) < 2 else "yes" if values[-1] <= values[0] else "no"
+            print(f"| {label} | " + " | ".join(format(v, fmt) for v in values) + f" | {flat} |")
+
+        line("whole process, % of a core", [(rows[b]["cpu_pct"] - rows[a]["cpu_pct"]) / (b - a)
+                                             for a, b in steps], ".4f")
+        parts = dict.fromkeys(part for n in counts for part in rows[n]["parts"])
+        for part in parts:
+            line(f"{part}, µs/s", [1000.0 * (rows[b]["parts"].get(part, 0.0) - rows[a]["parts"].get(part, 0.0))
+                                   / (b - a) for a, b in steps], ".1f")
+        line("peak RSS, KiB", [1024.0 * (rows[b]["hwm_mib"] - rows[a]["hwm_mib"]) / (b - a)
+                               for a, b in steps], ".0f")
+
+
+def _start_pods(node: BenchNode, pods: int, args: argparse.Namespace) -> None:
+    t = time.monotonic()
+    _run_pods(node.runtime(), node.prefix, node.base / "logs", pods, args.no_be, args.busy_be)
+    print(f"{pods} pods running after {time.monotonic() - t:.0f} s", file=sys.stderr)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--pods", type=int, default=110)
+    ap.add_argument("--pods", default="110",
+                    help="how many pods; with --kube a comma-separated list (e.g. 30,110,250) runs each count "
+                         "on its own node and prints the marginal cost per pod of the process and each part")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="--kube: run each variant this many times (interleaved) and report the medians")
     ap.add_argument("--warmup", type=float, default=20.0)
     ap.add_argument("--window", type=float, default=300.0)
     ap.add_argument("--steady", action="store_true", help="the 56-minute steady-state run (see the docstring)")
@@ -359,19 +431,34 @@ def main() -> int:
                     help="--kube: the NodeMetric's reportIntervalSeconds (default 30, Koordinator's minimum; "
                          "its own default is 60)")
     args = ap.parse_args()
+    try:
+        counts = [int(n) for n in args.pods.split(",")]
+    except ValueError:
+        ap.error(f"--pods: {args.pods!r} is not a pod count or a comma-separated list of them")
+    if any(n < 1 for n in counts) or len(set(counts)) != len(counts):
+        ap.error(f"--pods: {args.pods!r}: each count must be positive and appear once")
+    if len(counts) > 1 and not args.kube:
+        ap.error("--pods: several counts need --kube")
+    if args.repeat < 1 or (args.repeat > 1 and not args.kube):
+        ap.error(f"--repeat: {args.repeat}: a positive count, above 1 only with --kube")
+    args.pods = counts[0]
     if args.report_interval < 30:
         ap.error(f"--report-interval: {args.report_interval} is below the CRD's minimum, 30")
     # A SIGTERM unwinds like ^C: the node (its containerd, pods, cgroups, dirs) is removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.kube:
+        by_pods: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+        for pods in counts:  # each count on a node of its own: its pods, its cgroups, its containerd
+            with BenchNode("m") as node:
+                _start_pods(node, pods, args)
+                by_pods[pods] = _kube(node, args, pods)
+        if len(counts) > 1:
+            _print_marginal(by_pods)
+        return 0
     with BenchNode("m") as node:
-        rt = node.runtime()
-        t = time.monotonic()
-        _run_pods(rt, node.prefix, node.base / "logs", args.pods, args.no_be, args.busy_be)
-        print(f"{args.pods} pods running after {time.monotonic() - t:.0f} s", file=sys.stderr)
+        _start_pods(node, args.pods, args)
         if args.steady:
             return _steady(node, not args.no_nodemetric)
-        if args.kube:
-            return _kube(node, args)
         rows = []
         variants: tuple[tuple[str, dict[str, Any]], ...] = (("no tasks", {}),
                     ("metrics (defaults)", {"metrics": {"db": str(node.base / "m.db")}}),
