@@ -222,17 +222,51 @@ def test_a_query_fetches_only_the_frames_of_layouts_holding_its_series(tmp_path:
     layouts = {int(layout) for (layout,) in conn.execute("SELECT layout FROM frames")}
     assert len(layouts) == 2 and all(layout >= f.HASHED_LAYOUT for layout in layouts)
     window = (int(T0 * 1000), int((T0 + 10) * 1000))
-    assert len(f._frames_in(conn, *window, {node_id})) == 5, "the node collector's frames only"
-    assert len(f._frames_in(conn, *window, pod_ids)) == 5
-    assert len(f._frames_in(conn, *window, pod_ids | {node_id})) == 10
-    assert f._frames_in(conn, *window, {max(pod_ids | {node_id}) + 100}) == []
+    assert len(list(f._frames_in(conn, *window, {node_id}))) == 5, "the node collector's frames only"
+    assert len(list(f._frames_in(conn, *window, pod_ids))) == 5
+    assert len(list(f._frames_in(conn, *window, pod_ids | {node_id}))) == 10
+    assert list(f._frames_in(conn, *window, {max(pod_ids | {node_id}) + 100})) == []
     # A frame as the code before wrote it: CRC-32 layout, fetched whatever it holds.
     raw = f.frame_row([node_id], [window[0] + 7000], [99.0])
     conn.execute(f.INSERT_FRAME, (zlib.crc32(raw[4]), *raw[1:]))
     conn.commit()
-    assert len(f._frames_in(conn, *window, pod_ids)) == 6
+    assert len(list(f._frames_in(conn, *window, pod_ids))) == 6
     conn.close()
     assert f.layout_of(b"\x01" * 8) == f.layout_of(b"\x01" * 8) != f.layout_of(b"\x02" * 8)
     assert [v for _, v in db.points("node_cpu_usage_cores", node, T0, T0 + 10)] == [10, 11, 12, 13, 14, 99]
     assert db.aggregate(CPU, PODS[0], T0, T0 + 10).count == 5  # type: ignore[union-attr]
     db.close()
+
+
+def test_a_window_read_holds_one_frame_at_a_time(tmp_path: Path) -> None:
+    """A window's frames are streamed from the cursor, not fetched into a list: reading
+    one series over the frames left of 200 writes of 1000 series each (the older ones are
+    compacted into chunks; ~16 KB of values and ids a frame) stays well under their size
+    (the list held them all, and every NodeMetric build's peak with them)."""
+    import tracemalloc
+
+    from metrics.store import tsdbframes as f
+
+    path = tmp_path / "m.db"
+    db = TSDB(path, clock=Clock())
+    many = [labels(pod_uid=f"u{i}") for i in range(1000)]
+    for t in range(200):
+        db.write([Sample(CPU, float(t + i), lb, T0 + t) for i, lb in enumerate(many)], T0 + t)
+    db.flush()
+    db.close()
+    conn = sqlite3.connect(path)
+    try:
+        (frames, blob_bytes), = conn.execute("SELECT count(*), sum(length(vals) + length(ids)) FROM frames")
+        assert frames >= 50, "most samples are still in frames (the rest in chunks)"
+        sid = int(conn.execute("SELECT id FROM series WHERE labels LIKE '%u7\"%'").fetchone()[0])
+        window = (int(T0 * 1000), int((T0 + 300) * 1000))
+        tracemalloc.start()
+        try:
+            got = f.raw_window_many(conn, [sid], *window)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    finally:
+        conn.close()
+    assert list(got[sid].vals)[:3] == [7.0, 8.0, 9.0] and len(got[sid]) == 200
+    assert peak < blob_bytes / 4, f"peak {peak} B while reading frames of {blob_bytes} B"
