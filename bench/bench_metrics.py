@@ -307,7 +307,7 @@ def _kube(node: BenchNode, args: argparse.Namespace, pods: int) -> list[tuple[st
             tag = f"k{i}" if r == 0 else f"k{i}r{r}"
             before = len(api.seen("PATCH", patch))
             proc, _sock, port = node.proxy(tag, _fresh_store(doc, r), cwd=cwd, env=envs.get(name))
-            prof = Path(args.py_spy) / f"{tag}.txt" if args.py_spy else None
+            prof = Path(args.py_spy) / f"p{pods}-{tag}.txt" if args.py_spy else None
             if prof is not None:
                 prof.parent.mkdir(parents=True, exist_ok=True)
             row = _measure(proc, port, args.warmup, args.window, prof)
@@ -412,7 +412,7 @@ def main() -> int:
                     help="--kube: also everything on with these config values (e.g. reconcile_interval=1h or "
                          "tasks.qos-manager.psi_trigger=false); repeatable")
     ap.add_argument("--py-spy", default="", metavar="DIR",
-                    help="--kube: py-spy's collapsed stacks of each variant's window into DIR/k<i>.txt "
+                    help="--kube: py-spy's collapsed stacks of each variant's window into DIR/p<pods>-k<i>.txt "
                          "(pip install py-spy; it samples without stopping the proxy)")
     ap.add_argument("--only", default="", help="--kube: only the variants whose name contains this text")
     ap.add_argument("--split", action="store_true",
