@@ -203,6 +203,11 @@ class CgroupReader:
         (parse with ``parse_cpu_usage_ns``). For readers that keep it open."""
         return f"{self.cpuacct_dir(rel)}/{'cpu.stat' if self.version == 2 else 'cpuacct.usage'}"
 
+    def cpu_stat_file(self, rel: str) -> str:
+        """The cpu controller's ``cpu.stat`` (nr_periods, nr_throttled; on v2 also the
+        usage). For readers that keep it open."""
+        return f"{self.cpu_dir(rel)}/cpu.stat"
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryUsage:
@@ -450,7 +455,7 @@ class PodCollector:
         return _Target((uid, cid), uid, rel, lbl, names,
                        reader.cpu_usage_file(rel),
                        reader.memory_file(rel),
-                       f"{reader.cpu_dir(rel)}/cpu.stat",
+                       reader.cpu_stat_file(rel),
                        f"{reader.cpu_dir(rel)}/cpu.cfs_quota_us")
 
     def _check_quotas(self, targets: Sequence[_Target]) -> None:

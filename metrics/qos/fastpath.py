@@ -297,7 +297,7 @@ class FastPath:
             self.mode = mode
         counter = self._cgroups.cpu_usage_file
         be_dir = self._manager.cfg.suppress.besteffort_dir
-        self._be_stat = str(self._cgroups.cpu_dir(str(be_dir)) / "cpu.stat")
+        self._be_stat = self._cgroups.cpu_stat_file(str(be_dir))
         if tier:
             self._paths = {_PODS: counter(str(be_dir.parent)), _BE: counter(str(be_dir))}
             self._be_keys = (_BE,)

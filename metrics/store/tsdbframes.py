@@ -298,11 +298,10 @@ def _merged(pieces: list[_Piece]) -> tuple[list[int], list[float]]:
     return list(merged), list(merged.values())
 
 
-def series_samples(frames: Iterable[Frame]) -> Iterator[tuple[int, Sequence[int], Sequence[float]]]:
-    """``(series id, strictly ascending ms, values)`` of every series in ``frames``. A
+def _series_samples(groups: Sequence[_Group]) -> Iterator[tuple[int, Sequence[int], Sequence[float]]]:
+    """``(series id, strictly ascending ms, values)`` of every series in ``groups``. A
     series in one id array only (nearly all) is sliced out when its turn comes, not all
     of them first; one in several is merged from its pieces at the end."""
-    groups = _groups(frames)
     layouts_of = collections.Counter(sid for group in groups for sid in group.ids)
     several: dict[int, list[_Piece]] = {}
     for group in groups:
@@ -331,17 +330,10 @@ def compact(conn: sqlite3.Connection, chunk_hi: dict[int, int] | None, only: Map
     else:  # each layout's oldest in id order (``_merged`` orders by id where times repeat)
         frames = (Frame._make(row) for layout, count in only.items()
                   for row in conn.execute(OLDEST_OF_LAYOUT, (layout, count)))
-    taken: list[int] = []
-    # Every frame is read before the first series is stored: the cursor is done by then.
-    moved = q.store_series(conn, series_samples(_noting(frames, taken)), chunk_hi)
+    groups = _groups(frames)  # the cursor is done before the first series is stored
+    moved = q.store_series(conn, _series_samples(groups), chunk_hi)
     if only is None:
         conn.execute(DELETE_FRAMES)
     else:
-        conn.executemany(DELETE_FRAME, [(frame_id,) for frame_id in taken])
+        conn.executemany(DELETE_FRAME, [(frame_id,) for group in groups for frame_id in group.order])
     return moved
-
-
-def _noting(frames: Iterable[Frame], ids: list[int]) -> Iterator[Frame]:
-    for frame in frames:
-        ids.append(frame.id)
-        yield frame

@@ -82,12 +82,12 @@ def test_a_real_cgroup_with_a_busy_process_has_usage(burner: tuple[HostAppCollec
     # busy thread gets is the host's to decide (CI runs this beside burners and a second
     # suite, where it got 0.13 core), so the collector is checked against the kernel's
     # own counter over the same second, not against a share it may not get.
-    counter = collector.reader.cpuacct_dir(rel) / "cpuacct.usage"
-    start, used = time.monotonic(), int(counter.read_text())
+    usage = collector.reader.cpu_usage_ns
+    start, used = time.monotonic(), usage(rel)
     collector.collect(time.time(), [])
     time.sleep(1.0)
     samples = {s.metric: s for s in collector.collect(time.time(), [])}
-    got = (int(counter.read_text()) - used) / 1e9 / (time.monotonic() - start)
+    got = (usage(rel) - used) / 1e9 / (time.monotonic() - start)
     cpu, memory = samples[m.HOST_APP_CPU_USAGE], samples[m.HOST_APP_MEMORY_USED]
     assert dict(cpu.labels) == {"host_app_name": "burner", "priority_class": "koord-prod", "qos": "LS"}
     assert got > 0.01, f"the burner got {got:.3f} core in a second: nothing to measure"
