@@ -58,3 +58,38 @@ async def test_each_sweeping_hook_gets_the_live_pods_and_a_failure_stops_nothing
     with structlog.testing.capture_logs() as logs:
         assert await sweep(hooks, LivePods(frozenset({"b"})), throttle) == 0
     assert logs == []  # nothing removed: no line; the same failure again: held back
+
+
+@pytest.mark.asyncio
+async def test_the_sync_sweeps_share_one_worker_hand_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: each sweep is a scan of its hook's own records, shorter than a hand-off
+    to a worker thread (which wakes a worker and then the loop): one for all of them, in
+    the chain's order, off the loop; an async sweep is awaited on the loop."""
+    import asyncio
+    import threading
+
+    threads: list[str] = []
+
+    class Where(Saved):
+        def sweep_orphans(self, live: LivePods) -> list[str]:
+            threads.append(threading.current_thread().name)
+            return super().sweep_orphans(live)
+
+    hand_offs: list[str] = []
+    real = asyncio.to_thread
+
+    async def counted(func: object, /, *args: object, **kwargs: object) -> object:
+        hand_offs.append(getattr(func, "__name__", repr(func)))
+        return await real(func, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+    sweepers = [Where("a"), Where("b"), Where("c")]
+    hooks = [_bound("w0", sweepers[0]), _bound("async", AsyncSaved("d")), _bound("broken", Broken()),
+             _bound("w1", sweepers[1]), _bound("w2", sweepers[2])]
+    with structlog.testing.capture_logs() as logs:
+        assert await sweep(hooks, LivePods(frozenset())) == 4
+    assert len(hand_offs) == 1
+    assert len(threads) == 3 and len(set(threads)) == 1 and threads[0] != threading.main_thread().name
+    assert [(e["event"], e["hook"]) for e in logs] == [
+        ("orphans_removed", "w0"), ("orphans_removed", "async"), ("orphan_sweep_failed", "broken"),
+        ("orphans_removed", "w1"), ("orphans_removed", "w2")]
