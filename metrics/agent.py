@@ -56,6 +56,7 @@ from metrics.store.tsdb import TSDB, GCResult, TSDBError
 from metrics.topcmd import pod_meta_record
 from runtimeproxy import heap
 from runtimeproxy.hookapi import HookConfigError, PodInfo, TaskInit
+from runtimeproxy.ops import beat
 
 if TYPE_CHECKING:  # the API client: imported only when configured
     from metrics.informer.kubeclient import KubeClient
@@ -278,21 +279,21 @@ class MetricsAgent:
         costs the loop ~0.2 ms of CPU on a VM. A tick that raised fails this task (the
         supervisor restarts it) at the next interval; one still running then makes the
         next tick skip rather than queue."""
-        next_at = time.monotonic()
+        loop = asyncio.get_running_loop()
         running: Future[None] | None = None
         while True:
             if running is not None and running.done():
                 running.result()  # a tick that raised: fail here, as if awaited
                 running = None
+            started = loop.time()
             if running is None:
                 # The store snapshot is read on the loop (the store is mutated there).
                 pods = self.refresh_pods() if self.pod_collector in collectors else self._pods
                 running = worker.submit(self._tick, collectors, time.time(), pods)
-            next_at += interval
-            delay = next_at - time.monotonic()
-            if delay < 0:  # fell behind (slow disk, suspended VM): skip, do not burst
-                next_at, delay = time.monotonic(), 0.0
-            await asyncio.sleep(delay)
+            # The next multiple of the interval (runtimeproxy.ops.beat): the loop's other
+            # periodic tasks wake at the same instants. One that fell behind (slow disk,
+            # suspended VM) skips to the next beat: no burst.
+            await beat.sleep_until(beat.next_beat(started, interval))
 
     def _tick(self, collectors: Sequence[Collector], now: float, pods: Sequence[PodView]) -> None:
         """One collection, in the worker thread: the reads, the derived series and the
@@ -350,8 +351,9 @@ class MetricsAgent:
         return self.be.samples(self.node.latest(), self.pod_collector.latest(), pods, self.hostapps.latest())
 
     async def _every(self, interval: float, job: Callable[[], Awaitable[None]]) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(interval)
+            await beat.sleep_until(beat.next_beat(loop.time(), interval))  # shares the loop's wake-ups
             await job()
 
     async def _gc(self) -> None:

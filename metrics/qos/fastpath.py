@@ -84,6 +84,7 @@ from metrics.qos.inputs import NodeInputs, TierUsage
 from metrics.qos.manager import QoSManager
 from metrics.qos.suppress import MIN_CPUSET, MIN_QUOTA, is_be, ls_headroom, suppress_cores
 from metrics.qos.suppress import NAME as SUPPRESS_NAME
+from runtimeproxy.ops import beat
 
 log = structlog.get_logger("metrics.qos.fastpath")
 
@@ -215,8 +216,16 @@ class FastPath:
             self._files.close()
 
     def _arm(self, wait: float | None = None) -> None:
-        if self._loop is not None:
-            self._timer = self._loop.call_later(self.next_wait() if wait is None else wait, self._on_timer)
+        loop = self._loop
+        if loop is None:
+            return
+        delay = self.next_wait() if wait is None else wait
+        if wait is None and delay > self.cfg.interval:
+            # Idle: where the regular round wakes the loop anyway, half an interval after
+            # the shared beat (runtimeproxy.ops.beat).
+            self._timer = loop.call_at(beat.next_beat(loop.time(), delay, delay / 2), self._on_timer)
+        else:
+            self._timer = loop.call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None

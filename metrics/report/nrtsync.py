@@ -56,6 +56,7 @@ from metrics.report.nrtsources import (
     read_numa_memory,
 )
 from runtimeproxy.hookapi import HostRoots
+from runtimeproxy.ops import beat
 
 log = structlog.get_logger("metrics.report.nrt")
 
@@ -406,9 +407,11 @@ class NRTReporter:
 
     async def run(self) -> None:
         """Sync every interval until cancelled."""
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             await self.sync_once()
-            await asyncio.sleep(self.interval)
+            await beat.sleep_until(beat.next_beat(started, self.interval))  # shares the loop's wake-ups
 
     async def route(self, query: dict[str, str]) -> tuple[int, str, bytes]:
         """GET handler: the object as JSON (rebuilt, not sent, when older than the interval)."""

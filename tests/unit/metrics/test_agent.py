@@ -179,3 +179,39 @@ def test_pod_views_are_complete_only_once_the_store_was_rebuilt(host: Any, tmp_p
         assert agent.pods_complete()
     finally:
         agent.tsdb.close()
+
+
+@pytest.mark.asyncio
+async def test_ticks_fall_on_the_shared_beat(
+    host: HostRoots, tmp_path: Path, make_agent: AgentFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29: each group's next tick is at the next multiple of its interval
+    (runtimeproxy.ops.beat), so the 300 ms group wakes the loop at instants the 100 ms
+    group wakes it anyway (and the QoS round, the fast path's idle tick and the other
+    periodic tasks of the process on whole seconds)."""
+    from runtimeproxy.ops import beat
+
+    planned: dict[float, list[float]] = {}
+    slept: list[float] = []
+    real_next, real_sleep = beat.next_beat, beat.sleep_until
+
+    def next_beat(started: float, interval: float) -> float:
+        when = real_next(started, interval)
+        planned.setdefault(round(interval, 6), []).append(when)
+        return when
+
+    async def sleep_until(when: float) -> None:
+        slept.append(when)
+        await real_sleep(when)
+
+    monkeypatch.setattr(beat, "next_beat", next_beat)
+    monkeypatch.setattr(beat, "sleep_until", sleep_until)
+    agent, run = make_agent(host, tmp_path, **FAST)
+    await _run_until(agent, run, node_ticks=6)
+    fast, slow = planned[0.1], planned[0.3]
+    assert sorted(slept) == sorted(w for whens in planned.values() for w in whens)  # each tick sleeps to its beat
+    assert len(fast) >= 6 and len(slow) >= 2
+    for interval, whens in ((0.1, fast), (0.3, slow)):
+        assert [w / interval for w in whens] == pytest.approx([round(w / interval) for w in whens], abs=1e-6)
+    shared = [w for w in slow if w <= max(fast)]
+    assert shared and all(any(abs(w - f) < 1e-9 for f in fast) for w in shared), (slow, fast)

@@ -423,6 +423,36 @@ async def test_run_idles_until_a_be_pod_appears(host: Host, store: TSDB) -> None
 
 
 @pytest.mark.asyncio
+async def test_idle_ticks_fall_on_the_shared_beat_and_busy_ones_do_not(host: Host, store: TSDB) -> None:
+    """Issue 29: an idle tick is armed half an idle interval past a multiple of it
+    (runtimeproxy.ops.beat), where the regular round wakes the loop anyway; a tick at
+    the tick interval keeps its own timing (a burst within 100 ms)."""
+    pods, _rules, manager, fast = await _changing(host, store, FastPathConfig(interval=0.01, idle_interval=0.5))
+    task = asyncio.create_task(fast.run())
+    try:
+        await asyncio.sleep(0)
+        timer = fast._timer
+        assert timer is not None
+        phased = (timer.when() - 0.25) / 0.5
+        assert phased == pytest.approx(round(phased), abs=1e-6)
+        pods.append(BE)
+        await manager.run_once()
+        host.advance(0.01, node=2.0, ls=0.5, be=1.0)  # a BE pod that runs: ticks at the interval
+        fast.wake()
+        async with asyncio.timeout(10):
+            while fast.next_wait() != 0.01 or fast._timer is None:  # None: a re-plan runs
+                await asyncio.sleep(0.005)
+                host.advance(0.01, node=2.0, ls=0.5, be=1.0)
+        loop = asyncio.get_running_loop()
+        timer = fast._timer
+        assert timer is not None and timer.when() - loop.time() <= 0.011
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.asyncio
 async def test_idle_be_pods_wait_the_regular_round_s_interval(host: Host, store: TSDB) -> None:
     """BE pods that use (next to) nothing, their tier not throttled, have no CPU to take
     back at once: the fast path ticks at the idle interval, measured over that long tick
