@@ -290,10 +290,11 @@ class MetricsAgent:
                 # The store snapshot is read on the loop (the store is mutated there).
                 pods = self.refresh_pods() if self.pod_collector in collectors else self._pods
                 running = worker.submit(self._tick, collectors, time.time(), pods)
-            # The next multiple of the interval (runtimeproxy.ops.beat): the loop's other
-            # periodic tasks wake at the same instants. One that fell behind (slow disk,
-            # suspended VM) skips to the next beat: no burst.
-            await beat.sleep_until(beat.next_beat(started, interval))
+            # The next multiple of the interval (runtimeproxy.ops.beat): the groups' ticks
+            # share wake-ups, and the other periodic tasks run on the off-beat, half a
+            # second later. One that fell behind (slow disk, suspended VM) skips to the
+            # next beat: no burst.
+            await beat.sleep_until(beat.next_beat(started, interval, beat.TICK))
 
     def _tick(self, collectors: Sequence[Collector], now: float, pods: Sequence[PodView]) -> None:
         """One collection, in the worker thread: the reads, the derived series and the
@@ -353,7 +354,7 @@ class MetricsAgent:
     async def _every(self, interval: float, job: Callable[[], Awaitable[None]]) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await beat.sleep_until(beat.next_beat(loop.time(), interval))  # shares the loop's wake-ups
+            await beat.sleep_until(beat.next_beat(loop.time(), interval, beat.OFFBEAT))  # shares the loop's wake-ups
             await job()
 
     async def _gc(self) -> None:

@@ -446,7 +446,7 @@ class App:
         loop = asyncio.get_running_loop()
         while True:
             # On the shared beat: a poll every 2 s is otherwise a wake-up of its own.
-            await beat.sleep_until(beat.next_beat(loop.time(), self.settings.reload_poll_interval))
+            await beat.sleep_until(beat.next_beat(loop.time(), self.settings.reload_poll_interval, beat.OFFBEAT))
             current = self._fingerprint()
             if current != last:
                 last = current

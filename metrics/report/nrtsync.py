@@ -411,7 +411,7 @@ class NRTReporter:
         while True:
             started = loop.time()
             await self.sync_once()
-            await beat.sleep_until(beat.next_beat(started, self.interval))  # shares the loop's wake-ups
+            await beat.sleep_until(beat.next_beat(started, self.interval, beat.OFFBEAT))  # shares the loop's wake-ups
 
     async def route(self, query: dict[str, str]) -> tuple[int, str, bytes]:
         """GET handler: the object as JSON (rebuilt, not sent, when older than the interval)."""

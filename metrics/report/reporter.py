@@ -158,7 +158,8 @@ class NodeMetricReporter:
         while True:
             started = loop.time()
             policy = await self.report_once()
-            await beat.sleep_until(beat.next_beat(started, policy.report_interval))  # shares the loop's wake-ups
+            # On the off-beat, with the other periodic tasks (runtimeproxy.ops.beat).
+            await beat.sleep_until(beat.next_beat(started, policy.report_interval, beat.OFFBEAT))
 
     async def route(self, query: dict[str, str]) -> tuple[int, str, bytes]:
         """GET handler: the document as JSON, rebuilt (not sent) when the last one is older

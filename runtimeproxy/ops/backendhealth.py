@@ -88,7 +88,7 @@ class BackendMonitor:
         while True:
             started = loop.time()
             await self.probe_once()
-            await beat.sleep_until(beat.next_beat(started, self._interval))  # shares the loop's wake-ups
+            await beat.sleep_until(beat.next_beat(started, self._interval, beat.OFFBEAT))  # shares the loop's wake-ups
 
     async def probe_once(self) -> None:
         await asyncio.gather(*(self._probe(p) for p in self._probes))

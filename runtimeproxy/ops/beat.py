@@ -9,26 +9,33 @@ interval divides the same whole seconds: a 1 s, a 2 s and a 3 s task make one wa
 second between them instead of one for each. The same idea as the kernel's timer slack,
 applied where the tasks' deadlines are made.
 
-Heavy work is kept apart on the grid: the QoS round, which reads what the collectors'
-tick wrote, runs half its interval after the beat (``phase``), so it plans from the tick
-of that second and its worker thread does not take turns at the GIL with the collectors'
-(both at the same instant measured no less CPU and half again as many context switches).
-The interference analyser keeps a phase of its own.
+The heaviest periodic work is kept apart on the grid. The collectors' ticks (~5 ms of
+Python at 110 pods, in their worker thread) fall on whole seconds (``TICK``); everything
+else half a second after (``OFFBEAT``): the QoS round then plans from the tick of that
+second, and no worker takes turns at the GIL with the collectors' (all on whole seconds,
+the loop's CPU fell by a quarter and the collectors' worker's rose by as much, with three
+times its context switches). The interference analyser keeps a phase of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from typing import Final
+
+#: The collectors' ticks: whole seconds (multiples of their interval).
+TICK: Final = 0.0
+#: Every other periodic task: half a second past the multiples of its interval.
+OFFBEAT: Final = 0.5
 
 
-def beat_after(at: float, interval: float, phase: float = 0.0) -> float:
+def beat_after(at: float, interval: float, phase: float) -> float:
     """The first instant after ``at`` (seconds on the monotonic clock) that is ``phase``
     past a multiple of ``interval``."""
     return (math.floor((at - phase) / interval) + 1) * interval + phase
 
 
-def next_beat(started: float, interval: float, phase: float = 0.0) -> float:
+def next_beat(started: float, interval: float, phase: float) -> float:
     """Where a task that started a run at ``started`` runs next: the first beat (``phase``
     past a multiple of ``interval``) at least half an interval later, so a run that began
     just after its beat (or off the grid, woken early) is not followed by another within

@@ -94,7 +94,7 @@ class Reconciler:
             started = loop.time()
             await self.run_once(full=full)
             try:  # the periodic passes fall on the shared beat (runtimeproxy.ops.beat)
-                async with asyncio.timeout_at(beat.next_beat(started, self._interval())):
+                async with asyncio.timeout_at(beat.next_beat(started, self._interval(), beat.OFFBEAT)):
                     await self._wake.wait()
             except TimeoutError:
                 pass

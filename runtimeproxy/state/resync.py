@@ -86,7 +86,7 @@ class Resyncer:
         """Started right after the start-up rebuild, so it waits first. The periodic
         re-syncs fall on the shared beat (``runtimeproxy.ops.beat``); retries do not."""
         loop = asyncio.get_running_loop()
-        deadline, reason = beat.next_beat(loop.time(), self._interval()), "interval"
+        deadline, reason = beat.next_beat(loop.time(), self._interval(), beat.OFFBEAT), "interval"
         while True:
             try:
                 async with asyncio.timeout_at(deadline):
@@ -99,7 +99,7 @@ class Resyncer:
             self._wake.clear()  # a trigger during the re-sync below runs another one
             started = loop.time()
             ok = await self.run_once(reason) is not None
-            deadline = (beat.next_beat(started, self._interval()) if ok
+            deadline = (beat.next_beat(started, self._interval(), beat.OFFBEAT) if ok
                         else loop.time() + min(RETRY_INTERVAL, self._interval()))
             reason = "interval" if ok else "retry"
 

@@ -15,20 +15,20 @@ from runtimeproxy.ops import beat
 
 
 def test_a_beat_is_the_next_multiple_of_the_interval() -> None:
-    assert beat.beat_after(10.3, 1.0) == 11.0
-    assert beat.beat_after(11.0, 1.0) == 12.0  # strictly after
-    assert beat.beat_after(10.3, 3.0) == 12.0  # every third 1 s beat is a 3 s beat too
-    assert beat.beat_after(10.3, 0.5) == 10.5
-    assert beat.beat_after(10.3, 1.0, 0.5) == 10.5  # half a second past the whole ones
-    assert beat.beat_after(10.7, 1.0, 0.5) == 11.5
+    assert beat.beat_after(10.3, 1.0, beat.TICK) == 11.0
+    assert beat.beat_after(11.0, 1.0, beat.TICK) == 12.0  # strictly after
+    assert beat.beat_after(10.3, 3.0, beat.TICK) == 12.0  # every third 1 s beat is a 3 s beat too
+    assert beat.beat_after(10.3, 0.5, beat.TICK) == 10.5
+    assert beat.beat_after(10.3, 1.0, beat.OFFBEAT) == 10.5  # half a second past the whole ones
+    assert beat.beat_after(10.7, 1.0, beat.OFFBEAT) == 11.5
 
 
 def test_the_next_run_is_at_least_half_an_interval_away() -> None:
-    assert beat.next_beat(10.002, 1.0) == 11.0  # a run just after its beat: the next beat
-    assert beat.next_beat(10.6, 1.0) == 12.0  # woken off the grid: not 0.4 s later
-    assert beat.next_beat(10.4, 1.0) == 11.0
-    assert beat.next_beat(7.0, 2.0) == 10.0  # 8.0 is only one second away
-    assert beat.next_beat(10.502, 1.0, 0.5) == 11.5
+    assert beat.next_beat(10.002, 1.0, beat.TICK) == 11.0  # a run just after its beat: the next beat
+    assert beat.next_beat(10.6, 1.0, beat.TICK) == 12.0  # woken off the grid: not 0.4 s later
+    assert beat.next_beat(10.4, 1.0, beat.TICK) == 11.0
+    assert beat.next_beat(7.0, 2.0, beat.TICK) == 10.0  # 8.0 is only one second away
+    assert beat.next_beat(10.502, 1.0, beat.OFFBEAT) == 11.5
 
 
 class _CountingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
@@ -65,7 +65,7 @@ def _blocking_waits(make: Callable[[float, float], Awaitable[None]], seconds: fl
 async def _on_the_beat(interval: float, _phase: float) -> None:
     loop = asyncio.get_running_loop()
     while True:
-        await beat.sleep_until(beat.next_beat(loop.time(), interval))
+        await beat.sleep_until(beat.next_beat(loop.time(), interval, beat.TICK))
 
 
 async def _own_phase(interval: float, phase: float) -> None:

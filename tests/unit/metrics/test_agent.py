@@ -195,9 +195,10 @@ async def test_ticks_fall_on_the_shared_beat(
     slept: list[float] = []
     real_next, real_sleep = beat.next_beat, beat.sleep_until
 
-    def next_beat(started: float, interval: float) -> float:
-        when = real_next(started, interval)
-        planned.setdefault(round(interval, 6), []).append(when)
+    def next_beat(started: float, interval: float, phase: float) -> float:
+        when = real_next(started, interval, phase)
+        if phase == beat.TICK:  # the store's GC runs on the off-beat
+            planned.setdefault(round(interval, 6), []).append(when)
         return when
 
     async def sleep_until(when: float) -> None:
@@ -209,7 +210,7 @@ async def test_ticks_fall_on_the_shared_beat(
     agent, run = make_agent(host, tmp_path, **FAST)
     await _run_until(agent, run, node_ticks=6)
     fast, slow = planned[0.1], planned[0.3]
-    assert sorted(slept) == sorted(w for whens in planned.values() for w in whens)  # each tick sleeps to its beat
+    assert set(w for whens in planned.values() for w in whens) <= set(slept)  # each tick sleeps to its beat
     assert len(fast) >= 6 and len(slow) >= 2
     for interval, whens in ((0.1, fast), (0.3, slow)):
         assert [w / interval for w in whens] == pytest.approx([round(w / interval) for w in whens], abs=1e-6)
