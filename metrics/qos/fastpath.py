@@ -221,9 +221,9 @@ class FastPath:
             return
         delay = self.next_wait() if wait is None else wait
         if wait is None and delay > self.cfg.interval:
-            # Idle: on the off-beat (runtimeproxy.ops.beat), where the regular round wakes
-            # the loop anyway.
-            self._timer = loop.call_at(beat.next_beat(loop.time(), delay, beat.OFFBEAT), self._on_timer)
+            # Idle: half a second after the collectors' tick (runtimeproxy.ops.beat), where
+            # the regular round wakes the loop anyway.
+            self._timer = loop.call_at(beat.next_beat(loop.time(), delay, beat.AFTER_TICK), self._on_timer)
         else:
             self._timer = loop.call_later(delay, self._on_timer)
 

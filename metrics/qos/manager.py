@@ -167,14 +167,14 @@ class QoSManager:
         that plans from the same store samples (one decision per input change). On a
         host under CPU pressure the PSI trigger fires every window, and each woken round
         doubled the loop's cost for nothing; the fast path, woken too, acts at once.
-        Rounds not woken fall on the off-beat (``runtimeproxy.ops.beat``), half a second
-        after the collectors' tick: that tick is in the store and its worker is done, and
-        the fast path's idle tick and the other periodic tasks share the wake-up."""
+        Rounds not woken fall half a second after the collectors' tick
+        (``runtimeproxy.ops.beat.AFTER_TICK``): that tick is in the store and its worker
+        is done, and the fast path's idle tick shares the wake-up."""
         while True:
             started = time.monotonic()
             await self.run_once()
             try:
-                async with asyncio.timeout_at(beat.next_beat(started, self.cfg.interval, beat.OFFBEAT)):
+                async with asyncio.timeout_at(beat.next_beat(started, self.cfg.interval, beat.AFTER_TICK)):
                     await self._wake.wait()
             except TimeoutError:
                 pass

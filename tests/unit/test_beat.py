@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import selectors
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -19,8 +19,9 @@ def test_a_beat_is_the_next_multiple_of_the_interval() -> None:
     assert beat.beat_after(11.0, 1.0, beat.TICK) == 12.0  # strictly after
     assert beat.beat_after(10.3, 3.0, beat.TICK) == 12.0  # every third 1 s beat is a 3 s beat too
     assert beat.beat_after(10.3, 0.5, beat.TICK) == 10.5
-    assert beat.beat_after(10.3, 1.0, beat.OFFBEAT) == 10.5  # half a second past the whole ones
-    assert beat.beat_after(10.7, 1.0, beat.OFFBEAT) == 11.5
+    assert beat.beat_after(10.3, 1.0, beat.AFTER_TICK) == 10.5  # half a second past the whole ones
+    assert beat.beat_after(10.7, 1.0, beat.AFTER_TICK) == 11.5
+    assert beat.beat_after(10.7, 1.0, beat.OFFBEAT) == 10.75
 
 
 def test_the_next_run_is_at_least_half_an_interval_away() -> None:
@@ -28,10 +29,10 @@ def test_the_next_run_is_at_least_half_an_interval_away() -> None:
     assert beat.next_beat(10.6, 1.0, beat.TICK) == 12.0  # woken off the grid: not 0.4 s later
     assert beat.next_beat(10.4, 1.0, beat.TICK) == 11.0
     assert beat.next_beat(7.0, 2.0, beat.TICK) == 10.0  # 8.0 is only one second away
-    assert beat.next_beat(10.502, 1.0, beat.OFFBEAT) == 11.5
+    assert beat.next_beat(10.502, 1.0, beat.AFTER_TICK) == 11.5
 
 
-class _CountingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+class _CountingSelector(selectors.DefaultSelector):
     """Counts the waits that may block: each one is a wake-up of the loop's thread."""
 
     def __init__(self) -> None:
@@ -41,10 +42,10 @@ class _CountingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-t
     def select(self, timeout: float | None = None) -> list[Any]:
         if timeout is None or timeout > 0:
             self.blocking += 1
-        return super().select(timeout)  # type: ignore[no-any-return]
+        return super().select(timeout)
 
 
-def _blocking_waits(make: Callable[[float, float], Awaitable[None]], seconds: float) -> int:
+def _blocking_waits(make: Callable[[float, float], Coroutine[Any, Any, None]], seconds: float) -> int:
     selector = _CountingSelector()
     loop = asyncio.SelectorEventLoop(selector)
     try:

@@ -25,7 +25,7 @@ from metrics.qos.evict import STOP_CONTAINER, CriEvictor
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.store.tsdb import TSDB
 from runtimeproxy.hookapi import PodInfo, PodMeta
-from runtimeproxy.ops.beat import OFFBEAT
+from runtimeproxy.ops.beat import AFTER_TICK
 
 NOW = 5_000.0
 TOPOLOGY = [CPUInfo(cpu=i, core=i % 4, socket=0, numa=0 if i % 4 < 2 else 1) for i in range(8)]
@@ -349,10 +349,9 @@ async def test_release_in_dry_run_writes_nothing(env_factory: Any) -> None:
 
 @pytest.mark.asyncio
 async def test_periodic_rounds_fall_on_the_shared_beat(env_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 29: a round waits until the off-beat (half a second past a multiple of its
-    interval) at least half an interval after it started (runtimeproxy.ops.beat): the
-    collectors' tick of that second is in, and the fast path's idle tick and the other
-    periodic tasks share the wake-up."""
+    """Issue 29: a round waits until half a second past a multiple of its interval, at
+    least half an interval after it started (runtimeproxy.ops.beat.AFTER_TICK): the
+    collectors' tick of that second is in, and the fast path's idle tick shares the wake-up."""
     env = env_factory(ON)
     env.usage()
     env.manager.cfg = ManagerConfig(interval=0.15)  # the off-beat is not a multiple of it
@@ -380,7 +379,7 @@ async def test_periodic_rounds_fall_on_the_shared_beat(env_factory: Any, monkeyp
         await task
     assert len(deadlines) >= len(starts) - 1 >= 3, deadlines
     for started, deadline in zip(starts, deadlines, strict=False):
-        phased = (deadline - OFFBEAT) / 0.15
+        phased = (deadline - AFTER_TICK) / 0.15
         assert phased == pytest.approx(round(phased), abs=1e-6), deadlines
         assert started + 0.075 <= deadline <= started + 0.225 + 1e-9, (started, deadline)
     assert all(b >= d for b, d in zip(starts[1:], deadlines, strict=False)), (starts, deadlines)
