@@ -56,7 +56,6 @@ from metrics.store.tsdb import TSDB, GCResult, TSDBError
 from metrics.topcmd import pod_meta_record
 from runtimeproxy import heap
 from runtimeproxy.hookapi import HookConfigError, PodInfo, TaskInit
-from runtimeproxy.ops import beat
 
 if TYPE_CHECKING:  # the API client: imported only when configured
     from metrics.informer.kubeclient import KubeClient
@@ -279,22 +278,21 @@ class MetricsAgent:
         costs the loop ~0.2 ms of CPU on a VM. A tick that raised fails this task (the
         supervisor restarts it) at the next interval; one still running then makes the
         next tick skip rather than queue."""
-        loop = asyncio.get_running_loop()
+        next_at = time.monotonic()
         running: Future[None] | None = None
         while True:
             if running is not None and running.done():
                 running.result()  # a tick that raised: fail here, as if awaited
                 running = None
-            started = loop.time()
             if running is None:
                 # The store snapshot is read on the loop (the store is mutated there).
                 pods = self.refresh_pods() if self.pod_collector in collectors else self._pods
                 running = worker.submit(self._tick, collectors, time.time(), pods)
-            # The next multiple of the interval (runtimeproxy.ops.beat): the groups' ticks
-            # share wake-ups, and the other periodic tasks run on the off-beat, half a
-            # second later. One that fell behind (slow disk, suspended VM) skips to the
-            # next beat: no burst.
-            await beat.sleep_until(beat.next_beat(started, interval, beat.TICK))
+            next_at += interval
+            delay = next_at - time.monotonic()
+            if delay < 0:  # fell behind (slow disk, suspended VM): skip, do not burst
+                next_at, delay = time.monotonic(), 0.0
+            await asyncio.sleep(delay)
 
     def _tick(self, collectors: Sequence[Collector], now: float, pods: Sequence[PodView]) -> None:
         """One collection, in the worker thread: the reads, the derived series and the
@@ -352,9 +350,8 @@ class MetricsAgent:
         return self.be.samples(self.node.latest(), self.pod_collector.latest(), pods, self.hostapps.latest())
 
     async def _every(self, interval: float, job: Callable[[], Awaitable[None]]) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            await beat.sleep_until(beat.next_beat(loop.time(), interval, beat.OFFBEAT))  # shares the loop's wake-ups
+            await asyncio.sleep(interval)
             await job()
 
     async def _gc(self) -> None:

@@ -38,7 +38,7 @@ from runtimeproxy.lifecycle import owed
 from runtimeproxy.lifecycle.handler import Lifecycle, SkipLabel
 from runtimeproxy.lifecycle.sweep import sweep
 from runtimeproxy.nri import ingress as nri_ingress
-from runtimeproxy.ops import beat, fdlimits, logsetup, sdnotify
+from runtimeproxy.ops import fdlimits, logsetup, sdnotify
 from runtimeproxy.ops.backendhealth import IMAGE_FS_INFO_METHOD, VERSION_PAYLOAD, BackendMonitor, Probe
 from runtimeproxy.ops.promstats import HttpEndpoint, ProxyMetrics
 from runtimeproxy.ops.repeats import RepeatFilter
@@ -443,10 +443,8 @@ class App:
     async def _watch_config(self) -> None:
         """Poll, because inotify on a file that editors replace is unreliable."""
         last = self._fingerprint()
-        loop = asyncio.get_running_loop()
         while True:
-            # On the shared beat: a poll every 2 s is otherwise a wake-up of its own.
-            await beat.sleep_until(beat.next_beat(loop.time(), self.settings.reload_poll_interval, beat.OFFBEAT))
+            await asyncio.sleep(self.settings.reload_poll_interval)
             current = self._fingerprint()
             if current != last:
                 last = current

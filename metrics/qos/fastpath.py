@@ -84,7 +84,6 @@ from metrics.qos.inputs import NodeInputs, TierUsage
 from metrics.qos.manager import QoSManager
 from metrics.qos.suppress import MIN_CPUSET, MIN_QUOTA, is_be, ls_headroom, suppress_cores
 from metrics.qos.suppress import NAME as SUPPRESS_NAME
-from runtimeproxy.ops import beat
 
 log = structlog.get_logger("metrics.qos.fastpath")
 
@@ -216,16 +215,8 @@ class FastPath:
             self._files.close()
 
     def _arm(self, wait: float | None = None) -> None:
-        loop = self._loop
-        if loop is None:
-            return
-        delay = self.next_wait() if wait is None else wait
-        if wait is None and delay > self.cfg.interval:
-            # Idle: half a second after the collectors' tick (runtimeproxy.ops.beat), where
-            # the regular round wakes the loop anyway.
-            self._timer = loop.call_at(beat.next_beat(loop.time(), delay, beat.AFTER_TICK), self._on_timer)
-        else:
-            self._timer = loop.call_later(delay, self._on_timer)
+        if self._loop is not None:
+            self._timer = self._loop.call_later(self.next_wait() if wait is None else wait, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None

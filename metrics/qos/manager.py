@@ -48,7 +48,6 @@ from metrics.qos.strategy import NODE, RoundContext, RoundInputs, Strategy, Stra
 from metrics.qos.suppress import BEState, CPULike, SuppressStrategy
 from metrics.qos.verified import VerifiedWrites
 from runtimeproxy.hookapi import HookError, PodInfo
-from runtimeproxy.ops import beat
 
 __all__ = ["ManagerConfig", "Outcome", "QoSManager", "Round"]
 
@@ -70,17 +69,6 @@ class _Planned:
     inputs: RoundInputs
     plans: list[Plan]
     idle: list[str]
-    #: Arbitrated in the worker, with the writes already made when none had to wait on an
-    #: eviction (``_Written``); None: arbitrate and write on the way out (the fast path's re-plan).
-    written: _Written | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _Written:
-    applied: list[Plan]
-    rejected: list[Rejected]
-    #: Each applied plan's outcomes, when they were written in the planning hand-off.
-    outcomes: list[list[Outcome]] | None
 
 
 class QoSManager:
@@ -166,16 +154,12 @@ class QoSManager:
         not before one collect interval after the last one started: a round sooner than
         that plans from the same store samples (one decision per input change). On a
         host under CPU pressure the PSI trigger fires every window, and each woken round
-        doubled the loop's cost for nothing; the fast path, woken too, acts at once.
-        Rounds not woken fall half a second after the collectors' tick
-        (``runtimeproxy.ops.beat.AFTER_TICK``): that tick is in the store and its worker
-        is done, and the fast path's idle tick shares the wake-up."""
+        doubled the loop's cost for nothing; the fast path, woken too, acts at once."""
         while True:
             started = time.monotonic()
             await self.run_once()
             try:
-                async with asyncio.timeout_at(beat.next_beat(started, self.cfg.interval, beat.AFTER_TICK)):
-                    await self._wake.wait()
+                await asyncio.wait_for(self._wake.wait(), self.cfg.interval)
             except TimeoutError:
                 pass
             else:
@@ -191,11 +175,11 @@ class QoSManager:
     async def run_once(self) -> Round:
         async with self._lock:
             rules = self._rules()
-            planned = await asyncio.to_thread(self._plan_round, rules, self.strategies, None, True)
+            planned = await asyncio.to_thread(self._plan_round, rules, self.strategies)
             if planned.inputs.pods != self.pods:  # else the same object: the fast path keeps its paths
                 self._verified.keep_pods({p.uid for p in planned.inputs.pods})
                 self.pods = planned.inputs.pods
-            result = await self._execute(planned.plans, planned.inputs, planned.written)
+            result = await self._execute(planned.plans, planned.inputs)
             self._round_info = {"order": [s.name for s in self.strategies], "idle": planned.idle,
                                 "inputs": planned.inputs.summaries}
             for name in planned.idle:
@@ -218,22 +202,13 @@ class QoSManager:
                 log.info("suppress_replanned", trigger=why, source=inputs.source, reason=plan.reason)
             return await self._execute(planned.plans, planned.inputs)
 
-    def _plan_round(self, rules: Rules, strategies: Sequence[Strategy], node: NodeInputs | None = None,
-                    write: bool = False) -> _Planned:
+    def _plan_round(self, rules: Rules, strategies: Sequence[Strategy], node: NodeInputs | None = None
+                    ) -> _Planned:
         """Read every declared input once, then plan (worker thread). ``node``: the
-        fast path's own node inputs, used instead of the store's. ``write``: arbitrate
-        too, and make the writes in this same hand-off unless one must wait on an
-        eviction (one worker wake-up and one loop wake-up a round, not two of each)."""
+        fast path's own node inputs, used instead of the store's."""
         with self._costed():
             self.rounds += 1
-            planned = self._plan(rules, strategies, node)
-            if write:
-                applied, rejected = arbitrate(planned.plans)
-                groups = _cut_after_evictions(applied)
-                done = (self._write_plans_now(groups[0], True)
-                        if len(groups) == 1 and not self.cfg.dry_run else None)
-                planned = replace(planned, written=_Written(applied, rejected, done))
-            return planned
+            return self._plan(rules, strategies, node)
 
     def _plan(self, rules: Rules, strategies: Sequence[Strategy], node: NodeInputs | None) -> _Planned:
         pods = node.pods if node is not None else tuple(self._pods())
@@ -260,17 +235,15 @@ class QoSManager:
 
     # --- carrying out ---------------------------------------------------------------
 
-    async def _execute(self, plans: list[Plan], inputs: RoundInputs, written: _Written | None = None) -> Round:
+    async def _execute(self, plans: list[Plan], inputs: RoundInputs) -> Round:
         """Carry out the applied plans in order, then read the BE state in force.
-        ``written``: arbitrated in the planning hand-off, with the writes made there
-        when no plan evicts before the last (``_plan_round``).
 
         Thread hand-offs, not the writes, are what a round costs on a quiet node (each one
         wakes a worker and then the loop: ~0.1-0.3 ms of CPU on a VM): the writes of
         consecutive plans go in one hop, cut only after a plan that evicts (its evictions
         run on the loop before the next plan's writes), and the BE state read rides on
         the last hop. A round whose plans write nothing still reads the BE state."""
-        applied, rejected = arbitrate(plans) if written is None else (written.applied, written.rejected)
+        applied, rejected = arbitrate(plans)
         result = Round(inputs.now, plans, rejected=rejected)
         # A plan's description walks every action: built only when a debug line is kept
         # (structlog evaluates the arguments before its level filter).
@@ -287,10 +260,7 @@ class QoSManager:
             return result
         groups = _cut_after_evictions(applied)
         for k, group in enumerate(groups):
-            if written is not None and written.outcomes is not None:
-                done = written.outcomes  # one group, written in the planning hand-off
-            else:
-                done = await asyncio.to_thread(self._write_plans, group, k == len(groups) - 1)
+            done = await asyncio.to_thread(self._write_plans, group, k == len(groups) - 1)
             for plan, outcomes in zip(group, done, strict=True):
                 for action in plan.actions:
                     if isinstance(action, Evict):

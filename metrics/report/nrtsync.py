@@ -56,7 +56,6 @@ from metrics.report.nrtsources import (
     read_numa_memory,
 )
 from runtimeproxy.hookapi import HostRoots
-from runtimeproxy.ops import beat
 
 log = structlog.get_logger("metrics.report.nrt")
 
@@ -407,11 +406,9 @@ class NRTReporter:
 
     async def run(self) -> None:
         """Sync every interval until cancelled."""
-        loop = asyncio.get_running_loop()
         while True:
-            started = loop.time()
             await self.sync_once()
-            await beat.sleep_until(beat.next_beat(started, self.interval, beat.OFFBEAT))  # shares the loop's wake-ups
+            await asyncio.sleep(self.interval)
 
     async def route(self, query: dict[str, str]) -> tuple[int, str, bytes]:
         """GET handler: the object as JSON (rebuilt, not sent, when older than the interval)."""

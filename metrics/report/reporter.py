@@ -29,7 +29,6 @@ from metrics.informer.states import StatesInformer
 from metrics.model import MetricReader, PodView
 from metrics.report.nodemetric import WITH_HOT_PAGE_CACHE, CollectPolicy, build_status, status_merge_patch
 from runtimeproxy import heap
-from runtimeproxy.ops import beat
 
 if TYPE_CHECKING:  # the API client: imported only when configured
     from metrics.informer.kubeclient import KubeClient
@@ -154,12 +153,9 @@ class NodeMetricReporter:
         # Readiness comes from watch threads and the pod tick: polled, not signalled.
         while self.not_ready() and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(poll)
-        loop = asyncio.get_running_loop()
         while True:
-            started = loop.time()
             policy = await self.report_once()
-            # On the off-beat, with the other periodic tasks (runtimeproxy.ops.beat).
-            await beat.sleep_until(beat.next_beat(started, policy.report_interval, beat.OFFBEAT))
+            await asyncio.sleep(policy.report_interval)
 
     async def route(self, query: dict[str, str]) -> tuple[int, str, bytes]:
         """GET handler: the document as JSON, rebuilt (not sent) when the last one is older

@@ -22,7 +22,6 @@ import structlog
 from structlog.typing import FilteringBoundLogger
 
 from runtimeproxy.backend import Backend, CallError
-from runtimeproxy.ops import beat
 
 VERSION_METHOD: Final = "/runtime.v1.RuntimeService/Version"
 IMAGE_FS_INFO_METHOD: Final = "/runtime.v1.ImageService/ImageFsInfo"
@@ -84,11 +83,9 @@ class BackendMonitor:
         return None
 
     async def run_forever(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            started = loop.time()
             await self.probe_once()
-            await beat.sleep_until(beat.next_beat(started, self._interval, beat.OFFBEAT))  # shares the loop's wake-ups
+            await asyncio.sleep(self._interval)
 
     async def probe_once(self) -> None:
         await asyncio.gather(*(self._probe(p) for p in self._probes))

@@ -37,7 +37,7 @@ import structlog
 
 from runtimeproxy.chain.hookchain import HOST_TARGET, HookChain, HookFailed, Outcome
 from runtimeproxy.hookapi import ContainerContext, Context, PodContext, PodInfo, Stage
-from runtimeproxy.ops import beat, logsetup
+from runtimeproxy.ops import logsetup
 from runtimeproxy.state.store import Store
 
 log = structlog.get_logger("runtimeproxy.reconcile")
@@ -87,15 +87,12 @@ class Reconciler:
         self._wake.set()
 
     async def run_forever(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             self._wake.clear()
             full, self._full = self._full, False
-            started = loop.time()
             await self.run_once(full=full)
-            try:  # the periodic passes fall on the shared beat (runtimeproxy.ops.beat)
-                async with asyncio.timeout_at(beat.next_beat(started, self._interval(), beat.OFFBEAT)):
-                    await self._wake.wait()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self._interval())
             except TimeoutError:
                 pass
 

@@ -21,7 +21,6 @@ import grpc.aio
 import structlog
 
 from runtimeproxy.backend import Backend, CallError
-from runtimeproxy.ops import beat
 from runtimeproxy.state.store import ResyncResult, Store, resync
 
 log = structlog.get_logger("runtimeproxy.resync")
@@ -83,24 +82,19 @@ class Resyncer:
         return result
 
     async def run_forever(self) -> None:
-        """Started right after the start-up rebuild, so it waits first. The periodic
-        re-syncs fall on the shared beat (``runtimeproxy.ops.beat``); retries do not."""
-        loop = asyncio.get_running_loop()
-        deadline, reason = beat.next_beat(loop.time(), self._interval(), beat.OFFBEAT), "interval"
+        """Started right after the start-up rebuild, so it waits first."""
+        timeout, reason = self._interval(), "interval"
         while True:
             try:
-                async with asyncio.timeout_at(deadline):
-                    await self._wake.wait()
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
                 reason = self._reason
                 if reason == "event":
                     await asyncio.sleep(EVENT_GATHER)  # the rest of a burst (a pod's containers, many pods)
             except TimeoutError:
                 pass
             self._wake.clear()  # a trigger during the re-sync below runs another one
-            started = loop.time()
             ok = await self.run_once(reason) is not None
-            deadline = (beat.next_beat(started, self._interval(), beat.OFFBEAT) if ok
-                        else loop.time() + min(RETRY_INTERVAL, self._interval()))
+            timeout = self._interval() if ok else min(RETRY_INTERVAL, self._interval())
             reason = "interval" if ok else "retry"
 
 

@@ -24,7 +24,6 @@ from runtimeproxy.hookapi import (
     Stage,
     frozen_map,
 )
-from runtimeproxy.ops.beat import OFFBEAT
 from runtimeproxy.state.reconcile import VERIFY_PASSES, Reconciler
 from runtimeproxy.state.store import Store
 
@@ -283,43 +282,3 @@ async def test_an_object_whose_hook_failed_under_ignore_is_visited_again(tmp_pat
     await _periodic(rec, now)  # c-api found in place; c-web's broken hook failed (ignored)
     again = await _periodic(rec, now)
     assert again.containers == 1 and again.failures == 0  # c-web only: its stage did not all take
-
-
-@pytest.mark.asyncio
-async def test_periodic_passes_fall_on_the_shared_beat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 29: a periodic pass waits until the off-beat (three quarters of a second
-    past a multiple of the interval) at least half an interval after the last began
-    (runtimeproxy.ops.beat): the re-syncs, the probe and the agent's other periodic
-    tasks wake the loop at the same instants, apart from the collectors' tick and the
-    QoS round."""
-    store = _store()
-    rec = _reconciler(store, _bound("keeper", FileKeeper(tmp_path)), interval=0.2)  # the off-beat is no multiple of it
-    starts: list[float] = []
-    deadlines: list[float] = []
-    original, real_timeout_at = rec.run_once, asyncio.timeout_at
-
-    async def counted(*, full: bool = True) -> Any:
-        starts.append(asyncio.get_running_loop().time())
-        return await original(full=full)
-
-    def recorded(when: float | None) -> Any:
-        assert when is not None
-        deadlines.append(when)
-        return real_timeout_at(when)
-
-    rec.run_once = counted  # type: ignore[method-assign]
-    monkeypatch.setattr(asyncio, "timeout_at", recorded)
-    task = asyncio.create_task(rec.run_forever())
-    try:
-        async with asyncio.timeout(10):
-            while len(starts) < 4:
-                await asyncio.sleep(0.01)
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    assert len(deadlines) >= 3
-    for started, deadline in zip(starts, deadlines, strict=False):
-        phased = (deadline - OFFBEAT) / 0.2
-        assert phased == pytest.approx(round(phased), abs=1e-6), deadlines
-        assert started + 0.1 <= deadline <= started + 0.3 + 1e-9, (started, deadline)

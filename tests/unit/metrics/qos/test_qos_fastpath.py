@@ -23,7 +23,6 @@ from metrics.qos.inputs import NodeInputs, TierUsage
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.suppress import MIN_QUOTA, BEState, suppress_cores
 from metrics.store.tsdb import TSDB
-from runtimeproxy.ops.beat import AFTER_TICK
 
 NOW = 5_000.0
 TOPOLOGY = [CPUInfo(cpu=i, core=i % 4, socket=0, numa=0 if i % 4 < 2 else 1) for i in range(8)]
@@ -421,36 +420,6 @@ async def test_run_idles_until_a_be_pod_appears(host: Host, store: TSDB) -> None
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-
-
-@pytest.mark.asyncio
-async def test_idle_ticks_fall_on_the_shared_beat_and_busy_ones_do_not(host: Host, store: TSDB) -> None:
-    """Issue 29: an idle tick is armed half a second past a multiple of the idle interval
-    (runtimeproxy.ops.beat.AFTER_TICK), where the regular round wakes the loop anyway; a
-    tick at the tick interval keeps its own timing (a burst within 100 ms)."""
-    pods, _rules, manager, fast = await _changing(host, store, FastPathConfig(interval=0.01, idle_interval=0.4))
-    task = asyncio.create_task(fast.run())
-    try:
-        await asyncio.sleep(0)
-        timer = fast._timer
-        assert timer is not None
-        phased = (timer.when() - AFTER_TICK) / 0.4  # 0.4: the phase is not a multiple of it
-        assert phased == pytest.approx(round(phased), abs=1e-6)
-        pods.append(BE)
-        await manager.run_once()
-        host.advance(0.01, node=2.0, ls=0.5, be=1.0)  # a BE pod that runs: ticks at the interval
-        fast.wake()
-        async with asyncio.timeout(10):
-            while fast.next_wait() != 0.01 or fast._timer is None:  # None: a re-plan runs
-                await asyncio.sleep(0.005)
-                host.advance(0.01, node=2.0, ls=0.5, be=1.0)
-        loop = asyncio.get_running_loop()
-        timer = fast._timer
-        assert timer is not None and timer.when() - loop.time() <= 0.011
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
 
 
 @pytest.mark.asyncio

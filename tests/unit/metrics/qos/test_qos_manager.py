@@ -25,7 +25,6 @@ from metrics.qos.evict import STOP_CONTAINER, CriEvictor
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.store.tsdb import TSDB
 from runtimeproxy.hookapi import PodInfo, PodMeta
-from runtimeproxy.ops.beat import AFTER_TICK
 
 NOW = 5_000.0
 TOPOLOGY = [CPUInfo(cpu=i, core=i % 4, socket=0, numa=0 if i % 4 < 2 else 1) for i in range(8)]
@@ -153,14 +152,12 @@ async def test_the_cpuset_policy_narrows_the_sandboxs_pause_cgroup_too(env_facto
 
 
 @pytest.mark.asyncio
-async def test_dry_run_writes_nothing_but_explains(env_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_dry_run_writes_nothing_but_explains(env_factory: Any) -> None:
     env = env_factory({**ON, "cpuBurstStrategy": {"policy": "auto"}}, dry_run=True)
     env.usage(mem=900.0)
     before = tree(env.root)
-    calls = count_hand_offs(monkeypatch)
     await env.manager.run_once()
     assert tree(env.root) == before
-    assert calls == ["_plan_round"]
     assert env.runtime.stopped == []
     out = env.manager.explain()
     assert out["dry_run"] and {a["result"] for a in out["strategies"]["cpu_suppress"]["applied"]} == {"dry-run"}
@@ -248,44 +245,12 @@ async def test_stale_metrics_change_nothing(env_factory: Any) -> None:
     assert "no decision" in env.manager.explain()["strategies"]["cpu_suppress"]["plan"]["reason"]
 
 
-def count_hand_offs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the functions handed to a worker thread from now on."""
-    calls: list[str] = []
-    real = asyncio.to_thread
-
-    async def counted(func: Any, /, *args: Any, **kwargs: Any) -> Any:
-        calls.append(func.__name__)
-        return await real(func, *args, **kwargs)
-
-    monkeypatch.setattr(asyncio, "to_thread", counted)
-    return calls
-
-
 @pytest.mark.asyncio
-async def test_a_round_that_evicts_nothing_writes_in_its_planning_hand_off(
-        env_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 29: each hand-off wakes a worker and then the loop (~0.1-0.3 ms of CPU on a
-    VM, more than the writes): a round plans, arbitrates and writes in one."""
-    env = env_factory(ON)
-    env.usage()
-    calls = count_hand_offs(monkeypatch)
-    await env.manager.run_once()
-    assert calls == ["_plan_round"]
-    assert env.read("cpuset", BE_DIR, "cpuset.cpus") == "0,2,4"
-    assert env.manager.explain()["strategies"]["cpu_suppress"]["applied"][0]["result"] == "written"
-    assert env.manager.be_state is not None  # the BE state in force, read in the same hand-off
-
-
-@pytest.mark.asyncio
-async def test_eviction_goes_through_the_runtime_and_wins_over_suppression(
-        env_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_eviction_goes_through_the_runtime_and_wins_over_suppression(env_factory: Any) -> None:
     env = env_factory(ON)
     env.usage(mem=900.0)  # 90% >= 70%: release 220 -> the BE pod (300)
-    calls = count_hand_offs(monkeypatch)
     await env.manager.run_once()
     assert env.runtime.stopped == ["cc"]
-    # The eviction runs on the loop between the evicting plan's writes and the next plan's.
-    assert calls == ["_plan_round", "_write_plans", "_write_plans"]
     assert env.registry.get_sample_value("koordlet_pod_eviction_total",
                                          {"node": "n1", "reason": "EvictPodByNodeMemoryUsage"}) == 1.0
     # the evicted pod's own dirs were left alone; the besteffort dir was still suppressed
@@ -345,44 +310,6 @@ async def test_release_in_dry_run_writes_nothing(env_factory: Any) -> None:
     before = tree(env.root)
     assert env.manager.release() == []
     assert tree(env.root) == before
-
-
-@pytest.mark.asyncio
-async def test_periodic_rounds_fall_on_the_shared_beat(env_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 29: a round waits until half a second past a multiple of its interval, at
-    least half an interval after it started (runtimeproxy.ops.beat.AFTER_TICK): the
-    collectors' tick of that second is in, and the fast path's idle tick shares the wake-up."""
-    env = env_factory(ON)
-    env.usage()
-    env.manager.cfg = ManagerConfig(interval=0.15)  # the off-beat is not a multiple of it
-    starts: list[float] = []
-    deadlines: list[float] = []
-    original, real_timeout_at = env.manager.run_once, asyncio.timeout_at
-
-    async def counted() -> Any:
-        starts.append(asyncio.get_running_loop().time())
-        return await original()
-
-    def recorded(when: float | None) -> Any:
-        assert when is not None
-        deadlines.append(when)
-        return real_timeout_at(when)
-
-    env.manager.run_once = counted
-    monkeypatch.setattr(asyncio, "timeout_at", recorded)
-    task = asyncio.create_task(env.manager.run())
-    async with asyncio.timeout(10):
-        while len(starts) < 4:
-            await asyncio.sleep(0.01)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert len(deadlines) >= len(starts) - 1 >= 3, deadlines
-    for started, deadline in zip(starts, deadlines, strict=False):
-        phased = (deadline - AFTER_TICK) / 0.15
-        assert phased == pytest.approx(round(phased), abs=1e-6), deadlines
-        assert started + 0.075 <= deadline <= started + 0.225 + 1e-9, (started, deadline)
-    assert all(b >= d for b, d in zip(starts[1:], deadlines, strict=False)), (starts, deadlines)
 
 
 @pytest.mark.asyncio
