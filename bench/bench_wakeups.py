@@ -1,5 +1,5 @@
 """Benchmark: what a wake-up of the event loop and a worker-thread hand-off cost here, and
-what sharing wake-ups saves (issue 29; ``runtimeproxy.ops.beat``).
+what sharing wake-ups saves (issue 29).
 
 Run by hand: ``.venv/bin/python bench/bench_wakeups.py [--seconds S]``. In this process,
 one after the other, it measures the process's CPU (utime+stime, so it holds on a busy

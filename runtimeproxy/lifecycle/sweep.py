@@ -33,27 +33,26 @@ async def sweep(hooks: Iterable[BoundHook], live: LivePods, throttle: Throttle |
     of its hook's own records, shorter than the hand-off (issue 29: six hand-offs a
     re-sync were ~1 ms of CPU on a VM for microseconds of work)."""
     sweepers = [(hook, hook.impl) for hook in hooks if isinstance(hook.impl, OrphanSweeper)]
-    in_thread = [(hook, impl) for hook, impl in sweepers if not inspect.iscoroutinefunction(impl.sweep_orphans)]
-    done = dict(zip((id(hook) for hook, _ in in_thread), await asyncio.to_thread(_sweep_all, in_thread, live),
-                    strict=True)) if in_thread else {}
+    in_thread = [impl for _, impl in sweepers if not inspect.iscoroutinefunction(impl.sweep_orphans)]
+    outcomes = iter(await asyncio.to_thread(_sweep_all, in_thread, live) if in_thread else ())
     total = 0
     for hook, impl in sweepers:
-        outcome = done.get(id(hook))
-        if outcome is None and inspect.iscoroutinefunction(impl.sweep_orphans):
+        outcome: Sequence[str] | Exception
+        if inspect.iscoroutinefunction(impl.sweep_orphans):
             try:
                 outcome = await impl.sweep_orphans(live)
             except Exception as exc:  # noqa: BLE001 - as in _sweep_all
                 outcome = exc
-        if outcome is not None:
-            total += _report(hook, outcome, live, throttle)
+        else:
+            outcome = next(outcomes)  # in_thread's order is the chain's
+        total += _report(hook, outcome, live, throttle)
     return total
 
 
-def _sweep_all(sweepers: Sequence[tuple[BoundHook, OrphanSweeper]], live: LivePods
-               ) -> list[Sequence[str] | Exception]:
+def _sweep_all(sweepers: Sequence[OrphanSweeper], live: LivePods) -> list[Sequence[str] | Exception]:
     """Worker thread: each sync hook's sweep, or what it raised."""
     out: list[Sequence[str] | Exception] = []
-    for _hook, impl in sweepers:
+    for impl in sweepers:
         try:
             out.append(impl.sweep_orphans(live))
         except Exception as exc:  # noqa: BLE001 - a hook's bug must not stop the re-sync; retried next time
