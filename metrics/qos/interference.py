@@ -104,8 +104,10 @@ class Interference(Strategy):
         # are listed); the hundreds of quotas under the tier are read while planning, and
         # only in a round that writes (capping or releasing): most rounds have no verdict.
         self.state_input: Input[BEState] = Input("be_tier", self._read_state, _state_summary)
-        self.idle_input: Input[int | None] = Input("be_tier_cpu_idle", self._read_idle, lambda v: v)
-        self.reads = (self.verdict_input, self.state_input, self.idle_input)
+        # The tier's cpu.idle is not an input: it is read only in a round that caps (most
+        # rounds have no verdict, and on a kernel without cpu.idle every read is a failed
+        # one), in the worker thread like the inputs.
+        self.reads = (self.verdict_input, self.state_input)
 
     def _read(self, ctx: RoundContext) -> Verdicts | None:
         return self._verdicts()
@@ -133,18 +135,18 @@ class Interference(Strategy):
                                 "be_cpu_cores": self.be_cpu_cores, "be_cpus": self.be_cpus_why}
         actions: list[Action] = []
         reasons: list[str] = []
-        state, idle = inputs[self.state_input], inputs[self.idle_input]
+        state = inputs[self.state_input]
         if cpu or self.capping:
             state = self._with_children(state, inputs)
         if cpu:
             self.last_confirmed = inputs.now
-            actions += self._cap(state, cpu, reasons, info, inputs.pods) + self._idle(idle, cpu, info)
+            actions += self._cap(state, cpu, reasons, info, inputs.pods) + self._idle(inputs, cpu, info)
         elif self.capping and inputs.now - self.last_confirmed < self.hold:
             # Held a while after the verdict clears: the cap is what cleared it, and
             # lifting it at once would bring the interference straight back (flapping).
             left = self.hold - (inputs.now - self.last_confirmed)
             reasons.append(f"CPU interference cleared; cap held {left:.0f}s more")
-            actions += self._cap(state, [], reasons, info, inputs.pods) + self._idle(idle, [], info)
+            actions += self._cap(state, [], reasons, info, inputs.pods) + self._idle(inputs, [], info)
         elif self.capping:
             actions += self._release(reasons, inputs.pods, state)
         if memory and self.memory_evict:
@@ -191,9 +193,10 @@ class Interference(Strategy):
         return [self._clamps.write(SetCgroup(self.cfg.besteffort_dir, CPU_CFS_QUOTA, quota, why), state.children,
                                    self.cfg.cfs_period_us)]
 
-    def _idle(self, idle: int | None, cpu: list[Verdict], info: dict[str, Any]) -> list[Action]:
+    def _idle(self, inputs: RoundInputs, cpu: list[Verdict], info: dict[str, Any]) -> list[Action]:
         if not self.be_idle:
             return []
+        idle = self._read_idle(inputs.ctx)
         if idle is None:
             info["be_idle"] = f"no cpu.idle on {self.cfg.besteffort_dir}: not set"
             return []

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from hooks.cgroups import CgroupLayout
+from hooks.cgroups import CPU_IDLE, CgroupLayout
 from hooks.executor import CgroupExecutor
 from hooks.qos import QoSClass
 from hooks.rules import parse_rules
@@ -332,6 +332,27 @@ async def test_the_quotas_under_the_tier_are_read_only_in_rounds_that_cap_or_rel
     env.verdicts = verdicts(cpu=Level.CONFIRMED)
     await env.round()
     assert env.quota() == "50000" and reads  # the cap clamps the children above it first (v1)
+
+
+@pytest.mark.asyncio
+async def test_the_tiers_cpu_idle_is_read_only_in_rounds_that_cap(envs: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: a read a round for nothing (and a failed one where the kernel has no cpu.idle)."""
+    env = envs(args={"be_cpus": 0, "be_idle": True})
+    (env.root / "cpu" / BE_DIR / "cpu.idle").write_text("0\n")
+    reads: list[int] = []
+    inner = CgroupExecutor.read
+
+    def counted(self: CgroupExecutor, cgroup: Any, resource: Any, source: str = "") -> str:
+        reads.extend([1] if resource is CPU_IDLE else [])
+        return inner(self, cgroup, resource, source)
+
+    monkeypatch.setattr(CgroupExecutor, "read", counted)
+    await env.round()
+    await env.round()
+    assert reads == []  # no verdict, no cap: the tier's cpu.idle is not looked at
+    env.verdicts = verdicts(cpu=Level.CONFIRMED)
+    await env.round()
+    assert reads == [1] and (env.root / "cpu" / BE_DIR / "cpu.idle").read_text().strip() == "1"
 
 
 @pytest.mark.asyncio
