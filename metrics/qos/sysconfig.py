@@ -105,6 +105,10 @@ def _read_text(path: Path) -> str | None:
         os.close(fd)
 
 
+#: How long a MemTotal read is used for (memory hot-plug shows within this).
+MEM_TOTAL_TTL: Final = 60.0
+
+
 def read_mem_total_kb(proc: Path) -> int | None:
     text = _read_text(proc / "meminfo") or ""
     for line in text.splitlines():
@@ -129,6 +133,10 @@ class SystemConfig(Strategy):
         self.knobs = tuple(k for k in KNOBS if k is not REAP or reap_supported)
         #: target -> the value before our first write (persisted).
         self.originals: dict[str, str] = self._load()
+        #: (when read, MemTotal): the kernel's total changes only with memory hot-plug, so
+        #: /proc/meminfo (the kernel fills in some 50 lines for it) is read once a minute,
+        #: not every round; the knobs themselves are read every round (drift).
+        self._mem_total: tuple[float, int | None] | None = None
         self.files: Input[HostFiles] = Input("system_files", self._read, HostFiles.describe)
         self.reads = (self.files,)
 
@@ -177,7 +185,13 @@ class SystemConfig(Strategy):
 
     def _read(self, ctx: RoundContext) -> HostFiles:
         values = {k.target: self._read_knob(k) for k in self.knobs}
-        return HostFiles(values, read_mem_total_kb(self.roots["proc"]))
+        return HostFiles(values, self._mem_total_kb(ctx.now))
+
+    def _mem_total_kb(self, now: float) -> int | None:
+        cached = self._mem_total
+        if cached is None or cached[1] is None or not 0 <= now - cached[0] < MEM_TOTAL_TTL:
+            cached = self._mem_total = (now, read_mem_total_kb(self.roots["proc"]))
+        return cached[1]
 
     def _wanted(self, knob: Knob, cfg: SystemStrategy, files: HostFiles) -> tuple[str | None, str]:
         """(value to write or None, why) for one knob."""

@@ -18,7 +18,7 @@ from hooks.rules import Rules, parse_rules
 from metrics.qos.evict import CriEvictor
 from metrics.qos.manager import ManagerConfig, QoSManager
 from metrics.qos.strategy import StrategyInit
-from metrics.qos.sysconfig import STATE_FILE, SystemConfig, min_free_kbytes, system_config
+from metrics.qos.sysconfig import MEM_TOTAL_TTL, STATE_FILE, SystemConfig, min_free_kbytes, system_config
 from metrics.store.tsdb import TSDB
 from runtimeproxy.hookapi import HostRoots
 
@@ -36,6 +36,7 @@ async def _no_runtime(method: str, payload: bytes, timeout: float) -> bytes:
 class Env:
     def __init__(self, tmp: Path, *, reaper: bool = False, dry_run: bool = False) -> None:
         self.proc, self.sys, self.state = tmp / "proc", tmp / "sys", tmp / "state"
+        self.now = NOW
         (self.proc / "sys" / "vm").mkdir(parents=True, exist_ok=True)
         if not (self.proc / "meminfo").exists():
             (self.proc / "meminfo").write_text(f"MemTotal:       {MEM_KB} kB\nMemFree:         1000 kB\n")
@@ -55,7 +56,7 @@ class Env:
         self.strategy = system_config(init)
         self.manager = QoSManager(reader=self.store, pods=lambda: [], topology=[], executor=executor,
                                   evictor=CriEvictor(_no_runtime), rules=lambda: self.rules, config=config,
-                                  clock=lambda: NOW, strategies=[self.strategy])
+                                  clock=lambda: self.now, strategies=[self.strategy])
 
     def read(self, root: Path, path: str) -> str:
         return (root / path).read_text().strip()
@@ -201,3 +202,20 @@ async def test_no_write_without_the_original_saved(envs: Any) -> None:
         assert env.read(env.proc, WSF) == "10"
         applied = env.manager.explain()["strategies"]["system_config"]["applied"]
         assert applied[0]["result"].startswith("failed") and "cannot save the original" in applied[0]["result"]
+
+
+@pytest.mark.asyncio
+async def test_memtotal_is_read_once_a_minute_not_every_round(envs: Any) -> None:
+    """Issue 29: /proc/meminfo every round for a figure only memory hot-plug changes."""
+    env = envs()
+    env.rules = parse_rules(ON)
+    await env.manager.run_once()
+    assert env.read(env.proc, MIN_FREE) == "163840"
+    (env.proc / "meminfo").write_text(f"MemTotal:       {2 * MEM_KB} kB\n")  # hot-plugged
+    env.now += MEM_TOTAL_TTL - 1
+    await env.manager.run_once()
+    assert env.read(env.proc, MIN_FREE) == "163840"  # the figure read a round ago still holds
+    env.now += 1
+    await env.manager.run_once()
+    assert env.read(env.proc, MIN_FREE) == "327680"  # a minute on: read again
+    assert env.manager.explain()["strategies"]["system_config"]["plan"]["inputs"]["mem_total_kb"] == 2 * MEM_KB
