@@ -184,6 +184,22 @@ class NewestView(Protocol):
         """Label ``key``'s value -> the mean of the series of ``metric`` over ``[start, end]``."""
 
 
+class WindowAggregates(Protocol):
+    """``aggregate_many`` of a fixed list of series, kept between calls."""
+
+    def aggregate(self, start: float, end: float) -> Mapping[tuple[str, Labels], Aggregate]:
+        """The series over ``[start, end]``, as ``aggregate_many`` would give them."""
+
+
+@runtime_checkable
+class WindowViews(Protocol):
+    """A store that can keep a trailing window's samples between reads (a round reads
+    the same window a second later; ``metrics.store.tsdbwindow``)."""
+
+    def window_view(self, series: Sequence[tuple[str, Labels]]) -> WindowAggregates | None:
+        """A view of ``series``; None when this store cannot keep one."""
+
+
 class MetricWriter(Protocol):
     def write(self, samples: Sequence[Sample], now: float | None = None) -> None:
         """Append samples; ``ts == 0`` means ``now`` (default: the writer's clock)."""

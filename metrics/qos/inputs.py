@@ -206,9 +206,35 @@ class BECPUWindow:
     limit_last: float
 
 
-def build_be_cpu_window(reader: MetricReader, *, now: float, window: float) -> BECPUWindow | None:
-    """None when any of the three BE series has no sample in the window."""
-    found = reader.aggregate_many([(m, model.NO_LABELS) for m in BE_CPU_SERIES], now - window, now)
+class KeptWindows:
+    """The window reads a manager's rounds repeat every round, each kept between rounds
+    by the store where it can (``metrics.store.tsdbwindow``: only what changed since the
+    last round is read), else read whole (``aggregate_many``). One per manager; its
+    rounds run one at a time."""
+
+    def __init__(self, reader: MetricReader) -> None:
+        self._reader = reader
+        self._views: dict[tuple[tuple[str, Labels], ...], model.WindowAggregates | None] = {}
+
+    def aggregate_many(self, series: Sequence[tuple[str, Labels]], start: float, end: float
+                       ) -> Mapping[tuple[str, Labels], model.Aggregate]:
+        key = tuple(series)
+        if key not in self._views:
+            reader = self._reader
+            self._views[key] = reader.window_view(key) if isinstance(reader, model.WindowViews) else None
+        view = self._views[key]
+        return view.aggregate(start, end) if view is not None else self._reader.aggregate_many(key, start, end)
+
+
+_BE_CPU_KEYS = tuple((m, model.NO_LABELS) for m in BE_CPU_SERIES)
+
+
+def build_be_cpu_window(reader: MetricReader, *, now: float, window: float,
+                        kept: KeptWindows | None = None) -> BECPUWindow | None:
+    """None when any of the three BE series has no sample in the window. ``kept``: the
+    manager's kept windows (the same window a second later reads only what is new)."""
+    source: MetricReader | KeptWindows = kept if kept is not None else reader
+    found = source.aggregate_many(_BE_CPU_KEYS, now - window, now)
     usage, request, limit = (found.get((m, model.NO_LABELS)) for m in BE_CPU_SERIES)
     if usage is None or request is None or limit is None:
         return None

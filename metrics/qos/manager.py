@@ -41,7 +41,7 @@ from metrics.model import MetricReader, MetricWriter, PodView
 from metrics.qos import builtin, evict, suppress
 from metrics.qos.builtin import CPUSuppress
 from metrics.qos.config import ManagerConfig
-from metrics.qos.inputs import NodeInputs
+from metrics.qos.inputs import KeptWindows, NodeInputs
 from metrics.qos.plan import Action, Evict, LeveledWrite, Outcome, Plan, Rejected, SetCgroup, SetSchemata, arbitrate
 from metrics.qos.resctrlsync import ResctrlSync
 from metrics.qos.strategy import NODE, RoundContext, RoundInputs, Strategy, StrategyInit, read_inputs
@@ -96,6 +96,8 @@ class QoSManager:
         self._on_write_failed = on_write_failed
         self.capacity = config.capacity_cores if config.capacity_cores is not None else float(len(topology))
         self._reader = reader
+        #: The window reads its rounds repeat, kept between rounds (rounds run one at a time).
+        self._kept = KeptWindows(reader)
         self._pods = pods
         self._executor = executor
         self._evictor = evictor
@@ -216,7 +218,7 @@ class QoSManager:
             pods = self.pods  # unchanged: the same object, so views derived from it are reused
         ctx = RoundContext(now=node.now if node is not None else self._clock(), rules=rules, pods=pods,
                            reader=self._reader, executor=self._executor, config=self.cfg,
-                           capacity_cores=self.capacity)
+                           capacity_cores=self.capacity, kept=self._kept)
         active = [s for s in strategies if s.enabled(rules)]
         given = {NODE.name: node} if node is not None else None
         inputs = read_inputs(ctx, [key for s in active for key in s.reads], given)

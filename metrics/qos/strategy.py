@@ -40,7 +40,7 @@ from hooks.rules import Rules
 from metrics.model import MetricReader, MetricWriter, PodView
 from metrics.qos.config import ManagerConfig
 from metrics.qos.evict import SharedEviction
-from metrics.qos.inputs import BECPUWindow, NodeInputs, build_be_cpu_window, build_node_inputs
+from metrics.qos.inputs import BECPUWindow, KeptWindows, NodeInputs, build_be_cpu_window, build_node_inputs
 from metrics.qos.plan import Action, Outcome, Plan
 from metrics.qos.resctrlsync import ResctrlSync
 from metrics.qos.specs import (
@@ -78,6 +78,8 @@ class RoundContext:
     executor: CgroupExecutor
     config: ManagerConfig
     capacity_cores: float
+    #: The manager's window reads kept between rounds (None: read whole each time).
+    kept: KeptWindows | None = None
 
 
 def _no_summary(_value: Any) -> Any:
@@ -157,7 +159,7 @@ def _read_be_window(ctx: RoundContext) -> BECPUWindow | None:
     if not threshold.enable:
         return None
     span = max(ctx.config.collect_interval, float(threshold.cpu_evict_time_window_seconds or 0))
-    return build_be_cpu_window(ctx.reader, now=ctx.now, window=span)
+    return build_be_cpu_window(ctx.reader, now=ctx.now, window=span, kept=ctx.kept)
 
 
 def _window_summary(window: BECPUWindow | None) -> dict[str, Any] | None:

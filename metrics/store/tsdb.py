@@ -60,6 +60,7 @@ from metrics.store import tsdbquery as q
 from metrics.store import tsdbrollup as r
 from metrics.store.tsdbquery import CorruptStore, TSDBError, wrap
 from metrics.store.tsdbreads import Frame, SeriesKey
+from metrics.store.tsdbwindow import EVERYTHING, ChangeLog
 from metrics.store.tsdbwrites import BUSY_TIMEOUT, TSDBWrites, _Known
 
 __all__ = ["TSDB", "CorruptStore", "GCResult", "TSDBError"]
@@ -154,6 +155,7 @@ class TSDB(TSDBWrites):
         self._batch_lock = threading.Lock()
         self._batch: list[Frame] = []
         self._batch_len = 0
+        self._changes = ChangeLog()
         #: A sample in the batch is not newer than its series' previous one: the flush
         #: compacts at once, which orders it and lets a rewrite replace the first value.
         self._unordered = False
@@ -270,6 +272,8 @@ class TSDB(TSDBWrites):
                 # Dropped series must get fresh ids if their metric comes back.
                 self._ids.clear()
                 self._chunk_hi = None  # re-read at the next compaction: drops dropped series
+            # Folded, dropped, renumbered: a window view reads its whole window again.
+            self._changes.note(EVERYTHING)
             if counts is not skipped:  # a skipped GC coarsened nothing
                 self._coarsened = max(self._coarsened, tiers.cuts(now_ms)[2])
             result = GCResult(counts.points_deleted, counts.series_deleted, before, self.size_bytes(),

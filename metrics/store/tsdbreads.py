@@ -25,6 +25,7 @@ from metrics.store import tsdbquery as q
 from metrics.store import tsdbrollup as r
 from metrics.store.tsdbcols import Columns
 from metrics.store.tsdbquery import CorruptStore, TSDBError, wrap
+from metrics.store.tsdbwindow import ChangeLog, WindowView
 
 #: ``metric + "\n" + labels JSON``: a str caches its hash, so the several dict lookups
 #: a sample goes through do not rehash a tuple of label pairs each time.
@@ -59,6 +60,8 @@ class TSDBReads:
     #: Metric -> labels as written -> series key (``tsdbwrites``).
     _keys: dict[str, dict[Labels, SeriesKey]]
     readonly: bool
+    #: What each flush and GC made readable (``tsdbwindow``).
+    _changes: ChangeLog
 
     def _reader(self) -> sqlite3.Connection:
         if self._closed:
@@ -210,6 +213,26 @@ class TSDBReads:
             if agg is not None:
                 out[key] = agg
         return out
+
+    def window_view(self, series: Sequence[tuple[str, Labels]]) -> WindowView | None:
+        """``metrics.model.WindowViews``: ``aggregate_many`` of ``series`` kept between
+        calls and read incrementally (``tsdbwindow``); None on a read-only store (another
+        process writes its file, so this one cannot know what changed)."""
+        if self.readonly:
+            return None
+        return WindowView(series, self._changes, self._raw_since, self.aggregate_many,
+                          lambda: self._degraded.active)
+
+    def _raw_since(self, series: Sequence[tuple[str, Labels]], lo: int, hi: int
+                   ) -> tuple[dict[tuple[str, Labels], Columns], bool]:
+        """The flushed raw samples of ``series`` in ``[lo, hi]`` ms, and whether rolled-up
+        buckets overlap it, from one snapshot."""
+        with self._snapshot() as conn:
+            ids = {key: self._series_id(conn, key[0], key[1]) for key in series}
+            known = [i for i in ids.values() if i is not None]
+            raw = f.raw_window_many(conn, known, lo, hi)
+            buckets = any(r.buckets_window(conn, i, lo, hi) for i in known)
+        return {key: raw[i] for key, i in ids.items() if i is not None}, buckets
 
     def last(self, metric: str, labels: Labels, max_age: float, now: float) -> Sample | None:
         """Newest sample in ``[now - max_age, now]``, flushed, still in the batch, or

@@ -250,6 +250,9 @@ class TSDBWrites(TSDBReads):
                 raise wrap(self.path, what, exc) from exc
             # Only after COMMIT: ids from a rolled-back transaction would point nowhere.
             self._ids.update(new_ids)
+            oldest = min((min(times) for _keys, times, _values in batch if times), default=None)
+            if oldest is not None:
+                self._changes.note(oldest)
             self._pending_kv = {}
             if self._degraded.active:
                 self._recovered(now)

@@ -10,7 +10,7 @@ import pytest
 from hooks.qos import QoSClass
 from metrics import model
 from metrics.model import ContainerView, PodView, Sample, labels
-from metrics.qos.inputs import NodeInputs, build_be_cpu_window, build_node_inputs
+from metrics.qos.inputs import KeptWindows, NodeInputs, build_be_cpu_window, build_node_inputs
 from metrics.store.tsdb import TSDB
 
 NOW = 1_000.0
@@ -63,6 +63,24 @@ def test_be_window(store: TSDB) -> None:
     assert win is not None
     assert (win.count, win.usage_avg, win.request_last, win.limit_last) == (10, 5.5, 19.0, 11.0)
     assert build_be_cpu_window(store, now=NOW + 100, window=10) is None
+
+
+def test_the_be_window_kept_between_rounds_reads_only_what_is_new(store: TSDB) -> None:
+    """Issue 29: the round read 300 s of the BE series every second; kept, the next
+    round reads only past what the last one read (the store's view, ``tsdbwindow``)."""
+    series = ((model.BE_CPU_USAGE, 1.0), (model.BE_CPU_REQUEST, 10.0), (model.BE_CPU_LIMIT, 2.0))
+    kept, plain = KeptWindows(store), KeptWindows(_QueriesOnly(store))
+    for i in range(20):
+        store.write([Sample(m, v + i, ts=NOW - 19 + i) for m, v in series])
+        store.flush()
+        now = NOW - 19 + i + 0.5
+        assert build_be_cpu_window(store, now=now, window=10, kept=kept) == \
+            build_be_cpu_window(store, now=now, window=10) == build_be_cpu_window(store, now=now, window=10,
+                                                                                  kept=plain)
+    (view,) = kept._views.values()
+    assert view is not None and (view.full_reads, view.partial_reads) == (1, 19)  # type: ignore[attr-defined]
+    assert plain._views == {((model.BE_CPU_USAGE, model.NO_LABELS), (model.BE_CPU_REQUEST, model.NO_LABELS),
+                              (model.BE_CPU_LIMIT, model.NO_LABELS)): None}  # a reader without views: read whole
 
 
 class _QueriesOnly:

@@ -156,3 +156,26 @@ def test_an_unknown_strategy_names_the_installed_ones(tmp_path: Path) -> None:
     with pytest.raises(HookConfigError) as err:
         load_strategies(specs, base_init(tmp_path, executor))
     assert err.value.key_path == f"{KEY}[1]" and "cpu-suppress" in err.value.message
+
+
+@pytest.mark.asyncio
+async def test_the_rounds_keep_the_be_window_between_them(tmp_path: Path, store: TSDB) -> None:
+    """Issue 29: the BE eviction window (300 s) is read whole once, then only what is new."""
+    root = tmp_path / "cgroup"
+    build_tree(root)
+    executor = CgroupExecutor(CgroupLayout(root))
+    loaded = load_strategies(parse_specs(["be-evict"], KEY), base_init(root, executor), installed_plus())
+    rules = parse_rules({"resourceUsedThresholdWithBE": {"enable": True, "cpuEvictTimeWindowSeconds": 300}})
+    now = [NOW]
+    manager = QoSManager(reader=store, pods=lambda: [LS, BE], topology=TOPOLOGY, executor=executor,
+                         evictor=CriEvictor(_no_runtime), rules=lambda: rules,
+                         config=ManagerConfig(reserved_cores=0.5), clock=lambda: now[0], strategies=loaded.enabled)
+    for i in range(3):
+        store.write([Sample(m, 1.0 + i, ts=now[0] - 0.5) for m in
+                     (model.BE_CPU_USAGE, model.BE_CPU_REQUEST, model.BE_CPU_LIMIT)])
+        store.flush()
+        await manager.run_once()
+        assert manager.explain()["inputs"]["be_cpu_window"]["samples"] == i + 1
+        now[0] += 1
+    (view,) = manager._kept._views.values()
+    assert view is not None and (view.full_reads, view.partial_reads) == (1, 2)  # type: ignore[attr-defined]
