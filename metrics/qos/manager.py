@@ -69,6 +69,17 @@ class _Planned:
     inputs: RoundInputs
     plans: list[Plan]
     idle: list[str]
+    #: Arbitrated in the worker, with the writes already made when none had to wait on an
+    #: eviction (``_Written``); None: arbitrate and write on the way out (the fast path's re-plan).
+    written: _Written | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    applied: list[Plan]
+    rejected: list[Rejected]
+    #: Each applied plan's outcomes, when they were written in the planning hand-off.
+    outcomes: list[list[Outcome]] | None
 
 
 class QoSManager:
@@ -177,11 +188,11 @@ class QoSManager:
     async def run_once(self) -> Round:
         async with self._lock:
             rules = self._rules()
-            planned = await asyncio.to_thread(self._plan_round, rules, self.strategies)
+            planned = await asyncio.to_thread(self._plan_round, rules, self.strategies, None, True)
             if planned.inputs.pods != self.pods:  # else the same object: the fast path keeps its paths
                 self._verified.keep_pods({p.uid for p in planned.inputs.pods})
                 self.pods = planned.inputs.pods
-            result = await self._execute(planned.plans, planned.inputs)
+            result = await self._execute(planned.plans, planned.inputs, planned.written)
             self._round_info = {"order": [s.name for s in self.strategies], "idle": planned.idle,
                                 "inputs": planned.inputs.summaries}
             for name in planned.idle:
@@ -204,13 +215,22 @@ class QoSManager:
                 log.info("suppress_replanned", trigger=why, source=inputs.source, reason=plan.reason)
             return await self._execute(planned.plans, planned.inputs)
 
-    def _plan_round(self, rules: Rules, strategies: Sequence[Strategy], node: NodeInputs | None = None
-                    ) -> _Planned:
+    def _plan_round(self, rules: Rules, strategies: Sequence[Strategy], node: NodeInputs | None = None,
+                    write: bool = False) -> _Planned:
         """Read every declared input once, then plan (worker thread). ``node``: the
-        fast path's own node inputs, used instead of the store's."""
+        fast path's own node inputs, used instead of the store's. ``write``: arbitrate
+        too, and make the writes in this same hand-off unless one must wait on an
+        eviction (one worker wake-up and one loop wake-up a round, not two of each)."""
         with self._costed():
             self.rounds += 1
-            return self._plan(rules, strategies, node)
+            planned = self._plan(rules, strategies, node)
+            if write:
+                applied, rejected = arbitrate(planned.plans)
+                groups = _cut_after_evictions(applied)
+                done = (self._write_plans_now(groups[0], True)
+                        if len(groups) == 1 and not self.cfg.dry_run else None)
+                planned = replace(planned, written=_Written(applied, rejected, done))
+            return planned
 
     def _plan(self, rules: Rules, strategies: Sequence[Strategy], node: NodeInputs | None) -> _Planned:
         pods = node.pods if node is not None else tuple(self._pods())
@@ -237,15 +257,17 @@ class QoSManager:
 
     # --- carrying out ---------------------------------------------------------------
 
-    async def _execute(self, plans: list[Plan], inputs: RoundInputs) -> Round:
+    async def _execute(self, plans: list[Plan], inputs: RoundInputs, written: _Written | None = None) -> Round:
         """Carry out the applied plans in order, then read the BE state in force.
+        ``written``: arbitrated in the planning hand-off, with the writes made there
+        when no plan evicts before the last (``_plan_round``).
 
         Thread hand-offs, not the writes, are what a round costs on a quiet node (each one
         wakes a worker and then the loop: ~0.1-0.3 ms of CPU on a VM): the writes of
         consecutive plans go in one hop, cut only after a plan that evicts (its evictions
         run on the loop before the next plan's writes), and the BE state read rides on
         the last hop. A round whose plans write nothing still reads the BE state."""
-        applied, rejected = arbitrate(plans)
+        applied, rejected = arbitrate(plans) if written is None else (written.applied, written.rejected)
         result = Round(inputs.now, plans, rejected=rejected)
         # A plan's description walks every action: built only when a debug line is kept
         # (structlog evaluates the arguments before its level filter).
@@ -262,7 +284,10 @@ class QoSManager:
             return result
         groups = _cut_after_evictions(applied)
         for k, group in enumerate(groups):
-            done = await asyncio.to_thread(self._write_plans, group, k == len(groups) - 1)
+            if written is not None and written.outcomes is not None:
+                done = written.outcomes  # one group, written in the planning hand-off
+            else:
+                done = await asyncio.to_thread(self._write_plans, group, k == len(groups) - 1)
             for plan, outcomes in zip(group, done, strict=True):
                 for action in plan.actions:
                     if isinstance(action, Evict):

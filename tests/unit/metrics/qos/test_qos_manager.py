@@ -152,12 +152,14 @@ async def test_the_cpuset_policy_narrows_the_sandboxs_pause_cgroup_too(env_facto
 
 
 @pytest.mark.asyncio
-async def test_dry_run_writes_nothing_but_explains(env_factory: Any) -> None:
+async def test_dry_run_writes_nothing_but_explains(env_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     env = env_factory({**ON, "cpuBurstStrategy": {"policy": "auto"}}, dry_run=True)
     env.usage(mem=900.0)
     before = tree(env.root)
+    calls = count_hand_offs(monkeypatch)
     await env.manager.run_once()
     assert tree(env.root) == before
+    assert calls == ["_plan_round"]
     assert env.runtime.stopped == []
     out = env.manager.explain()
     assert out["dry_run"] and {a["result"] for a in out["strategies"]["cpu_suppress"]["applied"]} == {"dry-run"}
@@ -245,12 +247,44 @@ async def test_stale_metrics_change_nothing(env_factory: Any) -> None:
     assert "no decision" in env.manager.explain()["strategies"]["cpu_suppress"]["plan"]["reason"]
 
 
+def count_hand_offs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the functions handed to a worker thread from now on."""
+    calls: list[str] = []
+    real = asyncio.to_thread
+
+    async def counted(func: Any, /, *args: Any, **kwargs: Any) -> Any:
+        calls.append(func.__name__)
+        return await real(func, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+    return calls
+
+
 @pytest.mark.asyncio
-async def test_eviction_goes_through_the_runtime_and_wins_over_suppression(env_factory: Any) -> None:
+async def test_a_round_that_evicts_nothing_writes_in_its_planning_hand_off(
+        env_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: each hand-off wakes a worker and then the loop (~0.1-0.3 ms of CPU on a
+    VM, more than the writes): a round plans, arbitrates and writes in one."""
+    env = env_factory(ON)
+    env.usage()
+    calls = count_hand_offs(monkeypatch)
+    await env.manager.run_once()
+    assert calls == ["_plan_round"]
+    assert env.read("cpuset", BE_DIR, "cpuset.cpus") == "0,2,4"
+    assert env.manager.explain()["strategies"]["cpu_suppress"]["applied"][0]["result"] == "written"
+    assert env.manager.be_state is not None  # the BE state in force, read in the same hand-off
+
+
+@pytest.mark.asyncio
+async def test_eviction_goes_through_the_runtime_and_wins_over_suppression(
+        env_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     env = env_factory(ON)
     env.usage(mem=900.0)  # 90% >= 70%: release 220 -> the BE pod (300)
+    calls = count_hand_offs(monkeypatch)
     await env.manager.run_once()
     assert env.runtime.stopped == ["cc"]
+    # The eviction runs on the loop between the evicting plan's writes and the next plan's.
+    assert calls == ["_plan_round", "_write_plans", "_write_plans"]
     assert env.registry.get_sample_value("koordlet_pod_eviction_total",
                                          {"node": "n1", "reason": "EvictPodByNodeMemoryUsage"}) == 1.0
     # the evicted pod's own dirs were left alone; the besteffort dir was still suppressed
