@@ -72,6 +72,32 @@ class Columns:
         return out
 
 
+class Sums:
+    """A series' samples in a window as a running count, sum, first and last time (ms)."""
+
+    __slots__ = ("count", "first", "last", "total")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.first = 1 << 62
+        self.last = -(1 << 62)
+
+    def add(self, t: int, value: float) -> None:
+        self.count += 1
+        self.total += value
+        if t < self.first:
+            self.first = t
+        if t > self.last:
+            self.last = t
+
+    def add_columns(self, cols: Columns) -> None:
+        # Left to right, as ``sum`` over the columns would: the same float as the mean
+        # ``summarize`` takes of the same samples in the same order.
+        for t, v in zip(cols.ts, cols.vals, strict=True):
+            self.add(t, v)
+
+
 def chunks_columns(conn: sqlite3.Connection, series_id: int, start: int, end: int) -> Columns:
     """One series' chunked samples in ``[start, end]`` (ms)."""
     cols = Columns()

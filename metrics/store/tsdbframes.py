@@ -40,7 +40,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Final, NamedTuple
 
 from metrics.store import tsdbquery as q
-from metrics.store.tsdbcols import Columns, chunks_columns, chunks_columns_all
+from metrics.store.tsdbcols import Columns, Sums, chunks_columns, chunks_columns_all
 
 INSERT_FRAME: Final = "INSERT INTO frames (layout, lo, hi, n, ids, vals, ts) VALUES (?, ?, ?, ?, ?, ?, ?)"
 LAYOUT_COUNTS: Final = "SELECT layout, count(*) FROM frames GROUP BY layout"
@@ -195,6 +195,31 @@ def raw_window_many(conn: sqlite3.Connection, ids: Sequence[int], start: int, en
     out = {i: chunks_columns(conn, i, start, end) for i in ids}
     wanted = set(ids)
     return _points(_frames_in(conn, start, end, wanted), wanted, start, end, out)
+
+
+def sums_window_many(conn: sqlite3.Connection, ids: Sequence[int], start: int, end: int) -> dict[int, Sums]:
+    """``raw_window_many`` summed as it is decoded: per series id a ``Sums`` of its raw
+    samples in ``[start, end]`` (ms); no sample is held (chunks, then frames in order)."""
+    out = {i: Sums() for i in ids}
+    for i, sums in out.items():
+        sums.add_columns(chunks_columns(conn, i, start, end))
+    wanted = set(ids)
+    layouts = _Layouts(wanted)
+    for frame in _frames_in(conn, start, end, wanted):
+        found = layouts.positions(frame)
+        if not found:
+            continue
+        vals, ts = _decode(frame)
+        if ts is None:
+            if start <= frame.lo <= end:
+                t = frame.lo
+                for j, sid in found:
+                    out[sid].add(t, vals[j])
+            continue
+        for j, sid in found:
+            if start <= ts[j] <= end:
+                out[sid].add(ts[j], vals[j])
+    return out
 
 
 def raw_window_all(conn: sqlite3.Connection, metric: str, start: int, end: int) -> dict[str, Columns]:

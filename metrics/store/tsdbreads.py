@@ -18,12 +18,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from metrics.model import Aggregate, Labels, Sample
+from metrics.model import Aggregate, Labels, Mean, Sample
 from metrics.store import tsdbdegraded as d
 from metrics.store import tsdbframes as f
 from metrics.store import tsdbquery as q
 from metrics.store import tsdbrollup as r
-from metrics.store.tsdbcols import Columns
+from metrics.store.tsdbcols import Columns, Sums
 from metrics.store.tsdbquery import CorruptStore, TSDBError, wrap
 from metrics.store.tsdbwindow import ChangeLog, WindowView
 
@@ -212,6 +212,41 @@ class TSDBReads:
             agg = r.combine(cols, buckets[series_id] if series_id is not None else [])
             if agg is not None:
                 out[key] = agg
+        return out
+
+    def means_many(self, series: Iterable[tuple[str, Labels]], start: float, end: float
+                   ) -> dict[tuple[str, Labels], Mean]:
+        """``metrics.model.MeanReads``: ``aggregate_many``'s count, avg, first and last
+        times of several series, from sums taken while decoding: a report of every
+        pod's mean usage held each pod's window as arrays until the last one was read."""
+        lo, hi = q.to_ms(start), q.to_ms(end)
+        wanted = list(dict.fromkeys(series))
+
+        def read() -> tuple[dict[tuple[str, Labels], int | None], dict[int, Sums], dict[int, list[r.Bucket]]]:
+            with self._snapshot() as conn:
+                ids = {key: self._series_id(conn, key[0], key[1]) for key in wanted}
+                known = [i for i in ids.values() if i is not None]
+                return ids, f.sums_window_many(conn, known, lo, hi), {i: r.buckets_window(conn, i, lo, hi)
+                                                                      for i in known}
+
+        nothing: tuple[dict[tuple[str, Labels], int | None], dict[int, Sums], dict[int, list[r.Bucket]]] = \
+            ({}, {}, {})
+        ids, sums, buckets = self._from_file(read, nothing)
+        pending = self._pending()
+        extra: dict[SeriesKey, Columns] = {}
+        keys: dict[tuple[str, Labels], SeriesKey] = {}
+        if pending:
+            keys = {key: series_key(key[0], q.canonical(key[1])) for key in wanted}
+            extra = d.pending_columns(pending, set(keys.values()), lo, hi)
+        out: dict[tuple[str, Labels], Mean] = {}
+        for key in wanted:
+            series_id = ids.get(key)
+            found = sums[series_id] if series_id is not None else Sums()
+            if extra and keys[key] in extra:
+                found.add_columns(extra[keys[key]])
+            mean = r.combine_mean(found, buckets[series_id] if series_id is not None else [])
+            if mean is not None:
+                out[key] = mean
         return out
 
     def window_view(self, series: Sequence[tuple[str, Labels]]) -> WindowView | None:

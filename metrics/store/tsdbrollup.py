@@ -42,9 +42,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from metrics.model import Aggregate, Labels
+from metrics.model import Aggregate, Labels, Mean
 from metrics.store import tsdbquery as q
-from metrics.store.tsdbcols import Columns, summarize
+from metrics.store.tsdbcols import Columns, Sums, summarize
 
 _COLUMNS: Final = "start, n, total, vmin, vmax, last, first_off, last_off"
 # ?1 series id / metric, ?2 first ms, ?3 last ms: buckets wholly inside the window.
@@ -248,6 +248,17 @@ def combine(raw: Columns, buckets: Sequence[Bucket]) -> Aggregate | None:
         first_ts=q.from_ms(min([b.first_ms for b in buckets] + raw.ts[:1].tolist())),
         last_ts=q.from_ms(newest[0]),
     )
+
+
+def combine_mean(raw: Sums, buckets: Sequence[Bucket]) -> Mean | None:
+    """``combine``'s count, avg, first and last times from a series' raw sums."""
+    count = raw.count + sum(b.count for b in buckets)
+    if count == 0:
+        return None
+    firsts = [b.first_ms for b in buckets] + ([raw.first] if raw.count else [])
+    lasts = [b.last_ms for b in buckets] + ([raw.last] if raw.count else [])
+    return Mean(count=count, avg=(raw.total + sum(b.total for b in buckets)) / count,
+                first_ts=q.from_ms(min(firsts)), last_ts=q.from_ms(max(lasts)))
 
 
 def combine_all(raw: dict[str, Columns], buckets: dict[str, list[Bucket]]) -> dict[Labels, Aggregate]:

@@ -123,6 +123,7 @@ class CountingReader:
         self.store = store
         self.many = 0
         self.all = 0
+        self.means = 0
 
     def aggregate(self, metric: str, labels: m.Labels, start: float, end: float) -> m.Aggregate | None:
         return self.store.aggregate(metric, labels, start, end)
@@ -135,6 +136,11 @@ class CountingReader:
                        ) -> Mapping[tuple[str, m.Labels], m.Aggregate]:
         self.many += 1
         return self.store.aggregate_many(series, start, end)
+
+    def means_many(self, series: Iterable[tuple[str, m.Labels]], start: float, end: float
+                   ) -> Mapping[tuple[str, m.Labels], m.Mean]:
+        self.means += 1
+        return self.store.means_many(series, start, end)
 
     def last(self, metric: str, labels: m.Labels, max_age: float, now: float) -> m.Sample | None:
         return self.store.last(metric, labels, max_age, now)
@@ -169,6 +175,7 @@ def test_document_is_the_reference_one_byte_for_byte(store: tuple[TSDB, float], 
     assert built["podsMetric"] and built["nodeMetric"]["aggregatedNodeUsages"] and built["nodeMetric"]["numaUsages"]
     # One read for the main window (node, system and pods), one per other duration.
     assert reader.many == 1 + sum(d != policy.aggregate_duration for d in policy.durations)
+    assert reader.means == 1  # every pod's mean in one pass, summed as read (no samples held)
 
 
 def test_the_store_holds_chunks_frames_and_an_unflushed_batch(store: tuple[TSDB, float]) -> None:
