@@ -135,7 +135,8 @@ class App:
                                       max_message_bytes=settings.max_message_bytes, handler=self.handler)
         self.supervisor = Supervisor()
         self.monitor = self._backend_monitor(settings)
-        self.resyncer = Resyncer(store=self.store, backend=self.backend,
+        # The re-syncs' answers stand in for the backend probe's (``watching``).
+        self.resyncer = Resyncer(store=self.store, backend=self.monitor.watching(self.backend),
                                  interval=lambda: self.settings.resync_interval, after=self._after_resync)
         self.reconciler = Reconciler(
             store=self.store, chain=lambda: self.chain, skipped=self._skipped,

@@ -11,11 +11,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from runtimeproxy.errors import PeerError
 
 Metadata = Sequence[tuple[str, str | bytes]]
+#: The prefix of the image service's methods (served by the image endpoint when it has one).
+IMAGE_SERVICE: Final = "/runtime.v1.ImageService/"
 
 
 class Code(enum.IntEnum):

@@ -16,10 +16,9 @@ from typing import Final
 import grpc
 import grpc.aio
 
-from runtimeproxy.backend import CallError, Code, Metadata, Reply
+from runtimeproxy.backend import IMAGE_SERVICE, CallError, Code, Metadata, Reply
 from runtimeproxy.config.settings import BackendSettings
 
-IMAGE_SERVICE: Final = "/runtime.v1.ImageService/"
 #: Distinct unknown CRI method paths one backend channel carries before it is replaced.
 UNKNOWN_PATHS_PER_CHANNEL: Final = 256
 

@@ -13,9 +13,16 @@ import pytest
 import structlog
 
 from criapi import cri_v1_pb2 as cri
+from runtimeproxy.backend import CallError, Code, Reply
 from runtimeproxy.config import settings as config
 from runtimeproxy.config.settings import ConfigError
-from runtimeproxy.ops.backendhealth import VERSION_PAYLOAD
+from runtimeproxy.ops.backendhealth import (
+    IMAGE_FS_INFO_METHOD,
+    VERSION_METHOD,
+    VERSION_PAYLOAD,
+    BackendMonitor,
+    Probe,
+)
 
 VERSION = "/runtime.v1.RuntimeService/Version"
 
@@ -105,3 +112,51 @@ def test_probe_settings_are_validated() -> None:
         with pytest.raises(ConfigError) as err:
             config.from_mapping({"backend": {key: value}})
         assert err.value.key_path == f"backend.{key}" and err.value.value == value
+
+
+class _Counting:
+    """A backend answering every call, counting them by method; fails while ``down``."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.down = False
+
+    async def unary(self, method: str, payload: bytes, *, timeout: float | None = None,
+                    metadata: Any = ()) -> Any:
+        self.calls.append(method)
+        if self.down:
+            raise CallError(Code.UNAVAILABLE, "connection refused")
+        return Reply(b"")
+
+
+@pytest.mark.asyncio
+async def test_a_probe_is_skipped_while_the_proxys_own_calls_are_answered() -> None:
+    """Issue 29: a probe is one gRPC call (~2.6 ms of CPU); the reconciler's re-syncs
+    already asked the same endpoint. A failed call does not count: the probe runs."""
+    now = [100.0]
+    inner = _Counting()
+    seen: list[tuple[str, bool]] = []
+    monitor = BackendMonitor(inner, [Probe("runtime", "/run/c.sock", VERSION_METHOD, VERSION_PAYLOAD),
+                                     Probe("image", "/run/i.sock", IMAGE_FS_INFO_METHOD)],
+                             interval=5.0, unhealthy_after=6.0, set_up=lambda n, u: seen.append((n, u)),
+                             clock=lambda: now[0])
+    watched = monitor.watching(inner)
+    await watched.unary("/runtime.v1.RuntimeService/ListPodSandbox", b"")
+    now[0] += 4.9
+    await monitor.probe_once()
+    assert inner.calls == ["/runtime.v1.RuntimeService/ListPodSandbox", IMAGE_FS_INFO_METHOD]  # runtime: heard
+    assert sorted(seen) == [("image", True), ("runtime", True)]
+    now[0] += 0.2  # the re-sync's answer is older than an interval now: probe
+    await monitor.probe_once()
+    assert inner.calls[2:] == [VERSION_METHOD, IMAGE_FS_INFO_METHOD]
+    await watched.unary("/runtime.v1.ImageService/ListImages", b"")
+    await monitor.probe_once()
+    assert inner.calls[5:] == [VERSION_METHOD]  # the image endpoint was heard from instead
+    inner.down = True
+    with pytest.raises(CallError):
+        await watched.unary("/runtime.v1.RuntimeService/ListContainers", b"")
+    now[0] += 7.0
+    await monitor.probe_once()
+    now[0] += 7.0
+    await monitor.probe_once()
+    assert monitor.problem() is not None and ("runtime", False) in seen  # lost: the failures were not heard
