@@ -367,6 +367,23 @@ def test_be_tier_gets_cpu_idle_on_v2_and_is_reset_when_the_policy_goes(tmp_path:
     assert patch is not None and idle.read_text().strip() == "0" and "reset" in patch.reason
 
 
+def test_a_tier_in_place_costs_one_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: every pod of a tier checks the tier's cpu.idle at every reconcile pass."""
+    node = Node(tmp_path, rules_doc=rules(beClass={"schedIdle": 1}))
+    pod = node.pod(tier="besteffort")
+    assert node.hook.reconcile_pod_sandbox(PodContext(Stage.RECONCILE_POD_SANDBOX, pod)) is not None
+    calls: list[str] = []
+    executor = node.hook.executor
+    for name in ("read", "path", "apply"):
+        real = getattr(executor, name)
+        monkeypatch.setattr(executor, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    assert node.hook.reconcile_pod_sandbox(PodContext(Stage.RECONCILE_POD_SANDBOX, pod)) is None
+    assert calls == ["read", "path"]  # one read (resolving its path): no stat, no update
+    (node.root / "kubepods" / "besteffort" / "cpu.idle").write_text("0\n")  # changed behind our back
+    patch = node.hook.reconcile_pod_sandbox(PodContext(Stage.RECONCILE_POD_SANDBOX, pod))
+    assert patch is not None and (node.root / "kubepods" / "besteffort" / "cpu.idle").read_text().strip() == "1"
+
+
 def test_no_cpu_idle_on_v1_is_said_once_and_nothing_written(tmp_path: Path) -> None:
     node = Node(tmp_path, version=1, rules_doc=rules(beClass={"schedIdle": 1}))
     pod = node.pod(tier="besteffort")
