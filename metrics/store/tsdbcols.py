@@ -83,7 +83,7 @@ class Sums:
         self.first = 1 << 62
         self.last = -(1 << 62)
 
-    def add(self, t: int, value: float) -> None:
+    def append(self, t: int, value: float) -> None:
         self.count += 1
         self.total += value
         if t < self.first:
@@ -95,7 +95,7 @@ class Sums:
         # Left to right, as ``sum`` over the columns would: the same float as the mean
         # ``summarize`` takes of the same samples in the same order.
         for t, v in zip(cols.ts, cols.vals, strict=True):
-            self.add(t, v)
+            self.append(t, v)
 
 
 def chunks_columns(conn: sqlite3.Connection, series_id: int, start: int, end: int) -> Columns:

@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import array
 import collections
+import functools
 import hashlib
 import operator
 import sqlite3
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Final, NamedTuple
 
 from metrics.store import tsdbquery as q
@@ -158,8 +159,22 @@ def _points(frames: Iterable[Frame], wanted: Collection[int] | None, start: int,
             out: dict[int, Columns] | None = None) -> dict[int, Columns]:
     """The samples in ``[start, end]`` of the ``wanted`` series (None: all), by id,
     appended to ``out`` (its columns, or new ones)."""
-    layouts = _Layouts(wanted)
     out = {} if out is None else out
+    if wanted is None:
+        _visit(frames, wanted, start, end, functools.partial(_columns, out))
+        return out
+    for sid in wanted:  # then a C lookup per sample finds the columns (a wanted id may stay empty)
+        if sid not in out:
+            out[sid] = Columns()
+    _visit(frames, wanted, start, end, out.__getitem__)
+    return out
+
+
+def _visit(frames: Iterable[Frame], wanted: Collection[int] | None, start: int, end: int,
+           into: Callable[[int], Columns | Sums]) -> None:
+    """Each sample in ``[start, end]`` of the ``wanted`` series (None: all), appended to
+    ``into(series id)``, frame by frame as decoded."""
+    layouts = _Layouts(wanted)
     for frame in frames:
         found = layouts.positions(frame)
         if not found:
@@ -169,12 +184,11 @@ def _points(frames: Iterable[Frame], wanted: Collection[int] | None, start: int,
             if start <= frame.lo <= end:
                 t = frame.lo
                 for j, sid in found:
-                    _columns(out, sid).append(t, vals[j])
+                    into(sid).append(t, vals[j])
             continue
         for j, sid in found:
             if start <= ts[j] <= end:
-                _columns(out, sid).append(ts[j], vals[j])
-    return out
+                into(sid).append(ts[j], vals[j])
 
 
 def _columns(out: dict[int, Columns], sid: int) -> Columns:
@@ -203,22 +217,7 @@ def sums_window_many(conn: sqlite3.Connection, ids: Sequence[int], start: int, e
     out = {i: Sums() for i in ids}
     for i, sums in out.items():
         sums.add_columns(chunks_columns(conn, i, start, end))
-    wanted = set(ids)
-    layouts = _Layouts(wanted)
-    for frame in _frames_in(conn, start, end, wanted):
-        found = layouts.positions(frame)
-        if not found:
-            continue
-        vals, ts = _decode(frame)
-        if ts is None:
-            if start <= frame.lo <= end:
-                t = frame.lo
-                for j, sid in found:
-                    out[sid].add(t, vals[j])
-            continue
-        for j, sid in found:
-            if start <= ts[j] <= end:
-                out[sid].add(ts[j], vals[j])
+    _visit(_frames_in(conn, start, end, set(ids)), set(ids), start, end, out.__getitem__)
     return out
 
 
@@ -248,7 +247,7 @@ def latest_ms(conn: sqlite3.Connection, metric: str) -> int | None:
     """Time of the newest sample of ``metric`` in the frames."""
     ids = {int(i) for i, _ in conn.execute(SERIES_IDS_OF, (metric,))}
     found = _points(_frames_in(conn, -(2**63), 2**63 - 1, ids), ids, -(2**63), 2**63 - 1)
-    return max((max(cols.ts) for cols in found.values()), default=None)
+    return max((max(cols.ts) for cols in found.values() if cols), default=None)
 
 
 # --- compaction -------------------------------------------------------------------

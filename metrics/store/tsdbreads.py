@@ -33,8 +33,8 @@ SeriesKey = str
 #: One ``write()`` call's samples: series keys, times (ms), values.
 Frame = tuple[list[SeriesKey], list[int], list[float]]
 _R = TypeVar("_R")
-#: ``aggregate_many``'s read of the file: series ids, raw samples and buckets by id.
-_ManyRead = tuple[dict[tuple[str, Labels], int | None], dict[int, Columns], dict[int, list[r.Bucket]]]
+#: What ``_many`` reads of each series: its raw samples (``Columns``) or their sums (``Sums``).
+_Raw = TypeVar("_Raw", Columns, Sums)
 
 
 def series_key(metric: str, canonical: Labels) -> SeriesKey:
@@ -185,31 +185,11 @@ class TSDBReads:
                        ) -> dict[tuple[str, Labels], Aggregate]:
         """Several series over ``[start, end]`` from one snapshot and one scan of the
         newest rows; series without samples are absent. Keys are as given."""
-        lo, hi = q.to_ms(start), q.to_ms(end)
-        wanted = list(dict.fromkeys(series))
         out: dict[tuple[str, Labels], Aggregate] = {}
-
-        def read() -> _ManyRead:
-            with self._snapshot() as conn:
-                ids = {key: self._series_id(conn, key[0], key[1]) for key in wanted}
-                known = [i for i in ids.values() if i is not None]
-                return ids, f.raw_window_many(conn, known, lo, hi), {i: r.buckets_window(conn, i, lo, hi)
-                                                                     for i in known}
-
-        nothing: _ManyRead = ({}, {}, {})
-        ids, raw, buckets = self._from_file(read, nothing)
-        pending = self._pending()
-        extra: dict[SeriesKey, Columns] = {}
-        keys: dict[tuple[str, Labels], SeriesKey] = {}
-        if pending:
-            keys = {key: series_key(key[0], q.canonical(key[1])) for key in wanted}
-            extra = d.pending_columns(pending, set(keys.values()), lo, hi)
-        for key in wanted:
-            series_id = ids.get(key)
-            cols = raw[series_id] if series_id is not None else Columns()
-            if extra:
-                cols.extend(extra.get(keys[key], Columns()))
-            agg = r.combine(cols, buckets[series_id] if series_id is not None else [])
+        for key, cols, buckets, extra in self._many(series, start, end, f.raw_window_many, Columns):
+            if extra is not None:
+                cols.extend(extra)
+            agg = r.combine(cols, buckets)
             if agg is not None:
                 out[key] = agg
         return out
@@ -219,35 +199,42 @@ class TSDBReads:
         """``metrics.model.MeanReads``: ``aggregate_many``'s count, avg, first and last
         times of several series, from sums taken while decoding: a report of every
         pod's mean usage held each pod's window as arrays until the last one was read."""
+        out: dict[tuple[str, Labels], Mean] = {}
+        for key, sums, buckets, extra in self._many(series, start, end, f.sums_window_many, Sums):
+            if extra is not None:
+                sums.add_columns(extra)
+            mean = r.combine_mean(sums, buckets)
+            if mean is not None:
+                out[key] = mean
+        return out
+
+    def _many(self, series: Iterable[tuple[str, Labels]], start: float, end: float,
+              raw_of: Callable[[sqlite3.Connection, Sequence[int], int, int], dict[int, _Raw]],
+              empty: Callable[[], _Raw]) -> Iterator[tuple[tuple[str, Labels], _Raw, list[r.Bucket], Columns | None]]:
+        """Per series (in the order given, once each): its raw samples as ``raw_of`` reads
+        them, its buckets, and the batch's samples to add while degraded; one snapshot."""
         lo, hi = q.to_ms(start), q.to_ms(end)
         wanted = list(dict.fromkeys(series))
 
-        def read() -> tuple[dict[tuple[str, Labels], int | None], dict[int, Sums], dict[int, list[r.Bucket]]]:
+        def read() -> tuple[dict[tuple[str, Labels], int | None], dict[int, _Raw], dict[int, list[r.Bucket]]]:
             with self._snapshot() as conn:
                 ids = {key: self._series_id(conn, key[0], key[1]) for key in wanted}
                 known = [i for i in ids.values() if i is not None]
-                return ids, f.sums_window_many(conn, known, lo, hi), {i: r.buckets_window(conn, i, lo, hi)
-                                                                      for i in known}
+                return ids, raw_of(conn, known, lo, hi), {i: r.buckets_window(conn, i, lo, hi) for i in known}
 
-        nothing: tuple[dict[tuple[str, Labels], int | None], dict[int, Sums], dict[int, list[r.Bucket]]] = \
+        nothing: tuple[dict[tuple[str, Labels], int | None], dict[int, _Raw], dict[int, list[r.Bucket]]] = \
             ({}, {}, {})
-        ids, sums, buckets = self._from_file(read, nothing)
+        ids, raw, buckets = self._from_file(read, nothing)
         pending = self._pending()
         extra: dict[SeriesKey, Columns] = {}
         keys: dict[tuple[str, Labels], SeriesKey] = {}
         if pending:
             keys = {key: series_key(key[0], q.canonical(key[1])) for key in wanted}
             extra = d.pending_columns(pending, set(keys.values()), lo, hi)
-        out: dict[tuple[str, Labels], Mean] = {}
         for key in wanted:
             series_id = ids.get(key)
-            found = sums[series_id] if series_id is not None else Sums()
-            if extra and keys[key] in extra:
-                found.add_columns(extra[keys[key]])
-            mean = r.combine_mean(found, buckets[series_id] if series_id is not None else [])
-            if mean is not None:
-                out[key] = mean
-        return out
+            yield (key, raw[series_id] if series_id is not None else empty(),
+                   buckets[series_id] if series_id is not None else [], extra.get(keys[key]) if extra else None)
 
     def window_view(self, series: Sequence[tuple[str, Labels]]) -> WindowView | None:
         """``metrics.model.WindowViews``: ``aggregate_many`` of ``series`` kept between
