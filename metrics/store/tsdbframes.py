@@ -217,7 +217,8 @@ def sums_window_many(conn: sqlite3.Connection, ids: Sequence[int], start: int, e
     out = {i: Sums() for i in ids}
     for i, sums in out.items():
         sums.add_columns(chunks_columns(conn, i, start, end))
-    _visit(_frames_in(conn, start, end, set(ids)), set(ids), start, end, out.__getitem__)
+    wanted = set(ids)
+    _visit(_frames_in(conn, start, end, wanted), wanted, start, end, out.__getitem__)
     return out
 
 

@@ -248,13 +248,13 @@ class TSDBReads:
     def _raw_since(self, series: Sequence[tuple[str, Labels]], lo: int, hi: int
                    ) -> tuple[dict[tuple[str, Labels], Columns], bool]:
         """The flushed raw samples of ``series`` in ``[lo, hi]`` ms, and whether rolled-up
-        buckets overlap it, from one snapshot."""
-        with self._snapshot() as conn:
-            ids = {key: self._series_id(conn, key[0], key[1]) for key in series}
-            known = [i for i in ids.values() if i is not None]
-            raw = f.raw_window_many(conn, known, lo, hi)
-            buckets = any(r.buckets_window(conn, i, lo, hi) for i in known)
-        return {key: raw[i] for key, i in ids.items() if i is not None}, buckets
+        buckets overlap it or the batch in memory adds to it (degraded), from one snapshot."""
+        raw: dict[tuple[str, Labels], Columns] = {}
+        whole = False  # only a whole read answers: buckets, or samples held in memory
+        for key, cols, buckets, extra in self._many(series, q.from_ms(lo), q.from_ms(hi), f.raw_window_many, Columns):
+            raw[key] = cols
+            whole = whole or bool(buckets) or extra is not None
+        return raw, whole
 
     def last(self, metric: str, labels: Labels, max_age: float, now: float) -> Sample | None:
         """Newest sample in ``[now - max_age, now]``, flushed, still in the batch, or

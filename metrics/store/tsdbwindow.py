@@ -31,7 +31,6 @@ from typing import Final
 from metrics.model import Aggregate, Labels
 from metrics.store import tsdbquery as q
 from metrics.store.tsdbcols import Columns, summarize
-from metrics.store.tsdbquery import TSDBError
 
 #: Flushes remembered; a view read less often than this many flushes reads everything.
 CHANGES_KEPT: Final = 256
@@ -39,7 +38,7 @@ CHANGES_KEPT: Final = 256
 EVERYTHING: Final = -(1 << 62)
 
 Series = tuple[str, Labels]
-#: ``(columns by series, whether the window holds rolled-up buckets)`` from one snapshot.
+#: ``(columns by series, whether only a whole read answers: buckets, or degraded)``, one snapshot.
 RawRead = Callable[[Sequence[Series], int, int], tuple[dict[Series, Columns], bool]]
 Aggregates = Callable[[Sequence[Series], float, float], dict[Series, Aggregate]]
 
@@ -107,13 +106,8 @@ class WindowView:
             lo, hi = q.to_ms(start), q.to_ms(end)
             seq = self._changes.seq  # before the read: a flush meanwhile is re-read next time
             since = self._since(lo, hi)
-            try:
-                read, buckets = self._raw(self.series, lo if since is None else since, hi)
-            except TSDBError:
-                if not self._degraded():
-                    raise
-                buckets = True  # degraded meanwhile: the reads serve from memory
-            if buckets:
+            read, whole = self._raw(self.series, lo if since is None else since, hi)
+            if whole or self._degraded():  # buckets in the window, or degraded meanwhile
                 self._cols = None
                 return self._aggregates(self.series, start, end)
             if since is None:
