@@ -40,6 +40,7 @@ same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import itertools
 import json
@@ -51,6 +52,8 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -246,7 +249,20 @@ def _api_server(base: Path, report_interval: int) -> tuple[Any, Path]:
     return api, kubeconfig
 
 
-def _kube(node: BenchNode, args: argparse.Namespace, pods: int) -> list[tuple[str, dict[str, Any]]]:
+@dataclass
+class _KubeNode:
+    """One pod count's node in a ``--kube`` run: its API server, its variants (name, the
+    proxy's doc, the code's directory), their environments, and every run's figures."""
+
+    node: BenchNode
+    pods: int
+    api: Any
+    variants: list[tuple[str, dict[str, Any], Path | None]]
+    envs: dict[str, dict[str, str]]
+    runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+def _kube(node: BenchNode, args: argparse.Namespace, pods: int) -> _KubeNode:
     api, kubeconfig = _api_server(node.base, args.report_interval)
     kube = {"kube": True, "kubeconfig": str(kubeconfig), "node_name": BENCH_NODE}
     variants: list[tuple[str, dict[str, Any], Path | None]] = [  # name, tasks (then the whole doc), code
@@ -300,31 +316,37 @@ def _kube(node: BenchNode, args: argparse.Namespace, pods: int) -> list[tuple[st
         variants.append((f"everything on, kube: true, code of {old}", everything("e.db"), old))
     if args.only:
         variants = [v for v in variants if args.only in v[0]]
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
+    return _KubeNode(node, pods, api, variants, envs, {name: [] for name, _, _ in variants})
+
+
+def _kube_repeat(k: _KubeNode, args: argparse.Namespace, r: int) -> None:
+    """Repeat ``r`` of every variant on ``k``'s node (variant A, B, ..., then A, B, ... again)."""
     patch = f"/apis/slo.koordinator.sh/v1alpha1/nodemetrics/{BENCH_NODE}/status"
-    for r in range(args.repeat):  # repeats interleaved: variant A, B, ..., then A, B, ... again
-        for i, (name, doc, cwd) in enumerate(variants):
-            tag = f"k{i}" if r == 0 else f"k{i}r{r}"
-            before = len(api.seen("PATCH", patch))
-            proc, _sock, port = node.proxy(tag, _fresh_store(doc, r), cwd=cwd, env=envs.get(name))
-            prof = Path(args.py_spy) / f"p{pods}-{tag}.txt" if args.py_spy else None
-            if prof is not None:
-                prof.parent.mkdir(parents=True, exist_ok=True)
-            row = _measure(proc, port, args.warmup, args.window, prof)
-            row["patches"] = len(api.seen("PATCH", patch)) - before
-            runs[name].append(row)
-            node.stop(proc)
-    api.close()
-    rows = [(name, _median_row(measured)) for name, measured in runs.items()]
-    print(f"\n### Metrics agent with a cluster connection, {pods} pods x 1 container, window "
+    for i, (name, doc, cwd) in enumerate(k.variants):
+        tag = f"k{i}" if r == 0 else f"k{i}r{r}"
+        before = len(k.api.seen("PATCH", patch))
+        proc, _sock, port = k.node.proxy(tag, _fresh_store(doc, r), cwd=cwd, env=k.envs.get(name))
+        prof = Path(args.py_spy) / f"p{k.pods}-{tag}.txt" if args.py_spy else None
+        if prof is not None:
+            prof.parent.mkdir(parents=True, exist_ok=True)
+        row = _measure(proc, port, args.warmup, args.window, prof)
+        row["patches"] = len(k.api.seen("PATCH", patch)) - before
+        k.runs[name].append(row)
+        k.node.stop(proc)
+
+
+def _kube_report(k: _KubeNode, args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """Print ``k``'s table (medians, each run in brackets) and parts; the median rows."""
+    rows = [(name, _median_row(measured)) for name, measured in k.runs.items()]
+    print(f"\n### Metrics agent with a cluster connection, {k.pods} pods x 1 container, window "
           f"{args.window:.0f} s after {args.warmup:.0f} s warm-up "
           f"(test API server, NodeMetric every {args.report_interval} s"
           f"{f'; median of {args.repeat} runs, each run in brackets' if args.repeat > 1 else ''})\n")
     print("| proxy | CPU % of a core | wake-ups /s | RSS MiB | peak RSS MiB | NodeMetric PATCHes |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, row in rows:
-        each = _each(runs[name], "cpu_pct", ".2f")
-        peaks = _each(runs[name], "hwm_mib", ".1f")
+        each = _each(k.runs[name], "cpu_pct", ".2f")
+        peaks = _each(k.runs[name], "hwm_mib", ".1f")
         print(f"| {name} | {row['cpu_pct']:.2f}{each} | {row['wakes']:.0f} | {row['rss_mib']:.1f} "
               f"| {row['hwm_mib']:.1f}{peaks} | {row['patches']} |")
     _print_parts(rows)
@@ -358,31 +380,68 @@ def _median_row(measured: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def _print_marginal(by_pods: dict[int, list[tuple[str, dict[str, Any]]]]) -> None:
+#: One-sided 95 % critical values of Student's t by degrees of freedom (repeats - 1).
+_T95: dict[int, float] = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
+
+
+def _growth(first: list[float], last: list[float], fmt: str) -> tuple[str, str]:
+    """(the per-repeat growth of the per-pod cost from the first step to the last, as
+    ``mean ± standard error``; the verdict). Each repeat's counts ran in one rotation, so a
+    repeat's two steps are paired. "no": the growth is above zero by more than the one-sided
+    95 % bound of its spread over the repeats; "yes": the mean growth is not above zero;
+    otherwise "not resolved": above zero, within what the runs' spread can tell."""
+    growth = [b - a for a, b in zip(first, last, strict=True)]
+    mean = statistics.fmean(growth)
+    if len(growth) < 2:
+        return format(mean, "+" + fmt), "yes" if mean <= 0 else "no (one run)"
+    se = statistics.stdev(growth) / len(growth) ** 0.5
+    bound = _T95.get(len(growth) - 1, 1.645) * se
+    verdict = "yes" if mean <= 0 else "no" if mean > bound else f"not resolved (bound {bound:{fmt}})"
+    return f"{mean:+{fmt}} ± {se:{fmt}}", verdict
+
+
+def _marginal_line(label: str, value: Callable[[dict[str, Any]], float], fmt: str,
+                   medians: dict[int, dict[str, Any]], runs: dict[int, list[dict[str, Any]]]) -> None:
+    """One row of the marginal table: per step the marginal of the medians (each repeat's
+    in brackets), then the growth from the first step to the last and the verdict."""
+    counts = sorted(medians)
+    steps = list(itertools.pairwise(counts))
+    repeats = min(len(runs[n]) for n in counts)
+
+    def step(a: int, b: int, row_a: dict[str, Any], row_b: dict[str, Any]) -> float:
+        return (value(row_b) - value(row_a)) / (b - a)
+
+    med = [step(a, b, medians[a], medians[b]) for a, b in steps]
+    each = [[step(a, b, runs[a][r], runs[b][r]) for r in range(repeats)] for a, b in steps]
+    cells = [format(m, fmt) + (f" ({' / '.join(format(v, fmt) for v in e)})" if repeats > 1 else "")
+             for m, e in zip(med, each, strict=True)]
+    growth, flat = ("", "n/a (one step)") if len(steps) < 2 else _growth(each[0], each[-1], fmt)
+    print(f"| {label} | " + " | ".join(cells) + f" | {growth} | {flat} |")
+
+
+def _part_of(part: str) -> Callable[[dict[str, Any]], float]:
+    """A run's CPU of ``part``, µs per second (0 where that code has no such part)."""
+    return lambda row: 1000.0 * float(row["parts"].get(part, 0.0))
+
+
+def _print_marginal(by_pods: dict[int, list[tuple[str, dict[str, Any]]]],
+                    runs: dict[int, dict[str, list[dict[str, Any]]]]) -> None:
     """Per variant: the marginal cost per pod between successive pod counts, of the whole
-    process (% of a core per pod) and of each part (µs of CPU per second per pod), and
-    whether it is flat (the last step's per-pod cost not above the first's)."""
+    process (% of a core per pod) and of each part (µs of CPU per second per pod), from the
+    medians; with repeats, each repeat's in brackets, and whether it is flat: the growth of
+    the per-pod cost from the first step to the last, repeat by repeat (``_growth``)."""
     counts = sorted(by_pods)
     steps = list(itertools.pairwise(counts))
-    names = [name for name, _ in by_pods[counts[0]]]
-    for name in names:
-        rows = {n: dict(by_pods[n])[name] for n in counts}
+    for name, _ in by_pods[counts[0]]:
+        medians = {n: dict(by_pods[n])[name] for n in counts}
+        each = {n: runs[n][name] for n in counts}
         print(f"\n### Marginal cost per pod, {name}\n")
-        print("| part | " + " | ".join(f"{a} → {b}" for a, b in steps) + " | flat? |")
-        print("|---|" + "---:|" * len(steps) + "---|")
-
-        def line(label: str, values: list[float], fmt: str) -> None:
-            flat = "n/a (one step)" if len(values) < 2 else "yes" if values[-1] <= values[0] else "no"
-            print(f"| {label} | " + " | ".join(format(v, fmt) for v in values) + f" | {flat} |")
-
-        line("whole process, % of a core", [(rows[b]["cpu_pct"] - rows[a]["cpu_pct"]) / (b - a)
-                                             for a, b in steps], ".4f")
-        parts = dict.fromkeys(part for n in counts for part in rows[n]["parts"])
-        for part in parts:
-            line(f"{part}, µs/s", [1000.0 * (rows[b]["parts"].get(part, 0.0) - rows[a]["parts"].get(part, 0.0))
-                                   / (b - a) for a, b in steps], ".1f")
-        line("peak RSS, KiB", [1024.0 * (rows[b]["hwm_mib"] - rows[a]["hwm_mib"]) / (b - a)
-                               for a, b in steps], ".0f")
+        print("| part | " + " | ".join(f"{a} → {b}" for a, b in steps) + " | growth, last step - first | flat? |")
+        print("|---|" + "---:|" * len(steps) + "---:|---|")
+        _marginal_line("whole process, % of a core", lambda row: float(row["cpu_pct"]), ".4f", medians, each)
+        for part in dict.fromkeys(part for n in counts for part in medians[n]["parts"]):
+            _marginal_line(f"{part}, µs/s", _part_of(part), ".1f", medians, each)
+        _marginal_line("peak RSS, KiB", lambda row: 1024.0 * row["hwm_mib"], ".0f", medians, each)
 
 
 def _start_pods(node: BenchNode, pods: int, args: argparse.Namespace) -> None:
@@ -447,13 +506,23 @@ def main() -> int:
     # A SIGTERM unwinds like ^C: the node (its containerd, pods, cgroups, dirs) is removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.kube:
-        by_pods: dict[int, list[tuple[str, dict[str, Any]]]] = {}
-        for pods in counts:  # each count on a node of its own: its pods, its cgroups, its containerd
-            with BenchNode("m") as node:
+        with contextlib.ExitStack() as stack:
+            nodes = []
+            for pods in counts:  # each count on a node of its own: its pods, its cgroups, its containerd
+                node = stack.enter_context(BenchNode("m"))
                 _start_pods(node, pods, args)
-                by_pods[pods] = _kube(node, args, pods)
-        if len(counts) > 1:
-            _print_marginal(by_pods)
+                nodes.append(_kube(node, args, pods))
+                stack.callback(nodes[-1].api.close)
+            # Every node is up before the first run, and the counts take turns (rotated each
+            # repeat): a host that gets busier or quieter through the run moves every count's
+            # figures alike, not the last count's (the marginal costs are differences of them).
+            for rep in range(args.repeat):
+                turn = rep % len(nodes)
+                for kn in nodes[turn:] + nodes[:turn]:
+                    _kube_repeat(kn, args, rep)
+            by_pods = {kn.pods: _kube_report(kn, args) for kn in nodes}
+            if len(counts) > 1:
+                _print_marginal(by_pods, {kn.pods: kn.runs for kn in nodes})
         return 0
     with BenchNode("m") as node:
         _start_pods(node, args.pods, args)
