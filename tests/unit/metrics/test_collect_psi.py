@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from hooks.qos import QoSClass
 from metrics import model as m
 from metrics.collect.base import ReadError
 from metrics.collect.psi import PSICollector, parse_pressure
+from runtimeproxy.app import GC_YOUNG_THRESHOLD
 from runtimeproxy.hookapi import HostRoots
 
 POD_DIR = "kubepods/besteffort/podu1"
@@ -100,6 +102,36 @@ def test_v2_pod_and_container_psi(tmp_path: Path) -> None:
     assert samples[(m.CONTAINER_PSI, container)] == 21.0
     io_total = m.labels(pod_uid="u1", container_id="c1", resource="io", kind="full")
     assert samples[(m.CONTAINER_PSI_TOTAL, io_total)] == pytest.approx(2.0)
+
+
+def test_a_tick_at_250_pods_allocates_under_a_quarter_of_the_young_threshold(tmp_path: Path) -> None:
+    """The PSI tick is the largest batch a collector holds (48 samples a pod, alive until
+    the store has them). A young collection inside a tick visits and promotes them all;
+    the proxy's threshold must leave most ticks without one, or the tick's cost per pod
+    grows with the pod count (it did at 10 000: issue 29)."""
+    host = node_host(tmp_path)
+    write(host.cgroup / "cgroup.controllers", "cpu memory io\n")
+    pods = []
+    for i in range(250):
+        rel = f"kubepods/besteffort/pod{i}"
+        for d in (rel, rel + "/c"):
+            for res in ("cpu", "memory", "io"):
+                write(host.cgroup / d / f"{res}.pressure", pressure((1, 2, 3, 4), (5, 6, 7, 8)))
+        pods.append(m.PodView(uid=f"u{i}", namespace="ns", name=f"p{i}", sandbox_id=f"sb{i}", qos=QoSClass.BE,
+                              priority=0, priority_class="", cgroup_dir=rel,
+                              containers=(m.ContainerView(id=f"c{i}", name="app", cgroup_dir=rel + "/c"),)))
+    collector = PSICollector(host)
+    collector.collect(0, pods)  # the first tick builds each pod's files and labels, once
+    gc.collect()
+    gc.disable()  # the count below is net allocations only while no collection resets it
+    try:
+        before = gc.get_count()[0]
+        samples = collector.collect(0, pods)
+        held = gc.get_count()[0] - before
+    finally:
+        gc.enable()
+    assert len(samples) == 250 * 48 + 20  # and the node's: cpu some, memory and io some and full
+    assert len(samples) <= held < GC_YOUNG_THRESHOLD / 4
 
 
 def test_label_tuples_are_canonical_and_share_their_pairs(tmp_path: Path) -> None:
