@@ -35,6 +35,8 @@ Frame = tuple[list[SeriesKey], list[int], list[float]]
 _R = TypeVar("_R")
 #: What ``_many`` reads of each series: its raw samples (``Columns``) or their sums (``Sums``).
 _Raw = TypeVar("_Raw", Columns, Sums)
+#: What ``_combined`` makes of it: an ``Aggregate`` (of ``Columns``) or a ``Mean`` (of ``Sums``).
+_Out = TypeVar("_Out", Aggregate, Mean)
 
 
 def series_key(metric: str, canonical: Labels) -> SeriesKey:
@@ -185,27 +187,28 @@ class TSDBReads:
                        ) -> dict[tuple[str, Labels], Aggregate]:
         """Several series over ``[start, end]`` from one snapshot and one scan of the
         newest rows; series without samples are absent. Keys are as given."""
-        out: dict[tuple[str, Labels], Aggregate] = {}
-        for key, cols, buckets, extra in self._many(series, start, end, f.raw_window_many, Columns):
-            if extra is not None:
-                cols.extend(extra)
-            agg = r.combine(cols, buckets)
-            if agg is not None:
-                out[key] = agg
-        return out
+        return self._combined(series, start, end, f.raw_window_many, Columns, Columns.extend, r.combine)
 
     def means_many(self, series: Iterable[tuple[str, Labels]], start: float, end: float
                    ) -> dict[tuple[str, Labels], Mean]:
         """``metrics.model.MeanReads``: ``aggregate_many``'s count, avg, first and last
         times of several series, from sums taken while decoding: a report of every
         pod's mean usage held each pod's window as arrays until the last one was read."""
-        out: dict[tuple[str, Labels], Mean] = {}
-        for key, sums, buckets, extra in self._many(series, start, end, f.sums_window_many, Sums):
+        return self._combined(series, start, end, f.sums_window_many, Sums, Sums.add_columns, r.combine_mean)
+
+    def _combined(self, series: Iterable[tuple[str, Labels]], start: float, end: float,
+                  raw_of: Callable[[sqlite3.Connection, Sequence[int], int, int], dict[int, _Raw]],
+                  empty: Callable[[], _Raw], add: Callable[[_Raw, Columns], None],
+                  combine: Callable[[_Raw, list[r.Bucket]], _Out | None]) -> dict[tuple[str, Labels], _Out]:
+        """``combine`` of each series' raw read (the batch's samples ``add``-ed while
+        degraded) and buckets, by series; series without samples are absent."""
+        out: dict[tuple[str, Labels], _Out] = {}
+        for key, raw, buckets, extra in self._many(series, start, end, raw_of, empty):
             if extra is not None:
-                sums.add_columns(extra)
-            mean = r.combine_mean(sums, buckets)
-            if mean is not None:
-                out[key] = mean
+                add(raw, extra)
+            found = combine(raw, buckets)
+            if found is not None:
+                out[key] = found
         return out
 
     def _many(self, series: Iterable[tuple[str, Labels]], start: float, end: float,
