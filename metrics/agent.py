@@ -313,14 +313,16 @@ class MetricsAgent:
             if meta != self._meta_written:  # views are rebuilt every 10 s, mostly unchanged
                 self.tsdb.put_kv(m.KV_POD_META, meta)
                 self._meta_written = meta
-        self.tsdb.write(samples, now)
+        # A batch this fills is flushed below, timed as the flush: flushed inside the
+        # write, its cost was the store's at 250 pods and the flush's at 110.
+        self.tsdb.write(samples, now, flush_full=False)
         if self.topology in collectors:
             record = self.topology.as_record()
             if record is not None:
                 self.tsdb.put_kv(m.KV_NODE_CPU_INFO, record)
         self._account("store", time.thread_time() - started)
         # Ticks jitter by a few ms: 0.9 keeps a 1 s flush on every 1 s tick.
-        if time.monotonic() - self._flushed_at >= 0.9 * self.settings.flush_interval:
+        if self.tsdb.batch_full or time.monotonic() - self._flushed_at >= 0.9 * self.settings.flush_interval:
             self._flushed_at = time.monotonic()
             self._timed("flush", self.tsdb.flush)
 

@@ -10,7 +10,7 @@ manager needs values younger than the flush period.
 A flush stores each ``write()`` call's samples as one row of arrays (a frame, see
 ``metrics.store.tsdbframes``); frames are packed into per-series chunks
 (``metrics.store.tsdbquery``): a layout's once there are enough for full chunks, all of
-them before a GC or once they hold ``compact_rows`` samples. Both are always read.
+them before a GC or once the oldest is ``compact_age`` old. Both are always read.
 
 Two tiers: raw samples younger than ``raw_retention`` (35 min), and per-series
 buckets (count, sum, min, max, last) of 60 s, 5 min past 2 h, kept until ``retention``
@@ -76,10 +76,13 @@ DEFAULT_COARSE_AFTER: Final = 2 * 3600.0
 DEFAULT_MAX_BYTES: Final = 100 * 2**20
 #: About five seconds of the agent's full write rate (110 pods x 3 containers x 6 metrics).
 DEFAULT_MAX_BATCH: Final = 10_000
-#: Samples in frames that force a full compaction: about eight minutes at the agent's
-#: rate, past the GC's five, which compacts everything first. It bounds what a read
-#: decodes from the frames when nobody runs the GC.
-DEFAULT_COMPACT_ROWS: Final = 600_000
+#: Seconds of frames that force a full compaction: past the GC's five minutes, which
+#: compacts everything first. It bounds what a read decodes from the frames when nobody
+#: runs the GC. An age, not a count of samples (600 000 before): a count is reached
+#: sooner the more pods write, and at 250 pods it came before the GC and before the
+#: 1 s layouts filled their chunks, so every series was packed in shorter chunks, more
+#: often: the compaction's cost per pod grew with the pods (issue 29).
+DEFAULT_COMPACT_AGE: Final = 480.0
 #: Seconds a series' newest sample stays in memory after it was written (pruned at GC).
 LATEST_KEEP: Final = 600.0
 
@@ -126,13 +129,15 @@ class TSDB(TSDBWrites):
         coarse_after: float = DEFAULT_COARSE_AFTER,
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_batch: int = DEFAULT_MAX_BATCH,
-        compact_rows: int = DEFAULT_COMPACT_ROWS,
+        compact_rows: int | None = None,
+        compact_age: float = DEFAULT_COMPACT_AGE,
         clock: Callable[[], float] = time.time,
         readonly: bool = False,
         max_pending: int = d.DEFAULT_MAX_PENDING,
     ) -> None:
         """``coarse_step`` is a multiple of ``rollup_step`` (equal: no coarse buckets);
-        ``raw_retention >= retention`` keeps every sample raw (no rollup tier)."""
+        ``raw_retention >= retention`` keeps every sample raw (no rollup tier).
+        ``compact_rows`` also compacts everything once the frames hold that many samples."""
         self.path = Path(path)
         self.retention = retention
         self.raw_retention = raw_retention
@@ -149,7 +154,10 @@ class TSDB(TSDBWrites):
         #: kv records not written yet because the store is degraded: key -> (JSON, time).
         self._pending_kv: dict[str, tuple[str, float]] = {}
         self._compact_rows = compact_rows
+        self._compact_age = compact_age
         self._frame_samples = 0
+        #: When the oldest frame not yet compacted was flushed (clock seconds); None: none.
+        self._frames_since: float | None = None
         self._clock = clock
         self._write_lock = threading.Lock()
         self._batch_lock = threading.Lock()

@@ -59,8 +59,10 @@ class TSDBWrites(TSDBReads):
     _max_batch: int
     #: Samples the batch may hold while the file cannot be written (oldest dropped).
     _max_pending: int
-    _compact_rows: int
+    _compact_rows: int | None
+    _compact_age: float
     _frame_samples: int
+    _frames_since: float | None
     _clock: Callable[[], float]
     _write_lock: threading.Lock
     _batch_len: int
@@ -78,6 +80,8 @@ class TSDBWrites(TSDBReads):
     def _open_writer(self) -> sqlite3.Connection:
         self._writer, self._frame_samples = q.open_writer(self.path, BUSY_TIMEOUT, WAL_LIMIT)
         self._layouts = f.layout_counts(self._writer)
+        # Frames left by an earlier run are of unknown age: the first flush packs them.
+        self._frames_since = -math.inf if self._frame_samples else None
         return self._writer
 
     def _writable(self) -> sqlite3.Connection | None:
@@ -90,10 +94,12 @@ class TSDBWrites(TSDBReads):
 
     # --- writing ------------------------------------------------------------------
 
-    def write(self, samples: Sequence[Sample], now: float | None = None) -> None:
+    def write(self, samples: Sequence[Sample], now: float | None = None, *, flush_full: bool = True) -> None:
         """Append to the batch (``ts == 0`` is stamped ``now``, default the clock).
         Non-finite values are skipped, logged once per metric: a NaN stored would
-        become a wrong number."""
+        become a wrong number. A batch this fills to ``max_batch`` is flushed here,
+        unless ``flush_full`` is False: then the caller flushes it (``batch_full``),
+        e.g. to account the flush's cost as the flush's, not the write's."""
         self._writable()
         default_ms = q.to_ms(self._clock() if now is None else now)
         if self._key_count > CANON_MAX:  # no GC for long (it prunes them): start over
@@ -116,8 +122,14 @@ class TSDBWrites(TSDBReads):
             if self._degraded.active and self._batch_len > self._max_pending:
                 self._bound()
             full = self._batch_len >= self._max_batch
-        if full:
+        if full and flush_full:
             self.flush()
+
+    @property
+    def batch_full(self) -> bool:
+        """The batch holds ``max_batch`` samples or more: flush it."""
+        with self._batch_lock:
+            return self._batch_len >= self._max_batch
 
     def _columns(self, samples: Sequence[Sample], default_ms: int) -> tuple[list[SeriesKey], list[int], list[float]]:
         """(keys, times, values) of the finite samples, resolving each series' key; a
@@ -257,13 +269,14 @@ class TSDBWrites(TSDBReads):
             if self._degraded.active:
                 self._recovered(now)
             if unordered:
-                self._frame_samples, self._layouts = 0, {}
+                self._frame_samples, self._layouts, self._frames_since = 0, {}, None
             else:
                 self._frame_samples += count
+                self._frames_since = now if self._frames_since is None else self._frames_since
                 for layout in layouts:
                     self._layouts[layout] = self._layouts.get(layout, 0) + 1
             try:
-                if self._frame_samples >= self._compact_rows:
+                if self._compact_all_due(now):
                     self._compact(conn)
                 else:
                     ripe = {k: n - n % q.CHUNK_MAX for k, n in self._layouts.items() if n >= q.CHUNK_MAX}
@@ -274,6 +287,13 @@ class TSDBWrites(TSDBReads):
                     raise
                 self._degrade(exc.__cause__, now)
             return count
+
+    def _compact_all_due(self, now: float) -> bool:
+        """Every frame is to be packed: the oldest is ``compact_age`` old (the GC, which
+        packs them first, did not run), or they hold ``compact_rows`` samples."""
+        if self._frames_since is not None and now - self._frames_since >= self._compact_age:
+            return True
+        return self._compact_rows is not None and self._frame_samples >= self._compact_rows
 
     @staticmethod
     def _rollback(conn: sqlite3.Connection) -> None:
@@ -370,7 +390,7 @@ class TSDBWrites(TSDBReads):
                 raise CorruptStore(self.path, f"{what}: {exc}") from exc
             raise wrap(self.path, what, exc) from exc
         if only is None:
-            self._frame_samples, self._layouts = 0, {}
+            self._frame_samples, self._layouts, self._frames_since = 0, {}, None
             return
         self._frame_samples = max(self._frame_samples - moved, 0)
         for layout, count in only.items():

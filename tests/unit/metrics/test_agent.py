@@ -94,6 +94,40 @@ async def test_the_tick_flushes_and_its_cost_is_accounted(
     await _run_until(agent, run, node_ticks=4, while_running=check)
 
 
+@pytest.mark.asyncio
+async def test_a_tick_that_fills_the_batch_flushes_it_as_the_flush_not_inside_the_write(
+    host: HostRoots, tmp_path: Path, make_agent: AgentFactory
+) -> None:
+    # The flush interval is never due after the first tick: every later flush is of a
+    # full batch. Inside the write, its cost was the store's (at 250 pods, every tick).
+    agent, run = make_agent(host, tmp_path, **FAST, flush_interval="1h")
+    agent.tsdb._max_batch = 5  # a node tick writes more: every tick fills the batch
+    flushes: list[tuple[bool, float]] = []
+    writing = threading.local()
+    write, flush = agent.tsdb.write, agent.tsdb.flush
+
+    def traced_write(*args: Any, **kwargs: Any) -> None:
+        writing.now = True
+        try:
+            write(*args, **kwargs)
+        finally:
+            writing.now = False
+
+    def traced_flush() -> int:
+        flushes.append((getattr(writing, "now", False), agent.cpu_seconds["flush"]))
+        return flush()
+
+    agent.tsdb.write = traced_write  # type: ignore[method-assign]
+    agent.tsdb.flush = traced_flush  # type: ignore[method-assign]
+
+    async def check() -> None:
+        assert len(flushes) >= 3
+        assert not any(inside for inside, _cost in flushes)
+        assert agent.cpu_seconds["flush"] > flushes[1][1] > 0  # each timed as the flush
+
+    await _run_until(agent, run, node_ticks=4, while_running=check)
+
+
 def test_the_store_gets_the_configured_retention_and_tiers(
     host: HostRoots, tmp_path: Path, make_agent: AgentFactory
 ) -> None:

@@ -254,6 +254,42 @@ def test_rows_not_yet_compacted_survive_a_restart_and_are_compacted_later(path: 
         assert recent == 0
 
 
+def _frames(path: Path) -> int:
+    conn = sqlite3.connect(path)
+    try:
+        return int(conn.execute("SELECT count(*) FROM frames").fetchone()[0])
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("series", [10, 100_000])
+def test_frames_are_packed_at_an_age_however_many_series_write_them(path: Path, series: int) -> None:
+    # A 10 s layout (PSI's) does not fill chunks in a minute; without the GC its frames
+    # are packed once the oldest is compact_age old, as many of them as there are
+    # series: a count of samples (600 000 before) came sooner the more pods wrote.
+    clock = Clock()
+    owners = [labels(pod_uid=str(i)) for i in range(series)]
+    with TSDB(path, clock=clock, compact_age=60.0) as db:
+        for second in range(0, 80, 10):
+            clock.now = T0 + second
+            db.write([Sample(CPU, float(second), lbl, 0.0) for lbl in owners])
+            db.flush()
+            assert _frames(path) == (second // 10 + 1 if second < 60 else second // 10 - 6), second
+        packed = db.aggregate(CPU, owners[-1], T0, T0 + 80)
+        assert packed is not None and (packed.count, packed.avg, packed.last) == (8, 35.0, 70.0)
+
+
+def test_a_full_batch_is_left_to_the_caller_when_it_asks(path: Path) -> None:
+    with TSDB(path, max_batch=3, clock=Clock()) as db:
+        db.write(_series(CPU, A, [1.0, 2.0]), flush_full=False)
+        assert not db.batch_full
+        db.write(_series(CPU, A, [3.0], start=T0 + 2), flush_full=False)
+        assert db.batch_full and _frames(path) == 0  # not flushed by the write
+        assert db.flush() == 3 and not db.batch_full
+        db.write(_series(CPU, A, [4.0, 5.0, 6.0], start=T0 + 3))  # the default flushes it
+        assert not db.batch_full and _frames(path) == 3
+
+
 def test_gc_drops_points_past_retention_and_empty_series(path: Path) -> None:
     with TSDB(path, retention=100, clock=Clock()) as db:
         db.write(_series(CPU, A, [1.0] * 10, start=T0, step=20))  # T0 .. T0+180
