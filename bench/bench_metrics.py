@@ -10,9 +10,12 @@ for the metrics variants where that CPU went, from the agent's own per-part
 accounting (``explain``: ``cpu_seconds``, thread CPU time per collector, store
 write, flush incl. compaction, GC).
 
-The store compacts about every two minutes and runs its GC every five; a window
-shorter than that leaves them out; the default window (300 s) includes both (the GC's fold of
-raw samples into rollups only starts once data is 35 minutes old).
+The store packs a 1 s collector's frames every two minutes (once they fill chunks) and
+everything else at its GC, every five minutes (or once the oldest frame is 8 minutes
+old); a window shorter than that leaves the GC out, and the peak RSS with it (the GC's
+compaction is the peak: ~3 MiB at 110 pods); the default window (300 s, after a 20 s
+warm-up) includes it (the GC's fold of raw samples into rollups only starts once data is
+35 minutes old).
 
 ``--steady`` measures the steady state instead: one proxy at the defaults runs for 56
 minutes (a proxy without tasks beside it, idle, as the baseline); the table gives its CPU
