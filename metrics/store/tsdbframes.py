@@ -1,5 +1,5 @@
 """The raw tier's newest part: one row per written batch ("frame"), packed into chunks
-in bulk (``compact``).
+in bulk (``tsdbcompact``).
 
 A frame is what one ``TSDB.write()`` call handed over, as three little-endian arrays:
 series ids (int64), values (float64), and times (int64 ms), the times left out (NULL)
@@ -8,18 +8,13 @@ tick. A row per sample cost ~1 µs to insert and ~0.9 µs to read back at compac
 a frame of 2200 samples is one insert of ~35 kB.
 
 A collector writes its series in the same order every tick, so consecutive frames
-share a layout (byte-identical id arrays; ``layout`` is their CRC-32). Compaction
-concatenates the value arrays of the frames of one layout and takes series ``j``'s
-samples as the slice ``[j::n]``, in C, instead of grouping rows one by one in Python.
-A series whose samples come from several layouts, or out of time order, or twice for
-one time, is merged sample by sample, the later write winning, as a rewritten sample
-always did.
-
-What a compaction costs is mostly per series and chunk (encoding, ~20 µs), not per
-sample. So the writer compacts a layout once it holds ``CHUNK_MAX`` frames, which
-makes full chunks, and leaves slower layouts (PSI every 10 s: thousands of series)
-to the full compaction before each GC, instead of packing every series whenever the
-table holds enough samples.
+share a layout (byte-identical id arrays; ``layout`` is a hash of them). Compaction
+(``tsdbcompact``) takes series ``j``'s samples out of a layout's frames as the slice
+``[j::n]`` of their concatenated values, in C, instead of grouping rows one by one in
+Python. What a compaction costs is mostly per series and chunk (encoding, ~20 µs), not
+per sample. So the writer compacts a layout once it holds ``CHUNK_MAX`` frames, which
+makes full chunks, and leaves slower layouts (PSI every 10 s: thousands of series) to
+the full compaction before each GC or once the oldest frame is ``compact_age`` old.
 
 Readers decode frames per query: the positions of the wanted series are looked up
 once per layout, then each frame is indexed at those positions. A query fetches only
@@ -32,12 +27,10 @@ written before (two id arrays can share one): their frames are always fetched.
 from __future__ import annotations
 
 import array
-import collections
 import functools
 import hashlib
-import operator
 import sqlite3
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Final, NamedTuple
 
 from metrics.store import tsdbquery as q
@@ -45,18 +38,12 @@ from metrics.store.tsdbcols import Columns, Sums, chunks_columns, chunks_columns
 
 INSERT_FRAME: Final = "INSERT INTO frames (layout, lo, hi, n, ids, vals, ts) VALUES (?, ?, ?, ?, ?, ?, ?)"
 LAYOUT_COUNTS: Final = "SELECT layout, count(*) FROM frames GROUP BY layout"
-OLDEST_OF_LAYOUT: Final = "SELECT id, lo, hi, n, ids, vals, ts FROM frames WHERE layout = ? ORDER BY id LIMIT ?"
-DELETE_FRAME: Final = "DELETE FROM frames WHERE id = ?"
 # ?1 first ms, ?2 last ms. Few rows (a couple of minutes of writes): no index needed.
 FRAMES_WINDOW: Final = "SELECT id, lo, hi, n, ids, vals, ts FROM frames WHERE hi >= ?1 AND lo <= ?2 ORDER BY id"
 LAYOUTS_WINDOW: Final = "SELECT layout, min(id) FROM frames WHERE hi >= ?1 AND lo <= ?2 GROUP BY layout"
 FRAME_IDS: Final = "SELECT ids FROM frames WHERE id = ?"
 #: Layouts at or above this are ``layout_of`` hashes (bit 62 set); below, older CRC-32s.
 HASHED_LAYOUT: Final = 1 << 62
-DELETE_FRAMES: Final = "DELETE FROM frames"
-DISTINCT_IDS: Final = "SELECT DISTINCT ids FROM frames"
-LAYOUTS_BY_AGE: Final = "SELECT layout FROM frames GROUP BY layout ORDER BY min(id)"
-FRAMES_OF_LAYOUT: Final = "SELECT id, lo, hi, n, ids, vals, ts FROM frames WHERE layout = ? ORDER BY id"
 SERIES_IDS_OF: Final = "SELECT id, labels FROM series WHERE metric = ?"
 
 
@@ -70,13 +57,13 @@ class Frame(NamedTuple):
     ts: bytes | None
 
 
-def _ints(raw: bytes) -> array.array[int]:
+def ints(raw: bytes) -> array.array[int]:
     a: array.array[int] = array.array("q")
     _load(a, raw)
     return a
 
 
-def _floats(raw: bytes) -> array.array[float]:
+def floats(raw: bytes) -> array.array[float]:
     a: array.array[float] = array.array("d")
     _load(a, raw)
     return a
@@ -108,8 +95,8 @@ def layout_of(ids: bytes) -> int:
 
 
 def _decode(frame: Frame) -> tuple[array.array[float], array.array[int] | None]:
-    vals = _floats(frame.vals)
-    ts = None if frame.ts is None else _ints(frame.ts)
+    vals = floats(frame.vals)
+    ts = None if frame.ts is None else ints(frame.ts)
     if len(vals) != frame.n or (ts is not None and len(ts) != frame.n):
         raise q.DamagedChunk(f"damaged frame {frame.id}: {len(vals)} values for {frame.n} samples")
     return vals, ts
@@ -126,7 +113,7 @@ class _Layouts:
         """``(position, series id)`` of the wanted series in ``frame``."""
         found = self._seen.get(frame.ids)
         if found is None:
-            ids = _ints(frame.ids)
+            ids = ints(frame.ids)
             if len(ids) != frame.n:
                 raise q.DamagedChunk(f"damaged frame {frame.id}: {len(ids)} ids for {frame.n} samples")
             wanted = self._wanted
@@ -146,7 +133,7 @@ def _frames_in(conn: sqlite3.Connection, start: int, end: int, wanted: Collectio
     for layout, first in layouts:
         if layout >= HASHED_LAYOUT:
             row = conn.execute(FRAME_IDS, (first,)).fetchone()
-            if row is not None and wanted_set.isdisjoint(_ints(row[0])):
+            if row is not None and wanted_set.isdisjoint(ints(row[0])):
                 continue  # no wanted series in this layout
         kept.append(layout)
     if len(kept) == len(layouts):
@@ -253,140 +240,6 @@ def latest_ms(conn: sqlite3.Connection, metric: str) -> int | None:
     return max((max(cols.ts) for cols in found.values() if cols), default=None)
 
 
-# --- compaction -------------------------------------------------------------------
-
-
-class _Piece(NamedTuple):
-    """Samples of one series from one layout: times, values, and the frame ids (write
-    order) when the series needs a merge."""
-
-    ts: Sequence[int]
-    vals: Sequence[float]
-    order: Sequence[int]
-
-
-def _ascending(ts: Sequence[int]) -> bool:
-    return all(map(operator.lt, ts, ts[1:]))
-
-
-class _Group:
-    """One id array's frames, decoded as they stream past: the values (and times, once
-    a frame has its own) of every frame end to end, and the frame ids in arrival order."""
-
-    __slots__ = ("ids", "los", "order", "stamps", "vals")
-
-    def __init__(self, frame: Frame) -> None:
-        self.ids = _ints(frame.ids)
-        if len(self.ids) != frame.n:
-            raise q.DamagedChunk(f"damaged frame {frame.id}: {len(self.ids)} ids for {frame.n} samples")
-        self.vals: array.array[float] = array.array("d")
-        self.los: list[int] = []
-        self.order: list[int] = []
-        #: Each sample's time: None while every frame so far has one time for all (``lo``).
-        self.stamps: array.array[int] | None = None
-
-    def add(self, frame: Frame) -> None:
-        vals, ts = _decode(frame)
-        n = len(self.ids)
-        if ts is not None and self.stamps is None:
-            self.stamps = array.array("q")
-            for lo in self.los:
-                self.stamps += array.array("q", [lo]) * n
-        self.vals += vals
-        self.los.append(frame.lo)
-        self.order.append(frame.id)
-        if self.stamps is not None:
-            self.stamps += ts if ts is not None else array.array("q", [frame.lo]) * n
-
-    def pieces(self) -> Iterator[tuple[int, _Piece]]:
-        n = len(self.ids)
-        for j, sid in enumerate(self.ids):
-            times = self.los if self.stamps is None else self.stamps[j::n]
-            yield sid, _Piece(times, self.vals[j::n], self.order)
-
-
-def _groups(frames: Iterable[Frame]) -> list[_Group]:
-    """The frames by id array. Frames are decoded one at a time as they come (a
-    compaction's frames together are megabytes: 120 s of the pods collector's at 110
-    pods ~3 MiB, held besides their decoded copy before)."""
-    groups: dict[bytes, _Group] = {}
-    for frame in frames:
-        group = groups.get(frame.ids)
-        if group is None:
-            group = groups[frame.ids] = _Group(frame)
-        group.add(frame)
-    return list(groups.values())
-
-
-def _merged(pieces: list[_Piece]) -> tuple[list[int], list[float]]:
-    """Samples of several pieces in time order; for a time written twice, the later write."""
-    triples = sorted((t, fid, v) for p in pieces for t, fid, v in zip(p.ts, p.order, p.vals, strict=True))
-    merged = {t: v for t, _, v in triples}
-    return list(merged), list(merged.values())
-
-
-_Samples = Iterator[tuple[int, Sequence[int], Sequence[float]]]
-
-
-def _series_samples(groups: Sequence[_Group]) -> _Samples:
-    """``(series id, strictly ascending ms, values)`` of every series in ``groups``. A
-    series in one id array only (nearly all) is sliced out when its turn comes, not all
-    of them first; one in several is merged from its pieces at the end."""
-    layouts_of = collections.Counter(sid for group in groups for sid in group.ids)
-    several: dict[int, list[_Piece]] = {}
-    yield from _single(groups, layouts_of, several)
-    for sid, pieces in several.items():
-        yield sid, *_merged(pieces)
-
-
-def _single(groups: Iterable[_Group], layouts_of: Mapping[int, int], several: dict[int, list[_Piece]]) -> _Samples:
-    """The series of ``groups`` found in one id array only; the pieces of the others
-    are added to ``several``."""
-    for group in groups:
-        for sid, piece in group.pieces():
-            if layouts_of[sid] > 1:
-                several.setdefault(sid, []).append(piece)
-            elif _ascending(piece.ts):
-                yield sid, piece.ts, piece.vals
-            else:
-                yield sid, *_merged([piece])
-
-
-def _compact_all(conn: sqlite3.Connection, chunk_hi: dict[int, int] | None) -> int:
-    """``compact`` of every frame, one layout's frames decoded and stored at a time
-    (oldest layout first); the pieces of series in several id arrays are kept and
-    merged at the end, so the later write still wins. All frames decoded and their
-    chunks built together were the GC's peak: 5 MiB at 110 pods (the 1 s layouts' last
-    two minutes and PSI's five)."""
-    layouts_of = collections.Counter(sid for (ids,) in conn.execute(DISTINCT_IDS) for sid in _ints(ids))
-    several: dict[int, list[_Piece]] = {}
-    moved = 0
-    for (layout,) in conn.execute(LAYOUTS_BY_AGE).fetchall():
-        # A list: the cursor is done before the layout's series are stored.
-        groups = _groups(map(Frame._make, conn.execute(FRAMES_OF_LAYOUT, (layout,))))
-        moved += q.store_series(conn, _single(groups, layouts_of, several), chunk_hi)
-        del groups  # before the next layout's are decoded
-    merged = ((sid, *_merged(pieces)) for sid, pieces in several.items())
-    moved += q.store_series(conn, merged, chunk_hi)
-    conn.execute(DELETE_FRAMES)
-    return moved
-
-
 def layout_counts(conn: sqlite3.Connection) -> dict[int, int]:
     """Frames per layout."""
     return {int(layout): int(n) for layout, n in conn.execute(LAYOUT_COUNTS)}
-
-
-def compact(conn: sqlite3.Connection, chunk_hi: dict[int, int] | None, only: Mapping[int, int] | None = None) -> int:
-    """Move frames into ``chunks`` (the caller's transaction): all of them, or ``only``
-    the oldest ``count`` frames of each ``layout: count``. Returns the samples moved.
-    ``chunk_hi``: see ``tsdbquery.store_series``."""
-    if only is None:
-        return _compact_all(conn, chunk_hi)
-    # each layout's oldest in id order (``_merged`` orders by id where times repeat)
-    frames = (Frame._make(row) for layout, count in only.items()
-              for row in conn.execute(OLDEST_OF_LAYOUT, (layout, count)))
-    groups = _groups(frames)  # the cursor is done before the first series is stored
-    moved = q.store_series(conn, _series_samples(groups), chunk_hi)
-    conn.executemany(DELETE_FRAME, [(frame_id,) for group in groups for frame_id in group.order])
-    return moved

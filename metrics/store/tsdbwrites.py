@@ -23,6 +23,7 @@ from typing import Final, NamedTuple
 import structlog
 
 from metrics.model import Labels, Sample
+from metrics.store import tsdbcompact as c
 from metrics.store import tsdbdegraded as d
 from metrics.store import tsdbframes as f
 from metrics.store import tsdbquery as q
@@ -247,7 +248,7 @@ class TSDBWrites(TSDBReads):
                 for key, (text, at) in kv.items():
                     conn.execute(q.PUT_KV, (key, text, at))
                 if unordered:
-                    f.compact(conn, self._chunk_bounds(conn))
+                    c.compact(conn, self._chunk_bounds(conn))
                 conn.execute("COMMIT")
             except (sqlite3.Error, q.DamagedChunk) as exc:
                 self._rollback(conn)
@@ -379,7 +380,7 @@ class TSDBWrites(TSDBReads):
 
         def work() -> None:
             nonlocal moved
-            moved = f.compact(conn, self._chunk_bounds(conn), only)
+            moved = c.compact(conn, self._chunk_bounds(conn), only)
 
         try:
             q.in_transaction(conn, work)
