@@ -256,11 +256,13 @@ class TSDB(TSDBWrites):
             conn = self._writable()
             before = self.size_bytes()
             skipped: r.GCCounts | None = None
+            dropped = True  # until the counts say no series went
             try:
                 if conn is None:  # could not be opened (degraded): nothing to collect
                     raise TSDBError(self.path, "not open")
                 self._compact(conn)
                 counts = r.collect_garbage(conn, tiers, now_ms, self.max_bytes, self.size_bytes, self._coarsened)
+                dropped = counts.series_deleted > 0
             except TSDBError as exc:
                 if conn is not None and not d.unwritable(exc.__cause__):
                     raise
@@ -277,9 +279,11 @@ class TSDB(TSDBWrites):
             finally:
                 if conn is not None:
                     self._rollback(conn)
-                # Dropped series must get fresh ids if their metric comes back.
-                self._ids.clear()
-                self._chunk_hi = None  # re-read at the next compaction: drops dropped series
+                if dropped:
+                    # Dropped series must get fresh ids if their metric comes back. Kept
+                    # otherwise: resolving every series again cost ~6300 statements a GC.
+                    self._ids.clear()
+                    self._chunk_hi = None  # re-read at the next compaction: drops dropped series
             # Folded, dropped, renumbered: a window view reads its whole window again.
             self._changes.note(EVERYTHING)
             if counts is not skipped:  # a skipped GC coarsened nothing

@@ -305,6 +305,34 @@ def test_gc_drops_points_past_retention_and_empty_series(path: Path) -> None:
         assert db.points(CPU, B, 0, T0 + 1000) == [(T0 + 201, 5.0)]
 
 
+def test_a_gc_that_drops_no_series_keeps_the_writers_series_ids(path: Path) -> None:
+    """The writer knows each series' id; a GC that deleted no series leaves that as it
+    was, so the next flush does not look every series up again (~6300 statements a GC
+    at 110 pods); one that drops a series forgets them (test above: a fresh id)."""
+    pods = [labels(pod_uid=f"p{i:03d}") for i in range(50)]
+    with TSDB(path, retention=1000, clock=Clock()) as db:
+        db.write([Sample(CPU, 1.0, lb, T0) for lb in pods])
+        db.flush()
+        statements: list[str] = []
+        writer = db._writer
+        assert writer is not None
+        writer.set_trace_callback(statements.append)
+        assert db.gc(now=T0 + 10).series_deleted == 0
+        statements.clear()
+        db.write([Sample(CPU, 2.0, lb, T0 + 20) for lb in pods])
+        db.flush()
+        lookups = [s for s in statements if "INSERT OR IGNORE INTO series" in s or "FROM series" in s]
+        assert lookups == [], lookups[:3]
+        assert db.points(CPU, pods[7], 0, T0 + 100) == [(T0, 1.0), (T0 + 20, 2.0)]
+        assert db.gc(now=T0 + 1015).series_deleted == 0  # the newest sample is still in
+        assert db.gc(now=T0 + 1025).series_deleted == 50
+        statements.clear()
+        db.write([Sample(CPU, 3.0, pods[0], T0 + 1030)])
+        db.flush()
+        assert any("INSERT OR IGNORE INTO series" in s for s in statements), "a dropped series is looked up again"
+        assert db.points(CPU, pods[0], 0, T0 + 2000) == [(T0 + 1030, 3.0)]
+
+
 def test_gc_size_cap_drops_the_oldest_points_and_shrinks_the_file(path: Path) -> None:
     pods = [labels(pod_uid=f"p{i:03d}") for i in range(50)]
     # All 3000 s raw: this is about the cap on raw samples (rollups: test_tsdb_rollup.py).
