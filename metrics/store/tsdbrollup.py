@@ -103,6 +103,11 @@ RAW_RANGE: Final = (
 
 #: Samples per step below which a series folds straight into coarse buckets.
 SPARSE: Final = 10
+#: Buckets a fold holds before writing them. All of a GC's (~9000 at 110 pods, with
+#: their floats) were its peak once data was old enough to fold (past the raw
+#: retention, 35 minutes): 4.9 MiB of Python objects in a copy of a 110-pod store,
+#: 1.5 with batches (the compaction's); RSS +6.1 -> +2.2 MiB (issue 29).
+FOLD_BATCH: Final = 1024
 #: Fraction of a tier's time range dropped per round when the file is over the cap.
 CAP_FRACTION: Final = 0.1
 _CAP_ROUNDS: Final = 60
@@ -322,6 +327,9 @@ def fold(conn: sqlite3.Connection, tiers: Tiers, now: int, counts: GCCounts) -> 
         counts.points_deleted += k
         counts.points_folded += len(ts) - k
         upserts += bucket_rows(series_id, ts[k:], values[k:], tiers.step, tiers.coarse, coarse_cut)
+        if len(upserts) >= FOLD_BATCH:  # rollups, not the table being scanned
+            conn.executemany(UPSERT, upserts)
+            upserts.clear()
     counts.points_deleted += trim_chunks(conn, retention_cut)
     conn.executemany(UPSERT, upserts)
     oldest, _ = conn.execute(ROLLUP_RANGE).fetchone()
