@@ -272,27 +272,29 @@ def test_a_window_read_holds_one_frame_at_a_time(tmp_path: Path) -> None:
     assert peak < blob_bytes / 4, f"peak {peak} B while reading frames of {blob_bytes} B"
 
 
-def test_a_compaction_decodes_frames_as_they_stream(tmp_path: Path) -> None:
-    """Compacting 110 frames of 1000 series holds less than the frames' own size at its
-    peak: each frame is decoded as it comes, and a series is sliced out when it is stored
-    (before: the frames as a list, their decoded copy and every series' slice at once,
-    2.2 times the frames' size). The samples all arrive, in order."""
+def _one_layout(path: Path, series: int, ticks: int) -> list[Labels]:
+    """``ticks`` frames of one layout (``series`` pods' CPU, value ``t + i``), below a
+    chunk's 120 samples: nothing is compacted yet. Returns the pods' labels."""
+    db = TSDB(path, clock=Clock())
+    many = [labels(pod_uid=f"u{i}") for i in range(series)]
+    for t in range(ticks):
+        db.write([Sample(CPU, float(t + i), lb, T0 + t) for i, lb in enumerate(many)], T0 + t)
+    db.flush()
+    db.close()
+    return many
+
+
+def _traced_compaction(path: Path) -> tuple[int, int, int, int]:
+    """``tsdbcompact.compact`` of every frame of the file at ``path``, traced:
+    ``(frames, their blobs' bytes, samples moved, peak traced bytes)``."""
     import tracemalloc
 
     from metrics.store import tsdbcompact as c
 
-    path = tmp_path / "m.db"
-    db = TSDB(path, clock=Clock())
-    many = [labels(pod_uid=f"u{i}") for i in range(1000)]
-    for t in range(110):  # below a chunk's 120 samples: nothing is compacted yet
-        db.write([Sample(CPU, float(t + i), lb, T0 + t) for i, lb in enumerate(many)], T0 + t)
-    db.flush()
-    db.close()
     conn = sqlite3.connect(path)
     try:
         (frames, blob_bytes), = conn.execute(
             "SELECT count(*), sum(length(vals) + length(ids) + coalesce(length(ts), 0)) FROM frames")
-        assert frames == 110
         conn.execute("BEGIN")
         tracemalloc.start()
         try:
@@ -301,10 +303,21 @@ def test_a_compaction_decodes_frames_as_they_stream(tmp_path: Path) -> None:
         finally:
             tracemalloc.stop()
         conn.commit()
-        assert moved == 110 * 1000
         assert conn.execute("SELECT count(*) FROM frames").fetchone()[0] == 0
     finally:
         conn.close()
+    return frames, blob_bytes, moved, peak
+
+
+def test_a_compaction_decodes_frames_as_they_stream(tmp_path: Path) -> None:
+    """Compacting 110 frames of 1000 series holds less than the frames' own size at its
+    peak: each frame is decoded as it comes, and a series is sliced out when it is stored
+    (before: the frames as a list, their decoded copy and every series' slice at once,
+    2.2 times the frames' size). The samples all arrive, in order."""
+    path = tmp_path / "m.db"
+    _one_layout(path, 1000, 110)
+    frames, blob_bytes, moved, peak = _traced_compaction(path)
+    assert frames == 110 and moved == 110 * 1000
     assert peak < blob_bytes, f"peak {peak} B while compacting frames of {blob_bytes} B"
     reopened = TSDB(path, clock=Clock())
     try:
@@ -318,10 +331,6 @@ def test_a_full_compaction_holds_one_layouts_frames_at_a_time(tmp_path: Path) ->
     """Two collectors' layouts (their own series): the full compaction before a GC
     decodes and stores one layout, then the other, so its peak is about one layout's,
     not both (all of them together were the GC's peak RSS: 5 MiB at 110 pods)."""
-    import tracemalloc
-
-    from metrics.store import tsdbcompact as c
-
     path = tmp_path / "m.db"
     db = TSDB(path, clock=Clock())
     first = [labels(pod_uid=f"u{i}") for i in range(1000)]
@@ -331,22 +340,8 @@ def test_a_full_compaction_holds_one_layouts_frames_at_a_time(tmp_path: Path) ->
         db.write([Sample(MEM, float(t * i), lb, T0 + t) for i, lb in enumerate(second)], T0 + t)
     db.flush()
     db.close()
-    conn = sqlite3.connect(path)
-    try:
-        (layouts, blob_bytes), = conn.execute(
-            "SELECT count(DISTINCT layout), sum(length(vals) + length(ids) + coalesce(length(ts), 0)) FROM frames")
-        assert layouts == 2
-        conn.execute("BEGIN")
-        tracemalloc.start()
-        try:
-            moved = c.compact(conn, None)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
-        conn.commit()
-        assert moved == 2 * 100 * 1000
-    finally:
-        conn.close()
+    frames, blob_bytes, moved, peak = _traced_compaction(path)
+    assert frames == 2 * 100 and moved == 2 * 100 * 1000
     # One layout's decoded values and chunks at a time: 1.65 MB here; both at once 2.73.
     assert peak < 0.6 * blob_bytes, f"peak {peak} B while compacting two layouts of {blob_bytes} B"
     reopened = TSDB(path, clock=Clock())
@@ -362,33 +357,10 @@ def test_a_compaction_holds_a_slice_of_a_layouts_series_not_the_layout(tmp_path:
     frames are read a slice of series at a time, so the compaction's peak is a small part
     of the layout (the layout decoded at once and every series' chunks built before one
     was inserted: 0.76 of its frames' size; a slice at a time: 0.09), and every sample arrives."""
-    import tracemalloc
-
-    from metrics.store import tsdbcompact as c
-
     path = tmp_path / "m.db"
-    db = TSDB(path, clock=Clock())
-    many = [labels(pod_uid=f"u{i}") for i in range(3000)]
-    for t in range(100):  # below a chunk's 120 samples: nothing is compacted yet
-        db.write([Sample(CPU, float(t + i), lb, T0 + t) for i, lb in enumerate(many)], T0 + t)
-    db.flush()
-    db.close()
-    conn = sqlite3.connect(path)
-    try:
-        (frames, blob_bytes), = conn.execute(
-            "SELECT count(*), sum(length(vals) + length(ids) + coalesce(length(ts), 0)) FROM frames")
-        assert frames == 100
-        conn.execute("BEGIN")
-        tracemalloc.start()
-        try:
-            moved = c.compact(conn, None)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
-        conn.commit()
-        assert moved == 100 * 3000
-    finally:
-        conn.close()
+    many = _one_layout(path, 3000, 100)
+    frames, blob_bytes, moved, peak = _traced_compaction(path)
+    assert frames == 100 and moved == 100 * 3000
     assert peak < 0.2 * blob_bytes, f"peak {peak} B while compacting a layout of {blob_bytes} B"
     reopened = TSDB(path, clock=Clock())
     try:
