@@ -12,10 +12,10 @@ write, flush incl. compaction, GC).
 
 The store packs a 1 s collector's frames every two minutes (once they fill chunks) and
 everything else at its GC, every five minutes (or once the oldest frame is 8 minutes
-old); a window shorter than that leaves the GC out, and the peak RSS with it (the GC's
-compaction is the peak: ~3 MiB at 110 pods); the default window (300 s, after a 20 s
-warm-up) includes it (the GC's fold of raw samples into rollups only starts once data is
-35 minutes old).
+old); a window shorter than that leaves the GC out, and the peak RSS with it (the GC is
+the peak: +2.1 MiB at 110 pods before its compaction read slices, +0.5 since); the
+default window (300 s, after a 20 s warm-up) includes it (the GC's fold of raw samples
+into rollups only starts once data is 35 minutes old: ``--steady`` sees it).
 
 ``--steady`` measures the steady state instead: one proxy at the defaults runs for 56
 minutes (a proxy without tasks beside it, idle, as the baseline); the table gives its CPU
