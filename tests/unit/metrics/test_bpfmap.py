@@ -82,3 +82,17 @@ def test_a_bad_descriptor_is_an_error_naming_the_command() -> None:
     with pytest.raises(bpfmap.BpfError) as info:
         BpfMap(10**6, KEY.size, VALUE.size, 16).drain()  # far above any descriptor in use
     assert info.value.errno == errno.EBADF and "BPF_MAP_LOOKUP_AND_DELETE_BATCH" in str(info.value)
+
+
+def test_buffers_hold_one_batch_not_the_whole_map_and_small_batches_drain_it_all(
+    filled: tuple[BpfMap, dict[bytes, bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bmap, entries = filled
+    # A 16384-entry histogram map's buffers were sized for all of it: resident for nothing.
+    assert ctypes.sizeof(bmap._keys) == KEY.size * bpfmap.BATCH < KEY.size * bmap.max_entries
+    assert ctypes.sizeof(bmap._values) == VALUE.size * bpfmap.BATCH
+    monkeypatch.setattr(bpfmap, "BATCH", 64)
+    small = BpfMap(bmap.fd, KEY.size, VALUE.size, bmap.max_entries)  # 3000 entries: ~47 calls
+    got = small.drain()
+    assert small.batch and len(got) == len(entries) and dict(got) == entries
+    assert small.drain() == []
