@@ -50,8 +50,10 @@ SCHEMA_VERSION: Final = 3
 #: SQLite page caches (KiB): resident memory once filled, so sized to the work. Reads
 #: are of recent frames the kernel's page cache holds anyway, and each reading thread
 #: has its own connection: 2048 / 512 -> 1024 / 128 took 2.5 MiB off the peak at 110 pods
-#: with no CPU cost, compaction and GC included (docs/benchmarks.md, issue 29).
-WRITER_CACHE_KIB: Final = 1024
+#: with no CPU cost, compaction and GC included (docs/benchmarks.md, issue 29). Since the
+#: compaction goes a slice of series at a time, 512 holds its pages: a GC of a 110-pod
+#: store's copy peaked 0.76 MiB lower at the same CPU (315 ms).
+WRITER_CACHE_KIB: Final = 512
 READER_CACHE_KIB: Final = 128
 
 #: Samples per chunk: 2 minutes at 1 Hz; at most ~1.2 kB, so a row never overflows a page.
@@ -192,8 +194,8 @@ def open_writer(path: Path, busy_timeout: float, wal_limit: int) -> tuple[sqlite
         conn.execute("PRAGMA journal_mode = WAL").fetchone()
         # NORMAL in WAL mode: a power loss may lose the last commits, never corrupt the file.
         conn.execute("PRAGMA synchronous = NORMAL")
-        # Room for a compaction's pages (a layout's 120 frames, ~1.3 MiB at 110 pods),
-        # so none is spilled mid-transaction; no more: the cache stays resident.
+        # Room for a compaction slice's pages, so few are spilled mid-transaction; no
+        # more: the cache stays resident.
         conn.execute(f"PRAGMA cache_size = -{WRITER_CACHE_KIB}")
         conn.execute("PRAGMA temp_store = MEMORY")  # the compaction's sort: no temp file
         # Checkpoints keep the WAL from growing, but it keeps its high-water size

@@ -398,3 +398,43 @@ def test_two_id_arrays_of_one_older_layout_compact_apart_and_the_later_write_win
     assert db.points(CPU, PODS[1], T0 + 0.5, T0 + 5) == [(T0 + 1, 20.0), (T0 + 2, 4.0)]
     assert db.points(CPU, PODS[2], T0 + 0.5, T0 + 5) == [(T0 + 1, 30.0)]
     db.close()
+
+
+def test_the_writers_sqlite_memory_during_a_compaction_stays_near_its_page_cache(tmp_path: Path) -> None:
+    """SQLite's own memory (not Python's: its page cache stays resident once filled)
+    from opening the writer to the end of a compaction of 110 frames of 2000 series
+    (~2.4 MB of blobs) in one transaction: the compaction stores a slice of series at a
+    time, so a 512 KiB cache holds its pages; with the 1 MiB cache before, SQLite's
+    memory grew by 1.15 MiB."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("sqlite3")
+    if name is None or not sqlite3.sqlite_version:
+        pytest.skip("no shared libsqlite3 to ask")
+    lib = ctypes.CDLL(name)
+    lib.sqlite3_memory_used.restype = ctypes.c_int64
+    lib.sqlite3_memory_highwater.restype = ctypes.c_int64
+    lib.sqlite3_memory_highwater.argtypes = [ctypes.c_int]
+    path = tmp_path / "m.db"
+    _one_layout(path, 2000, 110)
+    probe = sqlite3.connect(":memory:")  # counted if that library is the one Python's sqlite3 uses
+    before = lib.sqlite3_memory_used()
+    probe.close()
+    if before <= 0:
+        pytest.skip(f"{name} is not the library Python's sqlite3 uses (no memory counted)")
+    before = lib.sqlite3_memory_used()
+    lib.sqlite3_memory_highwater(1)  # reset the high-water mark to what is in use now
+    db = TSDB(path, clock=Clock())  # its open counts the frames' samples: a full scan
+    try:
+        db.compact()
+        grew = lib.sqlite3_memory_highwater(0) - before
+    finally:
+        db.close()
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("SELECT count(*) FROM frames").fetchone()[0] == 0
+        assert conn.execute("SELECT sum(n) FROM chunks").fetchone()[0] == 2000 * 110
+    finally:
+        conn.close()
+    assert grew < 900 * 1024, f"SQLite memory grew by {grew / 1024:.0f} KiB (650 with a 512 KiB cache)"
