@@ -169,7 +169,7 @@ class TSDB(TSDBWrites):
         self._unordered = False
         #: Series id -> no chunk of it ends later (``tsdbquery.store_series``); None:
         #: read from the file at the next compaction.
-        self._chunk_hi: dict[int, int] | None = None
+        self._chunk_hi: q.ChunkBounds | None = None
         #: Frames per layout (``tsdbframes``), to compact a layout once it fills chunks.
         self._layouts: dict[int, int] = {}
         #: Newest sample written per series (flushed or not), for ``last()``.

@@ -158,7 +158,7 @@ def _units(conn: sqlite3.Connection, cuts: Iterable[tuple[int, int]]) -> list[_U
             for (ids,) in conn.execute(UNIT_IDS, (layout, last)).fetchall()]
 
 
-def _store(conn: sqlite3.Connection, units: Sequence[_Unit], chunk_hi: dict[int, int] | None) -> int:
+def _store(conn: sqlite3.Connection, units: Sequence[_Unit], chunk_hi: q.ChunkBounds | None) -> int:
     several = _in_several(unit.ids for unit in units)
     held: dict[int, list[_Piece]] = {}
     moved = 0
@@ -169,7 +169,7 @@ def _store(conn: sqlite3.Connection, units: Sequence[_Unit], chunk_hi: dict[int,
     return moved + q.store_series(conn, merged, chunk_hi)
 
 
-def compact(conn: sqlite3.Connection, chunk_hi: dict[int, int] | None, only: Mapping[int, int] | None = None) -> int:
+def compact(conn: sqlite3.Connection, chunk_hi: q.ChunkBounds | None, only: Mapping[int, int] | None = None) -> int:
     """Move frames into ``chunks`` (the caller's transaction): all of them (oldest layout
     first), or ``only`` the oldest ``count`` frames of each ``layout: count``. Returns
     the samples moved. ``chunk_hi``: see ``tsdbquery.store_series``."""

@@ -386,10 +386,39 @@ NO_CHUNKS: Final = -(2**63)
 CHUNK_HI: Final = "SELECT series_id, max(hi) FROM chunks GROUP BY series_id"
 
 
+class ChunkBounds:
+    """Series id -> the end (ms) of its latest chunk, as two sorted 64-bit arrays: the
+    writer keeps one for every series between compactions, and a dict of ~6300 int
+    objects at 110 pods held ~0.6 MiB where this holds 0.1 (issue 29). New series ids
+    are the largest (rowids), so an insertion is an append in practice."""
+
+    __slots__ = ("_his", "_ids")
+
+    def __init__(self, pairs: Iterable[tuple[int, int]] = ()) -> None:
+        ordered = sorted(pairs)
+        self._ids = array.array("q", (sid for sid, _ in ordered))
+        self._his = array.array("q", (hi for _, hi in ordered))
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def get(self, series_id: int, default: int = NO_CHUNKS) -> int:
+        i = bisect.bisect_left(self._ids, series_id)
+        return self._his[i] if i < len(self._ids) and self._ids[i] == series_id else default
+
+    def __setitem__(self, series_id: int, hi: int) -> None:
+        i = bisect.bisect_left(self._ids, series_id)
+        if i < len(self._ids) and self._ids[i] == series_id:
+            self._his[i] = hi
+        else:
+            self._ids.insert(i, series_id)
+            self._his.insert(i, hi)
+
+
 def store_series(
     conn: sqlite3.Connection,
     series: Iterable[tuple[int, Sequence[int], Sequence[float]]],
-    chunk_hi: dict[int, int] | None = None,
+    chunk_hi: ChunkBounds | None = None,
 ) -> int:
     """``(series_id, strictly ascending ts_ms, values)`` into ``chunks``; returns the
     sample count. ``chunk_hi``, when given, bounds every series' chunks: series id ->
@@ -401,7 +430,7 @@ def store_series(
         if chunk_hi is None:
             rows = list(_merge(conn, series_id, ts, values, None))
         else:
-            after = chunk_hi.get(series_id, NO_CHUNKS)
+            after = chunk_hi.get(series_id)
             rows = list(_merge(conn, series_id, ts, values, after))
             chunk_hi[series_id] = max(after, *(row[2] for row in rows))
         chunks += rows

@@ -68,7 +68,7 @@ class TSDBWrites(TSDBReads):
     _write_lock: threading.Lock
     _batch_len: int
     _unordered: bool
-    _chunk_hi: dict[int, int] | None
+    _chunk_hi: q.ChunkBounds | None
     _layouts: dict[int, int]
     _keys: dict[str, dict[Labels, SeriesKey]]
     _key_count: int
@@ -401,9 +401,9 @@ class TSDBWrites(TSDBReads):
             else:
                 self._layouts.pop(layout, None)
 
-    def _chunk_bounds(self, conn: sqlite3.Connection) -> dict[int, int]:
+    def _chunk_bounds(self, conn: sqlite3.Connection) -> q.ChunkBounds:
         if self._chunk_hi is None:
-            self._chunk_hi = {int(sid): int(hi) for sid, hi in conn.execute(q.CHUNK_HI)}
+            self._chunk_hi = q.ChunkBounds(conn.execute(q.CHUNK_HI))
         return self._chunk_hi
 
     def _resolve_ids(self, conn: sqlite3.Connection, keys: set[SeriesKey]) -> dict[SeriesKey, int]:

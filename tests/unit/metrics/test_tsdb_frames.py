@@ -438,3 +438,35 @@ def test_the_writers_sqlite_memory_during_a_compaction_stays_near_its_page_cache
     finally:
         conn.close()
     assert grew < 900 * 1024, f"SQLite memory grew by {grew / 1024:.0f} KiB (650 with a 512 KiB cache)"
+
+
+def test_chunk_bounds_answer_as_a_dict_would_in_a_third_of_its_table() -> None:
+    """The writer's bound of every series' chunks (kept between compactions): the same
+    answers as the dict it replaced, for ids set in any order, at 16 bytes a series
+    (6300 series at 110 pods: the dict's table alone held 0.29 MiB, its int objects
+    read from SQLite another ~0.36)."""
+    import tracemalloc
+
+    from metrics.store import tsdbquery as q
+
+    rng = random.Random(7)
+    pairs = [(sid, 1_700_000_000_000 + rng.randrange(10**6)) for sid in rng.sample(range(1, 9000), 6300)]
+    tracemalloc.start()
+    try:
+        bounds = q.ChunkBounds(iter(pairs))
+        compact, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        as_dict = dict(pairs)
+        as_dict_size = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert len(bounds) == 6300 and compact < as_dict_size / 2.5, (compact, as_dict_size)
+    for sid in [*rng.sample(range(0, 9100), 500), 9000, 0, -5]:
+        assert bounds.get(sid) == as_dict.get(sid, q.NO_CHUNKS)
+    for sid in [*rng.sample(range(0, 9100), 300), 10**12]:  # updates and new ids, interleaved
+        hi = rng.randrange(10**13)
+        bounds[sid] = as_dict[sid] = hi
+    assert len(bounds) == len(as_dict)
+    assert all(bounds.get(sid) == hi for sid, hi in as_dict.items())
+    assert list(bounds._ids) == sorted(as_dict)
