@@ -190,17 +190,15 @@ class Baseline:
     """Robust statistics of a signal's quiet values (median, MAD). Recomputed (a sort of
     up to ``baseline_samples`` values) only every ``REFRESH`` new values once warm: the
     baseline of a quiet pod moves slowly, and a sort per signal per pod per second was
-    most of the analyser's CPU. The values are a ring of singles (float32): a full
-    baseline is 600 values for each of ~5 signals of every LS pod (a deque of float
-    objects held 7.8 MiB for 80 LS pods once the baselines had filled; doubles 2 MiB;
-    singles 1 MiB). Their 7 digits are far finer than a threshold's floor or relative
-    margin (``_limits``), and than what the signals are measured to."""
+    most of the analyser's CPU. The values are a ring of plain doubles: a full baseline
+    is 600 values for each of ~5 signals of every LS pod (a deque of float objects held
+    7.8 MiB for 80 LS pods once the baselines had filled; this holds 2 MiB)."""
 
     __slots__ = ("_added", "_mad", "_median", "_next", "_size", "_values")
     REFRESH: Final = 10
 
     def __init__(self, size: int) -> None:
-        self._values: array.array[float] = array.array("f")
+        self._values: array.array[float] = array.array("d")
         self._size = size
         self._next = 0  # where the next value goes once the ring is full (the oldest)
         self._median = 0.0

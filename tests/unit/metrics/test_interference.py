@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import array
 import random
 import statistics
 from collections.abc import Callable, Mapping
@@ -457,10 +456,10 @@ def test_signal_reader_finds_container_series_in_the_stores_memory(tmp_path: Pat
 
 
 def test_a_baseline_keeps_its_newest_values_and_their_statistics() -> None:
-    """The ring of singles holds the newest ``size`` values, oldest first (as float32:
-    7 digits), and its median and MAD are those of exactly those values."""
+    """The ring of doubles holds the newest ``size`` values, oldest first, and its
+    median and MAD are those of exactly those values."""
     rng = random.Random(7)
-    values = array.array("f", [rng.random() for _ in range(1000)]).tolist()
+    values = [rng.random() for _ in range(1000)]
     base = Baseline(600)
     for k, v in enumerate(values, start=1):
         base.add(v)
