@@ -104,6 +104,10 @@ class BpfMap:
             attr.out_batch = ctypes.addressof(self._next)
             attr.count = self._capacity
             ret, err = _bpf(_MAP_LOOKUP_AND_DELETE_BATCH, attr)
+            if ret < 0 and err == errno.ENOSPC:
+                # A bucket holds more entries than a batch (this call took nothing): the
+                # rest key by key, keeping what earlier calls took out of the map.
+                return out + self._drain_each()
             if ret < 0 and err != errno.ENOENT:
                 raise BpfError("BPF_MAP_LOOKUP_AND_DELETE_BATCH", err)
             out += self._entries(attr.count)

@@ -96,3 +96,29 @@ def test_buffers_hold_one_batch_not_the_whole_map_and_small_batches_drain_it_all
     got = small.drain()
     assert small.batch and len(got) == len(entries) and dict(got) == entries
     assert small.drain() == []
+
+
+def test_a_bucket_larger_than_a_batch_leaves_the_rest_to_the_key_by_key_drain(
+    filled: tuple[BpfMap, dict[bytes, bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One entry a batch: a bucket holding two (3000 entries in 4096 buckets: many do)
+    makes the kernel answer ENOSPC, after earlier calls took entries out of the map or
+    at the first; what was taken is kept and the rest is drained key by key, so nothing
+    is lost (an error there lost every entry the drain had taken)."""
+    bmap, entries = filled
+    monkeypatch.setattr(bpfmap, "BATCH", 1)
+    one = BpfMap(bmap.fd, KEY.size, VALUE.size, bmap.max_entries)
+    calls: list[int] = []
+    real = bpfmap._bpf
+
+    def counted(cmd: int, attr: ctypes.Structure) -> tuple[int, int]:
+        ret, err = real(cmd, attr)
+        if cmd == bpfmap._MAP_LOOKUP_AND_DELETE_BATCH:
+            calls.append(err if ret < 0 else 0)
+        return ret, err
+
+    monkeypatch.setattr(bpfmap, "_bpf", counted)
+    got = one.drain()
+    assert errno.ENOSPC in calls, calls[:10]
+    assert len(got) == len(entries) and dict(got) == entries
+    assert one.drain() == []
