@@ -394,7 +394,7 @@ class ChunkBounds:
 
     __slots__ = ("_his", "_ids")
 
-    def __init__(self, pairs: Iterable[tuple[int, int]] = ()) -> None:
+    def __init__(self, pairs: Iterable[tuple[int, int]]) -> None:
         ordered = sorted(pairs)
         self._ids = array.array("q", (sid for sid, _ in ordered))
         self._his = array.array("q", (hi for _, hi in ordered))
@@ -402,9 +402,10 @@ class ChunkBounds:
     def __len__(self) -> int:
         return len(self._ids)
 
-    def get(self, series_id: int, default: int = NO_CHUNKS) -> int:
+    def get(self, series_id: int) -> int:
+        """The series' bound; ``NO_CHUNKS`` for a series without chunks."""
         i = bisect.bisect_left(self._ids, series_id)
-        return self._his[i] if i < len(self._ids) and self._ids[i] == series_id else default
+        return self._his[i] if i < len(self._ids) and self._ids[i] == series_id else NO_CHUNKS
 
     def __setitem__(self, series_id: int, hi: int) -> None:
         i = bisect.bisect_left(self._ids, series_id)
