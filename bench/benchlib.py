@@ -5,6 +5,7 @@ imported by its plain name."""
 
 from __future__ import annotations
 
+import compileall
 import os
 import subprocess
 import sys
@@ -19,6 +20,9 @@ from runtimeproxy.demo import embedded, embeddedcgroup, embeddedimage
 from runtimeproxy.demo.scenario import free_port, wait_healthy
 
 TICK = os.sysconf("SC_CLK_TCK")
+REPO = Path(__file__).resolve().parents[1]
+#: The packages a proxy imports from a checkout.
+CODE = ("runtimeproxy", "metrics", "hooks", "criapi")
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float:
@@ -46,6 +50,7 @@ class BenchNode:
         self.ctd = embedded.EmbeddedContainerd(self.base / "ctd", cni_conflist=cni_conflist)
         self.prefix = embeddedcgroup.unique_test_parent()
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._compiled: set[Path] = set()
 
     def __enter__(self) -> BenchNode:
         self.ctd.start()
@@ -80,11 +85,26 @@ class BenchNode:
                 **doc}
         cfg = self.base / f"{name}.yaml"
         cfg.write_text(yaml.safe_dump(full, sort_keys=False))
+        self._compile(cwd or REPO)
         proc = subprocess.Popen([sys.executable, "-m", "runtimeproxy.cli", "run", "--config", str(cfg)], cwd=cwd,
                                 env={**os.environ, **env} if env else None)
         self._procs.append(proc)
         wait_healthy(port, proc)
         return proc, sock, port
+
+    def _compile(self, root: Path) -> None:
+        """The checkout's bytecode, written once before its first proxy starts. The
+        package runs from the bytecode pip compiled at install (test_deb_package); a
+        source tree run under ``PYTHONDONTWRITEBYTECODE`` (set on some hosts) would
+        compile every module at every start, and the compiler's memory at start-up was
+        the peak RSS (VmHWM): 110 pods, everything on, 71.6-73.6 MiB against 70.5-71.0
+        with bytecode (docs/benchmarks.md, the seventeenth session)."""
+        if root in self._compiled:
+            return
+        for package in CODE:
+            if (root / package).is_dir() and not compileall.compile_dir(root / package, quiet=1):
+                raise RuntimeError(f"cannot compile {root / package}")
+        self._compiled.add(root)
 
     @staticmethod
     def stop(proc: subprocess.Popen[bytes]) -> None:

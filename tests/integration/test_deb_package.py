@@ -78,6 +78,22 @@ def _ours(root: Path) -> list[str]:
     return found
 
 
+def test_the_package_carries_the_bytecode_of_every_module(debs: tuple[Path, Path]) -> None:
+    """The unit starts from the bytecode pip compiled at build time: a module without it
+    is compiled at every start, which costs the proxy CPU and leaves the compiler's
+    memory in its heap (bench_metrics measures the process with bytecode, as shipped)."""
+    listing = subprocess.run(["dpkg-deb", "-c", str(debs[0])], capture_output=True, text=True, check=True).stdout
+    names = [line.split()[-1] for line in listing.splitlines()]
+    site = next(n.split("/runtimeproxy/")[0] for n in names if n.endswith("/runtimeproxy/app.py"))
+    sources = [n for n in names if n.startswith(site) and n.endswith(".py")
+               and n[len(site):].split("/")[1] in ("runtimeproxy", "metrics", "hooks", "criapi")]
+    compiled = {n for n in names if n.endswith(".cpython-311.pyc")}
+    assert len(sources) > 100, sources[:5]
+    missing = [s for s in sources
+               if f"{s.rsplit('/', 1)[0]}/__pycache__/{s.rsplit('/', 1)[1][:-3]}.cpython-311.pyc" not in compiled]
+    assert missing == [], missing[:10]
+
+
 def test_install_enable_upgrade_purge(node: Machine, debs: tuple[Path, Path]) -> None:
     first, second = debs
     node.run(["dpkg", "-i", f"/opt/debs/{first.name}"])
