@@ -21,8 +21,6 @@ from runtimeproxy.demo.scenario import free_port, wait_healthy
 
 TICK = os.sysconf("SC_CLK_TCK")
 REPO = Path(__file__).resolve().parents[1]
-#: The packages a proxy imports from a checkout.
-CODE = ("runtimeproxy", "metrics", "hooks", "criapi")
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float:
@@ -101,9 +99,9 @@ class BenchNode:
         with bytecode (docs/benchmarks.md, the seventeenth session)."""
         if root in self._compiled:
             return
-        for package in CODE:
-            if (root / package).is_dir() and not compileall.compile_dir(root / package, quiet=1):
-                raise RuntimeError(f"cannot compile {root / package}")
+        for package in (d for d in root.iterdir() if (d / "__init__.py").is_file()):
+            if not compileall.compile_dir(package, quiet=1):
+                raise RuntimeError(f"cannot compile {package}")
         self._compiled.add(root)
 
     @staticmethod
