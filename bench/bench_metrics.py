@@ -151,8 +151,15 @@ def _measure(proc: subprocess.Popen[bytes], port: int, warmup: float, window: fl
             "parts": {k: 1000.0 * (p1[k] - p0.get(k, 0.0)) / (t1 - t0) for k in p1}}
 
 
-def _run_pods(rt: Any, prefix: str, logs: Path, n: int, no_be: bool = False, busy_be: bool = False) -> None:
-    """``n`` sleeping pods; ``busy_be``: the first (BestEffort) one spins one thread instead."""
+#: About 30 ms of busybox shell arithmetic, then 50 ms asleep: a request-driven LS pod
+#: whose use over the fast path's 80 ms ticks swings by more than its dead band.
+NOISY = ["sh", "-c", "while :; do i=0; while [ $i -lt 25000 ]; do i=$((i+1)); done; sleep 0.05; done"]
+
+
+def _run_pods(rt: Any, prefix: str, logs: Path, n: int, no_be: bool = False, busy_be: bool = False,
+              noisy_ls: bool = False) -> None:
+    """``n`` sleeping pods; ``busy_be``: the first (BestEffort) one spins one thread instead;
+    ``noisy_ls``: the first burstable one works in bursts (``NOISY``)."""
     classes: tuple[Literal["besteffort", "burstable", "guaranteed"], ...] = (
         ("burstable", "guaranteed") if no_be else ("besteffort", "burstable", "guaranteed"))
     for i in range(n):
@@ -162,7 +169,8 @@ def _run_pods(rt: Any, prefix: str, logs: Path, n: int, no_be: bool = False, bus
                                     cgroup_parent=devpods.kube_cgroup_parent(prefix, qos, uid))
         sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sb), timeout=120).pod_sandbox_id
         spin = busy_be and i == 0 and qos == "besteffort"
-        command = ["sh", "-c", "while :; do :; done"] if spin else ["sleep", "36000"]
+        noisy = noisy_ls and i == 1 and qos == "burstable"
+        command = ["sh", "-c", "while :; do :; done"] if spin else NOISY if noisy else ["sleep", "36000"]
         cc = devpods.container_config(name="c", image=embeddedimage.BUSYBOX_IMAGE, command=command)
         cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=cc, sandbox_config=sb),
                                  timeout=120).container_id
@@ -449,7 +457,7 @@ def _print_marginal(by_pods: dict[int, list[tuple[str, dict[str, Any]]]],
 
 def _start_pods(node: BenchNode, pods: int, args: argparse.Namespace) -> None:
     t = time.monotonic()
-    _run_pods(node.runtime(), node.prefix, node.base / "logs", pods, args.no_be, args.busy_be)
+    _run_pods(node.runtime(), node.prefix, node.base / "logs", pods, args.no_be, args.busy_be, args.noisy_ls)
     print(f"{pods} pods running after {time.monotonic() - t:.0f} s", file=sys.stderr)
 
 
@@ -488,6 +496,9 @@ def main() -> int:
     ap.add_argument("--busy-be", action="store_true",
                     help="one BestEffort pod spins a thread (the others sleep): the QoS fast path has CPU "
                          "to take back, so it ticks at its interval (with sleeping BE pods it idles)")
+    ap.add_argument("--noisy-ls", action="store_true",
+                    help="one burstable pod works ~30 ms and sleeps 50 ms in turn: its use over the fast path's "
+                         "ticks rises past the dead band again and again (what the follow-up ticks cost)")
     ap.add_argument("--only-intervals", action="store_true", help="leave out the schedstat variant")
     ap.add_argument("--report-interval", type=int, default=30, metavar="SECONDS",
                     help="--kube: the NodeMetric's reportIntervalSeconds (default 30, Koordinator's minimum; "

@@ -46,8 +46,28 @@ one regular interval, as in koordlet), instead of one tick. All of it is read fr
 state at every tick, not from events.
 
 A burst that begins mid-tick is seen in part: a re-plan that went through, or a tick
-whose non-BE use rose by more than the dead band while the headroom stayed within it
-of the limit, is followed by a tick ``followup`` (20 ms) later, which sees it whole.
+where what BE competes with in the formula (the non-BE pods' use plus the system's
+above its reservation) rose by more than the dead band while the BE limit is above the
+lowest target a burst could give, is followed by a tick ``followup`` (20 ms) later,
+which sees it whole. Whether the rise would lower the limit is not judged from the
+partial tick: the part it saw says nothing of the burst's size (a burst begun 15 ms
+before an 80 ms tick reads as a fifth of itself), so judging it kept the slowest
+reactions at a whole interval more (bench_qos_reaction: 92-113 ms, docs/benchmarks.md).
+The system's use counts because a new container's start-up (runc, the shim) is system
+use just before its burst. A rise seen by a follow-up does not call another: its short
+window lies wholly after the last one, and follow-ups never chain, so a noisy node at
+most doubles the tick rate.
+
+A tick is shorter than the CFS period (100 ms), so BE's use over it is not bounded by
+its limit: the tier gets a period's runtime at once, at each period's start and at a
+quota write (which refills it to the new quota and unthrottles: the kernel's
+``tg_set_cfs_bandwidth``), and two spinning BE threads burn 22 ms of it in 11 ms. Over
+a 20 ms follow-up that holds such a refill, a 0.22-core quota read as 0.85-0.93 cores,
+and the LS pods got that much less than they wanted: from those rates the limit looked
+right and the burst waited a whole interval more (bench_qos_reaction: 123 and 159 ms).
+So in tier mode, when the node was full (its use within the band of capacity: someone
+waited for the CPU BE took), BE's use above its limit in force counts as the non-BE
+pods'. On a node with room, BE's refill took from no one and counts as BE's.
 
 The mode is re-derived whenever the pod list changes and logged when it does.
 Paths are computed once per pod list and the counter files stay open
@@ -115,11 +135,12 @@ class FastPathConfig:
     #: nothing to take back at once: the fast path ticks at ``idle_interval`` until it
     #: uses more or is throttled.
     be_active_cores: float = 0.1
-    #: After a re-plan that went through, or a tick that saw the non-BE pods' use rise by
-    #: more than the dead band and the headroom within it of the limit, the next tick
-    #: comes this soon: a burst that began mid-tick (a partial rate) is completed from a
-    #: short window wholly inside it, not one whole interval later. ns counters make a
-    #: 20 ms rate exact; only a lower target re-plans, so a short window cannot raise BE.
+    #: After a re-plan that went through, or a full tick that saw the non-BE pods' and
+    #: the system's use rise by more than the dead band with something left to take
+    #: (the BE limit above the lowest target), the next tick comes this soon: a burst
+    #: that began mid-tick (a partial rate) is completed from a short window wholly
+    #: inside it, not one whole interval later. ns counters make a 20 ms rate exact;
+    #: only a lower target re-plans, so a short window cannot raise BE.
     followup: float = 0.02
     #: Least time between two fast re-plans (the follow-up's); a failing write doubles it
     #: (below), so a refused write is retried at most at the tick rate, then less.
@@ -174,10 +195,12 @@ class FastPath:
         #: Counter file by pod uid, or by tier key in tier mode.
         self._paths: dict[str, str] = {}
         self._last_trigger = -math.inf
-        #: The non-BE pods' CPU at the last decision, and whether the next tick is a
-        #: follow-up to a rise the dead band kept from a re-plan.
-        self._non_be = math.inf
+        #: What BE competed with (non-BE pods and system, cores) at the last decision;
+        #: whether the next tick is to be a follow-up to a rise, and whether the armed (or
+        #: running) tick is a follow-up.
+        self._others = math.inf
         self._confirm = False
+        self._short = False
         self._gap = config.min_gap
         #: While ``run`` runs: its loop, the armed timer, the re-plan in flight, and the
         #: future that carries a tick's exception to ``run``.
@@ -214,9 +237,10 @@ class FastPath:
                 replan.cancel()
             self._files.close()
 
-    def _arm(self, wait: float | None = None) -> None:
+    def _arm(self, followup: bool = False) -> None:
         if self._loop is not None:
-            self._timer = self._loop.call_later(self.next_wait() if wait is None else wait, self._on_timer)
+            self._short = followup
+            self._timer = self._loop.call_later(self.cfg.followup if followup else self.next_wait(), self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -228,7 +252,7 @@ class FastPath:
             why = None if inputs is None else self.decide(inputs)
             if inputs is None or why is None:
                 confirm, self._confirm = self._confirm, False
-                self._arm(self.cfg.followup if confirm else None)
+                self._arm(followup=confirm)
                 return
         except Exception as exc:  # noqa: BLE001 - handed to run(), which raises it to its supervisor
             self._fail(exc)
@@ -238,7 +262,7 @@ class FastPath:
     async def _replan_then_arm(self, inputs: NodeInputs, why: str) -> None:
         try:
             went_through = await self._replan(inputs, why)
-            self._arm(self.cfg.followup if went_through else None)
+            self._arm(followup=went_through)
         except Exception as exc:  # noqa: BLE001 - handed to run(), as a tick's
             self._fail(exc)
 
@@ -373,12 +397,28 @@ class FastPath:
         if _PODS in tick.counters:
             if _PODS not in rates or _BE not in rates:
                 return None
+            tiers = TierUsage(rates[_PODS], self._within_limit(rates[_BE], node_used))
             return NodeInputs(self._wall(), manager.capacity, manager.cfg.reserved_cores, self._pods, node_used,
-                              source="fastpath", tiers=TierUsage(rates[_PODS], rates[_BE]))
+                              source="fastpath", tiers=tiers)
         live = tuple(p for p in self._pods if p.uid in tick.counters)  # vanished pods use no CPU
         missing = tuple(f"pod_cpu{{{p.key}}}" for p in live if p.uid not in rates)
         return NodeInputs(self._wall(), manager.capacity, manager.cfg.reserved_cores, live, node_used,
                           pod_cpu_used=rates, missing=missing, source="fastpath")
+
+    def _within_limit(self, be: float, node_used: float) -> float:
+        """BE's use over a tick, at most its limit in force when the node was full: what
+        a runtime refill let it burn above that came from pods that waited (module doc)."""
+        manager, capacity = self._manager, self._manager.capacity
+        state = manager.be_state
+        if state is None or node_used < capacity - self._band(capacity):
+            return be
+        policy = self._rules().resource_used_threshold_with_be.cpu_suppress_policy
+        limit = state.limit_cores(policy, capacity, manager.cfg.suppress.cfs_period_us)
+        return be if limit is None else min(be, limit)
+
+    def _band(self, capacity: float) -> float:
+        """The dead band in cores: a share of capacity, at least the sampling noise."""
+        return max(capacity * self.cfg.dead_band, self.cfg.noise_cores)
 
     def _measure_be(self, prev: _Tick, tick: _Tick, dt: float) -> None:
         """Whether the BE pods used ``be_active_cores`` between the two ticks; over an idle
@@ -433,18 +473,22 @@ class FastPath:
             return None
         formula = suppress_cores(inputs, threshold)
         value, ls_value = formula.suppress, ls_headroom(formula, inputs)
+        floor = formula.floor or 0.0
         if threshold.cpu_suppress_policy == "cpuset":
             wanted, ls_value = float(math.ceil(value)), float(math.ceil(ls_value))
             target = max(wanted, float(MIN_CPUSET))
+            lowest = max(float(math.ceil(floor)), float(MIN_CPUSET))
         else:
             wanted = value
             target = max(value * period, MIN_QUOTA) / period
+            lowest = max(floor * period, MIN_QUOTA) / period
         # The drop is judged on the headroom itself, not on the target floored at the
         # minimum: a limit already small (a busy node) within the band of the floor must
         # still go to the floor at once when LS takes everything, not a round later.
-        band = max(capacity * self.cfg.dead_band, self.cfg.noise_cores)
+        band = self._band(capacity)
         lower = wanted < current - band
-        rose, self._non_be = formula.non_be_used - self._non_be >= band, formula.non_be_used
+        others = formula.non_be_used + formula.system_used
+        rose, self._others = others - self._others >= band, others
         strategy = self._manager.suppress
         if lower and ls_value < current - band and strategy is not None:
             # The non-BE pods want the limit lower than it is (a burst, even at the floor):
@@ -455,11 +499,11 @@ class FastPath:
             return None
         if target < current and lower:
             return f"headroom dropped: BE target {target:.2f} < limit {current:.2f} cores"
-        # The non-BE pods' use rose by more than the band, yet the headroom is still within
-        # the band of the limit (a burst begun just before this tick, seen in part, near a
-        # small limit; its start-up counted as system): look again ``followup`` later, not
-        # a whole interval.
-        self._confirm = rose and wanted < current + band
+        # What BE competes with rose by more than the band (a burst begun during this
+        # tick's window, seen in part, or a container starting): look again ``followup``
+        # later, not a whole interval, if a burst could still take something (module
+        # doc). Not from a follow-up: no chains.
+        self._confirm = rose and not self._short and current - band > lowest
         return None
 
 

@@ -536,14 +536,18 @@ async def test_a_rules_lookup_that_raises_after_a_tick_ends_run(host: Host, stor
 _Advance = tuple[float, float, float, float]  # seconds, node, LS and BE cores
 
 
-async def _ticks(host: Host, store: TSDB, steps: Sequence[Sequence[_Advance]], woken: int
-                 ) -> tuple[list[int], FastPath]:
+async def _ticks(host: Host, store: TSDB, steps: Sequence[Sequence[_Advance]], woken: int,
+                 linger: float = 0.0, limit: int | None = None) -> tuple[list[int], FastPath]:
     """Run the fast path (cfsQuota policy, 30 s interval, 10 ms follow-up) through one tick
     per step, the counters advanced by the step's parts before the tick; the first
     ``woken`` ticks are woken (the interval would take 30 s), the rest must come by
-    themselves. The BE tier's quota in force as each tick sampled, and the fast path."""
+    themselves. ``linger``: seconds it runs on after the last step (ticks then repeat
+    the last step); ``limit``: the BE quota in force as the fast path sees it. The BE
+    tier's quota as each tick sampled, and once more at the end; and the fast path."""
     rules = parse_rules({"resourceUsedThresholdWithBE": {"enable": True, "cpuSuppressPolicy": "cfsQuota"}})
     manager, _, clock = await setup(host, store, rules=rules)
+    if limit is not None:
+        manager.be_state = BEState(None, limit)
     fast = FastPath(manager, cgroups=CgroupReader(host.cgroup), rules=lambda: rules,
                     config=FastPathConfig(interval=30.0, idle_interval=30.0, followup=0.01, min_gap=0.01),
                     clock=lambda: clock[0], wall=lambda: NOW)
@@ -567,6 +571,7 @@ async def _ticks(host: Host, store: TSDB, steps: Sequence[Sequence[_Advance]], w
         fast.wake()
         await asyncio.sleep(0.001)
     await asyncio.wait_for(done.wait(), 10)  # well before a second 30 s interval
+    await asyncio.sleep(linger)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -575,6 +580,11 @@ async def _ticks(host: Host, store: TSDB, steps: Sequence[Sequence[_Advance]], w
 
 
 BURST: Final = (7.0, 6.0, 0.5)
+#: 0.1 s: LS at 0.2 cores; then LS up by 0.5 (the band is 0.1), the headroom 5.2 - 0.7 -
+#: 0.5 = 4.0 cores, far above the 2.2 in force: a burst's first 15 ms of an 80 ms tick
+#: read as a fifth of itself.
+IDLE: Final = (0.1, 1.0, 0.2, 0.5)
+RISE: Final = (0.1, 1.5, 0.7, 0.5)
 
 
 @pytest.mark.asyncio
@@ -601,3 +611,58 @@ async def test_a_rise_the_dead_band_kept_is_looked_at_again_at_the_follow_up(hos
     seen, fast = await _ticks(host, store, steps, woken=3)
     assert seen[:4] == [220_000] * 4 and fast.triggers == 1, seen  # no re-plan from the partial tick
     assert seen[4] == seen[5] == MIN_QUOTA, seen
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("rise", [RISE, (0.1, 2.0, 0.2, 0.5)], ids=["ls", "system"])
+async def test_a_rise_far_above_the_limit_is_looked_at_again_at_the_follow_up(host: Host, store: TSDB,
+                                                                              rise: _Advance) -> None:
+    """A burst begun late in a tick is a small part of that tick's window: the headroom it
+    leaves is far above the limit, yet the rise of what BE competes with (more than the
+    band) is a burst seen in part: the LS pods' use (0.2 -> 0.7 cores), or the system's
+    above its reservation (0.5 -> 1.3: a container starting, its burst still to come).
+    The next tick comes ``followup`` later, sees the burst whole and re-plans (the
+    reaction bench's slowest runs waited a whole interval for it)."""
+    steps = [[], [IDLE], [rise], [(0.02, *BURST)], [(0.02, *BURST)]]
+    seen, fast = await _ticks(host, store, steps, woken=3)
+    assert seen[:4] == [220_000] * 4 and fast.triggers == 1, seen
+    assert seen[4] == seen[5] == MIN_QUOTA, seen
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("steps", "limit"), [
+    # the follow-up sees LS rise again (1.0 core more), not enough to lower the limit
+    ([[], [IDLE], [RISE], [(0.02, 2.5, 1.7, 0.5)]], None),
+    # BE at the floor already: a burst has nothing left to take
+    ([[], [IDLE], [RISE]], MIN_QUOTA),
+], ids=["no-chain", "at-the-floor"])
+async def test_no_follow_up_from_a_follow_up_or_at_the_floor(host: Host, store: TSDB,
+                                                            steps: list[list[_Advance]], limit: int | None) -> None:
+    """Follow-ups do not chain (a noisy workload at most doubles the tick rate), and a rise
+    with BE at the floor waits the interval: 0.3 s is 30 follow-ups, a 30 s interval is
+    far off, so any tick past the steps would be a follow-up."""
+    seen, fast = await _ticks(host, store, steps, woken=3, linger=0.3, limit=limit)
+    assert len(seen) == len(steps) + 1 and fast.triggers == 0, seen
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("follow_up", "replans"), [((8.0, 3.0, 4.5), True), ((5.5, 3.0, 2.0), False)],
+                         ids=["node-full", "node-with-room"])
+async def test_be_s_use_above_its_limit_counts_as_the_non_be_pods_on_a_full_node(
+        host: Host, store: TSDB, follow_up: tuple[float, float, float], replans: bool) -> None:
+    """BE's tier gets a period's runtime at once (at each period's start, and at a quota
+    write: here the partial re-plan's), so over a 20 ms follow-up it burns far more than
+    its limit (4.5 cores against 1.6) and LS gets that much less (3.0 of the 6.0 it
+    wants): from those rates the headroom, 5.2 - 3.0 - 0.5 = 1.7, is above the limit. On
+    a full node what BE used above its limit was taken from pods that waited: counted as
+    theirs (non-BE 7.5 - 1.6 = 5.9), the follow-up takes BE to the floor. On a node with
+    room (BE at 2.0) the refill took from no one: no re-plan, and no follow-up of a
+    follow-up."""
+    half = [(0.05, 1.0, 0.2, 0.5), (0.05, *BURST)]
+    steps = [[], half, [(0.02, *follow_up)], [(0.02, *BURST)]]
+    seen, fast = await _ticks(host, store, steps if replans else steps[:3], woken=2, linger=0.0 if replans else 0.3)
+    assert seen[1] > 160_000 and 2 * MIN_QUOTA < seen[2] < seen[1], seen  # the partial re-plan: 1.6 cores
+    if replans:
+        assert seen[3] == seen[4] == MIN_QUOTA and fast.triggers == 2, seen
+    else:
+        assert seen[3] == seen[2] and len(seen) == 4 and fast.triggers == 1, seen
