@@ -13,8 +13,10 @@ pods, or binding buys nothing. This is koordlet's ``CPUSetAllocator`` hook.
   keeps the quota). The set is checked against the node's online CPUs (from the
   injected sys root): a scheduler on another machine can name CPUs this node
   does not have. Unbound LS pods get the LS share pool, unbound BE pods the BE
-  share pool. Unbound LSE/LSR/SYSTEM pods are left alone (kubelet's CPU manager
-  or another hook owns them).
+  share pool within their pod cgroup's CPUs (CPU suppression narrows the besteffort
+  tier and everything under it; v1 refuses a container wider than its pod, so a BE
+  container created while BE is suppressed would not start). Unbound LSE/LSR/SYSTEM
+  pods are left alone (kubelet's CPU manager or another hook owns them).
 * PreRunPodSandbox — for bound pods, the pod cgroup (kubelet created it before
   the call) gets its CFS quota unset (v1 ``cpu.cfs_quota_us = -1``, v2 ``cpu.max
   = "max <period>"``) through the executor, reported in ``writes``.
@@ -30,7 +32,8 @@ pods, or binding buys nothing. This is koordlet's ``CPUSetAllocator`` hook.
   bound set or the current share pool (so pools follow bindings as pods come and
   go), and for bound pods ``cpu.cfs_quota_us = -1``. One leveled update with the
   pod cgroup: the pod is first widened to hold the container's CPUs (it is never
-  narrowed, and an empty v2 ``cpuset.cpus``, which inherits, is left alone).
+  narrowed, and an empty v2 ``cpuset.cpus``, which inherits, is left alone); a BE
+  pod is never widened (its container stays within it, as at PreCreateContainer).
 
 Share pools come from ``args.ls_pool`` / ``args.be_pool`` when given (what
 koordlet publishes as the node annotations ``node.koordinator.sh/cpu-shared-pools``
@@ -125,6 +128,22 @@ def _pool_text(raw: object) -> str:
             pieces.extend(p for p in cpuset.strip().split(",") if p)
         return ",".join(pieces)
     raise ValueError(f"expected a CPU list string like \"0-3,8\" (or a list of {{cpuset: ...}}), got {raw!r}")
+
+
+def _within_pod(pool: frozenset[int], reason: str, pod_cpus: frozenset[int]) -> tuple[frozenset[int], str]:
+    """An unbound BE container's CPUs: the BE share pool within its pod cgroup's cpuset.
+    CPU suppression (policy cpuset) narrows the besteffort tier and every cgroup under it,
+    and on cgroup v1 the kernel refuses a cpuset wider than its parent's (EACCES): given
+    the whole pool, a BE container created while BE is suppressed would not start (runc's
+    write fails), and the reconciler's writes would be refused and back off the
+    suppression's own. Koordlet leaves kube-BestEffort containers' cpuset to suppression
+    altogether; this keeps them off LSE-bound CPUs too. Unknown or empty (v2: inherited)
+    pod cpus, or a pool wholly inside them: the pool as it is. A pool disjoint from them:
+    the pod's CPUs (the only ones the kernel allows)."""
+    if not pod_cpus or pool <= pod_cpus:
+        return pool, reason
+    within = pool & pod_cpus or pod_cpus
+    return within, f"{reason}, within its pod cgroup's {format_cpu_list(pod_cpus)}: {format_cpu_list(within)}"
 
 
 class CPUSet:
@@ -268,11 +287,20 @@ class CPUSet:
         if qos not in (QoSClass.LS, QoSClass.BE):
             return None
         pool, why = self.share_pool(qos, self._online(pod))
-        cpuset = format_cpu_list(pool)
-        return ContainerPatch(
-            resources=ResourcesPatch(cpuset_cpus=cpuset),
-            reason=f"unbound {qos.value} pod gets the {qos.value} share pool {cpuset} ({why})",
-        )
+        reason = f"unbound {qos.value} pod gets the {qos.value} share pool {format_cpu_list(pool)} ({why})"
+        if qos is QoSClass.BE:
+            pool, reason = _within_pod(pool, reason, self._pod_cpus(pod))
+        return ContainerPatch(resources=ResourcesPatch(cpuset_cpus=format_cpu_list(pool)), reason=reason)
+
+    def _pod_cpus(self, pod: PodInfo) -> frozenset[int]:
+        """The pod cgroup's ``cpuset.cpus``; empty when unknown (no cgroup tree, no
+        such file, an empty v2 value that inherits): then nothing is narrowed."""
+        try:
+            executor = self._writer(pod)
+            cgroup = pod_cgroup_dir(pod.cgroup_parent, executor.layout.driver)
+            return parse_cpu_list(executor.read(cgroup, CPUSET_CPUS, f"pod {pod_name(pod)}"))
+        except (HookError, CgroupError, CpuListError):
+            return frozenset()
 
     # --- stages ----------------------------------------------------------------
 
@@ -370,13 +398,6 @@ class CPUSet:
             cgroup = container_cgroup_dir(pod.cgroup_parent, container.id, executor.layout.driver)
         except CgroupError as exc:
             raise HookError(f"pod {pod_name(pod)}: container {container.meta.name}: {exc}") from exc
-        source = (f"pod {pod_name(pod)}: container {container.meta.name} ({container.id}): "
-                  f"cgroup_parent {pod.cgroup_parent!r}")
-        cpuset = format_cpu_list(cpus)
-        container_level = [Update(cgroup, CPUSET_CPUS, cpuset, reason, source)]
-        if binding is not None and self.unset_cpu_quota:
-            container_level.append(Update(cgroup, CPU_CFS_QUOTA, -1, f"{reason}; CFS quota unset", source))
-        pod_level: list[Update] = []
         pod_source = f"pod {pod_name(pod)}: cgroup_parent {pod.cgroup_parent!r}"
         try:
             current = executor.read(pod_cgroup, CPUSET_CPUS, pod_source)
@@ -387,6 +408,14 @@ class CPUSet:
             have = parse_cpu_list(current)
         except CpuListError:
             have = frozenset()
+        if binding is None and qos is QoSClass.BE:
+            cpus, reason = _within_pod(cpus, reason, have)
+        source = (f"pod {pod_name(pod)}: container {container.meta.name} ({container.id}): "
+                  f"cgroup_parent {pod.cgroup_parent!r}")
+        container_level = [Update(cgroup, CPUSET_CPUS, format_cpu_list(cpus), reason, source)]
+        if binding is not None and self.unset_cpu_quota:
+            container_level.append(Update(cgroup, CPU_CFS_QUOTA, -1, f"{reason}; CFS quota unset", source))
+        pod_level: list[Update] = []
         if have and not cpus <= have:  # widen only; empty (v2: inherited) stays as it is
             pod_level.append(Update(pod_cgroup, CPUSET_CPUS, format_cpu_list(have | cpus),
                                     f"{reason}: pod cgroup widened to hold the container's CPUs", source))

@@ -81,3 +81,35 @@ def test_explain_lists_request_and_host_changes(proxy: Any, pods: Any) -> None:
     assert f"[PreRunPodSandbox] group-identity: host:{idle}: 0 -> 1" in out.stdout
     assert "[PreCreateContainer] cpuset: container.resources.cpuset_cpus:" in out.stdout
     assert "unbound BE pod gets the BE share pool" in out.stdout, out.stdout
+
+
+def _cpus_under(top: Path, cpus: str, *, narrowing: bool) -> None:
+    """``cpuset.cpus`` of ``top`` and every cgroup under it, as CPU suppression writes them
+    (v1: children before their parent when narrowing, EBUSY otherwise; parents first when
+    widening, EACCES otherwise)."""
+    dirs = [top, *sorted((d for d in top.rglob("*") if d.is_dir()), key=lambda d: len(d.parts))]
+    for d in reversed(dirs) if narrowing else dirs:
+        (d / "cpuset.cpus").write_text(cpus)
+
+
+def test_a_be_container_starts_while_be_is_cpuset_suppressed(proxy: Any, pods: Any) -> None:
+    """CPU suppression (policy cpuset, Koordinator's default) narrows the besteffort tier
+    and every cgroup under it. A BE container created then is given the BE share pool
+    within its pod's CPUs: given the whole pool, runc's write of a cpuset wider than its
+    pod's was refused (EACCES) and the container did not start while BE was suppressed."""
+    rt = proxy.runtime()
+    pod = pods.sandbox("be-suppressed", qos="besteffort", labels={"koordinator.sh/qosClass": "BE"})
+    kubelet_creates_pod_cgroup(pod.linux.cgroup_parent)
+    sid = pods.run(rt, pod)
+    tier = pods.pod_dir(pod, "cpuset").parent
+    online, one = (tier / "cpuset.cpus").read_text().strip(), _last_online_cpu()
+    if one == online:
+        pytest.skip("a single CPU: nothing to narrow BE to")
+    _cpus_under(tier, one, narrowing=True)
+    try:
+        cid = pods.create(rt, sid, pod, pods.container("app"))
+        pods.start(rt, cid)
+        assert pods.cgroup_value(pod, cid, "cpuset", "cpuset.cpus") == one
+        assert (pods.pod_dir(pod, "cpuset") / "cpuset.cpus").read_text().strip() == one  # not widened
+    finally:
+        _cpus_under(tier, online, narrowing=False)

@@ -650,3 +650,43 @@ def test_dry_run_reports_the_reconcile_writes_and_writes_nothing(tmp_path: Path)
         ("cpuset.cpus", "0-1", "0-3 (dry-run, not written)"),
         ("cpuset.cpus", "0-7", "2-3 (dry-run, not written)")]
     assert snapshot(tmp_path) == before
+
+
+BE_UID = "be-0000-pod"
+BE_PARENT = f"/kubepods/besteffort/pod{BE_UID}"
+
+
+@pytest.mark.parametrize("stage", CONTAINER_STAGES)
+@pytest.mark.parametrize(("pod_cpus", "want"), [("1,6", "1,6"), ("0-7", "0-3,5-7"), ("4", "4"), ("", "0-3,5-7")],
+                         ids=["suppressed", "wider", "disjoint", "inherited"])
+def test_an_unbound_be_container_gets_the_pool_within_its_pod(tmp_path: Path, stage: Stage, pod_cpus: str,
+                                                              want: str) -> None:
+    """CPU suppression narrowed the BE pod (v1: the tier and every cgroup under it): a
+    container given the whole BE pool (all but the LSE-bound 4) would be refused by the
+    kernel (a cpuset wider than its parent's: EACCES, runc's create fails). It gets the
+    pool within the pod's CPUs; a pod wider than the pool, or an inherited (empty) v2
+    value, leaves the pool as it is; a pool disjoint from the pod gives the pod's."""
+    reconcile_tree(tmp_path / "cgroup", v1_tree, BE_PARENT, pod_cpus=pod_cpus)
+    sys_tree(tmp_path)
+    hook = make_hook(tmp_path)
+    assert hook.pre_create_container(ctr(pod("LSE", "4", uid="lse"))) is not None  # binds CPU 4
+    patch = call(hook, ctr(pod("BE", None, uid=BE_UID, parent=BE_PARENT), stage))
+    assert patch is not None and patch.resources == ResourcesPatch(cpuset_cpus=want), patch
+    assert ("within its pod cgroup's" in patch.reason) == (want != "0-3,5-7"), patch.reason
+
+
+@pytest.mark.parametrize(("pod_cpus", "want"), [("1,6", "1,6"), ("0-7", "0-3,5-7")], ids=["suppressed", "wider"])
+def test_reconcile_keeps_an_unbound_be_container_within_its_pod(tmp_path: Path, pod_cpus: str, want: str) -> None:
+    """The reconciler's pass while BE is suppressed: the container goes within its pod's
+    CPUs and the pod is never widened (its parent, the suppressed tier, would refuse it:
+    on a node with BE suppressed every pass logged a refusal per BE container, and the
+    refusals' back-off held the suppression's own write of that value)."""
+    reconcile_tree(tmp_path / "cgroup", v1_tree, BE_PARENT, pod_cpus=pod_cpus)
+    sys_tree(tmp_path)
+    hook = make_hook(tmp_path)
+    assert hook.pre_create_container(ctr(pod("LSE", "4", uid="lse"))) is not None
+    patch = hook.reconcile_container(rctr(pod("BE", None, uid=BE_UID, parent=BE_PARENT)))
+    assert patch is not None
+    assert cpus_file(tmp_path, v1_tree, BE_PARENT).read_text().strip() == pod_cpus  # not widened
+    assert cpus_file(tmp_path, v1_tree, BE_PARENT, CID).read_text() == want
+    assert [Path(w.target).parent.name for w in patch.writes] == [CID], patch.writes
