@@ -54,9 +54,11 @@ partial tick: the part it saw says nothing of the burst's size (a burst begun 15
 before an 80 ms tick reads as a fifth of itself), so judging it kept the slowest
 reactions at a whole interval more (bench_qos_reaction: 92-113 ms, docs/benchmarks.md).
 The system's use counts because a new container's start-up (runc, the shim) is system
-use just before its burst. A rise seen by a follow-up does not call another: its short
-window lies wholly after the last one, and follow-ups never chain, so a noisy node at
-most doubles the tick rate.
+use just before its burst. A follow-up that sees the rise go on calls another (a burst
+that ramps up: bench_qos_reaction saw a burner at 0.8 of its 2 cores 47 ms after it
+started, and waiting a whole interval from there took 134 ms); one that sees no fresh
+rise of more than the band ends the chain. So a chain is at most capacity / band long,
+and a noisy node's swings end one at their first fall.
 
 A tick is shorter than the CFS period (100 ms), so BE's use over it is not bounded by
 its limit: the tier gets a period's runtime at once, at each period's start and at a
@@ -135,7 +137,7 @@ class FastPathConfig:
     #: nothing to take back at once: the fast path ticks at ``idle_interval`` until it
     #: uses more or is throttled.
     be_active_cores: float = 0.1
-    #: After a re-plan that went through, or a full tick that saw the non-BE pods' and
+    #: After a re-plan that went through, or a tick that saw the non-BE pods' and
     #: the system's use rise by more than the dead band with something left to take
     #: (the BE limit above the lowest target), the next tick comes this soon: a burst
     #: that began mid-tick (a partial rate) is completed from a short window wholly
@@ -195,12 +197,10 @@ class FastPath:
         #: Counter file by pod uid, or by tier key in tier mode.
         self._paths: dict[str, str] = {}
         self._last_trigger = -math.inf
-        #: What BE competed with (non-BE pods and system, cores) at the last decision;
-        #: whether the next tick is to be a follow-up to a rise, and whether the armed (or
-        #: running) tick is a follow-up.
+        #: What BE competed with (non-BE pods and system, cores) at the last decision, and
+        #: whether the next tick is to be a follow-up to a rise.
         self._others = math.inf
         self._confirm = False
-        self._short = False
         self._gap = config.min_gap
         #: While ``run`` runs: its loop, the armed timer, the re-plan in flight, and the
         #: future that carries a tick's exception to ``run``.
@@ -239,7 +239,6 @@ class FastPath:
 
     def _arm(self, followup: bool = False) -> None:
         if self._loop is not None:
-            self._short = followup
             self._timer = self._loop.call_later(self.cfg.followup if followup else self.next_wait(), self._on_timer)
 
     def _on_timer(self) -> None:
@@ -502,8 +501,9 @@ class FastPath:
         # What BE competes with rose by more than the band (a burst begun during this
         # tick's window, seen in part, or a container starting): look again ``followup``
         # later, not a whole interval, if a burst could still take something (module
-        # doc). Not from a follow-up: no chains.
-        self._confirm = rose and not self._short and current - band > lowest
+        # doc). A follow-up's own rise calls the next one: the chain ends at the first
+        # tick without a fresh rise.
+        self._confirm = rose and current - band > lowest
         return None
 
 

@@ -630,17 +630,29 @@ async def test_a_rise_far_above_the_limit_is_looked_at_again_at_the_follow_up(ho
 
 
 @pytest.mark.asyncio
+async def test_a_follow_up_that_sees_the_rise_go_on_calls_another(host: Host, store: TSDB) -> None:
+    """A burst that ramps up (its threads starting one by one): the first follow-up sees
+    LS rise again, by 1.0 core, still short of lowering the limit (5.2 - 1.7 - 0.5 = 3.0
+    against 2.2); the next follow-up sees it whole and re-plans."""
+    steps = [[], [IDLE], [RISE], [(0.02, 2.5, 1.7, 0.5)], [(0.02, *BURST)], [(0.02, *BURST)]]
+    seen, fast = await _ticks(host, store, steps, woken=3)
+    assert seen[:5] == [220_000] * 5 and fast.triggers == 1, seen
+    assert seen[5] == seen[6] == MIN_QUOTA, seen
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize(("steps", "limit"), [
-    # the follow-up sees LS rise again (1.0 core more), not enough to lower the limit
-    ([[], [IDLE], [RISE], [(0.02, 2.5, 1.7, 0.5)]], None),
+    # the follow-up sees LS at the rate the rise left it: no fresh rise
+    ([[], [IDLE], [RISE], [(0.02, *RISE[1:])]], None),
     # BE at the floor already: a burst has nothing left to take
     ([[], [IDLE], [RISE]], MIN_QUOTA),
-], ids=["no-chain", "at-the-floor"])
-async def test_no_follow_up_from_a_follow_up_or_at_the_floor(host: Host, store: TSDB,
-                                                            steps: list[list[_Advance]], limit: int | None) -> None:
-    """Follow-ups do not chain (a noisy workload at most doubles the tick rate), and a rise
-    with BE at the floor waits the interval: 0.3 s is 30 follow-ups, a 30 s interval is
-    far off, so any tick past the steps would be a follow-up."""
+], ids=["no-fresh-rise", "at-the-floor"])
+async def test_no_follow_up_without_a_fresh_rise_or_at_the_floor(host: Host, store: TSDB,
+                                                                steps: list[list[_Advance]], limit: int | None) -> None:
+    """A follow-up without a fresh rise ends the chain (a noisy node's swings end one at
+    their first fall), and a rise with BE at the floor waits the interval: 0.3 s is 30
+    follow-ups, a 30 s interval is far off, so any tick past the steps would be a
+    follow-up."""
     seen, fast = await _ticks(host, store, steps, woken=3, linger=0.3, limit=limit)
     assert len(seen) == len(steps) + 1 and fast.triggers == 0, seen
 
@@ -656,8 +668,8 @@ async def test_be_s_use_above_its_limit_counts_as_the_non_be_pods_on_a_full_node
     wants): from those rates the headroom, 5.2 - 3.0 - 0.5 = 1.7, is above the limit. On
     a full node what BE used above its limit was taken from pods that waited: counted as
     theirs (non-BE 7.5 - 1.6 = 5.9), the follow-up takes BE to the floor. On a node with
-    room (BE at 2.0) the refill took from no one: no re-plan, and no follow-up of a
-    follow-up."""
+    room (BE at 2.0) the refill took from no one: no re-plan, and no fresh rise (3.6 ->
+    3.5 cores with the system's reservation): no further follow-up."""
     half = [(0.05, 1.0, 0.2, 0.5), (0.05, *BURST)]
     steps = [[], half, [(0.02, *follow_up)], [(0.02, *BURST)]]
     seen, fast = await _ticks(host, store, steps if replans else steps[:3], woken=2, linger=0.0 if replans else 0.3)
