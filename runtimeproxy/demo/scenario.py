@@ -215,6 +215,7 @@ def main(*, workdir: Path | None, config_path: Path | None, once: bool = False, 
     rt: Any = None
     try:
         print(f"starting a private containerd (root {base / 'ctd'}) ...")
+        print(f"pods under the cgroup {prefix} (removed at the end)")
         containerd.start()
         containerd.import_image(embeddedimage.build_busybox_image(base))
         containerd.import_image(embeddedimage.build_pause_image(base))

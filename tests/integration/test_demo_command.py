@@ -17,12 +17,16 @@ import pytest
 from runtimeproxy.demo.embedded import mounts_under, remove_workdir
 
 
-def _demo_cgroups() -> set[Path]:
-    return set(Path("/sys/fs/cgroup").glob("*/koord-demo-*")) | set(Path("/sys/fs/cgroup").glob("koord-demo-*"))
+def _demo_cgroups(out: str) -> set[Path]:
+    """What is left of this demo's own cgroup tree (another run's demo on the machine
+    has a tree of its own, named differently)."""
+    found = re.search(r"^pods under the cgroup /(koord-demo-[0-9a-f]+) ", out, re.MULTILINE)
+    assert found is not None, out
+    root = Path("/sys/fs/cgroup")
+    return set(root.glob(f"*/{found[1]}")) | set(root.glob(found[1]))
 
 
 def test_demo_once_runs_the_pods_and_cleans_up(tmp_path: Path) -> None:
-    before = _demo_cgroups()
     workdir = tmp_path / "wd"
     done = subprocess.run([sys.executable, "-m", "runtimeproxy.cli", "demo", "--once", "--workdir", str(workdir)],
                           capture_output=True, text=True, timeout=240, check=False)
@@ -34,7 +38,7 @@ def test_demo_once_runs_the_pods_and_cleans_up(tmp_path: Path) -> None:
     base = Path(root[1])
     assert not base.exists(), f"{base} left behind"
     assert "kept " not in done.stderr
-    assert _demo_cgroups() == before
+    assert _demo_cgroups(out) == set()
     assert (workdir / "metrics.db").is_file()  # the store outlives the demo, for `top`
     # No process of the demo is left: nothing runs with the removed containerd root in argv.
     leftovers = subprocess.run(["pgrep", "-f", str(base)], capture_output=True, text=True, check=False)
@@ -86,7 +90,6 @@ def test_demo_ingress_nri_hooks_the_pods_through_nri_and_cleans_up(tmp_path: Pat
 
     if not CONTAINERD_17.is_file():
         pytest.skip(f"containerd 1.7 missing at {CONTAINERD_17} (scripts/setup-host.sh fetches it)")
-    before = _demo_cgroups()
     done = subprocess.run([sys.executable, "-m", "runtimeproxy.cli", "demo", "--once", "--ingress", "nri",
                            "--workdir", str(tmp_path / "wd")], capture_output=True, text=True, timeout=240, check=False)
     out = done.stdout
@@ -98,4 +101,4 @@ def test_demo_ingress_nri_hooks_the_pods_through_nri_and_cleans_up(tmp_path: Pat
     assert "not applied: NRI 0.6.1 has no pod sandbox adjustment" in batch
     root = re.search(r"starting a private containerd \(root (/tmp/krp-[^/]+)/ctd\)", out)
     assert root is not None and not Path(root[1]).exists()
-    assert _demo_cgroups() == before
+    assert _demo_cgroups(out) == set()
