@@ -62,7 +62,7 @@ import threading
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Final, Literal
 
 from hooks.annotations import RESOURCE_STATUS, resource_status
@@ -128,6 +128,14 @@ def _pool_text(raw: object) -> str:
             pieces.extend(p for p in cpuset.strip().split(",") if p)
         return ",".join(pieces)
     raise ValueError(f"expected a CPU list string like \"0-3,8\" (or a list of {{cpuset: ...}}), got {raw!r}")
+
+
+def _read_cpus(executor: CgroupExecutor, cgroup: PurePosixPath, source: str) -> frozenset[int]:
+    """A cgroup's ``cpuset.cpus``; empty when it does not parse (or is empty: v2 inherits)."""
+    try:
+        return parse_cpu_list(executor.read(cgroup, CPUSET_CPUS, source))
+    except CpuListError:
+        return frozenset()
 
 
 def _within_pod(pool: frozenset[int], reason: str, pod_cpus: frozenset[int]) -> tuple[frozenset[int], str]:
@@ -297,9 +305,8 @@ class CPUSet:
         such file, an empty v2 value that inherits): then nothing is narrowed."""
         try:
             executor = self._writer(pod)
-            cgroup = pod_cgroup_dir(pod.cgroup_parent, executor.layout.driver)
-            return parse_cpu_list(executor.read(cgroup, CPUSET_CPUS, f"pod {pod_name(pod)}"))
-        except (HookError, CgroupError, CpuListError):
+            return _read_cpus(executor, pod_cgroup_dir(pod.cgroup_parent, executor.layout.driver), pod_name(pod))
+        except (HookError, CgroupError):
             return frozenset()
 
     # --- stages ----------------------------------------------------------------
@@ -400,14 +407,10 @@ class CPUSet:
             raise HookError(f"pod {pod_name(pod)}: container {container.meta.name}: {exc}") from exc
         pod_source = f"pod {pod_name(pod)}: cgroup_parent {pod.cgroup_parent!r}"
         try:
-            current = executor.read(pod_cgroup, CPUSET_CPUS, pod_source)
+            have = _read_cpus(executor, pod_cgroup, pod_source)
         except CgroupGoneError:
             self._remember(pod, None)  # as in reconcile_pod_sandbox: a pod without a cgroup holds no CPUs
             raise
-        try:
-            have = parse_cpu_list(current)
-        except CpuListError:
-            have = frozenset()
         if binding is None and qos is QoSClass.BE:
             cpus, reason = _within_pod(cpus, reason, have)
         source = (f"pod {pod_name(pod)}: container {container.meta.name} ({container.id}): "
